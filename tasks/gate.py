@@ -1,0 +1,158 @@
+"""The capture gate: turns one rollout's model calls into staged rows and a receipt.
+
+The gate is the writer: it validates each delta before anything is staged (a bad
+record is refused with :class:`~tasks.errors.InvalidRecord` and nothing of it is kept),
+computes the chain hash, extends the running cumulative hash (one pass per call, no
+re-hashing of the prefix) and the digest, and records the call for the receipt.
+Staging the rows is the caller's job (``pipeline.capture`` puts them in the store).
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from . import hashing
+from .errors import InvalidRecord
+from .keys import check_id, staging_key
+from .receipts import CallRecord, Receipt
+from .schema import ROUTES_INT16, ROUTES_NONE, SCHEMA_VERSION, StagedRow
+from .validation import check_delta
+
+
+@dataclass
+class _CallState:
+    cum_len: int
+    chain_hash: bytes
+    prefix: "hashlib._Hash"
+
+
+class CaptureGate:
+    """Stages the calls of ONE rollout; call :meth:`receipt` when the rollout ends."""
+
+    def __init__(
+        self,
+        rollout_id: str,
+        *,
+        vocab_size: int,
+        num_experts: Optional[int] = None,
+        group_id: Optional[str] = None,
+    ):
+        self.rollout_id = check_id(rollout_id, "rollout_id")
+        self.vocab_size = vocab_size
+        self.num_experts = num_experts
+        self.group_id = group_id
+        self._calls: dict[str, _CallState] = {}
+        self._records: list[CallRecord] = []
+        self._poison: Optional[str] = None
+
+    def stage_call(
+        self,
+        model_call_id: str,
+        parent_call_id: Optional[str],
+        token_ids: np.ndarray,
+        token_mask: np.ndarray,
+        logprobs: np.ndarray,
+        *,
+        routed_experts: Optional[np.ndarray] = None,
+        weight_version: int = 0,
+    ) -> StagedRow:
+        """Validate and hash one call's delta; return the row to stage.
+
+        Raises :class:`InvalidRecord` (reason + detail) and keeps no state on refusal.
+        """
+        try:
+            check_id(model_call_id, "model_call_id")
+            if parent_call_id is not None:
+                check_id(parent_call_id, "parent_call_id")
+        except ValueError as e:
+            raise InvalidRecord("invalid_staging_row", str(e)) from None
+        if model_call_id in self._calls:
+            raise InvalidRecord("duplicate_call_id", f"{model_call_id!r} already staged in {self.rollout_id!r}")
+        parent = None
+        if parent_call_id is not None:
+            parent = self._calls.get(parent_call_id)
+            if parent is None:
+                raise InvalidRecord("missing_parent", f"parent {parent_call_id!r} of {model_call_id!r} was not staged")
+        token_ids = np.asarray(token_ids)
+        delta_len = int(token_ids.shape[0]) if token_ids.ndim == 1 else -1
+        prev_len = 0 if parent is None else parent.cum_len
+        routes_encoding = ROUTES_NONE if routed_experts is None else ROUTES_INT16
+        problem = check_delta(
+            prev_len=prev_len,
+            delta_len=delta_len,
+            cum_len=prev_len + delta_len,
+            token_ids=token_ids,
+            token_mask=np.asarray(token_mask),
+            logprobs=np.asarray(logprobs),
+            routes_encoding=routes_encoding,
+            routed_experts=routed_experts,
+            vocab_size=self.vocab_size,
+            num_experts=self.num_experts,
+        )
+        if problem:
+            raise InvalidRecord(*problem)
+        token_ids = np.ascontiguousarray(token_ids)
+        chain = hashing.chain_hash(None if parent is None else parent.chain_hash, token_ids)
+        prefix = hashing.prefix_state(None if parent is None else parent.prefix)
+        cumulative = hashing.extend_prefix(prefix, token_ids)
+        row = StagedRow(
+            rollout_id=self.rollout_id,
+            model_call_id=model_call_id,
+            parent_call_id=parent_call_id,
+            prev_len=prev_len,
+            delta_len=delta_len,
+            cum_len=prev_len + delta_len,
+            weight_version=int(weight_version),
+            token_ids=token_ids,
+            token_mask=np.ascontiguousarray(token_mask),
+            logprobs=np.ascontiguousarray(logprobs),
+            routes_encoding=routes_encoding,
+            routed_experts=None if routed_experts is None else np.ascontiguousarray(routed_experts),
+            digest=b"",
+            chain_hash=chain,
+            cumulative_hash=cumulative,
+            schema_version=SCHEMA_VERSION,
+            digest_version=hashing.DIGEST_VERSION,
+        )
+        row.digest = hashing.row_digest(row)
+        self._calls[model_call_id] = _CallState(row.cum_len, chain, prefix)
+        self._records.append(record_of(row))
+        return row
+
+    def poison(self, reason: str) -> None:
+        """Mark the capture as unusable (e.g. a call failed mid-way); the receipt says so."""
+        self._poison = reason
+
+    def receipt(self, reward: float, terminal_model_call_id: Optional[str] = None) -> Receipt:
+        """The token-free receipt; terminal defaults to the last staged call."""
+        if terminal_model_call_id is None and self._records:
+            terminal_model_call_id = self._records[-1].model_call_id
+        return Receipt(
+            rollout_id=self.rollout_id,
+            reward=float(reward),
+            terminal_model_call_id=terminal_model_call_id,
+            calls=list(self._records),
+            poisoned=self._poison is not None,
+            failure_reason=self._poison,
+            group_id=self.group_id,
+        )
+
+
+def record_of(row: StagedRow) -> CallRecord:
+    """The receipt's record of a staged row."""
+    return CallRecord(
+        model_call_id=row.model_call_id,
+        parent_call_id=row.parent_call_id,
+        prev_len=row.prev_len,
+        delta_len=row.delta_len,
+        cum_len=row.cum_len,
+        weight_version=row.weight_version,
+        digest=row.digest,
+        chain_hash=row.chain_hash,
+        cumulative_hash=row.cumulative_hash,
+        routes_encoding=row.routes_encoding,
+        staging_key=staging_key(row.rollout_id, row.model_call_id),
+    )

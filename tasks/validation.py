@@ -1,0 +1,126 @@
+"""Content rules for one call's delta (SPEC sections 3 and 4), vectorized.
+
+Shared by the capture gate (refuse before staging) and the verifier (reject after
+fetching): one implementation, so a row the gate accepts is a row the verifier accepts.
+Each check returns ``None`` or ``(reason, detail)``; none loops over tokens in Python.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import numpy as np
+
+from .schema import ROUTES_DTYPE, ROUTES_INT16, ROUTES_NONE, TOKEN_FIELDS
+
+Problem = Optional[tuple[str, str]]
+
+
+def check_token_arrays(
+    token_ids: np.ndarray,
+    token_mask: np.ndarray,
+    logprobs: np.ndarray,
+    delta_len: int,
+) -> Problem:
+    """Dtypes, shapes and lengths of the three token fields."""
+    for name, arr in (("token_ids", token_ids), ("token_mask", token_mask), ("logprobs", logprobs)):
+        if not isinstance(arr, np.ndarray):
+            return "invalid_staging_row", f"{name} is {type(arr).__name__}, not an ndarray"
+        want = TOKEN_FIELDS[name]
+        if arr.dtype != want:
+            return "invalid_staging_row", f"{name} dtype {arr.dtype}, expected {want}"
+        if arr.ndim != 1 or arr.shape[0] != delta_len:
+            return "invalid_staging_row", f"{name} shape {arr.shape}, expected ({delta_len},)"
+    return None
+
+
+def check_lengths(prev_len: int, delta_len: int, cum_len: int) -> Problem:
+    if delta_len <= 0:
+        return "invalid_staging_row", f"delta_len {delta_len} must be > 0"
+    if prev_len < 0:
+        return "invalid_staging_row", f"prev_len {prev_len} must be >= 0"
+    if cum_len != prev_len + delta_len:
+        return "invalid_staging_row", f"cum_len {cum_len} != prev_len {prev_len} + delta_len {delta_len}"
+    return None
+
+
+def check_mask(token_mask: np.ndarray) -> Problem:
+    """Zeros first (carried context), then ones (generated), at least one 1."""
+    is_one = token_mask == 1.0
+    if not np.all(is_one | (token_mask == 0.0)):
+        return "invalid_mask_order", "token_mask holds values other than 0.0 and 1.0"
+    n_ones = int(np.count_nonzero(is_one))
+    if n_ones == 0:
+        return "empty_generation", "no generated token (token_mask has no 1.0)"
+    # Ones must be a suffix: the last n_ones entries are exactly the ones.
+    if not is_one[len(is_one) - n_ones :].all():
+        return "invalid_mask_order", "token_mask is not zeros-then-ones"
+    return None
+
+
+def check_tokens(token_ids: np.ndarray, vocab_size: int) -> Problem:
+    if token_ids.size and (int(token_ids.min()) < 0 or int(token_ids.max()) >= vocab_size):
+        bad = int(token_ids[(token_ids < 0) | (token_ids >= vocab_size)][0])
+        return "invalid_token", f"token id {bad} outside [0, {vocab_size})"
+    return None
+
+
+def check_logprobs(logprobs: np.ndarray, token_mask: np.ndarray) -> Problem:
+    if not np.isfinite(logprobs).all():
+        return "invalid_logprob", "logprobs contain NaN or inf"
+    if (logprobs > 0.0).any():
+        return "invalid_logprob", "logprobs contain values > 0"
+    if (logprobs[token_mask == 0.0] != 0.0).any():
+        return "invalid_logprob", "logprobs are not 0.0 where token_mask is 0"
+    return None
+
+
+def check_routes(
+    routes_encoding: int,
+    routed_experts: Optional[np.ndarray],
+    delta_len: int,
+    num_experts: Optional[int],
+    routes_shape: Optional[tuple[int, int]] = None,
+) -> Problem:
+    """Routes present iff encoding says so; shape ``[delta_len, L, K]``; ids in range."""
+    if routes_encoding == ROUTES_NONE:
+        if routed_experts is not None:
+            return "invalid_routes", "routed_experts present but routes_encoding is 0"
+        return None
+    if routes_encoding != ROUTES_INT16:
+        return "invalid_routes", f"unknown routes_encoding {routes_encoding}"
+    if routed_experts is None:
+        return "missing_routes", "routes_encoding is 1 but routed_experts are absent"
+    if not isinstance(routed_experts, np.ndarray) or routed_experts.dtype != ROUTES_DTYPE:
+        return "invalid_routes", f"routed_experts dtype {getattr(routed_experts, 'dtype', None)}, expected int16"
+    if routed_experts.ndim != 3 or routed_experts.shape[0] != delta_len:
+        return "invalid_routes", f"routed_experts shape {routed_experts.shape}, expected ({delta_len}, L, K)"
+    if routes_shape is not None and tuple(routed_experts.shape[1:]) != tuple(routes_shape):
+        return "invalid_routes", f"routed_experts [L, K] {routed_experts.shape[1:]}, expected {tuple(routes_shape)}"
+    if num_experts is not None and routed_experts.size:
+        if int(routed_experts.min()) < 0 or int(routed_experts.max()) >= num_experts:
+            return "invalid_routes", f"expert id outside [0, {num_experts})"
+    return None
+
+
+def check_delta(
+    *,
+    prev_len: int,
+    delta_len: int,
+    cum_len: int,
+    token_ids: np.ndarray,
+    token_mask: np.ndarray,
+    logprobs: np.ndarray,
+    routes_encoding: int,
+    routed_experts: Optional[np.ndarray],
+    vocab_size: int,
+    num_experts: Optional[int] = None,
+) -> Problem:
+    """All content rules for one delta, first failure wins (shape before content)."""
+    return (
+        check_lengths(prev_len, delta_len, cum_len)
+        or check_token_arrays(token_ids, token_mask, logprobs, delta_len)
+        or check_mask(token_mask)
+        or check_tokens(token_ids, vocab_size)
+        or check_logprobs(logprobs, token_mask)
+        or check_routes(routes_encoding, routed_experts, delta_len, num_experts)
+    )
