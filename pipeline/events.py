@@ -1,0 +1,57 @@
+"""Event topics the pipeline publishes to the scheduler (``Client.log_event``).
+
+The dashboard page, the Prometheus exporter and the adaptive policy all read these,
+so this module is the schema: one topic per concern, one flat dict per event, numbers
+in the units the key names (``_ms`` milliseconds, ``bytes`` bytes, counts otherwise).
+Events are published from the controller (``Client.log_event``) or from inside tasks
+and actors (``distributed.get_worker().log_event``); both land in the scheduler's
+event log and reach every ``SchedulerPlugin.log_event`` hook.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+FINALIZE = "token-capture-finalize"
+"""One per finalized group. Keys: step_id, group_id, rollouts, accepted, rejected (dict
+reason -> count), fetch_ms, verify_ms, assemble_ms, queue_wait_ms, queue_depth,
+calls_per_rollout, fetch_calls, bytes_fetched, tokens."""
+
+CUT = "token-capture-cut"
+"""One per checkpoint cut per generation worker. Keys: checkpoint_id, worker, calls,
+rows, puts, wall_ms, durable (count), failures (dict reason -> count)."""
+
+RESTORE = "token-capture-restore"
+"""Periodic per PrefixReadBatcher. Keys: worker, requests, gets, keys, keys_per_get,
+p50_ms, p99_ms, failures."""
+
+STORE = "token-capture-store"
+"""Periodic per storage unit. Keys: unit, worker, rows, memory_bytes, spilled_bytes."""
+
+SCALE = "token-capture-scale"
+"""One per adaptive scaling decision. Keys: action ("up", "down", "hold"), target,
+current, reason, verify_ms, fetch_ms, queue_depth."""
+
+TOPICS = (FINALIZE, CUT, RESTORE, STORE, SCALE)
+
+
+def publish(topic: str, payload: Mapping[str, Any]) -> None:
+    """Log ``payload`` under ``topic`` from wherever we run (worker, actor or client).
+
+    Never raises: metrics must not fail the work they describe.
+    """
+    if topic not in TOPICS:
+        raise ValueError(f"unknown token-capture event topic {topic!r}")
+    msg = dict(payload)
+    try:
+        from distributed import get_worker
+
+        get_worker().log_event(topic, msg)
+        return
+    except ValueError:
+        pass  # not on a worker
+    try:
+        from distributed import default_client
+
+        default_client().log_event(topic, msg)
+    except Exception:
+        pass
