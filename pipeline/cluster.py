@@ -1,0 +1,59 @@
+"""Starting or attaching to the Dask cluster the pipeline runs on.
+
+One place decides how a cluster is made, so every entry point (CLI, examples, benchmarks,
+tests) binds to loopback and advertises the ``finalize`` resource the same way.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+from distributed import Client, LocalCluster
+
+from . import config
+
+
+def finalize_resources() -> dict[str, float]:
+    """The resources each worker advertises: ``finalize`` slots for verify tasks."""
+    return {"finalize": float(config.get("finalize.slots-per-worker"))}
+
+
+def local_cluster(**overrides: Any) -> LocalCluster:
+    """A LocalCluster on loopback whose workers carry ``finalize`` slots.
+
+    Keyword arguments override the ``token-capture.cluster`` config section. Workers the
+    cluster adds later (``adapt``) reuse the same worker spec, so they carry the slots too.
+    """
+    kwargs: dict[str, Any] = dict(
+        host=config.get("cluster.host"),
+        dashboard_address=config.get("cluster.dashboard-address"),
+        n_workers=config.get("cluster.n-workers"),
+        threads_per_worker=config.get("cluster.threads-per-worker"),
+        processes=config.get("cluster.processes"),
+        resources=finalize_resources(),
+    )
+    kwargs.update(overrides)
+    return LocalCluster(**kwargs)
+
+
+@contextlib.contextmanager
+def connect(scheduler: Optional[str] = None, **cluster_kwargs: Any) -> Iterator[tuple[Client, Optional[LocalCluster]]]:
+    """Attach to ``scheduler`` if given, else start an embedded :func:`local_cluster`.
+
+    Yields ``(client, cluster)``; ``cluster`` is ``None`` when attached to an existing one.
+    """
+    if scheduler:
+        with Client(scheduler) as client:
+            yield client, None
+        return
+    with local_cluster(**cluster_kwargs) as cluster, Client(cluster) as client:
+        yield client, cluster
+
+
+def dashboard_url(client: Client, path: str = "status") -> Optional[str]:
+    """The dashboard URL of the client's scheduler (``None`` if it serves none)."""
+    link = client.dashboard_link
+    if not link:
+        return None
+    base = link.rsplit("/", 1)[0]
+    return f"{base}/{path}"
