@@ -1,0 +1,227 @@
+"""The checkpoint-cut receipt: one acknowledgement per call of the inventory. Pure.
+
+A cut answers, per call the controller listed (its *inventory*):
+
+* ``durable_prefix``: the call's prefix is in the store, sealed. ``staging_keys`` are its
+  cut keys in chain order (earlier checkpoints' chunks first), ``prefix_tokens`` their
+  total length and ``prefix_digest`` :func:`prefix_digest` over the prefix's token ids.
+  A resumed call reads those keys, recomputes the digest and continues.
+* ``durable_failure`` with a ``reason``: nothing of this cut is advertised for the call;
+  it regenerates after a restore. Reasons (:data:`FAILURE_REASONS`): ``cut_error`` (put,
+  ack or seal failed; ``detail`` says which), ``control_deadline`` (the cut deadline
+  passed before the call's row was written), ``generation_lost`` (the call failed or was
+  aborted while its cut was in flight), ``unknown_call`` (the worker holds no such call).
+* ``completed``: the call reached its terminal completion before its prefix was sealed;
+  its output is delivered by the normal finish path (``total_tokens`` long), so no
+  prefix is kept for it: reported once, never lost and never doubled.
+
+Receipts are cached by ``(checkpoint_id, inventory_digest)``: a retried cut answers the
+same receipt. Digests are SHA-256 with their own domain tags (layout below, version 1).
+
+prefix digest v1
+    TAG_CUT_PREFIX, then the prefix's token ids as <i8 bytes, chunk after chunk.
+inventory digest v1
+    TAG_INVENTORY, then for each (rollout_id, model_call_id) in sorted, deduplicated order:
+    <I len> rollout_id utf-8 <I len> model_call_id utf-8.  ``inventory=None`` ("every call
+    the worker holds") hashes TAG_INVENTORY + b"*".
+"""
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Iterable, Optional, Union
+
+import numpy as np
+
+from .errors import TokenCaptureError
+from .keys import check_id
+
+CUT_RECEIPT_VERSION = 1
+TAG_CUT_PREFIX = b"token-capture/cut-prefix/v1\x00"
+TAG_INVENTORY = b"token-capture/cut-inventory/v1\x00"
+
+DURABLE_PREFIX = "durable_prefix"
+DURABLE_FAILURE = "durable_failure"
+COMPLETED = "completed"
+STATUSES = (DURABLE_PREFIX, DURABLE_FAILURE, COMPLETED)
+
+CUT_ERROR = "cut_error"
+CONTROL_DEADLINE = "control_deadline"
+GENERATION_LOST = "generation_lost"
+UNKNOWN_CALL = "unknown_call"
+FAILURE_REASONS = (CUT_ERROR, CONTROL_DEADLINE, GENERATION_LOST, UNKNOWN_CALL)
+
+CallId = tuple[str, str]
+InventoryEntry = Union[CallId, list, str]
+
+
+class InvalidInventory(TokenCaptureError):
+    """A cut inventory entry that names no call: not ``(rollout_id, model_call_id)``."""
+
+
+# ---- digests ---------------------------------------------------------------------------
+
+
+def prefix_state() -> "hashlib._Hash":
+    """A fresh running prefix-digest state; feed chunks with :func:`extend_prefix_digest`."""
+    return hashlib.sha256(TAG_CUT_PREFIX)
+
+
+def extend_prefix_digest(state: "hashlib._Hash", token_ids: np.ndarray) -> bytes:
+    """Feed one chunk's ids (as <i8) into ``state``; return the digest so far."""
+    a = np.ascontiguousarray(token_ids, dtype="<i8")
+    state.update(memoryview(a).cast("B"))
+    return state.digest()
+
+
+def prefix_digest(token_ids: Union[np.ndarray, Iterable[np.ndarray]]) -> bytes:
+    """Prefix digest of a whole prefix: one array, or its chunks in chain order."""
+    h = prefix_state()
+    chunks = [token_ids] if isinstance(token_ids, np.ndarray) else token_ids
+    out = h.digest()
+    for c in chunks:
+        out = extend_prefix_digest(h, c)
+    return out
+
+
+def normalize_inventory(inventory: Optional[Iterable[InventoryEntry]]) -> Optional[list[CallId]]:
+    """``(rollout_id, model_call_id)`` pairs in first-seen order, duplicates dropped.
+
+    Entries may be pairs or staging keys ``"rollout/call"``. ``None`` stays ``None``
+    (every call the worker holds). Raises :class:`InvalidInventory` naming the entry.
+    """
+    if inventory is None:
+        return None
+    if isinstance(inventory, (str, bytes)):
+        raise InvalidInventory("inventory must be a list of (rollout_id, model_call_id), got a string")
+    out: dict[CallId, None] = {}
+    for i, e in enumerate(inventory):
+        if isinstance(e, str):
+            parts = e.split("/")
+            if len(parts) != 2:
+                raise InvalidInventory(f"inventory[{i}] {e!r} is not a staging key 'rollout/call'")
+            e = parts
+        if not isinstance(e, (tuple, list)) or len(e) != 2:
+            raise InvalidInventory(f"inventory[{i}] {e!r} is not (rollout_id, model_call_id)")
+        try:
+            pair = (check_id(e[0], "rollout_id"), check_id(e[1], "model_call_id"))
+        except ValueError as err:
+            raise InvalidInventory(f"inventory[{i}]: {err}") from None
+        out[pair] = None
+    return list(out)
+
+
+def inventory_digest(inventory: Optional[Iterable[InventoryEntry]]) -> bytes:
+    """Order-free digest of an inventory (see module docstring); part of the cache key."""
+    pairs = normalize_inventory(inventory)
+    h = hashlib.sha256(TAG_INVENTORY)
+    if pairs is None:
+        h.update(b"*")
+        return h.digest()
+    for r, c in sorted(pairs):
+        rb, cb = r.encode("utf-8"), c.encode("utf-8")
+        h.update(struct.pack("<I", len(rb)) + rb + struct.pack("<I", len(cb)) + cb)
+    return h.digest()
+
+
+# ---- acknowledgements and the receipt --------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallAck:
+    """One call's answer to a cut (see module docstring for the statuses)."""
+
+    rollout_id: str
+    model_call_id: str
+    status: str
+    staging_keys: tuple[str, ...] = ()
+    prefix_tokens: int = 0
+    prefix_digest: Optional[bytes] = None
+    reason: Optional[str] = None
+    detail: str = ""
+    total_tokens: int = 0  # for ``completed``: tokens the finished call holds (context + generated)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"unknown cut status {self.status!r}")
+        if self.status == DURABLE_FAILURE and self.reason not in FAILURE_REASONS:
+            raise ValueError(f"durable_failure needs a reason from {FAILURE_REASONS}, got {self.reason!r}")
+        if self.status == DURABLE_PREFIX and (self.prefix_digest is None or len(self.prefix_digest) != 32):
+            raise ValueError("durable_prefix needs a 32-byte prefix_digest")
+
+    @property
+    def call(self) -> CallId:
+        return (self.rollout_id, self.model_call_id)
+
+    @property
+    def durable(self) -> bool:
+        return self.status == DURABLE_PREFIX
+
+    @classmethod
+    def failure(cls, call: CallId, reason: str, detail: str = "") -> "CallAck":
+        return cls(call[0], call[1], DURABLE_FAILURE, reason=reason, detail=detail)
+
+
+@dataclass(frozen=True)
+class CutReceipt:
+    """A worker's answer to ``checkpoint_cut``: one :class:`CallAck` per inventory call.
+
+    ``put_calls``/``delete_calls`` count store round trips; ``rows_written`` rows whose
+    put succeeded (including rows later cleared); ``bytes_written`` their packed bytes;
+    ``wall_ms`` the cut's duration; ``deadline_passed`` whether the deadline stopped it.
+    """
+
+    checkpoint_id: str
+    inventory_digest: bytes
+    acks: tuple[CallAck, ...]
+    worker: str = ""
+    put_calls: int = 0
+    delete_calls: int = 0
+    rows_written: int = 0
+    bytes_written: int = 0
+    wall_ms: float = 0.0
+    deadline_passed: bool = False
+    version: int = CUT_RECEIPT_VERSION
+    _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_index", {a.call: a for a in self.acks})
+
+    def ack(self, rollout_id: str, model_call_id: str) -> CallAck:
+        """The ack of one call; ``KeyError`` if the call was not in the inventory."""
+        return self._index[(rollout_id, model_call_id)]
+
+    def by_status(self, status: str) -> list[CallAck]:
+        return [a for a in self.acks if a.status == status]
+
+    @property
+    def durable(self) -> list[CallAck]:
+        return self.by_status(DURABLE_PREFIX)
+
+    @property
+    def failures(self) -> list[CallAck]:
+        return self.by_status(DURABLE_FAILURE)
+
+    def counts(self) -> dict[str, int]:
+        """{status or failure reason: number of calls}."""
+        out: dict[str, int] = {}
+        for a in self.acks:
+            k = a.reason if a.status == DURABLE_FAILURE else a.status
+            out[k] = out.get(k, 0) + 1
+        return out
+
+    @property
+    def advertised_keys(self) -> list[str]:
+        """Every staging key this receipt hands out (sealed prefixes only)."""
+        return [k for a in self.acks if a.durable for k in a.staging_keys]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("_index", "acks")}
+        d["acks"] = [dict(asdict(a), staging_keys=list(a.staging_keys)) for a in self.acks]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CutReceipt":
+        acks = tuple(CallAck(**dict(a, staging_keys=tuple(a["staging_keys"]))) for a in d["acks"])
+        return cls(**{k: v for k, v in d.items() if k not in ("acks", "_index")}, acks=acks)
