@@ -1,0 +1,19 @@
+"""Restore side of checkpoint cuts (SPEC section 8): coalesced prefix reads.
+
+* :class:`~pipeline.restore.coalescer.PrefixReadCoalescer`: the pure-asyncio core that
+  merges concurrent prefix reads into bounded, deduplicated gets;
+* :class:`~pipeline.restore.batcher.PrefixReadBatcher`: the Dask actor (one per generation
+  worker) wrapping a coalescer over a StagingStore's ``cut`` partition, which also
+  verifies a restored prefix (:mod:`tasks.prefix`) before a call resumes from it.
+"""
+from .coalescer import PrefixReadCoalescer, PrefixReadError
+
+__all__ = ["PrefixReadCoalescer", "PrefixReadError", "PrefixReadBatcher", "start_batchers"]
+
+
+def __getattr__(name):  # the actor pulls in distributed: import it only when asked for
+    if name in ("PrefixReadBatcher", "start_batchers"):
+        from . import batcher
+
+        return getattr(batcher, name)
+    raise AttributeError(name)

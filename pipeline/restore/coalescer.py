@@ -1,0 +1,527 @@
+"""Coalesced prefix reads: the pure-asyncio core of the PrefixReadBatcher (SPEC section 8).
+
+Many resumed calls on one generation worker each need a few cut rows. Read one by one,
+every restore pays a store round trip (~3 ms of Dask overhead here) and a mass resume
+queues thousands of them. :class:`PrefixReadCoalescer` merges the keys of concurrent
+requests into few ``get_many`` calls:
+
+* keys are deduplicated (across queued *and* in-flight gets) and each request gets its
+  rows back in its own (chain) order;
+* a get carries at most ``batch_size`` keys and ``max_tokens`` tokens (token counts are
+  the caller's hints; a key bigger than the limit goes alone, never split);
+* **no light-load penalty**: a request that arrives when nothing is queued and no get is
+  in flight is issued on the next event-loop turn (same-tick arrivals still join it), not
+  after the window; the ``window_ms`` wait happens only when there is something to
+  coalesce with (requests queued or gets in flight);
+* **no head-of-line blocking**: up to ``max_concurrent`` gets run at once, each bounded by
+  ``timeout_s``, so one hung get holds one slot, not the worker's restores;
+* a failed multi-key get (exception or timeout) re-reads each of its keys alone, once, so
+  a bad row fails only the requests that asked for it; per-key failures the store reports
+  (``GetResult.failed``) fail only that key's requesters and are not retried;
+* cancelling a request never cancels a shared get: requests wait with ``asyncio.wait``,
+  which leaves the shared futures alone; a queued key whose every requester was cancelled
+  is dropped before it is read.
+
+``get_many`` is any ``async (keys) -> GetResult``-like callable: the result has ``batch``
+(a :class:`~tasks.packed.PackedBatch` of the found rows) and ``failed`` (key -> (reason,
+detail)). Nothing here imports Dask, so the core is testable with a fake store.
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Optional, Sequence, Union
+
+import numpy as np
+
+from tasks.packed import PackedBatch, PackedField
+
+from .. import config
+
+GetMany = Callable[[list[str]], Awaitable[Any]]
+Timer = Callable[[float, Callable[[], None]], Any]  # (delay seconds, callback) -> handle with .cancel()
+
+# Store reasons for which the row is still served (e.g. a row without routed_experts):
+# the prefix verifier decides whether the missing field matters.
+SERVED_REASONS = frozenset({"absent_field"})
+
+
+class PrefixReadError(Exception):
+    """Some keys of a read could not be served; ``failed`` maps key -> (reason, detail).
+
+    Reasons are the store's (``missing_key``, ...) or the coalescer's own:
+    ``read_failed`` (the key's solo get raised), ``read_timeout`` (it ran past
+    ``get-timeout-s``), ``incomplete_get`` (the store answered neither row nor failure),
+    ``closed`` (the coalescer was closed while the key was pending).
+    """
+
+    def __init__(self, failed: dict[str, tuple[str, str]]):
+        self.failed = dict(failed)
+        first = next(iter(self.failed.items()), ("?", ("?", "")))
+        more = f" (+{len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
+        super().__init__(f"{len(self.failed)} key(s) unreadable: {first[0]!r}: {first[1][0]}: {first[1][1]}{more}")
+
+    def __reduce__(self):  # crosses actor boundaries: rebuild from ``failed``, not the message
+        return (type(self), (self.failed,))
+
+
+class _KeyFailure(Exception):
+    """Internal: one key's failure, carried on its shared future."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(reason, detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass
+class _Entry:
+    """One distinct key pending or in flight, shared by every request that asked for it."""
+
+    future: asyncio.Future  # -> (PackedBatch, row index) or _KeyFailure
+    tokens: int
+    refs: int = 0
+    issued: bool = False
+
+
+@dataclass
+class CoalescerStats:
+    """Counters (counts; ``latencies_ms`` in milliseconds) since the coalescer started."""
+
+    requests: int = 0
+    keys_requested: int = 0  # sum over requests of their distinct keys
+    keys_deduplicated: int = 0  # keys that joined an already pending or in-flight read
+    gets: int = 0  # get_many calls, solo re-reads included
+    keys_fetched: int = 0  # keys over all get_many calls
+    immediate_gets: int = 0  # issued without a window wait (nothing else pending)
+    window_waits: int = 0  # coalescing windows opened
+    failed_gets: int = 0  # multi- or single-key gets that raised or timed out
+    timeouts: int = 0
+    solo_rereads: int = 0
+    failed_keys: int = 0
+    failed_requests: int = 0
+    cancelled_requests: int = 0
+    dropped_keys: int = 0  # queued keys dropped because every requester cancelled
+    max_inflight: int = 0
+    latencies_ms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=4096))
+
+    def summary(self) -> dict[str, Any]:
+        """Flat numbers for events and benchmarks (``*_ms`` in milliseconds)."""
+        lat = np.fromiter(self.latencies_ms, dtype=np.float64)
+        out = {k: v for k, v in self.__dict__.items() if k != "latencies_ms"}
+        out["keys_per_get"] = self.keys_fetched / self.gets if self.gets else 0.0
+        out["p50_ms"] = float(np.percentile(lat, 50)) if lat.size else 0.0
+        out["p99_ms"] = float(np.percentile(lat, 99)) if lat.size else 0.0
+        return out
+
+
+class PrefixReadCoalescer:
+    """Merge concurrent ``read(keys)`` requests into bounded, deduplicated ``get_many`` calls.
+
+    Create it inside the event loop that will use it. Knobs left ``None`` are read from
+    ``token-capture.restore.*`` each time they are used (``window_ms`` in ms,
+    ``timeout_s`` in seconds, ``max_tokens`` in tokens). ``timer`` replaces
+    ``loop.call_later`` for the window (tests drive it by hand).
+    """
+
+    def __init__(
+        self,
+        get_many: GetMany,
+        batch_size: Optional[int] = None,
+        max_tokens: Optional[int] = None,
+        window_ms: Optional[float] = None,
+        max_concurrent: Optional[int] = None,
+        timeout_s: Optional[float] = None,
+        *,
+        timer: Optional[Timer] = None,
+        latency_samples: int = 4096,
+    ):
+        self._get_many = get_many
+        self._overrides = {
+            "batch-size": batch_size,
+            "max-tokens": max_tokens,
+            "window-ms": window_ms,
+            "max-concurrent-gets": max_concurrent,
+            "get-timeout-s": timeout_s,
+        }
+        for name, value in self._overrides.items():
+            if value is not None and not value > 0:
+                raise ValueError(f"restore {name} must be > 0, got {value!r}")
+        self._loop = asyncio.get_running_loop()
+        self._timer: Timer = timer or self._loop.call_later
+        self._entries: dict[str, _Entry] = {}  # every pending or in-flight key
+        self._queue: "collections.OrderedDict[str, _Entry]" = collections.OrderedDict()  # not yet issued
+        self._inflight = 0
+        self._window: Any = None  # timer handle while a window is open
+        self._window_expired = False  # queued keys have waited their window: issue at the next free slot
+        self._immediate_scheduled = False
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+        self.stats = CoalescerStats(latencies_ms=collections.deque(maxlen=latency_samples))
+
+    # ---- knobs (read at call time) ------------------------------------------------------
+
+    def _knob(self, name: str) -> Any:
+        v = self._overrides[name]
+        return config.get(f"restore.{name}") if v is None else v
+
+    @property
+    def batch_size(self) -> int:
+        return int(self._knob("batch-size"))
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self._knob("max-tokens"))
+
+    @property
+    def window_s(self) -> float:
+        return float(self._knob("window-ms")) / 1000.0
+
+    @property
+    def max_concurrent(self) -> int:
+        return int(self._knob("max-concurrent-gets"))
+
+    @property
+    def timeout_s(self) -> float:
+        return float(self._knob("get-timeout-s"))
+
+    @property
+    def inflight(self) -> int:
+        """Gets running now."""
+        return self._inflight
+
+    @property
+    def queued(self) -> int:
+        """Distinct keys waiting for a get."""
+        return len(self._queue)
+
+    # ---- requests -----------------------------------------------------------------------
+
+    async def read(self, keys: Sequence[str], tokens: Union[None, int, Sequence[int]] = None) -> PackedBatch:
+        """Rows for ``keys``, in that order (duplicates repeated), as one packed batch.
+
+        ``tokens`` is a token-count hint for the ``max_tokens`` limit: one int per key, or
+        the request's total (spread evenly over its keys), or ``None`` (keys count 0).
+        Raises :class:`PrefixReadError` naming every key that could not be read, and
+        ``TypeError``/``ValueError`` for malformed arguments.
+        """
+        keys = list(keys)
+        for k in keys:
+            if not isinstance(k, str):
+                raise TypeError(f"prefix keys must be str, got {type(k).__name__}: {k!r}")
+        if self._closed:
+            raise PrefixReadError({k: ("closed", "the prefix read coalescer is closed") for k in keys})
+        hints = _token_hints(keys, tokens)
+        self.stats.requests += 1
+        if not keys:
+            return PackedBatch([], {})
+        t0 = time.perf_counter()
+        mine: dict[str, _Entry] = {}
+        added = False
+        for k, t in zip(keys, hints):
+            if k in mine:
+                continue
+            e = self._entries.get(k)
+            if e is None:
+                e = _Entry(self._loop.create_future(), t)
+                # Nobody may be left to look at a failure (all requesters cancelled).
+                e.future.add_done_callback(_consume_exception)
+                self._entries[k] = e
+                self._queue[k] = e
+                added = True
+            else:
+                self.stats.keys_deduplicated += 1
+                e.tokens = max(e.tokens, t)
+            e.refs += 1
+            mine[k] = e
+        self.stats.keys_requested += len(mine)
+        if added:
+            self._on_arrival()
+        try:
+            # asyncio.wait never cancels what it waits on: a cancelled request leaves the
+            # shared futures (and the gets behind them) running for the other requesters.
+            await asyncio.wait([e.future for e in mine.values()])
+        except asyncio.CancelledError:
+            self.stats.cancelled_requests += 1
+            self._release(mine)
+            raise
+        self._release(mine)
+        try:
+            return self._assemble(keys, mine)
+        except PrefixReadError:
+            self.stats.failed_requests += 1
+            raise
+        finally:
+            self.stats.latencies_ms.append((time.perf_counter() - t0) * 1000.0)
+
+    def _release(self, mine: dict[str, _Entry]) -> None:
+        dropped = False
+        for k, e in mine.items():
+            e.refs -= 1
+            if e.refs <= 0 and not e.issued and not e.future.done():
+                # Nobody wants it any more and no get carries it yet: do not read it.
+                self._queue.pop(k, None)
+                self._entries.pop(k, None)
+                e.future.cancel()
+                self.stats.dropped_keys += 1
+                dropped = True
+        if dropped and not self._queue:
+            self._close_window()
+
+    # ---- scheduling ---------------------------------------------------------------------
+
+    def _on_arrival(self) -> None:
+        if self._immediate_scheduled:
+            return  # joins the flush already due this loop turn
+        if self._inflight == 0 and self._window is None and not self._window_expired:
+            # Nothing to coalesce with: issue on the next loop turn (requests arriving in
+            # this same turn still join), never after the window.
+            self._immediate_scheduled = True
+            self._loop.call_soon(self._flush_immediate)
+            return
+        if self._window is None and not self._window_expired:
+            self.stats.window_waits += 1
+            self._window = self._timer(self.window_s, self._on_window)
+        if self._queue_full():
+            self._pump(force=True)  # a full batch gains nothing by waiting
+
+    def _flush_immediate(self) -> None:
+        self._immediate_scheduled = False
+        if not self._queue:
+            return
+        self._pump(force=True, immediate=True)
+        if self._queue and self._window is None:
+            self._window_expired = True  # slots are full: the rest goes at the next free slot
+
+    def _on_window(self) -> None:
+        self._window = None
+        self._window_expired = True
+        self._pump()
+
+    def _close_window(self) -> None:
+        if self._window is not None:
+            self._window.cancel()
+            self._window = None
+        self._window_expired = False
+
+    def _queue_full(self) -> bool:
+        if len(self._queue) >= self.batch_size:
+            return True
+        return sum(e.tokens for e in self._queue.values()) >= self.max_tokens
+
+    def _pump(self, *, force: bool = False, immediate: bool = False) -> None:
+        """Issue gets while slots are free and the queue may go (window over, or full)."""
+        if self._closed:
+            return
+        max_concurrent = self.max_concurrent
+        while self._queue and self._inflight < max_concurrent:
+            if not (force or self._window_expired or self._queue_full()):
+                break
+            batch = self._next_batch()
+            if not batch:
+                continue
+            self._inflight += 1
+            self.stats.max_inflight = max(self.stats.max_inflight, self._inflight)
+            if immediate:
+                self.stats.immediate_gets += 1
+            task = self._loop.create_task(self._run_get(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        if not self._queue:
+            self._close_window()
+
+    def _next_batch(self) -> list[tuple[str, _Entry]]:
+        """Pop queued keys in arrival order up to batch_size keys and max_tokens tokens."""
+        batch_size, max_tokens = self.batch_size, self.max_tokens
+        out: list[tuple[str, _Entry]] = []
+        total = 0
+        while self._queue and len(out) < batch_size:
+            k, e = next(iter(self._queue.items()))
+            if out and total + e.tokens > max_tokens:
+                break  # an oversized key still goes, alone
+            self._queue.popitem(last=False)
+            e.issued = True
+            out.append((k, e))
+            total += e.tokens
+        return out
+
+    # ---- gets ---------------------------------------------------------------------------
+
+    async def _get(self, keys: list[str]) -> Any:
+        self.stats.gets += 1
+        self.stats.keys_fetched += len(keys)
+        result = await asyncio.wait_for(self._get_many(list(keys)), self.timeout_s)
+        if not isinstance(getattr(result, "batch", None), PackedBatch) or not isinstance(getattr(result, "failed", None), dict):
+            raise TypeError(f"get_many returned {type(result).__name__}, expected a GetResult (batch, failed)")
+        return result
+
+    async def _run_get(self, batch: list[tuple[str, _Entry]]) -> None:
+        keys = [k for k, _ in batch]
+        try:
+            try:
+                result = await self._get(keys)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any failure of a shared get is per key below
+                self.stats.failed_gets += 1
+                if isinstance(exc, asyncio.TimeoutError):
+                    self.stats.timeouts += 1
+                if len(keys) == 1:
+                    self._fail(batch, *_failure_of(exc, self.timeout_s))
+                else:
+                    await self._reread_alone(batch)
+            else:
+                self._deliver(batch, result)
+        except asyncio.CancelledError:
+            self._fail(batch, "closed", "the prefix read coalescer was closed during the get")
+            raise
+        finally:
+            for k, _ in batch:
+                self._entries.pop(k, None)
+            self._inflight -= 1
+            self._pump()
+
+    async def _reread_alone(self, batch: list[tuple[str, _Entry]]) -> None:
+        """Each key of a failed batch once, on its own, so a bad row fails only its requesters.
+
+        The solo gets run concurrently (each under ``get-timeout-s``) inside the failed
+        batch's slot: an outage costs N + 1 gets and at most twice the timeout.
+        """
+        self.stats.solo_rereads += len(batch)
+
+        async def one(k: str, e: _Entry) -> None:
+            try:
+                result = await self._get([k])
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self.stats.failed_gets += 1
+                if isinstance(exc, asyncio.TimeoutError):
+                    self.stats.timeouts += 1
+                self._fail([(k, e)], *_failure_of(exc, self.timeout_s))
+            else:
+                self._deliver([(k, e)], result)
+
+        await asyncio.gather(*(one(k, e) for k, e in batch))
+
+    def _deliver(self, batch: list[tuple[str, _Entry]], result: Any) -> None:
+        rows: PackedBatch = result.batch
+        failed: dict = result.failed
+        index = {k: i for i, k in enumerate(rows.keys)}
+        for k, e in batch:
+            if e.future.done():
+                continue
+            i = index.get(k)
+            problem = failed.get(k)
+            if problem is not None and not (i is not None and problem[0] in SERVED_REASONS):
+                self._fail([(k, e)], str(problem[0]), str(problem[1]))
+            elif i is None:
+                self._fail([(k, e)], "incomplete_get", "the store returned neither the row nor a failure for it")
+            else:
+                e.future.set_result((rows, i))
+
+    def _fail(self, batch: list[tuple[str, _Entry]], reason: str, detail: str) -> None:
+        for _, e in batch:
+            if not e.future.done():
+                self.stats.failed_keys += 1
+                e.future.set_exception(_KeyFailure(reason, detail))
+
+    # ---- answers ------------------------------------------------------------------------
+
+    def _assemble(self, keys: list[str], mine: dict[str, _Entry]) -> PackedBatch:
+        failed: dict[str, tuple[str, str]] = {}
+        for k, e in mine.items():
+            exc = e.future.exception()
+            if exc is not None:
+                failed[k] = (exc.reason, exc.detail) if isinstance(exc, _KeyFailure) else ("read_failed", repr(exc))
+        if failed:
+            raise PrefixReadError(failed)
+        # Group the request's positions by the get batch that served them: one take each.
+        groups: dict[int, tuple[PackedBatch, list[int], list[int]]] = {}
+        for pos, k in enumerate(keys):
+            rows, i = mine[k].future.result()
+            g = groups.setdefault(id(rows), (rows, [], []))
+            g[1].append(i)
+            g[2].append(pos)
+        if len(groups) == 1:
+            rows, idx, _ = next(iter(groups.values()))
+            return rows.take(np.asarray(idx, dtype=np.int64))
+        parts = [rows.take(np.asarray(idx, dtype=np.int64)) for rows, idx, _ in groups.values()]
+        positions = np.concatenate([np.asarray(p, dtype=np.int64) for _, _, p in groups.values()])
+        # Back to the request's chain order.
+        return concat_aligned(parts).take(np.argsort(positions, kind="stable"))
+
+    # ---- lifecycle ----------------------------------------------------------------------
+
+    async def close(self) -> None:
+        """Fail every pending key with ``closed`` and stop the gets in flight."""
+        self._closed = True
+        self._close_window()
+        queued = list(self._queue.items())
+        self._queue.clear()
+        self._fail(queued, "closed", "the prefix read coalescer was closed")
+        for k, _ in queued:
+            self._entries.pop(k, None)
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _token_hints(keys: list[str], tokens: Union[None, int, Sequence[int]]) -> list[int]:
+    n = len(keys)
+    if tokens is None:
+        return [0] * n
+    if isinstance(tokens, (int, np.integer)):
+        if tokens < 0:
+            raise ValueError(f"tokens must be >= 0, got {tokens}")
+        # Spread a request's total over its keys (chunks of one prefix are similar in size).
+        base, extra = divmod(int(tokens), max(n, 1))
+        return [base + (1 if i < extra else 0) for i in range(n)]
+    hints = [int(t) for t in tokens]
+    if len(hints) != n:
+        raise ValueError(f"{len(hints)} token counts for {n} keys")
+    if any(t < 0 for t in hints):
+        raise ValueError("token counts must be >= 0")
+    return hints
+
+
+def _failure_of(exc: BaseException, timeout_s: float) -> tuple[str, str]:
+    if isinstance(exc, asyncio.TimeoutError):
+        return "read_timeout", f"get ran past get-timeout-s ({timeout_s} s)"
+    return "read_failed", f"{type(exc).__name__}: {exc}"
+
+
+def _consume_exception(fut: asyncio.Future) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+def concat_aligned(batches: Sequence[PackedBatch]) -> PackedBatch:
+    """:meth:`PackedBatch.concat` for batches whose field sets differ.
+
+    A get of rows without routed experts may carry no ``routed_experts`` field at all;
+    before concatenating, such a batch gets the field with every row marked absent.
+    """
+    names: dict[str, PackedField] = {}
+    for b in batches:
+        for name, f in b.fields.items():
+            names.setdefault(name, f)
+    aligned = []
+    for b in batches:
+        if len(b.fields) == len(names):
+            aligned.append(b)
+            continue
+        fields = {}
+        for name, proto in names.items():
+            f = b.fields.get(name)
+            if f is None:
+                f = PackedField(
+                    proto.values[:0].copy(), np.zeros(len(b) + 1, dtype=np.int64), np.zeros(len(b), dtype=bool)
+                )
+            fields[name] = f
+        aligned.append(PackedBatch(list(b.keys), fields))
+    return PackedBatch.concat(aligned)
