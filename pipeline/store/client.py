@@ -1,0 +1,330 @@
+"""StagingStore: the client of the storage-unit actors (see docs/interfaces.md).
+
+Picklable (it holds only Dask actor handles and their addresses), so the same object
+works on the controller, inside Dask tasks and inside other actors. Every call is
+batched: a request is split by ``unit_for_key`` (one rollout's rows share a unit, no
+metadata hop), ONE actor call goes to each unit involved, all concurrently, and the
+per-unit answers are merged (gets back into request order as ONE packed batch).
+
+Sync methods block on actor futures (controller, task threads, sync actors); inside an
+async actor use the ``*_async`` twins, which ``await`` the same actor futures.
+"""
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from tasks.errors import InvalidKey
+from tasks.keys import unit_for_key
+from tasks.packed import PackedBatch, PackedField
+
+from .. import config
+from . import checkpoint as _checkpoint
+from .unit import (
+    DTYPE_MISMATCH,
+    INVALID_KEY,
+    GetResult,
+    StorageUnit,
+    StoreError,
+    StoreResult,
+    check_partition,
+)
+
+DEFAULT_PARTITION = "staging"
+
+
+def _parse_bytes(value: Any) -> int:
+    from dask.utils import parse_bytes
+
+    return int(parse_bytes(value))
+
+
+class StagingStore:
+    """Batched, write-once row store over :class:`StorageUnit` actors.
+
+    Build with :meth:`start` (or :meth:`from_checkpoint`); ``units[i]`` is an actor
+    handle hosted on ``unit_workers[i]``.
+    """
+
+    def __init__(self, units: Sequence[Any], unit_workers: Sequence[str], partitions: Optional[Sequence[str]] = None):
+        self.units = list(units)
+        self.unit_workers = list(unit_workers)
+        self.partitions = None if partitions is None else list(partitions)
+
+    # ---- construction -----------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        client,
+        n_units: Optional[int] = None,
+        memory_limit: Optional[int | str] = None,
+        capacity: Optional[int | str] = None,
+        spill_directory: Optional[str] = None,
+        workers: Optional[Sequence[str]] = None,
+    ) -> "StagingStore":
+        """Create ``n_units`` storage units spread round-robin over ``workers``.
+
+        Knobs left ``None`` come from config (``token-capture.store.units``,
+        ``memory-limit`` and ``capacity`` in bytes or ``"256MiB"`` strings,
+        ``spill-directory``; ``None`` there means each hosting worker's local directory).
+        """
+        n_units = int(config.get("store.units") if n_units is None else n_units)
+        if n_units <= 0:
+            raise StoreError(f"n_units must be positive, got {n_units}")
+        memory_limit = _parse_bytes(config.get("store.memory-limit") if memory_limit is None else memory_limit)
+        capacity = _parse_bytes(config.get("store.capacity") if capacity is None else capacity)
+        if spill_directory is None:
+            spill_directory = config.get("store.spill-directory")
+        partitions = list(config.get("store.partitions"))
+        for p in partitions:
+            check_partition(p)
+        if workers is None:
+            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+        workers = list(workers)
+        if not workers:
+            raise StoreError("no workers to host storage units")
+        tag = uuid.uuid4().hex[:8]
+        placed = [workers[i % len(workers)] for i in range(n_units)]
+        futures = [
+            client.submit(
+                StorageUnit,
+                i,
+                memory_limit,
+                capacity,
+                None if spill_directory is None else str(spill_directory),
+                partitions,
+                actor=True,
+                workers=[addr],
+                allow_other_workers=False,
+                key=f"StorageUnit-{tag}-{i}",
+            )
+            for i, addr in enumerate(placed)
+        ]
+        units = client.gather(futures)
+        store = cls(units, placed, partitions)
+        store._futures = futures
+        return store
+
+    @classmethod
+    def from_checkpoint(cls, client, path: str, **start_kwargs: Any) -> "StagingStore":
+        """A new store (``start(client, **start_kwargs)``) loaded from the checkpoint at ``path``."""
+        store = cls.start(client, **start_kwargs)
+        try:
+            store.restore(path, client=client)
+        except BaseException:
+            store.close()
+            raise
+        return store
+
+    def __getstate__(self) -> dict:
+        # Actor futures stay with the creator; handles are enough to call the units.
+        return {"units": self.units, "unit_workers": self.unit_workers, "partitions": self.partitions}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+
+    # ---- planning (pure, shared by sync and async paths) ------------------------
+
+    def _check_partition(self, partition: str) -> str:
+        return check_partition(partition, self.partitions)
+
+    def _route(self, keys: Sequence[str]) -> tuple[np.ndarray, dict[str, tuple[str, str]]]:
+        """Unit index per key (-1 for an unusable key) and the invalid keys' failures."""
+        n_units = len(self.units)
+        where = np.empty(len(keys), dtype=np.int64)
+        failed: dict[str, tuple[str, str]] = {}
+        for i, key in enumerate(keys):
+            try:
+                if not isinstance(key, str):
+                    raise InvalidKey(f"key must be str, got {type(key).__name__}")
+                where[i] = unit_for_key(key, n_units)
+            except InvalidKey as e:
+                where[i] = -1
+                failed[key if isinstance(key, str) else repr(key)] = (INVALID_KEY, str(e))
+        return where, failed
+
+    def _plan_put(self, batch: PackedBatch) -> tuple[list[tuple[int, PackedBatch]], dict]:
+        if not isinstance(batch, PackedBatch):
+            raise StoreError(f"put_many needs a PackedBatch, got {type(batch).__name__}")
+        where, failed = self._route(batch.keys)
+        parts = []
+        for u in range(len(self.units)):
+            idx = np.flatnonzero(where == u)
+            if len(idx) == len(batch):
+                parts.append((u, batch))  # the common single-unit case: no copy
+            elif len(idx):
+                parts.append((u, batch.take(idx)))
+        return parts, failed
+
+    def _plan_keys(self, keys: Sequence[str]) -> tuple[list[str], list[tuple[int, list[str]]], dict]:
+        uniq = list(dict.fromkeys(keys))
+        where, failed = self._route(uniq)
+        parts = []
+        for u in range(len(self.units)):
+            idx = np.flatnonzero(where == u)
+            if len(idx):
+                parts.append((u, [uniq[i] for i in idx]))
+        return uniq, parts, failed
+
+    # ---- sync API -----------------------------------------------------------------
+
+    def put_many(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION) -> StoreResult:
+        """Stage every row of ``batch``; per-key results (see :class:`StoreResult`)."""
+        self._check_partition(partition)
+        parts, failed = self._plan_put(batch)
+        futures = [self.units[u].put_many(partition, sub) for u, sub in parts]
+        result = StoreResult.merge(f.result() for f in futures)
+        result.failed.update(failed)
+        return result
+
+    def get_many(
+        self, keys: Sequence[str], fields: Optional[Sequence[str]] = None, partition: str = DEFAULT_PARTITION
+    ) -> GetResult:
+        """Rows of ``keys`` as ONE packed batch in request order (duplicates repeated),
+        with ``fields`` (``None``: every field the partition holds). Missing keys and
+        absent fields are reported per key in ``failed``; the rest is served."""
+        self._check_partition(partition)
+        fields = self._check_fields(fields)
+        _, parts, failed = self._plan_keys(keys)
+        futures = [self.units[u].get_many(partition, ks, fields) for u, ks in parts]
+        return _merge_gets(keys, [f.result() for f in futures], failed)
+
+    def delete(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION) -> StoreResult:
+        """Delete ``keys`` (one call per unit); absent keys come back ``missing_key``."""
+        self._check_partition(partition)
+        _, parts, failed = self._plan_keys(keys)
+        futures = [self.units[u].delete(partition, ks) for u, ks in parts]
+        result = StoreResult.merge(f.result() for f in futures)
+        result.failed.update(failed)
+        return result
+
+    def stats(self) -> list[dict]:
+        """Per unit: rows, used/memory/spilled/disk bytes, puts, gets, per-partition counts."""
+        futures = [u.stats() for u in self.units]
+        return [f.result() for f in futures]
+
+    def close(self) -> list[dict]:
+        """Close every unit (drops rows, removes spill directories) and release the actors."""
+        futures = [u.close() for u in self.units]
+        out = [f.result() for f in futures]
+        self.__dict__.pop("_futures", None)
+        return out
+
+    # ---- async twins (inside async actors / coroutines on a worker) ---------------
+
+    async def put_many_async(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION) -> StoreResult:
+        self._check_partition(partition)
+        parts, failed = self._plan_put(batch)
+        results = await asyncio.gather(*(self.units[u].put_many(partition, sub) for u, sub in parts))
+        result = StoreResult.merge(results)
+        result.failed.update(failed)
+        return result
+
+    async def get_many_async(
+        self, keys: Sequence[str], fields: Optional[Sequence[str]] = None, partition: str = DEFAULT_PARTITION
+    ) -> GetResult:
+        self._check_partition(partition)
+        fields = self._check_fields(fields)
+        _, parts, failed = self._plan_keys(keys)
+        results = await asyncio.gather(*(self.units[u].get_many(partition, ks, fields) for u, ks in parts))
+        return _merge_gets(keys, list(results), failed)
+
+    async def delete_async(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION) -> StoreResult:
+        self._check_partition(partition)
+        _, parts, failed = self._plan_keys(keys)
+        results = await asyncio.gather(*(self.units[u].delete(partition, ks) for u, ks in parts))
+        result = StoreResult.merge(results)
+        result.failed.update(failed)
+        return result
+
+    async def stats_async(self) -> list[dict]:
+        return list(await asyncio.gather(*(u.stats() for u in self.units)))
+
+    # ---- checkpoint -----------------------------------------------------------------
+
+    def checkpoint(self, path: str, chunk_bytes: Optional[int | str] = None) -> dict:
+        """Atomically checkpoint every unit into directory ``path``; returns the manifest.
+
+        ``chunk_bytes`` (default ``token-capture.store.checkpoint-chunk-bytes``) bounds
+        each data file; it is a runtime knob, not part of the checkpoint's identity.
+        """
+        if chunk_bytes is None:
+            chunk_bytes = config.get("store.checkpoint-chunk-bytes", "64MiB")
+        return _checkpoint.save(self, path, _parse_bytes(chunk_bytes))
+
+    def restore(self, path: str, client=None) -> dict:
+        """Load the checkpoint at ``path`` into this store (rows placed by ``unit_for_key``
+        over THIS store's units). Refuses a corrupt checkpoint with
+        :class:`~pipeline.store.checkpoint.CheckpointCorrupt` before loading anything."""
+        return _checkpoint.restore(self, path, client=client)
+
+    def __repr__(self) -> str:
+        return f"<StagingStore units={len(self.units)} workers={sorted(set(self.unit_workers))}>"
+
+    def _check_fields(self, fields: Optional[Sequence[str]]) -> Optional[list[str]]:
+        if fields is None:
+            return None
+        if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
+            raise StoreError(f"fields must be a list of field names, got {fields!r}")
+        return list(dict.fromkeys(fields))
+
+
+def _absent_like(n: int, spec: tuple[np.dtype, tuple]) -> PackedField:
+    dtype, trailing = spec
+    return PackedField(np.zeros((0, *trailing), dtype=dtype), np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=bool))
+
+
+def _has_rows(f: PackedField) -> bool:
+    return f.present is None or bool(f.present.any())
+
+
+def _merge_gets(keys: Sequence[str], results: list[GetResult], failed: dict) -> GetResult:
+    """Per-unit answers -> ONE batch in request order (duplicate requests repeat rows).
+
+    Units pin dtypes independently, so a field may come back with different specs from
+    different units: the first spec (in unit order) that has rows wins and rows of a
+    disagreeing unit are refused ``dtype_mismatch`` rather than silently cast.
+    """
+    for r in results:
+        failed.update(r.failed)
+    batches = [r.batch for r in results if len(r.batch)]
+    if not batches:
+        return GetResult(PackedBatch([], {}), failed)
+    names = list(dict.fromkeys(n for b in batches for n in b.fields))
+    chosen: dict[str, tuple[np.dtype, tuple]] = {}
+    for name in names:
+        with_rows = [b.fields[name] for b in batches if name in b.fields and _has_rows(b.fields[name])]
+        proto = with_rows[0] if with_rows else next(b.fields[name] for b in batches if name in b.fields)
+        chosen[name] = (proto.values.dtype, proto.values.shape[1:])
+    aligned = []
+    for b in batches:
+        fields = {}
+        bad = None
+        for name in names:
+            f = b.fields.get(name)
+            if f is None or not _has_rows(f):
+                fields[name] = _absent_like(len(b), chosen[name])
+            elif (f.values.dtype, f.values.shape[1:]) != chosen[name]:
+                bad = (
+                    f"field {name!r}: {f.values.dtype.str}{list(f.values.shape[1:])} on one unit, "
+                    f"{np.dtype(chosen[name][0]).str}{list(chosen[name][1])} on another"
+                )
+                break
+            else:
+                fields[name] = f
+        if bad is not None:
+            failed.update({k: (DTYPE_MISMATCH, bad) for k in b.keys})
+            continue
+        aligned.append(PackedBatch(b.keys, fields))
+    merged = PackedBatch.concat(aligned)
+    if not len(merged):
+        return GetResult(PackedBatch([], {}), failed)
+    pos = {k: i for i, k in enumerate(merged.keys)}
+    index = np.fromiter((pos[k] for k in keys if k in pos), dtype=np.int64)
+    if len(index) == len(merged) and np.array_equal(index, np.arange(len(merged))):
+        return GetResult(merged, failed)
+    return GetResult(merged.take(index), failed)

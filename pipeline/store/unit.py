@@ -1,0 +1,428 @@
+"""The storage unit: a Dask actor holding staged rows of some rollouts.
+
+One :class:`StorageUnit` lives on a worker (``client.submit(StorageUnit, ..., actor=True)``).
+It keeps rows per partition in a :class:`~pipeline.store.spill.SpillMapping` (memory up
+to a byte limit, then disk) and answers batched calls: one ``put_many`` / ``get_many`` /
+``delete`` per client request, with per-key results. Its sync methods run on the
+worker's single actor thread, so they never race each other; heavy work is numpy
+(one slice-copy per field per row on put, one ``np.concatenate`` per field on get).
+
+A row is ``{field: np.ndarray}`` copied out of the incoming :class:`PackedBatch`, so the
+batch's buffers are not retained. Keys are write-once (identical re-put is ok, different
+content is ``key_conflict``); each partition pins field dtypes at first write
+(``dtype_mismatch``); a write beyond ``capacity`` bytes (memory + disk) is refused
+(``store_full``). One bad row fails only its own key.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from dataclasses import dataclass, field
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+from tasks.errors import InvalidKey, TokenCaptureError
+from tasks.keys import rollout_of_key
+from tasks.packed import PackedBatch, PackedField
+
+from . import checkpoint
+from .registry import FieldRegistry, PartitionRegistry, Spec
+from .spill import Row, SpillMapping, row_nbytes
+
+PARTITION_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+# Put/get/delete failure reasons (the per-key vocabulary of StoreResult/GetResult).
+KEY_CONFLICT = "key_conflict"
+DTYPE_MISMATCH = "dtype_mismatch"
+STORE_FULL = "store_full"
+INVALID_KEY = "invalid_key"
+INVALID_BATCH = "invalid_batch"
+MISSING_KEY = "missing_key"
+ABSENT_FIELD = "absent_field"
+STORE_ERROR = "store_error"
+
+
+class StoreError(TokenCaptureError):
+    """A whole store call was unusable (wrong argument type, unknown partition, ...)."""
+
+
+@dataclass
+class StoreResult:
+    """Per-key outcome of a put or delete: ``ok`` keys and ``failed[key] = (reason, detail)``."""
+
+    ok: list[str] = field(default_factory=list)
+    failed: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+    @classmethod
+    def merge(cls, results: Iterable["StoreResult"]) -> "StoreResult":
+        out = cls()
+        for r in results:
+            out.ok.extend(r.ok)
+            out.failed.update(r.failed)
+        return out
+
+
+@dataclass
+class GetResult:
+    """Found keys in request order as ONE packed batch, and per-key failures.
+
+    A key whose row lacks a requested field is served (``present[i]`` false for that
+    field) and also listed in ``failed`` with reason ``absent_field``.
+    """
+
+    batch: PackedBatch
+    failed: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def check_partition(partition: object, allowed: Optional[Sequence[str]] = None) -> str:
+    """Return ``partition`` if usable, else raise :class:`StoreError` naming it."""
+    if not isinstance(partition, str) or not PARTITION_RE.match(partition):
+        raise StoreError(f"partition must match {PARTITION_RE.pattern}, got {partition!r}")
+    if allowed is not None and partition not in allowed:
+        raise StoreError(f"unknown partition {partition!r}; configured: {list(allowed)}")
+    return partition
+
+
+def check_key(key: object) -> Optional[str]:
+    """``None`` if ``key`` is a usable staging/cut key, else why not."""
+    if not isinstance(key, str):
+        return f"key must be str, got {type(key).__name__}"
+    try:
+        rollout_of_key(key)
+    except InvalidKey as e:
+        return str(e)
+    return None
+
+
+def field_problem(name: str, f: PackedField, n: int) -> Optional[str]:
+    """Why a packed field cannot be cut into ``n`` rows, or ``None`` if it can."""
+    if not isinstance(f, PackedField):
+        return f"field {name!r} is {type(f).__name__}, not PackedField"
+    off, values = f.offsets, f.values
+    if not isinstance(off, np.ndarray) or not isinstance(values, np.ndarray):
+        return f"field {name!r}: values and offsets must be numpy arrays"
+    if off.ndim != 1 or len(off) != n + 1 or off.dtype.kind not in "iu":
+        return f"field {name!r}: offsets must be integer[{n + 1}], got {off.dtype}{list(off.shape)}"
+    if values.ndim < 1:
+        return f"field {name!r}: values must be at least 1-d"
+    if off[0] != 0 or off[-1] != len(values) or (n and np.any(np.diff(off) < 0)):
+        return f"field {name!r}: offsets must rise from 0 to len(values)={len(values)}"
+    if f.present is not None and (not isinstance(f.present, np.ndarray) or f.present.shape != (n,)):
+        return f"field {name!r}: present must be bool[{n}]"
+    return None
+
+
+def pack_field(arrays: Sequence[Optional[np.ndarray]], spec: Optional[Spec]) -> PackedField:
+    """Concatenate row arrays (``None`` = absent) into a NEW buffer (always a copy, so a
+    caller never holds a view of stored rows). ``spec`` gives the dtype of an all-absent field."""
+    n = len(arrays)
+    lengths = np.fromiter((0 if a is None else len(a) for a in arrays), dtype=np.int64, count=n)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    real = [a for a in arrays if a is not None]
+    if real:
+        dtype, trailing = real[0].dtype, real[0].shape[1:]
+    elif spec is not None:
+        dtype, trailing = np.dtype(spec[0]), tuple(spec[1])
+    else:
+        dtype, trailing = np.dtype(np.uint8), ()
+    values = np.empty((int(offsets[-1]),) + tuple(trailing), dtype=dtype)
+    if len(real) > 1:
+        np.concatenate(real, out=values)
+    elif real:
+        values[...] = real[0]
+    present = None if len(real) == n else np.fromiter((a is not None for a in arrays), dtype=bool, count=n)
+    return PackedField(values, offsets, present)
+
+
+def pack_stored_rows(keys: list[str], rows: Sequence[Row], names: Sequence[str], reg: Optional[FieldRegistry]) -> PackedBatch:
+    """Rows held by a unit as one packed batch with fields ``names`` (copies)."""
+    specs = reg.specs if reg is not None else {}
+    return PackedBatch(list(keys), {n: pack_field([r.get(n) for r in rows], specs.get(n)) for n in names})
+
+
+def same_row(a: Row, b: Row) -> bool:
+    """Bitwise equality of two rows: same fields, dtypes, shapes and bytes."""
+    if a.keys() != b.keys():
+        return False
+    for name, x in a.items():
+        y = b[name]
+        if x.dtype != y.dtype or x.shape != y.shape:
+            return False
+        if not np.array_equal(np.ascontiguousarray(x).reshape(-1).view(np.uint8), np.ascontiguousarray(y).reshape(-1).view(np.uint8)):
+            return False
+    return True
+
+
+class StorageUnit:
+    """A Dask actor holding rows ``(partition, key) -> {field: array}``.
+
+    Parameters
+    ----------
+    unit_index:
+        This unit's position in the store (for names and stats).
+    memory_limit:
+        Bytes of rows kept in memory before spilling to disk.
+    capacity:
+        Bytes of rows (memory + disk) beyond which puts are refused with ``store_full``.
+    spill_directory:
+        Parent directory for this unit's spill files; ``None``: the hosting worker's
+        local directory. The unit's own subdirectory is removed by :meth:`close`.
+    partitions:
+        Allowed partition names; ``None`` allows any well-formed name.
+    """
+
+    def __init__(
+        self,
+        unit_index: int,
+        memory_limit: int,
+        capacity: int,
+        spill_directory: Optional[str] = None,
+        partitions: Optional[Sequence[str]] = None,
+    ):
+        if spill_directory is None:
+            from distributed import get_worker
+
+            spill_directory = get_worker().local_directory
+        self.unit_index = int(unit_index)
+        self.memory_limit = int(memory_limit)
+        self.capacity = int(capacity)
+        self.partitions = None if partitions is None else [check_partition(p) for p in partitions]
+        self.directory = os.path.join(str(spill_directory), f"storage-unit-{unit_index}-{uuid.uuid4().hex[:12]}")
+        self.rows = SpillMapping(self.directory, self.memory_limit)
+        self.index: dict[str, dict[str, str]] = {}  # partition -> key -> slot
+        self.weights: dict[str, int] = {}  # slot -> row bytes, for capacity accounting
+        self.used_bytes = 0
+        self.registry = PartitionRegistry()
+        self._next_slot = 0
+        self.counters = {"puts": 0, "put_rows": 0, "gets": 0, "get_rows": 0, "deletes": 0, "deleted_rows": 0, "refused_rows": 0}
+        self.closed = False
+
+    # ---- puts -------------------------------------------------------------------
+
+    def put_many(self, partition: str, batch: PackedBatch) -> StoreResult:
+        """Store every row of ``batch`` under ``partition``; per-key results."""
+        self._check_open()
+        check_partition(partition, self.partitions)
+        if not isinstance(batch, PackedBatch):
+            raise StoreError(f"put_many needs a PackedBatch, got {type(batch).__name__}")
+        self.counters["puts"] += 1
+        n = len(batch)
+        result = StoreResult()
+        for name, f in batch.fields.items():
+            problem = field_problem(name, f, n)
+            if problem:
+                result.failed.update({k: (INVALID_BATCH, problem) for k in batch.keys})
+                self.counters["refused_rows"] += n
+                return result
+
+        reg = self.registry[partition]
+        index = self.index.setdefault(partition, {})
+        # Per field (not per row): a packed field has one dtype; present rows inherit its verdict.
+        cols = []  # (name, values, offsets list, present list | None, spec)
+        bad_field: list[Optional[str]] = [None] * n
+        for name, f in batch.fields.items():
+            present = None if f.present is None else f.present.astype(bool).tolist()
+            if present is not None and not any(present):
+                continue
+            spec = f.spec
+            detail = reg.mismatch(name, spec)
+            if detail is not None:
+                for i in range(n):
+                    if present is None or present[i]:
+                        bad_field[i] = bad_field[i] or detail
+                continue
+            cols.append((name, f.values, f.offsets.tolist(), present, spec))
+
+        for i, key in enumerate(batch.keys):
+            problem = check_key(key)
+            if problem is not None:
+                result.failed[key] = (INVALID_KEY, problem)
+                continue
+            if bad_field[i] is not None:
+                result.failed[key] = (DTYPE_MISMATCH, bad_field[i])
+                continue
+            # Copy out of the batch buffer: the batch must not stay alive through our rows.
+            row = {
+                name: values[off[i] : off[i + 1]].copy()
+                for name, values, off, present, _ in cols
+                if present is None or present[i]
+            }
+            outcome = self._store_row(partition, index, key, row)
+            if outcome is None:
+                result.ok.append(key)
+                for name, _, _, present, spec in cols:
+                    if present is None or present[i]:
+                        reg.pin(name, spec)
+            else:
+                result.failed[key] = outcome
+        self.counters["put_rows"] += len(result.ok)
+        self.counters["refused_rows"] += len(result.failed)
+        return result
+
+    def _store_row(self, partition: str, index: dict[str, str], key: str, row: Row) -> Optional[tuple[str, str]]:
+        slot = index.get(key)
+        if slot is not None:
+            # Write-once: compare only when the key exists.
+            try:
+                existing = self.rows[slot]
+            except Exception as e:  # a spill file gone bad must not take down the batch
+                return (STORE_ERROR, f"{key!r}: reading the existing row failed: {e!r}")
+            if same_row(existing, row):
+                return None
+            return (KEY_CONFLICT, f"{key!r} already holds different content in partition {partition!r}")
+        weight = row_nbytes(row)
+        if self.used_bytes + weight > self.capacity:
+            return (
+                STORE_FULL,
+                f"{key!r}: {weight} bytes would exceed capacity {self.capacity} bytes "
+                f"(used {self.used_bytes}) of unit {self.unit_index}",
+            )
+        slot = str(self._next_slot)
+        self._next_slot += 1
+        try:
+            self.rows[slot] = row
+        except Exception as e:
+            if slot not in self.rows:
+                return (STORE_ERROR, f"{key!r}: storing failed: {e!r}")
+        index[key] = slot
+        self.weights[slot] = weight
+        self.used_bytes += weight
+        return None
+
+    # ---- gets -------------------------------------------------------------------
+
+    def get_many(self, partition: str, keys: Sequence[str], fields: Optional[Sequence[str]] = None) -> GetResult:
+        """Rows of ``keys`` (found ones, in request order) with ``fields`` (``None``: every
+        field pinned in the partition; only explicitly requested fields report
+        ``absent_field``)."""
+        self._check_open()
+        check_partition(partition, self.partitions)
+        self.counters["gets"] += 1
+        index = self.index.get(partition, {})
+        reg = self.registry.get(partition)
+        failed: dict[str, tuple[str, str]] = {}
+        found: list[str] = []
+        rows: list[Row] = []
+        for key in keys:
+            slot = index.get(key) if isinstance(key, str) else None
+            if slot is None:
+                failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
+                continue
+            try:
+                rows.append(self.rows[slot])
+            except Exception as e:
+                failed[key] = (STORE_ERROR, f"{key!r}: read failed: {e!r}")
+                continue
+            found.append(key)
+        names = list(fields) if fields is not None else (list(reg.specs) if reg else [])
+        if fields is not None:
+            for key, row in zip(found, rows):
+                absent = [n for n in names if n not in row]
+                if absent:
+                    failed[key] = (ABSENT_FIELD, f"{key!r} has no field(s) {absent}")
+        self.counters["get_rows"] += len(found)
+        return GetResult(pack_stored_rows(found, rows, names, reg), failed)
+
+    # ---- deletes ----------------------------------------------------------------
+
+    def delete(self, partition: str, keys: Sequence[str]) -> StoreResult:
+        """Remove ``keys``; an absent key is reported ``missing_key`` (nothing else changes)."""
+        self._check_open()
+        check_partition(partition, self.partitions)
+        self.counters["deletes"] += 1
+        index = self.index.get(partition, {})
+        result = StoreResult()
+        for key in keys:
+            slot = index.pop(key, None) if isinstance(key, str) else None
+            if slot is None:
+                result.failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
+                continue
+            del self.rows[slot]
+            self.used_bytes -= self.weights.pop(slot)
+            result.ok.append(key)
+        self.counters["deleted_rows"] += len(result.ok)
+        return result
+
+    # ---- introspection ----------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Counters and sizes (bytes) of this unit."""
+        from distributed import get_worker
+
+        try:
+            worker = get_worker().address
+        except ValueError:
+            worker = None
+        return {
+            "unit": self.unit_index,
+            "worker": worker,
+            "rows": sum(len(ix) for ix in self.index.values()),
+            "partitions": {p: len(ix) for p, ix in self.index.items()},
+            "used_bytes": self.used_bytes,
+            "memory_bytes": self.rows.memory_bytes,
+            "spilled_bytes": self.rows.spilled_bytes,
+            "disk_bytes": self.rows.spilled_bytes,
+            "spilled_rows": self.rows.spilled_rows,
+            "spill_errors": self.rows.spill_errors,
+            "memory_limit": self.memory_limit,
+            "capacity": self.capacity,
+            "spill_directory": self.directory,
+            "registry": self.registry.to_dict(),
+            **self.counters,
+        }
+
+    def keys(self, partition: str) -> list[str]:
+        """Every key of ``partition`` (insertion order)."""
+        return list(self.index.get(partition, {}))
+
+    # ---- checkpoint -------------------------------------------------------------
+
+    def checkpoint_write(self, directory: str, chunk_bytes: int) -> list[dict]:
+        """Write every partition's rows as packed batch files (about ``chunk_bytes`` each)
+        into ``directory`` atomically per file (temp, fsync, rename). Returns one manifest
+        entry per file. Runs on the actor thread, so it is a consistent snapshot of this unit."""
+        self._check_open()
+        entries: list[dict] = []
+        for partition, index in self.index.items():
+            reg = self.registry.get(partition)
+            names = list(reg.specs) if reg else []
+            chunk_keys: list[str] = []
+            chunk_rows: list[Row] = []
+            size = 0
+            n_chunk = 0
+            items = list(index.items())
+            for j, (key, slot) in enumerate(items):
+                chunk_keys.append(key)
+                chunk_rows.append(self.rows.peek(slot))
+                size += self.weights[slot]
+                if size >= chunk_bytes or j == len(items) - 1:
+                    batch = pack_stored_rows(chunk_keys, chunk_rows, names, reg)
+                    name = f"u{self.unit_index:03d}-{partition}-{n_chunk:05d}{checkpoint.DATA_SUFFIX}"
+                    sha, nbytes = checkpoint.write_atomic(os.path.join(directory, name), checkpoint.encode_batch(batch))
+                    entries.append({"file": name, "partition": partition, "rows": len(batch), "bytes": nbytes, "sha256": sha})
+                    chunk_keys, chunk_rows, size = [], [], 0
+                    n_chunk += 1
+        return entries
+
+    # ---- lifecycle --------------------------------------------------------------
+
+    def close(self) -> dict:
+        """Drop every row and remove this unit's spill directory; returns final stats."""
+        if self.closed:
+            return {"unit": self.unit_index, "closed": True}
+        final = self.stats()
+        self.rows.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        self.index.clear()
+        self.weights.clear()
+        self.used_bytes = 0
+        self.closed = True
+        return final
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise StoreError(f"storage unit {self.unit_index} is closed")

@@ -1,0 +1,15 @@
+"""Shared fixtures: small real Dask clusters on loopback (2 cores: keep them small)."""
+from __future__ import annotations
+
+import pytest
+from distributed import Client
+
+from pipeline.cluster import local_cluster
+
+
+@pytest.fixture(scope="module")
+def cluster_client():
+    """A Client on a 2-worker, 1-thread-each process LocalCluster, shared by one test module."""
+    with local_cluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            yield client

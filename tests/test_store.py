@@ -1,0 +1,278 @@
+"""StagingStore over real StorageUnit actors on a LocalCluster, spilling to tmp_path."""
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from pipeline.store import GetResult, StagingStore, StoreError, StoreResult
+from tasks.gate import CaptureGate
+from tasks.packed import PackedBatch, PackedField, pack_rows, unpack_rows
+from tasks.schema import StagedRow
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB, EXPERTS, L, K = 512, 8, 4, 2
+
+
+def make_rows(n_rollouts: int, calls: int = 2, tokens: int = 64, routes: bool = True, seed: int = 0, prefix: str = "r") -> list[StagedRow]:
+    """Chains of ``calls`` model calls per rollout, built by the real capture gate."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for r in range(n_rollouts):
+        gate = CaptureGate(f"{prefix}{r}", vocab_size=VOCAB, num_experts=EXPERTS)
+        parent = None
+        for c in range(calls):
+            ctx = 4 if c else 0
+            mask = np.concatenate([np.zeros(ctx, np.float32), np.ones(tokens - ctx, np.float32)])
+            lp = np.where(mask > 0, -rng.random(tokens, dtype=np.float32) - 0.01, 0.0).astype(np.float32)
+            ids = rng.integers(0, VOCAB, tokens)
+            re = rng.integers(0, EXPERTS, (tokens, L, K)).astype(np.int16) if routes else None
+            rows.append(gate.stage_call(f"c{c}", parent, ids, mask, lp, routed_experts=re))
+            parent = f"c{c}"
+    return rows
+
+
+def assert_same_batch(got: PackedBatch, want: PackedBatch) -> None:
+    assert got.keys == want.keys
+    for name, f in want.fields.items():
+        g = got.fields[name]
+        assert g.values.dtype == f.values.dtype, name
+        assert g.values.tobytes() == f.values.tobytes(), name
+        assert np.array_equal(g.offsets, f.offsets), name
+
+
+def spill_files(root) -> list[str]:
+    return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
+
+
+@pytest.fixture
+def store_factory(cluster_client, tmp_path):
+    stores = []
+
+    def make(**kw):
+        kw.setdefault("spill_directory", str(tmp_path / "spill"))
+        s = StagingStore.start(cluster_client, **kw)
+        stores.append(s)
+        return s
+
+    yield make
+    for s in stores:
+        s.close()
+
+
+def test_roundtrip_bit_exact_after_spill(store_factory, tmp_path):
+    store = store_factory(n_units=2, memory_limit="24KiB")
+    assert len(set(store.unit_workers)) == 2  # round-robin over both workers
+    rows = make_rows(12, calls=3, tokens=96)
+    batch = pack_rows(rows)
+    res = store.put_many(batch)
+    assert sorted(res.ok) == sorted(batch.keys) and not res.failed
+
+    stats = store.stats()
+    assert sum(s["rows"] for s in stats) == len(rows)
+    assert sum(s["spilled_bytes"] for s in stats) > 0
+    assert all(s["memory_bytes"] <= 24 * 1024 for s in stats)
+    assert spill_files(tmp_path / "spill"), "spilled rows must be files on disk"
+
+    # Reverse order, twice over some keys: one batch, in request order, bit-exact.
+    order = list(range(len(batch)))[::-1] + [0, 5]
+    got = store.get_many([batch.keys[i] for i in order])
+    assert isinstance(got, GetResult) and not got.failed
+    assert_same_batch(got.batch, batch.take(np.array(order)))
+    for a, b in zip(unpack_rows(got.batch), [rows[i] for i in order]):
+        assert a.same_content(b)
+
+    dirs = [s["spill_directory"] for s in stats]
+    store.close()
+    assert not any(os.path.exists(d) for d in dirs), "closing a unit removes its spill directory"
+
+
+def test_stored_rows_do_not_alias_batch(store_factory):
+    store = store_factory(n_units=1)
+    batch = pack_rows(make_rows(2))
+    want = batch.fields["token_ids"].values.copy()
+    store.put_many(batch)
+    batch.fields["token_ids"].values[:] = 0  # caller reuses its buffer
+    got = store.get_many(list(batch.keys), fields=["token_ids"])
+    assert np.array_equal(got.batch.fields["token_ids"].values, want)
+
+
+def test_per_key_results_missing_key_and_absent_field(store_factory):
+    store = store_factory()
+    with_routes = make_rows(3, routes=True, prefix="a")
+    without = make_rows(3, routes=False, prefix="b", seed=1)
+    b1, b2 = pack_rows(with_routes), pack_rows(without)
+    assert not store.put_many(b1).failed and not store.put_many(b2).failed
+
+    keys = [b2.keys[0], "ghost/c0", b1.keys[0], "no-slash-key", b2.keys[1]]
+    got = store.get_many(keys, fields=["token_ids", "routed_experts"])
+    assert got.failed["ghost/c0"][0] == "missing_key"
+    assert got.failed["no-slash-key"][0] == "invalid_key"
+    for k in (b2.keys[0], b2.keys[1]):
+        reason, detail = got.failed[k]
+        assert reason == "absent_field" and "routed_experts" in detail
+    assert b1.keys[0] not in got.failed
+    # Served: the three real keys, in request order, routes present only where stored.
+    assert got.batch.keys == [b2.keys[0], b1.keys[0], b2.keys[1]]
+    routes = got.batch.fields["routed_experts"]
+    assert [routes.has(i) for i in range(3)] == [False, True, False]
+    assert np.array_equal(routes.row(1), with_routes[0].routed_experts)
+    assert np.array_equal(got.batch.fields["token_ids"].row(0), without[0].token_ids)
+    assert set(got.batch.fields) == {"token_ids", "routed_experts"}
+
+
+def test_write_once_conflict_refused_identical_ok(store_factory):
+    store = store_factory()
+    rows = make_rows(4)
+    batch = pack_rows(rows)
+    assert not store.put_many(batch).failed
+    again = store.put_many(pack_rows(rows))  # identical re-put: idempotent
+    assert sorted(again.ok) == sorted(batch.keys) and not again.failed
+
+    tampered = pack_rows(rows)
+    victim = tampered.keys[2]
+    o = tampered.fields["token_ids"].offsets
+    tampered.fields["token_ids"].values[o[2]] ^= 1
+    res = store.put_many(tampered)
+    assert list(res.failed) == [victim] and res.failed[victim][0] == "key_conflict"
+    assert len(res.ok) == len(batch) - 1
+    got = store.get_many([victim])
+    assert got.batch.fields["token_ids"].row(0).tobytes() == rows[2].token_ids.tobytes()
+
+    # Deleting frees the key for a new write (cut retries delete then re-put).
+    assert store.delete([victim]).ok == [victim]
+    assert not store.put_many(tampered.take([2])).failed
+
+
+def test_dtype_mismatch_refused_naming_field_nothing_lost(store_factory):
+    store = store_factory(n_units=1)
+    rows = make_rows(2)
+    assert not store.put_many(pack_rows(rows)).failed
+
+    new = make_rows(2, prefix="x", seed=3)
+    bad = pack_rows(new)
+    bad.fields["logprobs"] = PackedField(bad.fields["logprobs"].values.astype(np.float64), bad.fields["logprobs"].offsets)
+    res = store.put_many(bad)
+    assert not res.ok and set(res.failed) == set(bad.keys)
+    reason, detail = res.failed[bad.keys[0]]
+    assert reason == "dtype_mismatch"
+    assert "logprobs" in detail and "<f4" in detail and "<f8" in detail
+    assert store.get_many(list(bad.keys)).failed[bad.keys[0]][0] == "missing_key"
+
+    # Trailing shape: only rows carrying the bad field fail; the rest of the batch is stored.
+    mixed_rows = make_rows(1, prefix="m", routes=False, seed=4) + make_rows(1, prefix="n", seed=5)
+    mixed = pack_rows(mixed_rows)
+    f = mixed.fields["routed_experts"]
+    mixed.fields["routed_experts"] = PackedField(np.ascontiguousarray(f.values[:, :2, :]), f.offsets, f.present)
+    res = store.put_many(mixed)
+    routed = [k for k, r in zip(mixed.keys, mixed_rows) if r.routed_experts is not None]
+    assert sorted(res.failed) == sorted(routed)
+    assert all(res.failed[k][0] == "dtype_mismatch" and "[4, 2]" in res.failed[k][1] for k in routed)
+    assert sorted(res.ok) == sorted(k for k in mixed.keys if k not in routed)
+
+    got = store.get_many([r.staging_key for r in rows])
+    assert not got.failed and all(a.same_content(b) for a, b in zip(unpack_rows(got.batch), rows))
+
+
+def test_store_full_refused_nothing_lost(store_factory):
+    rows = make_rows(10, calls=1, tokens=128)
+    one = pack_rows(rows[:1])
+    probe = store_factory(n_units=1)
+    probe.put_many(one)
+    row_bytes = probe.stats()[0]["used_bytes"]
+    store = store_factory(n_units=1, capacity=int(row_bytes * 4.5))
+    res = store.put_many(pack_rows(rows))
+    assert len(res.ok) == 4
+    assert len(res.failed) == 6 and all(r == "store_full" for r, _ in res.failed.values())
+    got = store.get_many(res.ok)
+    assert not got.failed and len(got.batch) == 4
+    by_key = {r.staging_key: r for r in rows}
+    assert all(a.same_content(by_key[a.staging_key]) for a in unpack_rows(got.batch))
+    # Space freed by a delete is usable again.
+    store.delete(res.ok[:1])
+    retry = store.put_many(pack_rows([by_key[next(iter(res.failed))]]))
+    assert not retry.failed
+
+
+def test_partitions_are_isolated(store_factory):
+    store = store_factory()
+    staged, cut = make_rows(2, seed=1), make_rows(2, seed=2)  # same keys, different content
+    assert [r.staging_key for r in staged] == [r.staging_key for r in cut]
+    assert not store.put_many(pack_rows(staged), partition="staging").failed
+    assert store.get_many([staged[0].staging_key], partition="cut").failed[staged[0].staging_key][0] == "missing_key"
+    assert not store.put_many(pack_rows(cut), partition="cut").failed  # no key_conflict across partitions
+    a = unpack_rows(store.get_many([r.staging_key for r in staged], partition="staging").batch)
+    b = unpack_rows(store.get_many([r.staging_key for r in cut], partition="cut").batch)
+    assert all(x.same_content(y) for x, y in zip(a, staged)) and all(x.same_content(y) for x, y in zip(b, cut))
+    assert store.delete([staged[0].staging_key], partition="cut").ok
+    assert not store.get_many([staged[0].staging_key], partition="staging").failed
+    counts = {}
+    for s in store.stats():
+        for p, n in s["partitions"].items():
+            counts[p] = counts.get(p, 0) + n
+    assert counts == {"staging": len(staged), "cut": len(cut) - 1}
+    with pytest.raises(StoreError, match="unknown partition 'stagging'"):
+        store.get_many([staged[0].staging_key], partition="stagging")
+
+
+def test_bad_input_is_typed_and_contained(store_factory):
+    store = store_factory()
+    with pytest.raises(StoreError, match="PackedBatch"):
+        store.put_many({"k": np.zeros(3)})
+    batch = pack_rows(make_rows(2))
+    batch.keys[1] = "not a key"
+    res = store.put_many(batch)
+    assert res.failed == {"not a key": ("invalid_key", res.failed["not a key"][1])}
+    assert sorted(res.ok) == sorted(k for k in batch.keys if k != "not a key")
+    broken = pack_rows(make_rows(2, prefix="z"))
+    broken.fields["token_ids"].offsets[-1] += 3  # offsets overrun values
+    res = store.put_many(broken)
+    assert not res.ok and all(r == "invalid_batch" and "token_ids" in d for r, d in res.failed.values())
+
+
+def test_delete_batched_and_stats(store_factory):
+    store = store_factory()
+    batch = pack_rows(make_rows(5))
+    store.put_many(batch)
+    res = store.delete(list(batch.keys[:4]) + ["ghost/c9"])
+    assert isinstance(res, StoreResult)
+    assert sorted(res.ok) == sorted(batch.keys[:4]) and res.failed["ghost/c9"][0] == "missing_key"
+    stats = store.stats()
+    assert sum(s["rows"] for s in stats) == len(batch) - 4
+    assert sum(s["puts"] for s in stats) >= 1 and sum(s["deletes"] for s in stats) >= 1
+    assert all({"memory_bytes", "spilled_bytes", "disk_bytes", "gets", "partitions"} <= set(s) for s in stats)
+
+
+def _get_in_task(store: StagingStore, keys: list[str]) -> list[bytes]:
+    got = store.get_many(keys, fields=["token_ids"])
+    return [got.batch.fields["token_ids"].row(i).tobytes() for i in range(len(got.batch))]
+
+
+class AsyncReader:
+    """An async actor using the store's async twins on its worker's event loop."""
+
+    def __init__(self, store: StagingStore):
+        self.store = store
+
+    async def roundtrip(self, batch: PackedBatch) -> tuple[int, list[str]]:
+        put = await self.store.put_many_async(batch, partition="cut")
+        got = await self.store.get_many_async(list(batch.keys), partition="cut")
+        await self.store.delete_async(list(batch.keys[:1]), partition="cut")
+        return len(put.ok), got.batch.keys
+
+
+def test_store_usable_from_tasks_and_async_actors(cluster_client, store_factory):
+    store = store_factory()
+    rows = make_rows(3)
+    batch = pack_rows(rows)
+    store.put_many(batch)
+    out = cluster_client.submit(_get_in_task, store, list(batch.keys), pure=False).result()
+    assert out == [r.token_ids.tobytes() for r in rows]
+
+    reader = cluster_client.submit(AsyncReader, store, actor=True, pure=False).result()
+    n_ok, keys = reader.roundtrip(batch).result()
+    assert n_ok == len(batch) and keys == batch.keys
+    assert store.get_many([batch.keys[0]], partition="cut").failed[batch.keys[0]][0] == "missing_key"
