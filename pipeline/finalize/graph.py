@@ -1,0 +1,444 @@
+"""Finalization of one training step as ONE Dask task graph (SPEC section 5).
+
+Per submission (one or many groups):
+
+    plan_step(receipts)                       controller, pure, no I/O
+    tc-fetch-staging   1 task                 store.get_many(union keys, STAGING_FIELDS),
+                                              soft-affine to the storage workers; cuts the
+                                              rows into one piece per verify task
+    tc-fetch-routes    0 or 1 task            get_many(routes keys, ["routed_experts"])
+    tc-piece-*         1 per verify task      getitem of its piece (only when > 1 piece), so
+                                              each verify task receives ONLY its rows
+    tc-verify          1 per packed task      verify + linearize, `finalize` resource slot
+    tc-assemble        1 per group            -> FinalizedGroup (+ its metrics and event)
+
+The fetch tasks run where the storage units live (``workers=`` + ``allow_other_workers``,
+never together with ``resources=``: a known Dask bug), the piece getters run next to the
+fetched rows (Dask locality), and only a verify task's own rows cross to its worker.
+Both fetches read disjoint fields and start at once: rows are write-once and staged
+before their receipt exists, so there is no readiness race to order them against.
+
+Every task measures its work and returns it next to its result (see
+:mod:`pipeline.finalize.timing`). One bad row rejects only its rollout: missing keys are
+simply absent from a piece (the verifier says ``missing_staging_row``), and a verifier
+exception on one rollout becomes that rollout's ``invalid_staging_row``.
+"""
+from __future__ import annotations
+
+import logging
+import operator
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from tasks import reasons
+from tasks.assemble import assemble_group
+from tasks.keys import unit_for_key
+from tasks.packed import PackedBatch
+from tasks.plan import pack_verify_tasks, plan_step
+from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
+from tasks.verify import RolloutResult, rejected_result, verify_many
+
+from .. import config, events
+from . import timing
+
+logger = logging.getLogger(__name__)
+
+STAGING_PARTITION = "staging"
+
+
+class FinalizeError(ValueError):
+    """A step that cannot be submitted (empty group, no finalize slots, bad arguments)."""
+
+
+# ---- what travels between tasks ---------------------------------------------------------
+
+
+@dataclass
+class Piece:
+    """The fetched rows one verify task needs, rollout after rollout.
+
+    ``bounds[r] = (start, end)``: rows ``start:end`` of ``batch`` are rollout ``r``'s (``r``
+    is the rollout's index in the step plan). ``row_bytes`` is each row's payload bytes.
+    """
+
+    batch: PackedBatch
+    bounds: dict[int, tuple[int, int]]
+    row_bytes: np.ndarray
+    failed: dict[str, tuple[str, str]]
+    timing: dict[str, Any]
+
+
+@dataclass
+class VerifyOut:
+    """A verify task's results and figures, keyed by rollout index in the step plan."""
+
+    task: int
+    results: dict[int, RolloutResult]
+    verify_ms: dict[int, float]
+    bytes_fetched: dict[int, int]
+    timing: dict[str, Any]
+    fetch_timings: list[dict[str, Any]] = field(default_factory=list)
+
+
+def _row_payload_bytes(batch: PackedBatch) -> np.ndarray:
+    """Payload bytes of every row of ``batch`` (all fields' values; offsets excluded)."""
+    total = np.zeros(len(batch), dtype=np.int64)
+    for f in batch.fields.values():
+        elem = f.values.dtype.itemsize * int(np.prod(f.values.shape[1:], dtype=np.int64))
+        total += f.lengths() * elem
+    return total
+
+
+# ---- task bodies (run on workers) ---------------------------------------------------------
+
+
+def fetch_pieces(
+    store: Any,
+    keys: list[str],
+    fields: list[str],
+    layout: list[list[tuple[int, list[str]]]],
+    kind: str,
+    partition: str = STAGING_PARTITION,
+):
+    """ONE ``store.get_many`` over ``keys``, cut into one :class:`Piece` per verify task.
+
+    ``layout[t]`` lists ``(rollout index, that rollout's keys)`` for verify task ``t``.
+    Returns the single piece when there is one task, else a tuple (read by getitem tasks).
+    """
+    with timing.Stopwatch() as sw, timing.meter(timing.METER_FETCH):
+        res = store.get_many(keys, fields, partition=partition)
+    with timing.Stopwatch() as sp:
+        batch = res.batch
+        row_bytes = _row_payload_bytes(batch)
+        pos = {k: i for i, k in enumerate(batch.keys)}
+        info: dict[str, Any] = {
+            "kind": kind,
+            "start_s": sw.start_s,
+            "fetch_ms": sw.ms,
+            "keys": len(keys),
+            "rows": len(batch),
+            "failed": len(res.failed),
+            "bytes": int(row_bytes.sum()),
+        }
+        pieces = []
+        for task_layout in layout:
+            idx: list[int] = []
+            bounds: dict[int, tuple[int, int]] = {}
+            failed: dict[str, tuple[str, str]] = {}
+            for r, rkeys in task_layout:
+                start = len(idx)
+                for k in rkeys:
+                    i = pos.get(k)
+                    if i is not None:
+                        idx.append(i)
+                    if k in res.failed:
+                        failed[k] = res.failed[k]
+                bounds[r] = (start, len(idx))
+            if len(layout) == 1 and idx == list(range(len(batch))):
+                sub, sub_bytes = batch, row_bytes  # the whole fetch is this task's: no copy
+            else:
+                index = np.asarray(idx, dtype=np.int64)
+                sub, sub_bytes = batch.take(index), row_bytes[index]
+            pieces.append(Piece(sub, bounds, sub_bytes, failed, info))
+    info["split_ms"] = sp.ms
+    return pieces[0] if len(pieces) == 1 else tuple(pieces)
+
+
+def _rollout_bytes(piece: Optional[Piece], r: int) -> int:
+    if piece is None or r not in piece.bounds:
+        return 0
+    start, end = piece.bounds[r]
+    return int(piece.row_bytes[start:end].sum())
+
+
+def verify_piece(
+    task: int,
+    plans: list[tuple[int, Any]],
+    staging: Optional[Piece],
+    routes: Optional[Piece],
+    vocab_size: int,
+    num_experts: Optional[int],
+) -> VerifyOut:
+    """Verify + linearize the rollouts of one packed task, each judged on its own.
+
+    One ``verify_many`` call: the piece is indexed and pre-scanned once for all its
+    rollouts. Per-rollout ``verify_ms`` is the task's time apportioned by tokens.
+    """
+    out = VerifyOut(task, {}, {}, {}, {})
+    rows = staging.batch if staging is not None else PackedBatch([], {})
+    with timing.Stopwatch() as sw, timing.meter(timing.METER_VERIFY):
+        try:
+            results = verify_many(
+                [p for _, p in plans], rows, None if routes is None else routes.batch,
+                vocab_size=vocab_size, num_experts=num_experts,
+            )
+        except Exception as e:  # verify_many never raises on data; a bug rejects, not crashes
+            logger.exception("verify_many raised in verify task %d", task)
+            results = [
+                rejected_result(p.rollout_id, reasons.INVALID_STAGING_ROW, f"verifier raised {type(e).__name__}: {e}")
+                for _, p in plans
+            ]
+    tokens = np.array([max(int(p.n_tokens), 1) for _, p in plans], dtype=np.float64)
+    share = tokens / tokens.sum() if len(tokens) else tokens
+    for (r, _), result, frac in zip(plans, results, share):
+        out.results[r] = result
+        out.verify_ms[r] = sw.ms * float(frac)
+        out.bytes_fetched[r] = _rollout_bytes(staging, r) + _rollout_bytes(routes, r)
+    out.timing = {"task": task, "start_s": sw.start_s, "ms": sw.ms, "rollouts": len(plans)}
+    out.fetch_timings = [p.timing for p in (staging, routes) if p is not None]
+    return out
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One row of a group: a planned rollout (``index`` into the step plan) or an early
+    receipt rejection (``reason``/``detail``)."""
+
+    rollout_id: str
+    reward: float
+    index: Optional[int] = None
+    reason: Optional[str] = None
+    detail: str = ""
+    calls: int = 0
+
+
+def assemble_piece(
+    step_id: str,
+    group_id: str,
+    slots: list[Slot],
+    submitted_s: float,
+    queue_depth: int,
+    fetch_calls: int,
+    *verify_outs: VerifyOut,
+):
+    """Assemble one group (keeps its shape: rejected rows get ``sample_mask`` 0) and attach
+    the group's split timing; publishes the group's finalize event."""
+    results: dict[int, RolloutResult] = {}
+    verify_ms: dict[int, float] = {}
+    bytes_fetched: dict[int, int] = {}
+    task_of: dict[int, dict[str, Any]] = {}
+    fetch_timings: dict[str, dict[str, Any]] = {}
+    for vo in verify_outs:
+        for r, res in vo.results.items():
+            results[r] = res
+            verify_ms[r] = vo.verify_ms[r]
+            bytes_fetched[r] = vo.bytes_fetched[r]
+            task_of[r] = vo.timing
+        for ft in vo.fetch_timings:
+            fetch_timings[ft["kind"]] = ft
+    with timing.Stopwatch() as sw, timing.meter(timing.METER_ASSEMBLE):
+        rows: list[RolloutResult] = []
+        for s in slots:
+            if s.index is not None:
+                rows.append(results[s.index])
+            else:
+                rows.append(rejected_result(s.rollout_id, s.reason, s.detail))
+        group = assemble_group(rows, [s.reward for s in slots])
+    mine = [s.index for s in slots if s.index is not None]
+    statuses = [r.status for r in rows]
+    accepted, rejected = timing.status_counts(statuses)
+    tokens = int(sum(int(r.linearized.input_ids.shape[0]) for r in rows if r.status == reasons.OK and r.linearized is not None))
+    tasks_used = {task_of[r]["task"]: task_of[r] for r in mine}
+    calls = sum(s.calls for s in slots if s.index is not None)
+    metrics = {
+        "kind": timing.EVENT_KIND_GROUP,
+        "step_id": step_id,
+        "group_id": group_id,
+        "rollouts": len(slots),
+        "accepted": accepted,
+        "rejected": rejected,
+        "tokens": tokens,
+        "fetch_ms": sum(t["fetch_ms"] for t in fetch_timings.values()),
+        "verify_ms": sum(verify_ms[r] for r in mine),
+        "assemble_ms": sw.ms,
+        "queue_wait_ms": timing.queue_wait_ms(submitted_s, min((t["start_s"] for t in tasks_used.values()), default=None)),
+        "queue_depth": queue_depth,
+        "calls_per_rollout": calls / len(mine) if mine else 0.0,
+        "fetch_calls": fetch_calls if mine else 0,
+        "bytes_fetched": int(sum(bytes_fetched[r] for r in mine)),
+        # Private bookkeeping for the step's aggregate (stripped from events).
+        "_verify_tasks": list(tasks_used.values()),
+        "_fetch_timings": list(fetch_timings.values()) if mine else [],
+        "_calls": calls,
+        "_planned": len(mine),
+    }
+    group_metrics = getattr(group, "metrics", None)
+    if isinstance(group_metrics, dict):
+        group_metrics.update(metrics)
+    else:  # pragma: no cover - assemble_group always gives a metrics dict
+        group.metrics = metrics
+    events.publish(events.FINALIZE, timing.public(metrics))
+    return group
+
+
+# ---- planning the graph (controller) ------------------------------------------------------
+
+
+def slots_for(plan: Any) -> list[Slot]:
+    """Each submitted receipt (``plan.order``) as its planned rollout or early rejection."""
+    index = {p.rollout_id: j for j, p in enumerate(plan.rollouts)}
+    slots = []
+    for rid, reward in zip(plan.order, plan.rewards):
+        if rid in plan.rejected:
+            reason, detail = plan.rejected[rid]
+            slots.append(Slot(rid, reward, reason=reason, detail=detail))
+        else:
+            j = index[rid]
+            slots.append(Slot(rid, reward, index=j, calls=len(plan.rollouts[j].keys)))
+    return slots
+
+
+def _affinity(store: Any, keys: Sequence[str]) -> list[str]:
+    """Workers hosting the units that hold ``keys`` (soft affinity for the fetch task)."""
+    workers = list(store.unit_workers)
+    if not workers:
+        return []
+    units = {unit_for_key(k, len(workers)) for k in keys}
+    return sorted({workers[u] for u in units})
+
+
+@dataclass
+class StepGraph:
+    """The submitted graph of one step: plan, layout and Dask futures."""
+
+    step_id: str
+    token: str
+    plan: Any
+    group_ids: list[str]
+    slots: dict[str, list[Slot]]
+    submitted_s: float
+    queue_depth: int
+    fetch_futures: list[Any]  # these three are empty unless keep_intermediates
+    piece_futures: list[Any]
+    verify_futures: list[Any]
+    group_futures: dict[str, Any]
+    fetch_calls: int
+    verify_layout: list[list[int]]
+
+    @property
+    def futures(self) -> list[Any]:
+        return list(self.group_futures.values())
+
+
+def submit_graph(
+    client: Any,
+    store: Any,
+    groups: Mapping[str, Sequence[Any]],
+    *,
+    step_id: str,
+    vocab_size: int,
+    num_experts: Optional[int],
+    queue_depth: int = 0,
+    priority: int = 0,
+    token_budget: Optional[int] = None,
+    retries: Optional[int] = None,
+    keep_intermediates: bool = False,
+) -> StepGraph:
+    """Plan ``groups`` (group id -> receipts) and submit the step's graph; returns futures.
+
+    Only the per-group futures are held by default, so Dask frees fetched rows, pieces
+    and verify outputs as soon as their dependents ran; ``keep_intermediates=True`` also
+    keeps the fetch, piece and verify futures (debugging, tests).
+
+    Knobs not given are read from config now: ``finalize.verify-token-budget`` (tokens),
+    ``finalize.retries``. Tasks of a step share ``priority`` (the controller gives older
+    steps a higher one, so several steps in flight drain in order).
+    """
+    from distributed import span
+
+    if not groups:
+        raise FinalizeError("a step needs at least one group")
+    for gid, receipts in groups.items():
+        if not isinstance(receipts, Sequence) or isinstance(receipts, (str, bytes)) or not len(receipts):
+            raise FinalizeError(f"group {gid!r} has no receipts (expected a non-empty list)")
+    token_budget = int(config.get("finalize.verify-token-budget") if token_budget is None else token_budget)
+    retries = int(config.get("finalize.retries") if retries is None else retries)
+    token = uuid.uuid4().hex[:16]
+
+    group_ids = [str(g) for g in groups]
+    flat = [r for g in groups.values() for r in g]
+    plan = plan_step(flat)
+    slot_list = slots_for(plan)
+    slots: dict[str, list[Slot]] = {}
+    pos = 0
+    for gid, receipts in zip(group_ids, groups.values()):
+        slots[gid] = slot_list[pos : pos + len(receipts)]
+        pos += len(receipts)
+
+    rollouts = list(plan.rollouts)
+    position = {id(p): r for r, p in enumerate(rollouts)}
+    layout = [[position[id(p)] for p in task] for task in pack_verify_tasks(rollouts, token_budget)] if rollouts else []
+    staging_layout = [[(r, list(rollouts[r].keys)) for r in task] for task in layout]
+    routes_layout = [[(r, list(rollouts[r].routes_keys)) for r in task] for task in layout]
+
+    submitted_s = timing.wall_s()
+    common = dict(retries=retries, priority=priority, pure=False)
+    fetch_futures: list[Any] = []
+    piece_futures: list[Any] = []
+    verify_futures: list[Any] = []
+    group_futures: dict[str, Any] = {}
+    with span("token-capture", "finalize", step_id):
+        staging_f = routes_f = None
+        if layout:
+            keys = list(plan.staging_keys)
+            staging_f = client.submit(
+                fetch_pieces, store, keys, list(STAGING_FIELDS), staging_layout, "staging",
+                key=f"tc-fetch-staging-{token}", workers=_affinity(store, keys) or None,
+                allow_other_workers=True, **common,
+            )
+            fetch_futures.append(staging_f)
+            if plan.routes_keys:
+                rkeys = list(plan.routes_keys)
+                routes_f = client.submit(
+                    fetch_pieces, store, rkeys, [ROUTES_FIELD], routes_layout, "routes",
+                    key=f"tc-fetch-routes-{token}", workers=_affinity(store, rkeys) or None,
+                    allow_other_workers=True, **common,
+                )
+                fetch_futures.append(routes_f)
+
+        def piece(fut: Any, t: int, kind: str) -> Any:
+            if fut is None or len(layout) == 1:
+                return fut
+            f = client.submit(operator.getitem, fut, t, key=(f"tc-piece-{kind}-{token}", t), **common)
+            piece_futures.append(f)
+            return f
+
+        task_of_rollout: dict[int, int] = {}
+        for t, task in enumerate(layout):
+            has_routes = routes_f is not None and any(routes_layout[t][j][1] for j in range(len(task)))
+            verify_futures.append(
+                client.submit(
+                    verify_piece, t, [(r, rollouts[r]) for r in task],
+                    piece(staging_f, t, "staging"), piece(routes_f, t, "routes") if has_routes else None,
+                    vocab_size, num_experts,
+                    key=(f"tc-verify-{token}", t), resources={"finalize": 1}, **common,
+                )
+            )
+            for r in task:
+                task_of_rollout[r] = t
+        fetch_calls = len(fetch_futures)
+        for gid in group_ids:
+            needed = sorted({task_of_rollout[s.index] for s in slots[gid] if s.index is not None})
+            group_futures[gid] = client.submit(
+                assemble_piece, step_id, gid, slots[gid], submitted_s, queue_depth, fetch_calls,
+                *[verify_futures[t] for t in needed],
+                key=(f"tc-assemble-{token}", group_ids.index(gid)), **common,
+            )
+    return StepGraph(
+        step_id=step_id,
+        token=token,
+        plan=plan,
+        group_ids=group_ids,
+        slots=slots,
+        submitted_s=submitted_s,
+        queue_depth=queue_depth,
+        fetch_futures=fetch_futures if keep_intermediates else [],
+        piece_futures=piece_futures if keep_intermediates else [],
+        verify_futures=verify_futures if keep_intermediates else [],
+        group_futures=group_futures,
+        fetch_calls=fetch_calls,
+        verify_layout=layout,
+    )
