@@ -627,6 +627,12 @@ def generate_rollouts(
     tails = [np.zeros(0, np.int64) for _ in specs]
     lens = [0] * len(specs)
     alive = [True] * len(specs)
+    for i, s in enumerate(specs):
+        # A prompt this policy cannot read poisons its rollout only, not the batch.
+        p = s.prompt_tokens
+        if p.size and (int(p.min()) < 0 or int(p.max()) >= policy.vocab_size):
+            gates[i].poison(f"invalid_token: prompt of {s.rollout_id!r} holds ids outside [0, {policy.vocab_size})")
+            alive[i] = False
     for turn in range(max((s.turns for s in specs), default=0)):
         idx = [i for i, s in enumerate(specs) if alive[i] and turn < s.turns]
         if not idx:
