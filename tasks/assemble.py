@@ -1,0 +1,118 @@
+"""Assembly: a group's verify results become the padded torch tensors training consumes.
+
+The group keeps its shape however many rows are rejected: a rejected row is all zeros
+with length 0 and ``sample_mask`` 0, and its ``status`` names the reason. Rows are
+filled with one slice assignment each into preallocated numpy buffers (per-row Python,
+never per-token), then handed to torch without a copy.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+from . import reasons as R
+from .schema import ROUTES_DTYPE
+from .verify import RolloutResult
+
+
+@dataclass
+class FinalizedGroup:
+    """One group's training tensors (``n`` rows, padded to ``max_len`` tokens).
+
+    ``rewards`` are the receipts' rewards as given, rejected rows included: use
+    ``sample_mask`` to drop them. ``routed_experts`` is ``None`` unless some accepted
+    row has routes; ``has_routes`` says which rows carry them (others are zeros).
+    """
+
+    rollout_ids: list[str]
+    input_ids: torch.Tensor  # int64 [n, max_len]
+    input_lengths: torch.Tensor  # int64 [n] (tokens)
+    prompt_lengths: torch.Tensor  # int64 [n] (tokens)
+    logprobs: torch.Tensor  # float32 [n, max_len]
+    token_mask: torch.Tensor  # float32 [n, max_len]
+    sample_mask: torch.Tensor  # float32 [n]
+    rewards: torch.Tensor  # float32 [n]
+    routed_experts: Optional[torch.Tensor]  # int16 [n, max_len, L, K]
+    has_routes: torch.Tensor  # bool [n]
+    status: list[str]
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.status)
+
+
+def assemble_group(
+    results: Sequence[RolloutResult],
+    rewards: Sequence[float],
+    *,
+    pad_id: int = 0,
+) -> FinalizedGroup:
+    """Pad and stack one group's results (submission order) into a :class:`FinalizedGroup`.
+
+    An accepted row whose routes' ``[L, K]`` differs from the group's first routed row is
+    rejected ``invalid_routes`` here rather than failing the whole group.
+    ``metrics``: accepted, rejected, rejected_by_reason, tokens (accepted tokens),
+    calls_per_rollout (mean chain calls over accepted rows), max_len.
+    """
+    n = len(results)
+    if len(rewards) != n:
+        raise ValueError(f"{n} results but {len(rewards)} rewards")
+    status = [r.status for r in results]
+    lins = [r.linearized if r.ok else None for r in results]
+    for i, lin in enumerate(lins):
+        if status[i] == R.OK and lin is None:
+            status[i] = R.EMPTY_TRAINING_ROW
+    route_shape = next((lin.routed_experts.shape[1:] for lin in lins if lin is not None and lin.routed_experts is not None), None)
+    for i, lin in enumerate(lins):
+        if lin is not None and lin.routed_experts is not None and lin.routed_experts.shape[1:] != route_shape:
+            status[i] = R.INVALID_ROUTES
+            lins[i] = None
+    accepted = [i for i, lin in enumerate(lins) if lin is not None]
+    lengths = np.zeros(n, dtype=np.int64)
+    prompts = np.zeros(n, dtype=np.int64)
+    for i in accepted:
+        lengths[i] = lins[i].length
+        prompts[i] = lins[i].prompt_length
+    max_len = int(lengths.max()) if n else 0
+    ids = np.full((n, max_len), pad_id, dtype=np.int64)
+    mask = np.zeros((n, max_len), dtype=np.float32)
+    lps = np.zeros((n, max_len), dtype=np.float32)
+    has_routes = np.zeros(n, dtype=bool)
+    routes = None if route_shape is None else np.zeros((n, max_len) + tuple(route_shape), dtype=ROUTES_DTYPE)
+    for i in accepted:
+        lin, t = lins[i], int(lengths[i])
+        ids[i, :t] = lin.input_ids
+        mask[i, :t] = lin.token_mask
+        lps[i, :t] = lin.logprobs
+        if lin.routed_experts is not None:
+            routes[i, :t] = lin.routed_experts
+            has_routes[i] = True
+    sample_mask = np.zeros(n, dtype=np.float32)
+    sample_mask[accepted] = 1.0
+    rejected = Counter(s for s in status if s != R.OK)
+    metrics = {
+        "accepted": len(accepted),
+        "rejected": n - len(accepted),
+        "rejected_by_reason": dict(rejected),
+        "tokens": int(lengths.sum()),
+        "calls_per_rollout": float(np.mean([results[i].n_calls for i in accepted])) if accepted else 0.0,
+        "max_len": max_len,
+    }
+    return FinalizedGroup(
+        rollout_ids=[r.rollout_id for r in results],
+        input_ids=torch.from_numpy(ids),
+        input_lengths=torch.from_numpy(lengths),
+        prompt_lengths=torch.from_numpy(prompts),
+        logprobs=torch.from_numpy(lps),
+        token_mask=torch.from_numpy(mask),
+        sample_mask=torch.from_numpy(sample_mask),
+        rewards=torch.tensor(np.asarray(rewards, dtype=np.float32)),
+        routed_experts=None if routes is None else torch.from_numpy(routes),
+        has_routes=torch.from_numpy(has_routes),
+        status=status,
+        metrics=metrics,
+    )

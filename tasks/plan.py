@@ -1,0 +1,356 @@
+"""Receipt parsing: receipts -> staging keys and a per-rollout verification plan (no I/O).
+
+Phase 1 of finalization (SPEC section 5): every key a step needs is known from the
+receipts alone, so the graph can issue ONE union fetch of the staging fields and at most
+ONE fetch of ``routed_experts`` (only for keys whose ``routes_encoding != 0``).
+
+A receipt that cannot be used is rejected here with a reason from :mod:`tasks.reasons`
+(never an exception): the rest of the step plans as usual. Check order is documented in
+:mod:`tasks.reasons`. Only the chain from the root to the terminal call is fetched and
+verified; calls off that chain (abandoned branches) are listed in :attr:`RolloutPlan.all_keys`
+so a caller can clear them, but they never reach the training row.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Sequence, Union
+
+from . import reasons as R
+from .errors import InvalidKey
+from .keys import check_id, staging_key
+from .receipts import RECEIPT_VERSION, CallRecord, Receipt
+from .schema import HASH_BYTES, HASH_FIELDS, ROUTES_INT16, ROUTES_NONE
+
+ReceiptLike = Union[Receipt, Mapping[str, Any]]
+Rejection = tuple[str, str]
+
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_RECEIPT_REQUIRED = ("rollout_id", "reward", "terminal_model_call_id", "calls")
+_RECEIPT_OPTIONAL = {"poisoned": False, "failure_reason": None, "group_id": None, "version": RECEIPT_VERSION}
+_RECORD_FIELDS = tuple(CallRecord.__dataclass_fields__)
+_INT_FIELDS = ("prev_len", "delta_len", "cum_len", "weight_version")
+
+
+class _Bad(Exception):
+    """Internal: a receipt rejection (reason, detail) raised out of the parsing helpers."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
+
+
+@dataclass
+class RolloutPlan:
+    """One usable receipt and what verifying it needs.
+
+    ``chain`` runs root -> terminal; ``keys`` are the chain's staging keys (what to fetch,
+    in chain order); ``routes_keys`` the subset whose ``routes_encoding != 0``.
+    """
+
+    receipt: Receipt
+    chain: list[CallRecord]
+    keys: list[str]
+    routes_keys: list[str]
+    all_keys: list[str]  # every staged call of the receipt, on the chain or not
+
+    @property
+    def rollout_id(self) -> str:
+        return self.receipt.rollout_id
+
+    @property
+    def reward(self) -> float:
+        return self.receipt.reward
+
+    @property
+    def group_id(self) -> Optional[str]:
+        return self.receipt.group_id
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens of the linearized training row (the terminal's ``cum_len``)."""
+        return self.chain[-1].cum_len
+
+
+@dataclass
+class StepPlan:
+    """The plan of a step (many groups) or of one group.
+
+    ``order``/``group_ids`` list every submitted receipt (placeholder ids
+    ``"<receipt #i>"`` for receipts whose rollout_id is unreadable), so a group keeps its
+    shape however many rollouts are rejected early.
+    """
+
+    rollouts: list[RolloutPlan]
+    rejected: dict[str, Rejection]
+    order: list[str]
+    group_ids: list[Optional[str]]
+    rewards: list[float]
+    staging_keys: list[str]
+    routes_keys: list[str]
+
+    def groups(self) -> dict[Optional[str], list[int]]:
+        """Submission indices per group id, in first-seen order."""
+        out: dict[Optional[str], list[int]] = {}
+        for i, g in enumerate(self.group_ids):
+            out.setdefault(g, []).append(i)
+        return out
+
+
+# ---- parsing helpers ------------------------------------------------------------------
+
+
+def _get(obj: Any, name: str, default: Any = ...) -> Any:
+    if isinstance(obj, Mapping):
+        if name in obj:
+            return obj[name]
+    elif hasattr(obj, name):
+        return getattr(obj, name)
+    if default is ...:
+        raise _Bad(R.INVALID_RECEIPT, f"missing field {name!r}")
+    return default
+
+
+def _is_int(v: Any) -> bool:
+    # bool is an int subclass but never a valid length or version.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _id(v: Any, what: str, *, optional: bool = False) -> Optional[str]:
+    if v is None and optional:
+        return None
+    try:
+        return check_id(v, what)
+    except InvalidKey as e:
+        raise _Bad(R.INVALID_RECEIPT, str(e)) from None
+
+
+def _hash(v: Any, what: str) -> bytes:
+    if not isinstance(v, (bytes, bytearray)):
+        raise _Bad(R.INVALID_RECEIPT, f"{what} is {type(v).__name__}, expected {HASH_BYTES} bytes")
+    if len(v) != HASH_BYTES:
+        raise _Bad(R.INVALID_RECEIPT, f"{what} is {len(v)} bytes, expected {HASH_BYTES}")
+    return bytes(v)
+
+
+def _record(raw: Any, i: int) -> CallRecord:
+    """One call record, type- and range-checked (lengths consistent, hashes 32 bytes)."""
+    if isinstance(raw, CallRecord):
+        get = lambda n: getattr(raw, n)  # noqa: E731
+    elif isinstance(raw, Mapping):
+        unknown = set(raw) - set(_RECORD_FIELDS)
+        missing = set(_RECORD_FIELDS) - set(raw)
+        if unknown or missing:
+            raise _Bad(R.INVALID_RECEIPT, f"calls[{i}]: unknown fields {sorted(map(str, unknown))}, missing {sorted(missing)}")
+        get = raw.__getitem__
+    else:
+        raise _Bad(R.INVALID_RECEIPT, f"calls[{i}] is {type(raw).__name__}, expected a call record")
+    where = f"calls[{i}]"
+    call_id = _id(get("model_call_id"), f"{where}.model_call_id")
+    parent = _id(get("parent_call_id"), f"{where}.parent_call_id", optional=True)
+    ints = {}
+    for name in _INT_FIELDS:
+        v = get(name)
+        if not _is_int(v) or not (_I64_MIN <= v <= _I64_MAX):
+            raise _Bad(R.INVALID_RECEIPT, f"{where}.{name} = {v!r} is not an int64")
+        ints[name] = int(v)
+    if ints["delta_len"] <= 0:
+        raise _Bad(R.INVALID_RECEIPT, f"{where}.delta_len {ints['delta_len']} must be > 0")
+    if ints["prev_len"] < 0:
+        raise _Bad(R.INVALID_RECEIPT, f"{where}.prev_len {ints['prev_len']} must be >= 0")
+    if ints["cum_len"] != ints["prev_len"] + ints["delta_len"]:
+        raise _Bad(R.INVALID_RECEIPT, f"{where}.cum_len {ints['cum_len']} != prev_len + delta_len")
+    enc = get("routes_encoding")
+    if not _is_int(enc) or enc not in (ROUTES_NONE, ROUTES_INT16):
+        raise _Bad(R.INVALID_RECEIPT, f"{where}.routes_encoding = {enc!r}, expected 0 or 1")
+    key = get("staging_key")
+    if not isinstance(key, str):
+        raise _Bad(R.INVALID_RECEIPT, f"{where}.staging_key is {type(key).__name__}, expected str")
+    hashes = {name: _hash(get(name), f"{where}.{name}") for name in HASH_FIELDS}
+    return CallRecord(
+        model_call_id=call_id,
+        parent_call_id=parent,
+        routes_encoding=int(enc),
+        staging_key=key,
+        **ints,
+        **hashes,
+    )
+
+
+def _header(raw: Any) -> dict[str, Any]:
+    """Top-level receipt fields, type-checked."""
+    if not isinstance(raw, (Receipt, Mapping)):
+        raise _Bad(R.INVALID_RECEIPT, f"receipt is {type(raw).__name__}, expected Receipt or dict")
+    if isinstance(raw, Mapping):
+        unknown = set(raw) - set(_RECEIPT_REQUIRED) - set(_RECEIPT_OPTIONAL)
+        if unknown:
+            raise _Bad(R.INVALID_RECEIPT, f"unknown receipt fields {sorted(map(str, unknown))}")
+    h = {name: _get(raw, name) for name in _RECEIPT_REQUIRED}
+    h.update({name: _get(raw, name, d) for name, d in _RECEIPT_OPTIONAL.items()})
+    h["rollout_id"] = _id(h["rollout_id"], "rollout_id")
+    reward = h["reward"]
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        raise _Bad(R.INVALID_RECEIPT, f"reward {reward!r} is not a finite number")
+    h["reward"] = float(reward)
+    if h["terminal_model_call_id"] is not None and not isinstance(h["terminal_model_call_id"], str):
+        raise _Bad(R.INVALID_RECEIPT, "terminal_model_call_id must be str or None")
+    if not isinstance(h["calls"], (list, tuple)):
+        raise _Bad(R.INVALID_RECEIPT, f"calls is {type(h['calls']).__name__}, expected a list")
+    if not isinstance(h["poisoned"], bool):
+        raise _Bad(R.INVALID_RECEIPT, f"poisoned is {type(h['poisoned']).__name__}, expected bool")
+    for name in ("failure_reason", "group_id"):
+        if h[name] is not None and not isinstance(h[name], str):
+            raise _Bad(R.INVALID_RECEIPT, f"{name} must be str or None")
+    if h["version"] != RECEIPT_VERSION or not _is_int(h["version"]):
+        raise _Bad(R.INVALID_RECEIPT, f"receipt version {h['version']!r}, this build reads {RECEIPT_VERSION}")
+    return h
+
+
+def _chain(records: Sequence[CallRecord], terminal: str) -> list[CallRecord]:
+    """Lineage of the whole receipt checked; the root -> terminal chain returned."""
+    by_id = {r.model_call_id: r for r in records}
+    for r in records:
+        if r.parent_call_id is not None and r.parent_call_id not in by_id:
+            raise _Bad(R.MISSING_PARENT, f"parent {r.parent_call_id!r} of {r.model_call_id!r} is not in the receipt")
+    # Every record must reach a root; `settled` memoizes records already known to.
+    settled: set[str] = set()
+    for r in records:
+        path: list[str] = []
+        on_path: set[str] = set()
+        cur: Optional[CallRecord] = r
+        while cur is not None and cur.model_call_id not in settled:
+            if cur.model_call_id in on_path:
+                raise _Bad(R.LINEAGE_CYCLE, f"calls {' -> '.join(path)} -> {cur.model_call_id} form a cycle")
+            on_path.add(cur.model_call_id)
+            path.append(cur.model_call_id)
+            cur = None if cur.parent_call_id is None else by_id[cur.parent_call_id]
+        settled.update(path)
+    chain = [by_id[terminal]]
+    while chain[-1].parent_call_id is not None:
+        chain.append(by_id[chain[-1].parent_call_id])
+    chain.reverse()
+    return chain
+
+
+def _plan_one(raw: Any) -> RolloutPlan:
+    h = _header(raw)
+    rid = h["rollout_id"]
+    if h["poisoned"]:
+        raise _Bad(R.CAPTURE_POISONED, f"capture poisoned: {h['failure_reason'] or 'no reason given'}")
+    if not h["calls"]:
+        raise _Bad(R.EMPTY_MANIFEST, "receipt lists no calls")
+    records = [_record(c, i) for i, c in enumerate(h["calls"])]
+    seen: set[str] = set()
+    for r in records:
+        if r.model_call_id in seen:
+            raise _Bad(R.DUPLICATE_CALL_ID, f"model_call_id {r.model_call_id!r} listed twice")
+        seen.add(r.model_call_id)
+    seen.clear()
+    for r in records:
+        if r.staging_key in seen:
+            raise _Bad(R.DUPLICATE_STAGING_KEY, f"staging_key {r.staging_key!r} listed twice")
+        seen.add(r.staging_key)
+    for r in records:
+        want = staging_key(rid, r.model_call_id)
+        if r.staging_key != want:
+            raise _Bad(R.INVALID_RECEIPT, f"staging_key {r.staging_key!r} of {r.model_call_id!r}, expected {want!r}")
+    terminal = h["terminal_model_call_id"]
+    if terminal is None or terminal not in {r.model_call_id for r in records}:
+        raise _Bad(R.MISSING_TERMINAL, f"terminal call {terminal!r} is not in the receipt")
+    chain = _chain(records, terminal)
+    receipt = Receipt(
+        rollout_id=rid,
+        reward=h["reward"],
+        terminal_model_call_id=terminal,
+        calls=records,
+        poisoned=False,
+        failure_reason=h["failure_reason"],
+        group_id=h["group_id"],
+        version=h["version"],
+    )
+    keys = [c.staging_key for c in chain]
+    routes = [c.staging_key for c in chain if c.routes_encoding != ROUTES_NONE]
+    return RolloutPlan(receipt, chain, keys, routes, [r.staging_key for r in records])
+
+
+def _peek(raw: Any, name: str) -> Any:
+    try:
+        return _get(raw, name, None)
+    except Exception:  # a hostile mapping; the id is unreadable
+        return None
+
+
+# ---- public ---------------------------------------------------------------------------
+
+
+def plan_step(receipts: Sequence[ReceiptLike]) -> StepPlan:
+    """Parse a step's receipts (Receipt objects or dicts) into a :class:`StepPlan`.
+
+    Never raises on bad receipts: each is rejected on its own with a reason. Receipts
+    sharing a rollout_id collide on every staging key, so all of them are rejected with
+    ``duplicate_staging_key`` (no way to tell which one the store holds).
+    """
+    plans: list[Optional[RolloutPlan]] = []
+    rejected: dict[str, Rejection] = {}
+    order: list[str] = []
+    group_ids: list[Optional[str]] = []
+    rewards: list[float] = []
+    for i, raw in enumerate(receipts):
+        rid = _peek(raw, "rollout_id")
+        rid = rid if isinstance(rid, str) and rid else f"<receipt #{i}>"
+        gid = _peek(raw, "group_id")
+        reward = _peek(raw, "reward")
+        order.append(rid)
+        group_ids.append(gid if isinstance(gid, str) else None)
+        ok_reward = isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward)
+        rewards.append(float(reward) if ok_reward else 0.0)
+        try:
+            plans.append(_plan_one(raw))
+        except _Bad as e:
+            plans.append(None)
+            rejected.setdefault(rid, (e.reason, e.detail))
+        except Exception as e:  # hostile objects (e.g. __eq__ raising): still one rejection
+            plans.append(None)
+            rejected.setdefault(rid, (R.INVALID_RECEIPT, f"{type(e).__name__}: {e}"))
+    counts: dict[str, int] = {}
+    for rid in order:
+        counts[rid] = counts.get(rid, 0) + 1
+    for rid, n in counts.items():
+        if n > 1:
+            rejected[rid] = (R.DUPLICATE_STAGING_KEY, f"rollout_id {rid!r} submitted {n} times: its staging keys collide")
+    rollouts = [p for p in plans if p is not None and p.rollout_id not in rejected]
+    staging_keys = [k for p in rollouts for k in p.keys]
+    routes_keys = [k for p in rollouts for k in p.routes_keys]
+    return StepPlan(rollouts, rejected, order, group_ids, rewards, staging_keys, routes_keys)
+
+
+def plan_group(receipts: Sequence[ReceiptLike]) -> StepPlan:
+    """:func:`plan_step` for the receipts of one group (same result type and rules)."""
+    return plan_step(receipts)
+
+
+def pack_verify_tasks(plans: Sequence[RolloutPlan], token_budget: int) -> list[list[RolloutPlan]]:
+    """Pack rollouts into verify tasks of at most ``token_budget`` tokens each.
+
+    A rollout of ``token_budget`` tokens or more gets a task alone; shorter ones are
+    packed greedily in submission order (a task of many short rollouts amortizes the
+    ~1 ms per-task scheduling overhead). Every rollout is still verified on its own.
+    """
+    if token_budget <= 0:
+        raise ValueError(f"token_budget must be positive, got {token_budget}")
+    tasks: list[list[RolloutPlan]] = []
+    current: list[RolloutPlan] = []
+    used = 0
+    for p in plans:
+        n = p.n_tokens
+        if n >= token_budget:
+            tasks.append([p])
+            continue
+        if current and used + n > token_budget:
+            tasks.append(current)
+            current, used = [], 0
+        current.append(p)
+        used += n
+    if current:
+        tasks.append(current)
+    return tasks

@@ -1,0 +1,108 @@
+"""The fixed rejection vocabulary (SPEC section 4) as constants.
+
+Every rejected rollout carries exactly one of these words as its ``status``; a good one
+carries :data:`OK`. Code compares against the constants, never against string literals,
+so a typo is an ``AttributeError`` rather than a silently unmatched reason.
+
+Check order (the vectorized verifier and the per-token reference both follow it, so the
+first failing rule decides the reason):
+
+receipt (``tasks.plan``), per receipt
+    invalid_receipt (top-level types) -> capture_poisoned -> empty_manifest ->
+    invalid_receipt (per record) -> duplicate_call_id -> duplicate_staging_key ->
+    invalid_receipt (staging_key not derived from the ids) -> missing_terminal ->
+    missing_parent (any record) -> lineage_cycle (any record);
+    then across the step: duplicate_staging_key for every receipt sharing a rollout_id.
+
+rows (``tasks.verify``), call by call from the root to the terminal
+    missing_staging_row -> invalid_staging_row -> identity_mismatch ->
+    wrong_<field> in :data:`RECEIPT_COMPARED_FIELDS` order -> routes readiness
+    (invalid_routes for a chain mixing routed and unrouted calls, missing_routes,
+    invalid_routes for dtype/shape) -> corrupt_digest -> parent_length_mismatch ->
+    chain_hash_mismatch -> content (invalid_mask_order / empty_generation /
+    invalid_token / invalid_logprob, as ``tasks.validation.check_delta`` orders them) ->
+    invalid_routes (expert id range);
+    then once per rollout: cumulative_hash_mismatch -> empty_training_row.
+"""
+from __future__ import annotations
+
+OK = "ok"
+
+# receipt
+INVALID_RECEIPT = "invalid_receipt"
+CAPTURE_POISONED = "capture_poisoned"
+EMPTY_MANIFEST = "empty_manifest"
+DUPLICATE_CALL_ID = "duplicate_call_id"
+DUPLICATE_STAGING_KEY = "duplicate_staging_key"
+MISSING_TERMINAL = "missing_terminal"
+
+# row
+MISSING_STAGING_ROW = "missing_staging_row"
+INVALID_STAGING_ROW = "invalid_staging_row"
+IDENTITY_MISMATCH = "identity_mismatch"
+CORRUPT_DIGEST = "corrupt_digest"
+
+# Row fields compared with the receipt's record, in check order; a difference in field
+# ``f`` rejects with ``wrong_f``.
+RECEIPT_COMPARED_FIELDS: tuple[str, ...] = (
+    "parent_call_id",
+    "prev_len",
+    "delta_len",
+    "cum_len",
+    "weight_version",
+    "routes_encoding",
+    "digest",
+    "chain_hash",
+    "cumulative_hash",
+)
+
+
+def wrong(field: str) -> str:
+    """``wrong_<field>``: the row's ``field`` differs from the receipt's record."""
+    if field not in RECEIPT_COMPARED_FIELDS:
+        raise ValueError(f"{field!r} is not a receipt-compared field")
+    return f"wrong_{field}"
+
+
+WRONG_FIELD_REASONS: tuple[str, ...] = tuple(f"wrong_{f}" for f in RECEIPT_COMPARED_FIELDS)
+
+# lineage
+MISSING_PARENT = "missing_parent"
+PARENT_LENGTH_MISMATCH = "parent_length_mismatch"
+LINEAGE_CYCLE = "lineage_cycle"
+CHAIN_HASH_MISMATCH = "chain_hash_mismatch"
+CUMULATIVE_HASH_MISMATCH = "cumulative_hash_mismatch"
+
+# content
+INVALID_MASK_ORDER = "invalid_mask_order"
+EMPTY_GENERATION = "empty_generation"
+INVALID_TOKEN = "invalid_token"
+INVALID_LOGPROB = "invalid_logprob"
+EMPTY_TRAINING_ROW = "empty_training_row"
+MISSING_ROUTES = "missing_routes"
+INVALID_ROUTES = "invalid_routes"
+
+RECEIPT_REASONS = frozenset(
+    {INVALID_RECEIPT, CAPTURE_POISONED, EMPTY_MANIFEST, DUPLICATE_CALL_ID, DUPLICATE_STAGING_KEY, MISSING_TERMINAL}
+)
+ROW_REASONS = frozenset({MISSING_STAGING_ROW, INVALID_STAGING_ROW, IDENTITY_MISMATCH, CORRUPT_DIGEST, *WRONG_FIELD_REASONS})
+LINEAGE_REASONS = frozenset(
+    {MISSING_PARENT, PARENT_LENGTH_MISMATCH, LINEAGE_CYCLE, CHAIN_HASH_MISMATCH, CUMULATIVE_HASH_MISMATCH}
+)
+CONTENT_REASONS = frozenset(
+    {
+        INVALID_MASK_ORDER,
+        EMPTY_GENERATION,
+        INVALID_TOKEN,
+        INVALID_LOGPROB,
+        EMPTY_TRAINING_ROW,
+        MISSING_ROUTES,
+        INVALID_ROUTES,
+    }
+)
+ALL_REASONS = RECEIPT_REASONS | ROW_REASONS | LINEAGE_REASONS | CONTENT_REASONS
+
+
+def is_reason(status: str) -> bool:
+    """True for a word of the rejection vocabulary (not for :data:`OK`)."""
+    return status in ALL_REASONS

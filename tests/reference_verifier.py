@@ -1,0 +1,431 @@
+"""A deliberately simple, per-token reference of the verification rules.
+
+Written independently of ``tasks.verify`` / ``tasks.hashing``: every array goes through
+``.tolist()``, every rule is a Python loop over elements, and each hash input is a
+``bytes`` object built by hand from the layout in ``tasks/hashing.py``'s docstring.
+This is also the baseline of the finalize benchmark: it is the per-token path the
+reference system runs (``[int(t) for t in x.tolist()]``, ``bytes(...)`` per id).
+
+Rule order is the one documented in ``tasks/reasons.py``.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Any, Optional
+
+import numpy as np
+
+from tasks.linearize import Linearized
+from tasks.verify import RolloutResult
+
+TAG_CHAIN = b"token-capture/chain/v1\x00"
+TAG_PREFIX = b"token-capture/prefix/v1\x00"
+TAG_CALL = b"token-capture/call/v1\x00"
+
+ID_NAMES = ["rollout_id", "model_call_id", "parent_call_id"]
+SCALAR_NAMES = {
+    "prev_len": "<i8", "delta_len": "<i8", "cum_len": "<i8", "weight_version": "<i8",
+    "routes_encoding": "i1", "schema_version": "<i8", "digest_version": "<i8",
+}
+HASH_NAMES = ["digest", "chain_hash", "cumulative_hash"]
+TOKEN_NAMES = {"token_ids": "<i8", "token_mask": "<f4", "logprobs": "<f4"}
+COMPARED = ["parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version",
+            "routes_encoding", "digest", "chain_hash", "cumulative_hash"]
+
+
+class Reject(Exception):
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+# ---- by-hand encodings ---------------------------------------------------------------------
+
+
+def u(n: int, width: int) -> bytes:
+    return int(n).to_bytes(width, "little", signed=False)
+
+
+def s(n: int, width: int) -> bytes:
+    return int(n).to_bytes(width, "little", signed=True)
+
+
+def framed(text: str) -> bytes:
+    b = text.encode("utf-8")
+    return u(len(b), 4) + b
+
+
+def raw_bytes(arr: np.ndarray) -> bytes:
+    """The array's bytes, one Python int per byte (as the reference system did for ids)."""
+    return bytes([int(x) for x in arr.reshape(-1).view(np.uint8).tolist()])
+
+
+def ids_bytes(ids: list[int]) -> bytes:
+    out = b""
+    for t in ids:
+        out += s(t, 8)
+    return out
+
+
+def flat(nested) -> list:
+    out = []
+    for a in nested:
+        for b in a:
+            for c in b:
+                out.append(c)
+    return out
+
+
+# ---- the batch, read the slow way --------------------------------------------------------
+
+
+def field_ok(batch, name: str, dtype: str, n: int) -> bool:
+    f = batch.fields.get(name)
+    if f is None or not isinstance(f.values, np.ndarray) or not isinstance(f.offsets, np.ndarray):
+        return False
+    if f.values.dtype != np.dtype(dtype) or f.values.ndim != 1:
+        return False
+    offs = f.offsets.tolist()
+    if f.offsets.ndim != 1 or len(offs) != n + 1 or f.offsets.dtype.kind not in "iu":
+        return False
+    if n:
+        if offs[0] < 0 or offs[-1] > f.values.shape[0]:
+            return False
+        for a, b in zip(offs, offs[1:]):
+            if b < a:
+                return False
+    if f.present is not None and (not isinstance(f.present, np.ndarray) or f.present.shape != (n,)):
+        return False
+    return True
+
+
+def cell(batch, name: str, i: int) -> Optional[np.ndarray]:
+    f = batch.fields[name]
+    if f.present is not None and not bool(f.present[i]):
+        return None
+    return f.values[int(f.offsets[i]) : int(f.offsets[i + 1])]
+
+
+def read_row(batch, i: int) -> dict:
+    n = len(batch.keys)
+    specs = {**{k: "u1" for k in ID_NAMES + HASH_NAMES}, **SCALAR_NAMES, **TOKEN_NAMES}
+    for name, dt in specs.items():
+        if not field_ok(batch, name, dt, n):
+            raise Reject("invalid_staging_row")
+    cells = {}
+    for name in specs:
+        c = cell(batch, name, i)
+        if c is None:
+            raise Reject("invalid_staging_row")
+        cells[name] = c
+    row: dict[str, Any] = {}
+    for name in ID_NAMES:
+        try:
+            row[name] = bytes([int(x) for x in cells[name].tolist()]).decode("utf-8")
+        except UnicodeDecodeError:
+            raise Reject("invalid_staging_row") from None
+    for name in SCALAR_NAMES:
+        vals = cells[name].tolist()
+        if len(vals) != 1:
+            raise Reject("invalid_staging_row")
+        row[name] = int(vals[0])
+    for name in HASH_NAMES:
+        b = bytes([int(x) for x in cells[name].tolist()])
+        if len(b) != 32:
+            raise Reject("invalid_staging_row")
+        row[name] = b
+    if row["schema_version"] != 1 or row["digest_version"] != 1:
+        raise Reject("invalid_staging_row")
+    if row["delta_len"] <= 0 or row["prev_len"] < 0 or row["cum_len"] != row["prev_len"] + row["delta_len"]:
+        raise Reject("invalid_staging_row")
+    for name in TOKEN_NAMES:
+        if len(cells[name].tolist()) != row["delta_len"]:
+            raise Reject("invalid_staging_row")
+        row[name] = cells[name]
+    if row["parent_call_id"] == "":
+        row["parent_call_id"] = None
+    return row
+
+
+def routes_cell(routes, key: str) -> Optional[np.ndarray]:
+    if routes is None:
+        return None
+    idx = -1
+    for j, k in enumerate(routes.keys):
+        if k == key:
+            idx = j
+            break
+    if idx < 0:
+        return None
+    f = routes.fields.get("routed_experts")
+    n = len(routes.keys)
+    if f is None or not isinstance(f.values, np.ndarray) or f.offsets.shape != (n + 1,):
+        return None
+    offs = f.offsets.tolist()
+    if n and (offs[0] < 0 or offs[-1] > f.values.shape[0] or any(b < a for a, b in zip(offs, offs[1:]))):
+        return None
+    if f.present is not None and not bool(f.present[idx]):
+        return None
+    return f.values[offs[idx] : offs[idx + 1]]
+
+
+# ---- the rules -----------------------------------------------------------------------------
+
+
+def call_digest(rid: str, row: dict, experts: Optional[np.ndarray]) -> bytes:
+    data = TAG_CALL
+    data += u(row["schema_version"] & 0xFFFF, 2) + u(row["digest_version"], 2)
+    data += framed(rid) + framed(row["model_call_id"])
+    data += b"\x00" if row["parent_call_id"] is None else b"\x01" + framed(row["parent_call_id"])
+    for name in ("prev_len", "delta_len", "cum_len", "weight_version"):
+        data += s(row[name], 8)
+    data += s(row["routes_encoding"], 1)
+    ids = [int(t) for t in row["token_ids"].tolist()]
+    b = ids_bytes(ids)
+    data += u(len(b), 8) + b
+    for name in ("token_mask", "logprobs"):
+        b = raw_bytes(row[name])
+        data += u(len(b), 8) + b
+    if row["routes_encoding"] == 1:
+        b = b"".join(s(v, 2) for v in flat(experts.tolist()))
+        data += u(experts.shape[1], 4) + u(experts.shape[2], 4) + u(len(b), 8) + b
+    data += row["chain_hash"] + row["cumulative_hash"]
+    return hashlib.sha256(data).digest()
+
+
+def content_reason(ids: list[int], mask: list[float], lps: list[float], vocab_size: int) -> Optional[str]:
+    for m in mask:
+        if m != 0.0 and m != 1.0:
+            return "invalid_mask_order"
+    ones = 0
+    for m in mask:
+        if m == 1.0:
+            ones += 1
+    if ones == 0:
+        return "empty_generation"
+    seen_one = False
+    for m in mask:
+        if m == 1.0:
+            seen_one = True
+        elif seen_one:
+            return "invalid_mask_order"
+    for t in ids:
+        if t < 0 or t >= vocab_size:
+            return "invalid_token"
+    for p in lps:
+        if not math.isfinite(p):
+            return "invalid_logprob"
+    for p in lps:
+        if p > 0.0:
+            return "invalid_logprob"
+    for p, m in zip(lps, mask):
+        if m == 0.0 and p != 0.0:
+            return "invalid_logprob"
+    return None
+
+
+def _verify(plan, rows, routes, vocab_size: int, num_experts: Optional[int]) -> Linearized:
+    rid = plan.rollout_id
+    chain = plan.chain
+    root_enc = chain[0].routes_encoding
+    lk = None
+    prev_end = 0
+    parent_chain = None
+    all_ids: list[int] = []
+    all_mask: list[float] = []
+    all_lps: list[float] = []
+    all_routes: list = []
+    spans = []
+    prompt_length = 0
+    for pos, rec in enumerate(chain):
+        i = -1
+        for j, k in enumerate(rows.keys):
+            if k == rec.staging_key:
+                i = j
+                break
+        if i < 0:
+            raise Reject("missing_staging_row")
+        row = read_row(rows, i)
+        if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
+            raise Reject("identity_mismatch")
+        for name in COMPARED:
+            if row[name] != getattr(rec, name):
+                raise Reject("wrong_" + name)
+        experts = None
+        if row["routes_encoding"] != root_enc:
+            raise Reject("invalid_routes")
+        if row["routes_encoding"] == 1:
+            experts = routes_cell(routes, rec.staging_key)
+            if experts is None:
+                raise Reject("missing_routes")
+            if experts.dtype != np.dtype("<i2") or experts.ndim != 3 or experts.shape[0] != row["delta_len"]:
+                raise Reject("invalid_routes")
+            if lk is not None and (experts.shape[1], experts.shape[2]) != lk:
+                raise Reject("invalid_routes")
+            lk = (experts.shape[1], experts.shape[2])
+        if call_digest(rid, row, experts) != row["digest"]:
+            raise Reject("corrupt_digest")
+        if row["prev_len"] != prev_end:
+            raise Reject("parent_length_mismatch")
+        ids = [int(t) for t in row["token_ids"].tolist()]
+        marker = b"\x00" if parent_chain is None else b"\x01" + parent_chain
+        parent_chain = hashlib.sha256(TAG_CHAIN + marker + ids_bytes(ids)).digest()
+        if parent_chain != row["chain_hash"]:
+            raise Reject("chain_hash_mismatch")
+        mask = [float(m) for m in row["token_mask"].tolist()]
+        lps = [float(p) for p in row["logprobs"].tolist()]
+        reason = content_reason(ids, mask, lps, vocab_size)
+        if reason:
+            raise Reject(reason)
+        if experts is not None:
+            ex = experts.tolist()
+            if num_experts is not None:
+                for e in flat(ex):
+                    if e < 0 or e >= num_experts:
+                        raise Reject("invalid_routes")
+            all_routes.extend(ex)
+        if pos == 0:
+            for m in mask:
+                if m != 0.0:
+                    break
+                prompt_length += 1
+        spans.append((rec.model_call_id, len(all_ids), len(all_ids) + len(ids)))
+        all_ids.extend(ids)
+        all_mask.extend(mask)
+        all_lps.extend(lps)
+        prev_end = row["cum_len"]
+    if hashlib.sha256(TAG_PREFIX + ids_bytes(all_ids)).digest() != row["cumulative_hash"]:
+        raise Reject("cumulative_hash_mismatch")
+    if not all_ids or all(m == 0.0 for m in all_mask):
+        raise Reject("empty_training_row")
+    routed = None
+    if root_enc == 1:
+        routed = np.array(all_routes, dtype=np.int16).reshape(len(all_ids), lk[0], lk[1])
+    return Linearized(
+        np.array(all_ids, dtype=np.int64),
+        np.array(all_mask, dtype=np.float32),
+        np.array(all_lps, dtype=np.float32),
+        routed,
+        prompt_length,
+        spans,
+    )
+
+
+def reference_verify_rollout(plan, rows, routes, *, vocab_size: int, num_experts: Optional[int]) -> RolloutResult:
+    """Same signature and verdicts as :func:`tasks.verify.verify_rollout`, per token."""
+    try:
+        lin = _verify(plan, rows, routes, vocab_size, num_experts)
+    except Reject as e:
+        return RolloutResult(plan.rollout_id, e.reason, "", None, len(plan.chain))
+    return RolloutResult(plan.rollout_id, "ok", "", lin, len(plan.chain))
+
+
+# ---- receipts ------------------------------------------------------------------------------
+
+RECORD_KEYS = ["model_call_id", "parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version",
+               "digest", "chain_hash", "cumulative_hash", "routes_encoding", "staging_key"]
+
+
+def _good_id(v) -> bool:
+    return (isinstance(v, str) and v != "" and "/" not in v and v != "__cut__"
+            and len(v.encode("utf-8", "surrogatepass")) <= 512 and _utf8(v))
+
+
+def _utf8(v: str) -> bool:
+    try:
+        v.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
+
+
+def _int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
+
+
+def reference_receipt_reason(raw: Any) -> Optional[str]:
+    """The rejection reason of one receipt dict by itself (``None``: usable)."""
+    if not isinstance(raw, dict):
+        return "invalid_receipt"
+    allowed = {"rollout_id", "reward", "terminal_model_call_id", "calls", "poisoned", "failure_reason", "group_id", "version"}
+    for k in raw:
+        if k not in allowed:
+            return "invalid_receipt"
+    for k in ("rollout_id", "reward", "terminal_model_call_id", "calls"):
+        if k not in raw:
+            return "invalid_receipt"
+    rid = raw["rollout_id"]
+    reward = raw["reward"]
+    if not _good_id(rid):
+        return "invalid_receipt"
+    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+        return "invalid_receipt"
+    term = raw["terminal_model_call_id"]
+    if term is not None and not isinstance(term, str):
+        return "invalid_receipt"
+    calls = raw["calls"]
+    if not isinstance(calls, (list, tuple)):
+        return "invalid_receipt"
+    if not isinstance(raw.get("poisoned", False), bool):
+        return "invalid_receipt"
+    for k in ("failure_reason", "group_id"):
+        if raw.get(k) is not None and not isinstance(raw.get(k), str):
+            return "invalid_receipt"
+    if not _int(raw.get("version", 1)) or raw.get("version", 1) != 1:
+        return "invalid_receipt"
+    if raw.get("poisoned", False):
+        return "capture_poisoned"
+    if len(calls) == 0:
+        return "empty_manifest"
+    for c in calls:
+        if not isinstance(c, dict) or sorted(c) != sorted(RECORD_KEYS):
+            return "invalid_receipt"
+        if not _good_id(c["model_call_id"]):
+            return "invalid_receipt"
+        if c["parent_call_id"] is not None and not _good_id(c["parent_call_id"]):
+            return "invalid_receipt"
+        for k in ("prev_len", "delta_len", "cum_len", "weight_version"):
+            if not _int(c[k]):
+                return "invalid_receipt"
+        if c["delta_len"] <= 0 or c["prev_len"] < 0 or c["cum_len"] != c["prev_len"] + c["delta_len"]:
+            return "invalid_receipt"
+        if not _int(c["routes_encoding"]) or c["routes_encoding"] not in (0, 1):
+            return "invalid_receipt"
+        if not isinstance(c["staging_key"], str):
+            return "invalid_receipt"
+        for k in ("digest", "chain_hash", "cumulative_hash"):
+            if not isinstance(c[k], (bytes, bytearray)) or len(c[k]) != 32:
+                return "invalid_receipt"
+    ids = [c["model_call_id"] for c in calls]
+    if len(set(ids)) != len(ids):
+        return "duplicate_call_id"
+    keys = [c["staging_key"] for c in calls]
+    if len(set(keys)) != len(keys):
+        return "duplicate_staging_key"
+    for c in calls:
+        if c["staging_key"] != rid + "/" + c["model_call_id"]:
+            return "invalid_receipt"
+    if term is None or term not in ids:
+        return "missing_terminal"
+    parent = {c["model_call_id"]: c["parent_call_id"] for c in calls}
+    for c in calls:
+        if c["parent_call_id"] is not None and c["parent_call_id"] not in parent:
+            return "missing_parent"
+    for start in ids:
+        steps, cur = 0, start
+        while cur is not None:
+            cur = parent[cur]
+            steps += 1
+            if steps > len(ids):
+                return "lineage_cycle"
+    return None
+
+
+def reference_chain(raw: dict) -> list[str]:
+    """Root -> terminal call ids of a usable receipt dict."""
+    parent = {c["model_call_id"]: c["parent_call_id"] for c in raw["calls"]}
+    out = [raw["terminal_model_call_id"]]
+    while parent[out[-1]] is not None:
+        out.append(parent[out[-1]])
+    return out[::-1]
