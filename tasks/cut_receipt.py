@@ -169,7 +169,8 @@ class CutReceipt:
 
     ``put_calls``/``delete_calls`` count store round trips; ``rows_written`` rows whose
     put succeeded (including rows later cleared); ``bytes_written`` their packed bytes;
-    ``wall_ms`` the cut's duration; ``deadline_passed`` whether the deadline stopped it.
+    ``wall_ms`` the cut's duration; ``mean_row_wait_ms`` a written row's mean
+    time from its freeze to its put's acknowledgement; ``deadline_passed`` whether the deadline stopped it.
     """
 
     checkpoint_id: str
@@ -181,6 +182,7 @@ class CutReceipt:
     rows_written: int = 0
     bytes_written: int = 0
     wall_ms: float = 0.0
+    mean_row_wait_ms: float = 0.0
     deadline_passed: bool = False
     version: int = CUT_RECEIPT_VERSION
     _index: dict = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
