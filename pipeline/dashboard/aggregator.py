@@ -1,0 +1,449 @@
+"""Scheduler-side rolling state of the token-capture events (``pipeline.events``).
+
+:class:`TokenCaptureAggregator` is a ``SchedulerPlugin``: every ``log_event`` on the
+scheduler reaches its :meth:`~TokenCaptureAggregator.log_event` hook, which validates the
+event (:func:`parse_event`) and folds it into bounded state:
+
+* per finalize event (one per group): fetch/verify/assemble ms, queue depth and wait,
+  calls per rollout, in a ring of ``dashboard.history`` entries; per step sums of the
+  split timing (ring of the same length);
+* running totals: rollouts accepted, rejected by reason, fetch calls, bytes, tokens;
+* histograms (fixed buckets from ``metrics.buckets-*``) of the split timing, queue wait,
+  calls per rollout and cut wall time, for Prometheus;
+* cut events (ring) and totals, failures by reason;
+* restore reports: totals and the latest report per batcher worker;
+* store reports: the latest report per storage unit;
+* scaling decisions (ring) and counts by action.
+
+A malformed event is counted under ``malformed[(topic, field)]`` and dropped; it never
+raises into the scheduler (the event broker would only log it) and never corrupts the
+state of well-formed events.
+
+The plugin also serves two scheduler RPC handlers, so remote callers need no pickled
+access to the plugin: ``token_capture_state()`` (a JSON-able :meth:`snapshot`) and
+``token_capture_signal(window_s=None)`` (the :meth:`signal` the adaptive policy reads).
+On start it registers the dashboard page and the Prometheus collector.
+
+Units follow the event schema: ``_ms`` milliseconds, ``_bytes`` bytes, counts otherwise;
+times ``t`` are scheduler wall-clock seconds (``time.time()``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import time
+from bisect import bisect_left
+from collections import Counter, OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+
+from .. import config
+from ..events import CUT, FINALIZE, RESTORE, SCALE, STORE, TOPICS
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "token-capture-aggregator"
+SCALE_ACTIONS = ("up", "down", "hold")
+
+
+class InvalidEvent(ValueError):
+    """A token-capture event that does not follow ``pipeline.events``.
+
+    ``topic`` and ``field`` name what was wrong; the message says how.
+    """
+
+    def __init__(self, topic: str, field: str, detail: str) -> None:
+        super().__init__(f"{topic}: field {field!r}: {detail}")
+        self.topic = topic
+        self.field = field
+        self.detail = detail
+
+
+# --------------------------------------------------------------------------- parsing
+def _number(topic: str, msg: Mapping[str, Any], key: str, required: bool) -> float:
+    """A finite, non-negative number from ``msg[key]`` (0.0 when optional and absent)."""
+    if key not in msg or msg[key] is None:
+        if required:
+            raise InvalidEvent(topic, key, "missing")
+        return 0.0
+    value = msg[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidEvent(topic, key, f"expected a number, got {type(value).__name__}")
+    value = float(value)
+    if not math.isfinite(value) or value < 0:
+        raise InvalidEvent(topic, key, f"expected a finite number >= 0, got {value!r}")
+    return value
+
+
+def _counts(topic: str, msg: Mapping[str, Any], key: str) -> dict[str, int]:
+    """A ``reason -> count`` mapping from ``msg[key]`` (empty when absent)."""
+    value = msg.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise InvalidEvent(topic, key, f"expected a mapping reason -> count, got {type(value).__name__}")
+    out: dict[str, int] = {}
+    for reason, count in value.items():
+        n = _number(topic, {key: count}, key, required=True)
+        out[str(reason)] = int(n)
+    return out
+
+
+def _label(topic: str, msg: Mapping[str, Any], key: str, required: bool) -> str:
+    value = msg.get(key)
+    if value is None:
+        if required:
+            raise InvalidEvent(topic, key, "missing")
+        return ""
+    if not isinstance(value, (str, int)):
+        raise InvalidEvent(topic, key, f"expected a str or int label, got {type(value).__name__}")
+    return str(value)
+
+
+_FINALIZE_NUMBERS = {
+    # name: required
+    "fetch_ms": True,
+    "verify_ms": True,
+    "assemble_ms": True,
+    "rollouts": False,
+    "accepted": False,
+    "queue_wait_ms": False,
+    "queue_depth": False,
+    "calls_per_rollout": False,
+    "fetch_calls": False,
+    "bytes_fetched": False,
+    "tokens": False,
+}
+_CUT_NUMBERS = {"wall_ms": True, "rows": True, "puts": True, "calls": False, "durable": False}
+_RESTORE_NUMBERS = {
+    "requests": False,
+    "gets": False,
+    "keys": False,
+    "keys_per_get": False,
+    "p50_ms": False,
+    "p99_ms": False,
+    "failures": False,
+}
+_STORE_NUMBERS = {"memory_bytes": True, "spilled_bytes": True, "rows": False}
+_SCALE_NUMBERS = {"target": True, "current": True, "verify_ms": False, "fetch_ms": False, "queue_depth": False}
+
+
+def parse_event(topic: str, msg: Any) -> dict[str, Any]:
+    """Validate one event of ``topic`` and return it normalized (numbers as float).
+
+    Raises :class:`InvalidEvent` naming the topic and field when ``msg`` does not follow
+    the schema in ``pipeline.events``. Unknown extra keys are kept as they are.
+    """
+    if topic not in TOPICS:
+        raise InvalidEvent(topic, "topic", "not a token-capture topic")
+    if not isinstance(msg, Mapping):
+        raise InvalidEvent(topic, "msg", f"expected a mapping, got {type(msg).__name__}")
+    out = dict(msg)
+    if topic == FINALIZE:
+        out.update({k: _number(topic, msg, k, req) for k, req in _FINALIZE_NUMBERS.items()})
+        out["rejected"] = _counts(topic, msg, "rejected")
+        out["step_id"] = _label(topic, msg, "step_id", required=False)
+        out["group_id"] = _label(topic, msg, "group_id", required=False)
+        if "accepted" not in msg and "rollouts" in msg:
+            out["accepted"] = max(0.0, out["rollouts"] - sum(out["rejected"].values()))
+        if "rollouts" not in msg:
+            out["rollouts"] = out["accepted"] + sum(out["rejected"].values())
+    elif topic == CUT:
+        out.update({k: _number(topic, msg, k, req) for k, req in _CUT_NUMBERS.items()})
+        out["failures"] = _counts(topic, msg, "failures")
+        out["checkpoint_id"] = _label(topic, msg, "checkpoint_id", required=False)
+        out["worker"] = _label(topic, msg, "worker", required=False)
+    elif topic == RESTORE:
+        out.update({k: _number(topic, msg, k, req) for k, req in _RESTORE_NUMBERS.items()})
+        out["worker"] = _label(topic, msg, "worker", required=False)
+        if "keys_per_get" not in msg and out["gets"]:
+            out["keys_per_get"] = out["keys"] / out["gets"]
+    elif topic == STORE:
+        out.update({k: _number(topic, msg, k, req) for k, req in _STORE_NUMBERS.items()})
+        out["unit"] = _label(topic, msg, "unit", required=True)
+        out["worker"] = _label(topic, msg, "worker", required=False)
+    elif topic == SCALE:
+        out.update({k: _number(topic, msg, k, req) for k, req in _SCALE_NUMBERS.items()})
+        action = msg.get("action")
+        if action not in SCALE_ACTIONS:
+            raise InvalidEvent(topic, "action", f"expected one of {SCALE_ACTIONS}, got {action!r}")
+        out["reason"] = _label(topic, msg, "reason", required=True)
+        out["reason_code"] = _label(topic, msg, "reason_code", required=False) or out["reason"].split(":")[0]
+    return out
+
+
+# --------------------------------------------------------------------------- histograms
+@dataclass
+class Histogram:
+    """Fixed-bucket histogram with Prometheus semantics (a value lands in ``le >= value``).
+
+    ``counts[i]`` counts values in ``(bounds[i-1], bounds[i]]``; the last slot is +Inf.
+    """
+
+    bounds: tuple[float, ...]
+    counts: list[int] = field(default_factory=list)
+    total: float = 0.0
+    n: int = 0
+
+    def __post_init__(self) -> None:
+        self.bounds = tuple(sorted(float(b) for b in self.bounds))
+        if not self.counts:
+            self.counts = [0] * (len(self.bounds) + 1)
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.bounds, value)] += 1
+        self.total += value
+        self.n += 1
+
+    def cumulative(self) -> list[tuple[str, int]]:
+        """``[(le, cumulative count), ...]`` ending with ``("+Inf", n)``."""
+        out, running = [], 0
+        for bound, count in zip(self.bounds, self.counts):
+            running += count
+            out.append((_le(bound), running))
+        out.append(("+Inf", self.n))
+        return out
+
+
+def _le(bound: float) -> str:
+    return str(int(bound)) if float(bound).is_integer() else repr(bound)
+
+
+# --------------------------------------------------------------------------- plugin
+class TokenCaptureAggregator(SchedulerPlugin):
+    """Bounded rolling state of token-capture events, kept on the scheduler.
+
+    ``history`` (events per ring, default ``dashboard.history``) bounds memory: the
+    plugin holds O(history + units + restore workers) small dicts whatever the run length.
+    """
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self, history: Optional[int] = None) -> None:
+        self.history = int(history if history is not None else config.get("dashboard.history"))
+        ms_bounds = tuple(config.get("metrics.buckets-ms"))
+        call_bounds = tuple(config.get("metrics.buckets-calls"))
+        self.scheduler: Any = None
+        self.started = time.time()
+        self.version = 0  # bumped on every accepted event; the page redraws on change
+
+        # finalize
+        self.groups: deque[dict[str, Any]] = deque(maxlen=self.history)
+        self.steps: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.totals: Counter[str] = Counter()
+        self.rejected: Counter[str] = Counter()
+        self.hist: dict[str, Histogram] = {
+            "fetch_ms": Histogram(ms_bounds),
+            "verify_ms": Histogram(ms_bounds),
+            "assemble_ms": Histogram(ms_bounds),
+            "queue_wait_ms": Histogram(ms_bounds),
+            "calls_per_rollout": Histogram(call_bounds),
+            "cut_wall_ms": Histogram(ms_bounds),
+        }
+        self.queue_depth = 0.0
+        # cut
+        self.cuts: deque[dict[str, Any]] = deque(maxlen=self.history)
+        self.cut_totals: Counter[str] = Counter()
+        self.cut_failures: Counter[str] = Counter()
+        # restore
+        self.restore_totals: Counter[str] = Counter()
+        self.restore_latest: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        self.restores: deque[dict[str, Any]] = deque(maxlen=self.history)
+        # store
+        self.store_units: OrderedDict[str, dict[str, Any]] = OrderedDict()
+        # scaling
+        self.decisions: deque[dict[str, Any]] = deque(maxlen=self.history)
+        self.decision_counts: Counter[tuple[str, str]] = Counter()
+        # workers over time, sampled on scaling events and by the page (bounded ring)
+        self.worker_counts: deque[tuple[float, int]] = deque(maxlen=self.history)
+        # bad input
+        self.malformed: Counter[tuple[str, str]] = Counter()
+        self.last_error: str = ""
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers["token_capture_state"] = self._handle_state
+        scheduler.handlers["token_capture_signal"] = self._handle_signal
+        from ..metrics.prometheus import attach
+
+        attach(self)
+        try:
+            from .page import register_page
+
+            register_page(scheduler)
+        except Exception:  # a missing dashboard must not stop the scheduler
+            logger.warning("token-capture dashboard page not registered", exc_info=True)
+
+    async def close(self) -> None:
+        from ..metrics.prometheus import detach
+
+        detach(self)
+
+    # ------------------------------------------------------------------ events
+    def log_event(self, topic: str, msg: Any) -> None:
+        """Fold one event into the state; ignore other topics, count malformed ones."""
+        if topic not in TOPICS:
+            return
+        try:
+            ev = parse_event(topic, msg)
+        except InvalidEvent as e:
+            self.malformed[(e.topic, e.field)] += 1
+            self.last_error = str(e)
+            logger.warning("dropped malformed token-capture event: %s", e)
+            return
+        ev["t"] = time.time()
+        {
+            FINALIZE: self._finalize,
+            CUT: self._cut,
+            RESTORE: self._restore,
+            STORE: self._store,
+            SCALE: self._scale,
+        }[topic](ev)
+        self.version += 1
+
+    def _finalize(self, ev: dict[str, Any]) -> None:
+        self.groups.append(ev)
+        t = self.totals
+        t["groups"] += 1
+        t["rollouts"] += int(ev["rollouts"])
+        t["accepted"] += int(ev["accepted"])
+        t["rejected"] += sum(ev["rejected"].values())
+        for k in ("fetch_calls", "bytes_fetched", "tokens", "fetch_ms", "verify_ms", "assemble_ms"):
+            t[k] += ev[k]
+        self.rejected.update(ev["rejected"])
+        for k in ("fetch_ms", "verify_ms", "assemble_ms", "queue_wait_ms"):
+            self.hist[k].observe(ev[k])
+        if ev["calls_per_rollout"]:
+            self.hist["calls_per_rollout"].observe(ev["calls_per_rollout"])
+        self.queue_depth = ev["queue_depth"]
+
+        # per step: sums of the step's group events
+        step_key = ev["step_id"] or f"group-{t['groups']}"
+        step = self.steps.get(step_key)
+        if step is None:
+            step = self.steps[step_key] = {
+                "step_id": step_key, "groups": 0, "rollouts": 0, "accepted": 0,
+                "fetch_ms": 0.0, "verify_ms": 0.0, "assemble_ms": 0.0, "t": ev["t"],
+            }
+            while len(self.steps) > self.history:
+                self.steps.popitem(last=False)
+        step["groups"] += 1
+        step["rollouts"] += int(ev["rollouts"])
+        step["accepted"] += int(ev["accepted"])
+        for k in ("fetch_ms", "verify_ms", "assemble_ms"):
+            step[k] += ev[k]
+
+    def _cut(self, ev: dict[str, Any]) -> None:
+        self.cuts.append(ev)
+        self.cut_totals["cuts"] += 1
+        for k in ("calls", "rows", "puts", "durable", "wall_ms"):
+            self.cut_totals[k] += ev[k]
+        self.cut_failures.update(ev["failures"])
+        self.hist["cut_wall_ms"].observe(ev["wall_ms"])
+
+    def _restore(self, ev: dict[str, Any]) -> None:
+        # Reports carry counts for the period since the batcher's previous report.
+        self.restores.append(ev)
+        self.restore_totals["reports"] += 1
+        for k in ("requests", "gets", "keys", "failures"):
+            self.restore_totals[k] += ev[k]
+        worker = ev["worker"] or "?"
+        self.restore_latest.pop(worker, None)
+        self.restore_latest[worker] = ev
+        while len(self.restore_latest) > self.history:
+            self.restore_latest.popitem(last=False)
+
+    def _store(self, ev: dict[str, Any]) -> None:
+        self.store_units[ev["unit"]] = ev
+        while len(self.store_units) > self.history:
+            self.store_units.popitem(last=False)
+
+    def _scale(self, ev: dict[str, Any]) -> None:
+        self.decisions.append(ev)
+        self.decision_counts[(ev["action"], ev["reason_code"])] += 1
+        self.sample_workers()
+
+    def sample_workers(self) -> None:
+        """Record the scheduler's current worker count (for the page's scaling plot)."""
+        if self.scheduler is not None:
+            self.worker_counts.append((time.time(), len(self.scheduler.workers)))
+
+    # ------------------------------------------------------------------ views
+    def signal(self, window_s: Optional[float] = None) -> dict[str, Any]:
+        """The adaptive policy's input: recent split timing, queue trend and load.
+
+        Over finalize events newer than ``window_s`` seconds (default
+        ``scaling.window-s``): ``events``, ``fetch_ms``/``verify_ms``/``assemble_ms``
+        sums, ``queue_depth_first``/``_last``/``_max``; ``last_event_age_s`` (seconds
+        since the newest finalize event, ``inf`` if none); scheduler load ``tasks``
+        (processing + queued + unrunnable), ``workers``, ``finalize_slots``,
+        ``actor_hosts`` (workers hosting actors, which cannot be retired).
+        """
+        window = float(window_s if window_s is not None else config.get("scaling.window-s"))
+        now = time.time()
+        recent = [g for g in self.groups if now - g["t"] <= window]
+        depths = [g["queue_depth"] for g in recent]
+        out: dict[str, Any] = {
+            "window_s": window,
+            "events": len(recent),
+            "fetch_ms": sum(g["fetch_ms"] for g in recent),
+            "verify_ms": sum(g["verify_ms"] for g in recent),
+            "assemble_ms": sum(g["assemble_ms"] for g in recent),
+            "queue_depth_first": depths[0] if depths else 0.0,
+            "queue_depth_last": depths[-1] if depths else 0.0,
+            "queue_depth_max": max(depths) if depths else 0.0,
+            "last_event_age_s": (now - self.groups[-1]["t"]) if self.groups else math.inf,
+            "tasks": 0,
+            "workers": 0,
+            "finalize_slots": 0.0,
+            "actor_hosts": 0,
+        }
+        s = self.scheduler
+        if s is not None:
+            out["tasks"] = (
+                sum(len(ws.processing) for ws in s.workers.values())
+                + len(s.queued)
+                + len(s.unrunnable)
+            )
+            out["workers"] = len(s.workers)
+            out["finalize_slots"] = sum(ws.resources.get("finalize", 0) for ws in s.workers.values())
+            out["actor_hosts"] = sum(1 for ws in s.workers.values() if ws.actors)
+        return out
+
+    def snapshot(self) -> dict[str, Any]:
+        """All state as plain JSON-able data (for the RPC handler, tests and tools)."""
+        return {
+            "version": self.version,
+            "totals": dict(self.totals),
+            "rejected": dict(self.rejected),
+            "queue_depth": self.queue_depth,
+            "groups": [dict(g) for g in self.groups],
+            "steps": [dict(s) for s in self.steps.values()],
+            "cut_totals": dict(self.cut_totals),
+            "cut_failures": dict(self.cut_failures),
+            "cuts": [dict(c) for c in self.cuts],
+            "restore_totals": dict(self.restore_totals),
+            "restore_latest": {k: dict(v) for k, v in self.restore_latest.items()},
+            "store_units": {k: dict(v) for k, v in self.store_units.items()},
+            "decisions": [dict(d) for d in self.decisions],
+            "decision_counts": {f"{a}:{r}": n for (a, r), n in self.decision_counts.items()},
+            "malformed": {f"{t}:{f}": n for (t, f), n in self.malformed.items()},
+            "last_error": self.last_error,
+            "histograms": {
+                k: {"buckets": h.cumulative(), "sum": h.total, "count": h.n} for k, h in self.hist.items()
+            },
+        }
+
+    def _handle_state(self) -> dict[str, Any]:
+        return self.snapshot()
+
+    def _handle_signal(self, window_s: Optional[float] = None) -> dict[str, Any]:
+        return self.signal(window_s)
+
+
+def get_aggregator(scheduler: Any) -> Optional[TokenCaptureAggregator]:
+    """The aggregator plugin registered on ``scheduler``, if any."""
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    return plugin if isinstance(plugin, TokenCaptureAggregator) else None

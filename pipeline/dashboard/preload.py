@@ -1,0 +1,42 @@
+"""Scheduler preload: the token-capture aggregator, dashboard page, ``/metrics`` series and
+downscaling protection, in one line.
+
+Command line::
+
+    dask scheduler --preload pipeline.dashboard.preload
+    dask worker tcp://127.0.0.1:8786 --resources "finalize=2"
+
+In Python::
+
+    LocalCluster(scheduler_kwargs={"preload": [PRELOAD]}, resources={"finalize": 2})
+
+On a scheduler that is already running, :func:`install` does the same from a client.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+PRELOAD = "pipeline.dashboard.preload"
+
+
+def _plugins() -> list[Any]:
+    from ..scaling.protect import ProtectActorHosts
+    from .aggregator import TokenCaptureAggregator
+
+    return [TokenCaptureAggregator(), ProtectActorHosts()]
+
+
+def dask_setup(scheduler: Any) -> None:
+    """Preload hook: add the plugins; the scheduler starts them right after preloads."""
+    for plugin in _plugins():
+        scheduler.add_plugin(plugin, idempotent=True)
+
+
+def install(client: Any) -> None:
+    """Install the same plugins on the client's running scheduler (idempotent).
+
+    The aggregator's ``start`` registers the dashboard page and the Prometheus
+    collector on the scheduler, so nothing else is needed.
+    """
+    for plugin in _plugins():
+        client.register_plugin(plugin)  # plugins are idempotent

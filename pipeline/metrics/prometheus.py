@@ -1,0 +1,196 @@
+"""``token_capture_*`` series on the scheduler's ``/metrics`` endpoint.
+
+distributed serves ``/metrics`` from ``prometheus_client.REGISTRY`` (the global registry),
+so one custom collector registered there, reading the scheduler's
+:class:`~pipeline.dashboard.aggregator.TokenCaptureAggregator` at scrape time, puts our
+figures next to the ``dask_scheduler_*`` ones. Nothing is computed twice: the aggregator
+already keeps the running totals and fixed-bucket histograms; the collector only formats
+them.
+
+One collector per process. Several schedulers in one process (tests) share it: it reads
+the aggregator attached last (the way distributed's own collectors follow the newest
+scheduler), and a closing aggregator detaches only itself.
+
+Series (``_ms`` milliseconds, ``_bytes`` bytes; histograms carry ``_bucket``/``_sum``/
+``_count``):
+
+==============================================  =========  ==========================
+name                                            type       labels
+==============================================  =========  ==========================
+token_capture_groups_finalized_total            counter
+token_capture_rollouts_total                    counter    status (accepted|rejected)
+token_capture_rollouts_rejected_total           counter    reason
+token_capture_fetch_calls_total                 counter
+token_capture_fetched_bytes_total               counter
+token_capture_finalized_tokens_total            counter
+token_capture_finalize_phase_ms                 histogram  phase (fetch|verify|assemble)
+token_capture_queue_wait_ms                     histogram
+token_capture_calls_per_rollout                 histogram
+token_capture_queue_depth                       gauge
+token_capture_cuts_total                        counter
+token_capture_cut_rows_total                    counter
+token_capture_cut_puts_total                    counter
+token_capture_cut_durable_total                 counter
+token_capture_cut_failures_total                counter    reason
+token_capture_cut_wall_ms                       histogram
+token_capture_restore_requests_total            counter
+token_capture_restore_gets_total                counter
+token_capture_restore_keys_total                counter
+token_capture_restore_failures_total            counter
+token_capture_restore_keys_per_get              gauge      worker
+token_capture_restore_latency_ms                gauge      worker, quantile (0.5|0.99)
+token_capture_store_rows                        gauge      unit, worker
+token_capture_store_memory_bytes                gauge      unit, worker
+token_capture_store_spilled_bytes               gauge      unit, worker
+token_capture_scaling_decisions_total           counter    action, reason
+token_capture_malformed_events_total            counter    topic, field
+==============================================  =========  ==========================
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import prometheus_client
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ..dashboard.aggregator import Histogram, TokenCaptureAggregator
+
+PREFIX = "token_capture"
+
+
+def _hist(name: str, doc: str, hists: list[tuple[list[str], "Histogram"]], labels: list[str]) -> HistogramMetricFamily:
+    fam = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
+    for values, h in hists:
+        fam.add_metric(values, h.cumulative(), sum_value=h.total)
+    return fam
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    # prometheus_client appends _total to counter samples; give it the bare name.
+    return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+class TokenCaptureCollector(Collector):
+    """Formats the attached aggregator's state as Prometheus metric families."""
+
+    def __init__(self) -> None:
+        self._ref: Optional[weakref.ReferenceType[TokenCaptureAggregator]] = None
+
+    @property
+    def aggregator(self) -> Optional["TokenCaptureAggregator"]:
+        return self._ref() if self._ref is not None else None
+
+    def collect(self) -> Iterator[Any]:
+        agg = self.aggregator
+        if agg is None:
+            return
+        t = agg.totals
+        yield _counter("groups_finalized", "Finalized groups", t["groups"])
+        fam = CounterMetricFamily(f"{PREFIX}_rollouts", "Finalized rollouts by status", labels=["status"])
+        fam.add_metric(["accepted"], t["accepted"])
+        fam.add_metric(["rejected"], t["rejected"])
+        yield fam
+        fam = CounterMetricFamily(
+            f"{PREFIX}_rollouts_rejected", "Rejected rollouts by reason (SPEC section 4)", labels=["reason"]
+        )
+        for reason, n in sorted(agg.rejected.items()):
+            fam.add_metric([reason], n)
+        yield fam
+        yield _counter("fetch_calls", "Store fetch calls made by finalization", t["fetch_calls"])
+        yield _counter("fetched_bytes", "Bytes fetched from the store by finalization", t["bytes_fetched"])
+        yield _counter("finalized_tokens", "Tokens in finalized training rows", t["tokens"])
+        yield _hist(
+            "finalize_phase_ms",
+            "Per-group finalization time by phase (ms)",
+            [([p], agg.hist[f"{p}_ms"]) for p in ("fetch", "verify", "assemble")],
+            ["phase"],
+        )
+        yield _hist("queue_wait_ms", "Per-group queue wait before finalization (ms)", [([], agg.hist["queue_wait_ms"])], [])
+        yield _hist("calls_per_rollout", "Model calls per rollout (per group mean)", [([], agg.hist["calls_per_rollout"])], [])
+        yield GaugeMetricFamily(f"{PREFIX}_queue_depth", "Groups waiting for finalization (latest report)", value=agg.queue_depth)
+
+        c = agg.cut_totals
+        yield _counter("cuts", "Checkpoint cut reports (one per cut per generation worker)", c["cuts"])
+        yield _counter("cut_rows", "Prefix rows written by cuts", c["rows"])
+        yield _counter("cut_puts", "Batched store puts made by cuts", c["puts"])
+        yield _counter("cut_durable", "Calls made durable by cuts", c["durable"])
+        fam = CounterMetricFamily(f"{PREFIX}_cut_failures", "Cut call failures by reason", labels=["reason"])
+        for reason, n in sorted(agg.cut_failures.items()):
+            fam.add_metric([reason], n)
+        yield fam
+        yield _hist("cut_wall_ms", "Cut wall time per generation worker (ms)", [([], agg.hist["cut_wall_ms"])], [])
+
+        r = agg.restore_totals
+        yield _counter("restore_requests", "Prefix restore requests", r["requests"])
+        yield _counter("restore_gets", "Coalesced store gets made by restore batchers", r["gets"])
+        yield _counter("restore_keys", "Keys read by restore batchers", r["keys"])
+        yield _counter("restore_failures", "Failed restore requests", r["failures"])
+        kpg = GaugeMetricFamily(f"{PREFIX}_restore_keys_per_get", "Keys per coalesced get (latest report)", labels=["worker"])
+        lat = GaugeMetricFamily(
+            f"{PREFIX}_restore_latency_ms", "Restore request latency quantiles (latest report, ms)", labels=["worker", "quantile"]
+        )
+        for worker, ev in agg.restore_latest.items():
+            kpg.add_metric([worker], ev["keys_per_get"])
+            lat.add_metric([worker, "0.5"], ev["p50_ms"])
+            lat.add_metric([worker, "0.99"], ev["p99_ms"])
+        yield kpg
+        yield lat
+
+        rows = GaugeMetricFamily(f"{PREFIX}_store_rows", "Rows held per storage unit", labels=["unit", "worker"])
+        mem = GaugeMetricFamily(f"{PREFIX}_store_memory_bytes", "Bytes in memory per storage unit", labels=["unit", "worker"])
+        spill = GaugeMetricFamily(f"{PREFIX}_store_spilled_bytes", "Bytes spilled to disk per storage unit", labels=["unit", "worker"])
+        for unit, ev in agg.store_units.items():
+            labels = [unit, ev["worker"]]
+            rows.add_metric(labels, ev["rows"])
+            mem.add_metric(labels, ev["memory_bytes"])
+            spill.add_metric(labels, ev["spilled_bytes"])
+        yield rows
+        yield mem
+        yield spill
+
+        fam = CounterMetricFamily(
+            f"{PREFIX}_scaling_decisions", "Adaptive scaling decisions by action and reason", labels=["action", "reason"]
+        )
+        for (action, reason), n in sorted(agg.decision_counts.items()):
+            fam.add_metric([action, reason], n)
+        yield fam
+        fam = CounterMetricFamily(
+            f"{PREFIX}_malformed_events", "Dropped malformed token-capture events", labels=["topic", "field"]
+        )
+        for (topic, fld), n in sorted(agg.malformed.items()):
+            fam.add_metric([topic, fld], n)
+        yield fam
+
+
+_lock = threading.Lock()
+_collector: Optional[TokenCaptureCollector] = None
+
+
+def collector() -> TokenCaptureCollector:
+    """The process's collector, registered with ``prometheus_client.REGISTRY`` once."""
+    global _collector
+    with _lock:
+        if _collector is None:
+            _collector = TokenCaptureCollector()
+            prometheus_client.REGISTRY.register(_collector)
+        return _collector
+
+
+def attach(aggregator: "TokenCaptureAggregator") -> None:
+    """Serve ``aggregator``'s state on ``/metrics`` from now on."""
+    collector()._ref = weakref.ref(aggregator)
+
+
+def detach(aggregator: "TokenCaptureAggregator") -> None:
+    """Stop serving ``aggregator`` (no-op if another one was attached since)."""
+    c = collector()
+    if c.aggregator is aggregator:
+        c._ref = None
