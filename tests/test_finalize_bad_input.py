@@ -1,0 +1,192 @@
+"""Bad input through the finalization graph: each case rejects only its own rollout.
+
+Tampered rows are put directly into the real store (write-once keys: the tampered row is
+staged instead of the good one); bad receipts are submitted as dicts. All cases share
+ONE step (two groups) with clean rollouts beside them, so the test also shows that one
+bad row never takes down its verify task, its group or the step.
+"""
+from __future__ import annotations
+
+import copy
+import math
+
+import numpy as np
+import pytest
+
+from pipeline.finalize import Finalizer
+from pipeline.store import StagingStore
+from rollout_factory import (
+    make_rollout,
+    receipt_dict,
+    resign,
+    set_expert,
+    set_logprob,
+    set_tokens,
+    shift_lengths,
+)
+from tasks.packed import PackedBatch, pack_rows
+from tasks.schema import ALL_FIELDS
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB, L, K, E = 64, 2, 2, 8
+
+
+@pytest.fixture
+def store(cluster_client, tmp_path):
+    s = StagingStore.start(cluster_client, n_units=2, memory_limit="16KiB", spill_directory=str(tmp_path))
+    yield s
+    s.close()
+
+
+def put(store, rows, keys=None):
+    batch = pack_rows(rows)
+    if keys is not None:
+        batch = PackedBatch(list(keys), batch.fields)
+    res = store.put_many(batch)
+    assert not res.failed, res.failed
+
+
+def flip_logprob_bit(row):
+    """The row with one bit of one logprob flipped, hashes left as the writer made them."""
+    lps = row.logprobs.copy()
+    lps.view(np.uint8)[-1] ^= 0x01
+    row.logprobs = lps
+    return row
+
+
+def _built(rng, rid, **kw):
+    return make_rollout(rng, rid, n_calls=3, routes=(L, K, E), vocab_size=VOCAB, **kw)
+
+
+def build_cases(rng, store):
+    """{rollout position: (receipt to submit, expected status)}; stages every row."""
+    cases = []
+
+    def clean(rid):
+        b = _built(rng, rid)
+        put(store, b.rows)
+        cases.append((b.receipt, "ok"))
+
+    clean("ok-a")
+
+    b = _built(rng, "corrupt-byte")
+    rows = list(b.rows)
+    rows[1] = flip_logprob_bit(copy.deepcopy(rows[1]))
+    put(store, rows)
+    cases.append((b.receipt, "corrupt_digest"))
+
+    b = _built(rng, "deleted-row")
+    put(store, b.rows)
+    store.delete([b.rows[2].staging_key])
+    cases.append((b.receipt, "missing_staging_row"))
+
+    b = _built(rng, "swapped-keys")
+    keys = [r.staging_key for r in b.rows]
+    keys[0], keys[1] = keys[1], keys[0]
+    put(store, b.rows, keys)
+    cases.append((b.receipt, "identity_mismatch"))
+
+    # Reordered lineage: the receipt claims c2 follows c0 and c1 follows c2.
+    b = _built(rng, "reordered")
+    put(store, b.rows)
+    d = receipt_dict(b)
+    by_id = {c["model_call_id"]: c for c in d["calls"]}
+    by_id["c2"]["parent_call_id"], by_id["c1"]["parent_call_id"] = "c0", "c2"
+    cases.append((d, "wrong_parent_call_id"))
+
+    b = resign(_built(rng, "parent-length"), shift_lengths("c2", 3))
+    put(store, b.rows)
+    cases.append((b.receipt, "parent_length_mismatch"))
+
+    b = _built(rng, "cycle")
+    put(store, b.rows)
+    d = receipt_dict(b)
+    d["calls"][0]["parent_call_id"] = "c2"
+    cases.append((d, "lineage_cycle"))
+
+    b = resign(_built(rng, "nan-logprob"), set_logprob("c1", -1, math.nan))
+    put(store, b.rows)
+    cases.append((b.receipt, "invalid_logprob"))
+
+    b = resign(_built(rng, "bad-token"), set_tokens("c2", 0, VOCAB))
+    put(store, b.rows)
+    cases.append((b.receipt, "invalid_token"))
+
+    b = resign(_built(rng, "bad-expert"), set_expert("c1", E))
+    put(store, b.rows)
+    cases.append((b.receipt, "invalid_routes"))
+
+    b = _built(rng, "malformed")
+    put(store, b.rows)
+    d = receipt_dict(b)
+    d["calls"] = "not a list"
+    cases.append((d, "invalid_receipt"))
+    cases.append((42, "invalid_receipt"))
+
+    b = _built(rng, "poisoned")
+    d = receipt_dict(b)
+    d["poisoned"], d["failure_reason"] = True, "generation crashed"
+    cases.append((d, "capture_poisoned"))
+
+    clean("ok-b")
+    return cases
+
+
+def test_each_bad_input_rejects_only_its_rollout(cluster_client, store):
+    rng = np.random.default_rng(7)
+    cases = build_cases(rng, store)
+    other = [_built(rng, f"other-{i}") for i in range(3)]
+    for b in other:
+        put(store, b.rows)
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E)
+    step = fin.submit_step({"bad": [r for r, _ in cases], "clean": [b.receipt for b in other]}).result()
+
+    group = step.groups["bad"]
+    expected = [s for _, s in cases]
+    assert group.status == expected
+    assert len(group) == len(cases)  # the group keeps its shape
+    for i, want in enumerate(expected):
+        if want == "ok":
+            assert group.sample_mask[i] == 1.0 and group.input_lengths[i] > 0
+        else:
+            assert group.sample_mask[i] == 0.0 and group.input_lengths[i] == 0
+            assert not group.input_ids[i].any()
+    # Clean rows of the bad group are intact: compare with a read-back of their chain.
+    for i, (receipt, status) in enumerate(cases):
+        if status != "ok":
+            continue
+        keys = receipt.staging_keys
+        got = store.get_many(keys, list(ALL_FIELDS)).batch
+        ids = np.concatenate([got.fields["token_ids"].row(j) for j in range(len(got))])
+        n = int(group.input_lengths[i])
+        np.testing.assert_array_equal(group.input_ids[i, :n].numpy(), ids)
+    assert step.groups["clean"].status == ["ok"] * 3
+    assert step.groups["clean"].sample_mask.tolist() == [1.0] * 3
+
+    rejected = {s: expected.count(s) for s in expected if s != "ok"}
+    assert step.metrics["rejected"] == rejected
+    assert group.metrics["rejected"] == rejected
+    assert step.metrics["accepted"] == 2 + 3
+    assert fin.queue_depth == 0
+
+
+def test_reversed_receipt_call_list_is_not_a_rejection(cluster_client, store):
+    """Receipts describe lineage by parent links: listing the calls in another order
+    yields the same training row (the chain is rebuilt from the links)."""
+    rng = np.random.default_rng(8)
+    b = _built(rng, "reversed")
+    put(store, b.rows)
+    d = receipt_dict(b)
+    d["calls"] = d["calls"][::-1]
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E)
+    step = fin.submit_step([[b.receipt, d]]).result()
+    g = step.groups["g0"]
+    # Same rollout twice in one step: the planner rejects both (their keys collide) ...
+    assert g.status == ["duplicate_staging_key", "duplicate_staging_key"]
+    # ... so submit the reversed one alone.
+    g = fin.submit_step([[d]]).result().groups["g0"]
+    assert g.status == ["ok"]
+    n = int(g.input_lengths[0])
+    want = np.concatenate([b.row(c).token_ids for c in b.chain_ids])
+    np.testing.assert_array_equal(g.input_ids[0, :n].numpy(), want)

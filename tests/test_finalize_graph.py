@@ -1,0 +1,231 @@
+"""Finalization as a Dask graph on a real LocalCluster (finalize slots, zict spill to tmp_path)."""
+from __future__ import annotations
+
+import time
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster, wait
+
+from pipeline import events
+from pipeline.finalize import FinalizeError, Finalizer
+from pipeline.store import StagingStore
+from rollout_factory import make_group
+from tasks.packed import pack_rows
+from tasks.schema import ALL_FIELDS, ROUTES_FIELD
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB, L, K, E = 64, 2, 2, 8
+
+
+@pytest.fixture
+def store(cluster_client, tmp_path):
+    # A small memory limit so rows really spill through zict to tmp_path.
+    s = StagingStore.start(cluster_client, n_units=2, memory_limit="16KiB", spill_directory=str(tmp_path))
+    yield s
+    s.close()
+
+
+def stage(store, builts):
+    res = store.put_many(pack_rows([r for b in builts for r in b.rows]))
+    assert not res.failed, res.failed
+    return builts
+
+
+def row_bytes(rows, with_routes: bool) -> int:
+    """Payload bytes of rows as the finalizer fetches them (every STAGING field + routes)."""
+    b = pack_rows(rows, with_routes=with_routes)
+    return sum(f.values.nbytes for f in b.fields.values())
+
+
+def readback(store, built):
+    """The rollout's chain rows read back from the store on the controller."""
+    keys = [f"{built.rollout_id}/{c}" for c in built.chain_ids]
+    fields = list(ALL_FIELDS) if built.num_experts is not None else [f for f in ALL_FIELDS if f != ROUTES_FIELD]
+    got = store.get_many(keys, fields)
+    assert not got.failed
+    b = got.batch
+    cat = lambda name: np.concatenate([b.fields[name].row(i) for i in range(len(b))])  # noqa: E731
+    return {n: cat(n) for n in fields if n in ("token_ids", "token_mask", "logprobs", ROUTES_FIELD)}
+
+
+def assert_group_matches(store, group, builts):
+    assert group.status == ["ok"] * len(builts)
+    assert group.sample_mask.tolist() == [1.0] * len(builts)
+    for i, b in enumerate(builts):
+        want = readback(store, b)
+        n = len(want["token_ids"])
+        assert int(group.input_lengths[i]) == n
+        np.testing.assert_array_equal(group.input_ids[i, :n].numpy(), want["token_ids"])
+        np.testing.assert_array_equal(group.token_mask[i, :n].numpy(), want["token_mask"])
+        np.testing.assert_array_equal(group.logprobs[i, :n].numpy(), want["logprobs"])
+        assert not group.input_ids[i, n:].any() and not group.token_mask[i, n:].any()
+        root = b.rows[0] if b.rows[0].model_call_id == b.chain_ids[0] else b.row(b.chain_ids[0])
+        assert int(group.prompt_lengths[i]) == int((root.token_mask == 0).sum())
+        assert float(group.rewards[i]) == pytest.approx(b.receipt.reward)
+        if ROUTES_FIELD in want:
+            np.testing.assert_array_equal(group.routed_experts[i, :n].numpy(), want[ROUTES_FIELD])
+
+
+def events_of(client, step_id, kind, n, timeout=10.0):
+    """Finalize events of ``step_id`` (group events come from workers: poll, bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = [m for _, m in client.get_events(events.FINALIZE) if m.get("step_id") == step_id and m.get("kind") == kind]
+        if len(got) >= n or time.monotonic() > deadline:
+            return got
+        time.sleep(0.05)
+
+
+METRIC_KEYS = (
+    "fetch_ms", "verify_ms", "assemble_ms", "queue_wait_ms", "queue_depth",
+    "calls_per_rollout", "fetch_calls", "bytes_fetched",
+)
+
+
+def test_step_with_routes_one_union_fetch_plus_routes(cluster_client, store):
+    rng = np.random.default_rng(1)
+    groups = {f"g{g}": stage(store, make_group(rng, f"s1g{g}", 4, n_calls=3, routes=(L, K, E), n_branches=1)) for g in range(3)}
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E)
+    handle = fin.submit_step({g: [b.receipt for b in bs] for g, bs in groups.items()}, step_id="routed")
+    step = handle.result()
+
+    assert list(step.groups) == ["g0", "g1", "g2"]
+    for gid, bs in groups.items():
+        group = step.groups[gid]
+        assert_group_matches(store, group, bs)
+        m = group.metrics
+        for key in METRIC_KEYS:
+            assert key in m, key
+        assert m["fetch_calls"] == 2  # one union fetch of STAGING_FIELDS + one of routed_experts
+        # Only chain rows are fetched (the off-chain branch call is not).
+        chain_rows = [b.row(c) for b in bs for c in b.chain_ids]
+        assert m["bytes_fetched"] == row_bytes(chain_rows, with_routes=True)
+        assert m["calls_per_rollout"] == pytest.approx(3.0)
+        assert m["accepted"] == 4 and m["rejected"] == {}
+        assert m["fetch_ms"] > 0 and m["verify_ms"] > 0 and m["assemble_ms"] > 0 and m["queue_wait_ms"] >= 0
+
+    sm = step.metrics
+    assert sm["fetch_calls"] == 2 and sm["groups"] == 3 and sm["rollouts"] == 12 and sm["accepted"] == 12
+    assert sm["bytes_fetched"] == sum(step.groups[g].metrics["bytes_fetched"] for g in groups)
+    assert sm["tokens"] == sum(int(step.groups[g].input_lengths.sum()) for g in groups)
+    assert sm["queue_depth"] == 3 and sm["queue_depth_after"] == 0
+    assert sm["dominant"] in ("fetch", "verify")
+    assert fin.queue_depth == 0 and fin.in_flight == []
+    # The rows really went through zict's disk side.
+    assert sum(s.get("spilled_bytes", 0) + s.get("disk_bytes", 0) for s in store.stats()) > 0
+
+    step_events = events_of(cluster_client, "routed", "step", 1)
+    assert len(step_events) == 1 and step_events[0]["fetch_calls"] == 2
+    group_events = events_of(cluster_client, "routed", "group", 3)
+    assert sorted(e["group_id"] for e in group_events) == ["g0", "g1", "g2"]
+    assert all(not any(k.startswith("_") for k in e) for e in group_events + step_events)
+
+
+def test_step_without_routes_fetches_once(cluster_client, store):
+    rng = np.random.default_rng(2)
+    bs = stage(store, make_group(rng, "s2", 5, n_calls=2))
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=None)
+    step = fin.submit_step([[b.receipt for b in bs]]).result()
+    group = step.groups["g0"]
+    assert_group_matches(store, group, bs)
+    assert group.routed_experts is None
+    assert group.metrics["fetch_calls"] == 1 and step.metrics["fetch_calls"] == 1
+    assert group.metrics["bytes_fetched"] == row_bytes([b.row(c) for b in bs for c in b.chain_ids], with_routes=False)
+
+
+def test_each_verify_task_receives_only_its_rollouts_rows(cluster_client, store):
+    rng = np.random.default_rng(3)
+    groups = [stage(store, make_group(rng, f"s3g{g}", 3, n_calls=2, routes=(L, K, E))) for g in range(2)]
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, keep_intermediates=True)
+    with dask.config.set({"token-capture.finalize.verify-token-budget": 1}):  # one rollout per task
+        handle = fin.submit_step([[b.receipt for b in bs] for bs in groups])
+    graph = handle.graph
+    wait(handle.futures)
+    assert len(graph.verify_layout) == 6 and all(len(t) == 1 for t in graph.verify_layout)
+    # Scheduler view: a verify task depends on its own pieces, never on a fetch task.
+    verify_keys = [f.key for f in graph.verify_futures]
+    fetch_keys = {f.key for f in graph.fetch_futures}
+
+    def deps(dask_scheduler, keys):
+        return {
+            str(k): [(str(d.key), d.nbytes) for d in dask_scheduler.tasks[k].dependencies]
+            for k in keys
+        }
+
+    dep_map = cluster_client.run_on_scheduler(deps, keys=verify_keys)
+    assert len(fetch_keys) == 2
+    for k, ds in dep_map.items():
+        assert len(ds) == 2, ds  # its staging piece and its routes piece
+        assert not ({d for d, _ in ds} & {str(x) for x in fetch_keys})
+        assert all("tc-piece-" in d for d, _ in ds)
+    # Each piece holds exactly the rows of its task's rollout, nothing else.
+    pieces = cluster_client.gather(graph.piece_futures)
+    staging = [p for p in pieces if "rollout_id" in p.batch.fields]
+    assert len(staging) == 6
+    rollouts = graph.plan.rollouts
+    for t, task in enumerate(graph.verify_layout):
+        want = [k for r in task for k in rollouts[r].keys]
+        assert staging[t].batch.keys == want
+    step = handle.result()
+    for g, bs in zip(step.groups.values(), groups):
+        assert_group_matches(store, g, bs)
+    assert step.metrics["verify_tasks"] == 6
+    assert handle.graph.piece_futures == []  # released once collected
+
+
+def test_several_steps_in_flight_and_queue_depth(cluster_client, store):
+    rng = np.random.default_rng(4)
+    steps = [[stage(store, make_group(rng, f"s4s{s}g{g}", 3, n_calls=2)) for g in range(2)] for s in range(3)]
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=None)
+    handles = [fin.submit_step([[b.receipt for b in bs] for bs in step]) for step in steps]
+    assert len(fin.in_flight) == 3
+    # Each step saw itself and whatever was still pending before it.
+    assert handles[0].graph.queue_depth == 2
+    assert all(h.graph.queue_depth >= 2 for h in handles)
+    assert fin.queue_depth <= 6
+    results = fin.drain()
+    assert [r.step_id for r in results] == ["step-0", "step-1", "step-2"]
+    for r, step in zip(results, steps):
+        for g, bs in zip(r.groups.values(), step):
+            assert_group_matches(store, g, bs)
+    assert fin.queue_depth == 0 and fin.in_flight == []
+    assert handles[0].result() is results[0]  # collected once, cached
+
+
+def test_clear_staged_deletes_accepted_rollouts_only(cluster_client, store):
+    rng = np.random.default_rng(5)
+    bs = stage(store, make_group(rng, "s5", 3, n_calls=2, n_branches=1))
+    # A rollout whose terminal row is missing is rejected; its rows must stay.
+    bad = stage(store, make_group(rng, "s5bad", 1, n_calls=2))[0]
+    store.delete([f"{bad.rollout_id}/c1"])
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=None)
+    with dask.config.set({"token-capture.finalize.clear-staged": True}):
+        handle = fin.submit_step([[b.receipt for b in bs] + [bad.receipt]])
+        step = handle.result()
+    assert step.groups["g0"].status == ["ok", "ok", "ok", "missing_staging_row"]
+    cleared = handle.clear_future.result()
+    all_keys = [r.staging_key for b in bs for r in b.rows]  # branch calls included
+    assert cleared["deleted"] == len(all_keys)
+    assert set(store.get_many(all_keys, ["token_ids"]).failed) == set(all_keys)
+    assert not store.get_many([f"{bad.rollout_id}/c0"], ["token_ids"]).failed
+
+
+def test_bad_submissions_are_refused(cluster_client, store):
+    fin = Finalizer(cluster_client, store)
+    with pytest.raises(FinalizeError, match="at least one group"):
+        fin.submit_step({})
+    with pytest.raises(FinalizeError, match="no receipts"):
+        fin.submit_step({"g0": []})
+    with pytest.raises(FinalizeError, match="mapping or a list"):
+        fin.submit_step("receipts")
+    assert fin.queue_depth == 0
+
+
+def test_cluster_without_finalize_slots_is_refused():
+    # Verify tasks would wait forever for a `finalize` slot: refuse up front.
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as c, Client(c) as client:
+        with pytest.raises(FinalizeError, match="finalize"):
+            Finalizer(client, store=None)
