@@ -15,8 +15,10 @@ receipt (``tasks.plan``), per receipt
     then across the step: duplicate_staging_key for every receipt sharing a rollout_id.
 
 rows (``tasks.verify``), call by call from the root to the terminal
-    missing_staging_row -> invalid_staging_row -> identity_mismatch ->
-    wrong_<field> in :data:`RECEIPT_COMPARED_FIELDS` order -> routes readiness
+    missing_staging_row -> invalid_staging_row (fields present, dtypes, ids decode,
+    one value per scalar, 32-byte hashes, supported versions) -> identity_mismatch ->
+    wrong_<field> in :data:`RECEIPT_COMPARED_FIELDS` order -> invalid_staging_row
+    (token arrays not ``delta_len`` long) -> routes readiness
     (invalid_routes for a chain mixing routed and unrouted calls, missing_routes,
     invalid_routes for dtype/shape) -> corrupt_digest -> parent_length_mismatch ->
     chain_hash_mismatch -> content (invalid_mask_order / empty_generation /

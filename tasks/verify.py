@@ -189,7 +189,8 @@ class RoutesTable:
 
 
 def _row_structure(t: RowTable, i: int) -> dict:
-    """Decode row ``i`` into python scalars/bytes and array views, or raise invalid_staging_row."""
+    """Decode row ``i`` into python scalars/bytes and array views (lengths not yet checked),
+    or raise invalid_staging_row."""
     for name, problem in t.problem.items():
         if problem:
             raise _Reject(R.INVALID_STAGING_ROW, problem)
@@ -216,12 +217,8 @@ def _row_structure(t: RowTable, i: int) -> dict:
             R.INVALID_STAGING_ROW,
             f"schema/digest version {row['schema_version']}/{row['digest_version']} unsupported",
         )
-    problem = check_lengths(row["prev_len"], row["delta_len"], row["cum_len"])
     for name in TOKEN_FIELDS:
         row[name] = t.view(name, i)
-    problem = problem or check_token_arrays(row["token_ids"], row["token_mask"], row["logprobs"], row["delta_len"])
-    if problem:
-        raise _Reject(*problem)
     row["parent_call_id"] = row["parent_call_id"] or None
     return row
 
@@ -255,6 +252,12 @@ def _verify(
         for name in R.RECEIPT_COMPARED_FIELDS:
             if row[name] != getattr(rec, name):
                 raise _Reject(R.wrong(name), f"{where}: row {name} differs from the receipt")
+        # Lengths now equal the (validated) receipt's; the arrays must match them.
+        problem = check_lengths(row["prev_len"], row["delta_len"], row["cum_len"]) or check_token_arrays(
+            row["token_ids"], row["token_mask"], row["logprobs"], row["delta_len"]
+        )
+        if problem:
+            raise _Reject(problem[0], f"{where}: {problem[1]}")
         enc = row["routes_encoding"]
         experts = None
         if enc != root_enc:

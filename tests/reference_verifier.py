@@ -137,11 +137,7 @@ def read_row(batch, i: int) -> dict:
         row[name] = b
     if row["schema_version"] != 1 or row["digest_version"] != 1:
         raise Reject("invalid_staging_row")
-    if row["delta_len"] <= 0 or row["prev_len"] < 0 or row["cum_len"] != row["prev_len"] + row["delta_len"]:
-        raise Reject("invalid_staging_row")
     for name in TOKEN_NAMES:
-        if len(cells[name].tolist()) != row["delta_len"]:
-            raise Reject("invalid_staging_row")
         row[name] = cells[name]
     if row["parent_call_id"] == "":
         row["parent_call_id"] = None
@@ -252,6 +248,11 @@ def _verify(plan, rows, routes, vocab_size: int, num_experts: Optional[int]) -> 
         for name in COMPARED:
             if row[name] != getattr(rec, name):
                 raise Reject("wrong_" + name)
+        if row["delta_len"] <= 0 or row["prev_len"] < 0 or row["cum_len"] != row["prev_len"] + row["delta_len"]:
+            raise Reject("invalid_staging_row")
+        for name in TOKEN_NAMES:
+            if len(row[name].tolist()) != row["delta_len"]:
+                raise Reject("invalid_staging_row")
         experts = None
         if row["routes_encoding"] != root_enc:
             raise Reject("invalid_routes")

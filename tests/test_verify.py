@@ -1,0 +1,324 @@
+"""Verify + linearize: one explicit test per bad-input case.
+
+Every case corrupts ONE rollout of a group of four and asserts (a) the exact reason,
+(b) that the per-token reference reaches the same verdict and rows, and (c) that the
+other three rollouts still finalize ok into a group of unchanged shape.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tasks import reasons as R
+from tasks.assemble import assemble_group
+from tasks.plan import plan_group
+from tasks.verify import merge_results, verify_many, verify_rollout
+from tests.reference_verifier import reference_verify_rollout
+from tests.rollout_factory import (
+    VOCAB,
+    drop_key,
+    drop_routes,
+    fetch,
+    flip_byte,
+    make_group,
+    receipt_dict,
+    replace_field,
+    resign,
+    set_expert,
+    set_logprob,
+    set_mask,
+    set_tokens,
+    shift_lengths,
+    swap_keys,
+)
+
+E = 8
+ROUTES = (2, 3, E)
+BAD = 1  # index of the corrupted rollout in its group
+
+
+def group(seed: int = 0, routes=None):
+    rng = np.random.default_rng(seed)
+    return make_group(rng, "g", 4, n_calls=3, n_branches=1, gen_len=(2, 8), prompt_len=(1, 6), routes=routes)
+
+
+def same_rows(a, b) -> bool:
+    if (a is None) != (b is None):
+        return False
+    if a is None:
+        return True
+    arrays = [(a.input_ids, b.input_ids), (a.token_mask, b.token_mask), (a.logprobs, b.logprobs)]
+    if (a.routed_experts is None) != (b.routed_experts is None):
+        return False
+    if a.routed_experts is not None:
+        arrays.append((a.routed_experts, b.routed_experts))
+    return (
+        all(x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes() for x, y in arrays)
+        and a.prompt_length == b.prompt_length
+        and a.spans == b.spans
+    )
+
+
+def finalize(builts, *, receipts=None, rows_fn=None, routes_fn=None, num_experts=E):
+    """Plan, fetch, (corrupt), verify, cross-check with the reference, assemble."""
+    step = plan_group(receipts if receipts is not None else [b.receipt for b in builts])
+    rows, routes = fetch(builts, step.staging_keys, step.routes_keys)
+    if rows_fn:
+        rows = rows_fn(rows)
+    if routes_fn:
+        routes = routes_fn(routes)
+    results = verify_many(step.rollouts, rows, routes, vocab_size=VOCAB, num_experts=num_experts)
+    for plan, res in zip(step.rollouts, results):
+        ref = reference_verify_rollout(plan, rows, routes, vocab_size=VOCAB, num_experts=num_experts)
+        assert (res.status, res.rollout_id) == (ref.status, ref.rollout_id), res.detail
+        assert same_rows(res.linearized, ref.linearized)
+        assert "internal error" not in res.detail
+    merged = merge_results(step, results)
+    return merged, assemble_group(merged, step.rewards)
+
+
+def assert_only_bad(merged, fg, reason):
+    assert [r.status for r in merged] == [R.OK, reason, R.OK, R.OK], merged[BAD].detail
+    assert merged[BAD].detail  # the reason comes with a human-readable detail
+    assert fg.sample_mask.tolist() == [1.0, 0.0, 1.0, 1.0]
+    assert fg.input_lengths[BAD] == 0 and not fg.input_ids[BAD].any() and not fg.token_mask[BAD].any()
+    assert fg.status[BAD] == reason and fg.metrics["rejected_by_reason"] == {reason: 1}
+    assert len(fg) == 4 and fg.metrics["accepted"] == 3
+
+
+def key(builts, call="c1", i=BAD):
+    return f"{builts[i].rollout_id}/{call}"
+
+
+def at(rows, k):
+    return rows.keys.index(k)
+
+
+# ---- the good path -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("routes", [None, ROUTES])
+def test_linearizes_the_chain_only(routes):
+    builts = group(1, routes)
+    merged, fg = finalize(builts)
+    assert all(r.ok for r in merged)
+    for b, r, row_i in zip(builts, merged, range(4)):
+        chain = [b.row(c) for c in b.chain_ids]
+        lin = r.linearized
+        np.testing.assert_array_equal(lin.input_ids, np.concatenate([c.token_ids for c in chain]))
+        np.testing.assert_array_equal(lin.logprobs, np.concatenate([c.logprobs for c in chain]))
+        assert lin.spans == [(c.model_call_id, c.prev_len, c.cum_len) for c in chain]
+        assert lin.prompt_length == int((chain[0].token_mask == 0).sum())
+        assert lin.length == chain[-1].cum_len and r.n_calls == 3
+        if routes:
+            np.testing.assert_array_equal(lin.routed_experts, np.concatenate([c.routed_experts for c in chain]))
+        else:
+            assert lin.routed_experts is None
+        t = lin.length
+        assert fg.input_ids[row_i, :t].numpy().tobytes() == lin.input_ids.tobytes()
+        assert fg.prompt_lengths[row_i] == lin.prompt_length
+    assert fg.metrics["calls_per_rollout"] == 3.0
+
+
+def test_verify_rollout_equals_verify_many_and_tolerates_extra_rows():
+    builts = group(2)
+    step = plan_group([b.receipt for b in builts])
+    # A batch holding every staged row (branches included) in shuffled order.
+    everything = [r.staging_key for b in builts for r in b.rows][::-1]
+    rows, _ = fetch(builts, everything, [])
+    many = verify_many(step.rollouts, rows, None, vocab_size=VOCAB, num_experts=None)
+    for p, m in zip(step.rollouts, many):
+        one = verify_rollout(p, rows, None, vocab_size=VOCAB, num_experts=None)
+        assert one.status == m.status == R.OK and same_rows(one.linearized, m.linearized)
+
+
+# ---- row rules -----------------------------------------------------------------------------
+
+
+def test_missing_staging_row():
+    b = group()
+    assert_only_bad(*finalize(b, rows_fn=lambda rows: drop_key(rows, key(b))), R.MISSING_STAGING_ROW)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("rollout_id", np.frombuffer(b"\xff\xfe", np.uint8)),  # undecodable id
+        ("digest", np.zeros(31, np.uint8)),  # short hash
+        ("prev_len", np.zeros(2, np.int64)),  # two values for a scalar
+        ("token_ids", np.zeros(1, np.int64)),  # length != delta_len
+        ("logprobs", None),  # field absent for this row
+        ("schema_version", np.array([2], np.int64)),  # unsupported version
+        ("digest_version", np.array([2], np.int64)),  # digest layout this build cannot recompute
+        ("token_mask", np.ones(40, np.float32)),  # length != delta_len
+    ],
+)
+def test_invalid_staging_row(field, value):
+    b = group()
+    fn = lambda rows: replace_field(rows, field, at(rows, key(b)), value)  # noqa: E731
+    assert_only_bad(*finalize(b, rows_fn=fn), R.INVALID_STAGING_ROW)
+
+
+def test_identity_mismatch_swapped_keys():
+    b = group()
+    fn = lambda rows: swap_keys(rows, at(rows, key(b, "c0")), at(rows, key(b, "c2")))  # noqa: E731
+    assert_only_bad(*finalize(b, rows_fn=fn), R.IDENTITY_MISMATCH)
+
+
+@pytest.mark.parametrize("field", R.RECEIPT_COMPARED_FIELDS)
+def test_wrong_field(field):
+    b = group(3, ROUTES)
+    fn = lambda rows: flip_byte(rows, field, at(rows, key(b)), 0)  # noqa: E731
+    assert_only_bad(*finalize(b, rows_fn=fn), R.wrong(field))
+
+
+@pytest.mark.parametrize("field", ["token_ids", "token_mask", "logprobs"])
+def test_corrupt_digest_on_content_byte_flip(field):
+    b = group(4)
+    fn = lambda rows: flip_byte(rows, field, at(rows, key(b)), 5, mask=0x10)  # noqa: E731
+    assert_only_bad(*finalize(b, rows_fn=fn), R.CORRUPT_DIGEST)
+
+
+def test_corrupt_digest_on_routes_byte_flip():
+    b = group(4, ROUTES)
+    fn = lambda routes: flip_byte(routes, "routed_experts", at(routes, key(b)), 1, mask=0x02)  # noqa: E731
+    assert_only_bad(*finalize(b, routes_fn=fn), R.CORRUPT_DIGEST)
+
+
+# ---- lineage rules (forged: hashes recomputed by the writer) --------------------------------
+
+
+def forged(mutate, routes=None, **kw):
+    b = group(5, routes)
+    b[BAD] = resign(b[BAD], mutate, **kw)
+    return b
+
+
+def test_parent_length_mismatch():
+    assert_only_bad(*finalize(forged(shift_lengths("c1", 1))), R.PARENT_LENGTH_MISMATCH)
+
+
+def test_chain_hash_mismatch():
+    b = group(5)
+    new = int(b[BAD].row("c1").token_ids[0] + 1) % VOCAB
+    b[BAD] = resign(b[BAD], set_tokens("c1", 0, new), chain=False)
+    assert_only_bad(*finalize(b), R.CHAIN_HASH_MISMATCH)
+
+
+def test_cumulative_hash_mismatch():
+    b = group(5)
+    new = int(b[BAD].row("c2").token_ids[-1] + 1) % VOCAB
+    b[BAD] = resign(b[BAD], set_tokens("c2", -1, new), cumulative=False)
+    assert_only_bad(*finalize(b), R.CUMULATIVE_HASH_MISMATCH)
+
+
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda d: d["calls"][1].update(parent_call_id="ghost"), R.MISSING_PARENT),
+        (lambda d: d["calls"][0].update(parent_call_id="c2"), R.LINEAGE_CYCLE),
+        (lambda d: d.update(poisoned=True, failure_reason="tool crashed"), R.CAPTURE_POISONED),
+        (lambda d: d.update(terminal_model_call_id="c9"), R.MISSING_TERMINAL),
+        (lambda d: d["calls"][0].update(digest=None), R.INVALID_RECEIPT),
+    ],
+)
+def test_receipt_rejections_keep_group_shape(mutate, reason):
+    b = group(6)
+    receipts = [receipt_dict(x) for x in b]
+    mutate(receipts[BAD])
+    assert_only_bad(*finalize(b, receipts=receipts), reason)
+
+
+# ---- content rules (forged, so the digest holds and the content rule must catch it) ---------
+
+
+def _mask_then(values):
+    """A call-level mask/logprob pair from a list of mask values."""
+    lps = [0.0 if m == 0.0 else -0.5 for m in values]
+    return values, lps
+
+
+@pytest.mark.parametrize(
+    "make, reason",
+    [
+        (lambda d: set_mask("c1", *_mask_then([1.0] * (d - 1) + [0.0])), R.INVALID_MASK_ORDER),
+        (lambda d: set_mask("c1", *_mask_then([0.5] + [1.0] * (d - 1))), R.INVALID_MASK_ORDER),
+        (lambda d: set_mask("c1", *_mask_then([0.0] * d)), R.EMPTY_GENERATION),
+        (lambda d: set_tokens("c1", -1, VOCAB), R.INVALID_TOKEN),
+        (lambda d: set_tokens("c1", -1, -3), R.INVALID_TOKEN),
+        (lambda d: set_logprob("c1", -1, float("nan")), R.INVALID_LOGPROB),
+        (lambda d: set_logprob("c1", -1, float("-inf")), R.INVALID_LOGPROB),
+        (lambda d: set_logprob("c1", -1, 0.25), R.INVALID_LOGPROB),
+        (lambda d: set_logprob("c0", 0, -1.0), R.INVALID_LOGPROB),  # root pos 0 is prompt (mask 0)
+    ],
+)
+def test_content_rules(make, reason):
+    b = group(7)
+    d = b[BAD].row("c1").delta_len
+    b[BAD] = resign(b[BAD], make(d))
+    assert_only_bad(*finalize(b), reason)
+
+
+# ---- routes ---------------------------------------------------------------------------------
+
+
+def test_missing_routes_key():
+    b = group(8, ROUTES)
+    assert_only_bad(*finalize(b, routes_fn=lambda rt: drop_key(rt, key(b))), R.MISSING_ROUTES)
+
+
+def test_missing_routes_batch_rejects_routed_rollouts_only():
+    rng = np.random.default_rng(9)
+    b = make_group(rng, "g", 2, n_calls=2) + make_group(rng, "h", 2, n_calls=2, routes=ROUTES)
+    merged, fg = finalize(b, routes_fn=lambda rt: None)
+    assert [r.status for r in merged] == [R.OK, R.OK, R.MISSING_ROUTES, R.MISSING_ROUTES]
+    assert fg.routed_experts is None  # no accepted row carries routes
+
+
+def test_invalid_routes_expert_out_of_range():
+    assert_only_bad(*finalize(forged(set_expert("c1", E), ROUTES)), R.INVALID_ROUTES)
+
+
+def test_expert_range_unchecked_without_num_experts():
+    merged, _ = finalize(forged(set_expert("c1", E), ROUTES), num_experts=None)
+    assert all(r.ok for r in merged)
+
+
+def test_invalid_routes_mixed_encoding():
+    assert_only_bad(*finalize(forged(drop_routes("c1"), ROUTES)), R.INVALID_ROUTES)
+
+
+@pytest.mark.parametrize("bad", ["short", "dtype"])
+def test_invalid_routes_shape_or_dtype(bad):
+    b = group(10, ROUTES)
+
+    def fn(rt):
+        i = at(rt, key(b))
+        if bad == "short":
+            return replace_field(rt, "routed_experts", i, rt.fields["routed_experts"].row(i)[:-1])
+        f = rt.fields["routed_experts"]
+        from tasks.packed import PackedBatch, PackedField
+
+        # The whole routes buffer in the wrong dtype: every routed row is refused, not the task.
+        return PackedBatch(rt.keys, {"routed_experts": PackedField(f.values.astype(np.int32), f.offsets)})
+
+    merged, fg = finalize(b, routes_fn=fn)
+    if bad == "short":
+        assert_only_bad(merged, fg, R.INVALID_ROUTES)
+    else:
+        assert [r.status for r in merged] == [R.INVALID_ROUTES] * 4
+        assert fg.input_ids.shape[0] == 4 and fg.sample_mask.sum() == 0
+
+
+def test_whole_field_in_wrong_dtype_rejects_rows_not_task():
+    b = group(11)
+    from tasks.packed import PackedField
+
+    def fn(rows):
+        f = rows.fields["logprobs"]
+        rows.fields["logprobs"] = PackedField(f.values.astype(np.float64), f.offsets)
+        return rows
+
+    merged, fg = finalize(b, rows_fn=fn)
+    assert [r.status for r in merged] == [R.INVALID_STAGING_ROW] * 4
+    assert "logprobs" in merged[0].detail
