@@ -415,8 +415,10 @@ def resume_state(
         a tail holding at least the last ``policy.window`` tokens).
     prefix_ids, prefix_mask, prefix_logprobs, prefix_routes: the saved delta prefix, cut
         chunks concatenated in chain order (int64, float32 zeros-then-ones, float32,
-        int16[n, L, K] or None for a call without routes). The prefix may end anywhere,
-        even inside the context (before any generated token).
+        int16[n, L, K] or None for a call without routes). The prefix must hold the
+        call's WHOLE context (its mask-0 part; any ``CallState.delta(0)`` does) and may
+        end anywhere in the generation, also before its first token. A prefix cut
+        inside the context cannot be told apart from a shorter context: don't write one.
     max_new_tokens: the call's total generation budget (as when it was started).
     verify: re-decode the saved generated tokens and require bitwise equality (costs one
         decode of the prefix; the store's digest check is the normal guard).
