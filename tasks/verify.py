@@ -97,26 +97,38 @@ class RowTable:
         self.index: dict[str, int] = {}
         for i, k in enumerate(batch.keys):
             self.index.setdefault(k, i)  # first occurrence wins (the reference agrees)
-        self.problem: dict[str, Optional[str]] = {}
         specs = {**{k: _U8 for k in ID_FIELDS + HASH_FIELDS}, **SCALAR_FIELDS, **TOKEN_FIELDS}
-        for name, dt in specs.items():
-            self.problem[name] = _field_problem(name, batch.fields.get(name), n, dt)
-        # bytes of id/hash fields once per batch: per-row slicing of a bytes object is cheap.
-        self._bytes = {
-            name: batch.fields[name].values.tobytes()
-            for name in ID_FIELDS + HASH_FIELDS
-            if self.problem[name] is None
-        }
-        self._scalars = {}
-        for name in SCALAR_FIELDS:
-            if self.problem[name] is None:
-                f = batch.fields[name]
-                self._scalars[name] = f.values[np.minimum(f.offsets[:-1], max(len(f.values) - 1, 0))].tolist() if n and len(f.values) else [0] * n
+        problems = (_field_problem(name, batch.fields.get(name), n, dt) for name, dt in specs.items())
+        # A field unusable batch-wide (absent, wrong dtype) makes every row invalid.
+        self.batch_problem: Optional[str] = next((p for p in problems if p), None)
+        self._offs: dict[str, list[int]] = {}
+        self._bytes: dict[str, bytes] = {}
+        self._scalars: dict[str, list[int]] = {}
+        self.struct_ok: list[bool] = []
+        if self.batch_problem is None:
+            fields = {name: batch.fields[name] for name in specs}
+            ok = np.ones(n, dtype=bool)
+            for name, f in fields.items():
+                if f.present is not None:
+                    ok &= f.present
+                lengths = np.diff(f.offsets)
+                if name in SCALAR_FIELDS:
+                    ok &= lengths == 1
+                elif name in HASH_FIELDS:
+                    ok &= lengths == HASH_BYTES
+            self.struct_ok = ok.tolist()
+            # Python lists and bytes once per batch: per-row access is then plain indexing.
+            self._offs = {name: f.offsets.tolist() for name, f in fields.items()}
+            self._bytes = {name: fields[name].values.tobytes() for name in ID_FIELDS + HASH_FIELDS}
+            for name in SCALAR_FIELDS:
+                f = fields[name]
+                at = np.minimum(f.offsets[:-1], max(len(f.values) - 1, 0))
+                self._scalars[name] = f.values[at].tolist() if len(f.values) else [0] * n
         self.content_ok = self._prescan(vocab_size, needed)
 
     def _prescan(self, vocab_size: int, needed: Optional[Sequence[str]]) -> Optional[np.ndarray]:
         """bool[n]: True where mask, token and logprob rules surely hold (None: not scanned)."""
-        if any(self.problem[name] for name in TOKEN_FIELDS):
+        if self.batch_problem is not None:
             return None
         fs = [self.batch.fields[name] for name in TOKEN_FIELDS]
         off = fs[0].offsets
@@ -141,20 +153,29 @@ class RowTable:
         ones_suffix = c1[end] - c1[end - n_ones]
         return (cb[end] - cb[start] == 0) & (n_ones > 0) & (ones_suffix == n_ones)
 
-    # -- per-row accessors (callers check ``problem`` first) --
+    # -- per-row accessors (valid once ``batch_problem`` is None and ``struct_ok[i]``) --
 
-    def view(self, name: str, i: int) -> Optional[np.ndarray]:
-        return self.batch.fields[name].row(i)
+    def view(self, name: str, i: int) -> np.ndarray:
+        off = self._offs[name]
+        return self.batch.fields[name].values[off[i] : off[i + 1]]
 
     def raw(self, name: str, i: int) -> bytes:
-        off = self.batch.fields[name].offsets
-        return self._bytes[name][int(off[i]) : int(off[i + 1])]
+        off = self._offs[name]
+        return self._bytes[name][off[i] : off[i + 1]]
 
-    def scalar(self, name: str, i: int) -> Optional[int]:
-        f = self.batch.fields[name]
-        if f.offsets[i + 1] - f.offsets[i] != 1:
-            return None
-        return self._scalars[name][i]
+    def row_problem(self, i: int) -> str:
+        """Why ``struct_ok[i]`` is False (slow path, bad rows only)."""
+        for name, f in self.batch.fields.items():
+            if name in self._offs and not f.has(i):
+                return f"field {name} absent"
+        for name in SCALAR_FIELDS:
+            if self._offs[name][i + 1] - self._offs[name][i] != 1:
+                return f"{name} is not one value"
+        for name in HASH_FIELDS:
+            n = self._offs[name][i + 1] - self._offs[name][i]
+            if n != HASH_BYTES:
+                return f"{name} is {n} bytes, expected {HASH_BYTES}"
+        return "malformed row"
 
 
 class RoutesTable:
@@ -191,11 +212,10 @@ class RoutesTable:
 def _row_structure(t: RowTable, i: int) -> dict:
     """Decode row ``i`` into python scalars/bytes and array views (lengths not yet checked),
     or raise invalid_staging_row."""
-    for name, problem in t.problem.items():
-        if problem:
-            raise _Reject(R.INVALID_STAGING_ROW, problem)
-        if not t.batch.fields[name].has(i):
-            raise _Reject(R.INVALID_STAGING_ROW, f"field {name} absent")
+    if t.batch_problem is not None:
+        raise _Reject(R.INVALID_STAGING_ROW, t.batch_problem)
+    if not t.struct_ok[i]:
+        raise _Reject(R.INVALID_STAGING_ROW, t.row_problem(i))
     row: dict = {}
     for name in ID_FIELDS:
         try:
@@ -203,15 +223,9 @@ def _row_structure(t: RowTable, i: int) -> dict:
         except UnicodeDecodeError as e:
             raise _Reject(R.INVALID_STAGING_ROW, f"{name} is not UTF-8: {e}") from None
     for name in SCALAR_FIELDS:
-        v = t.scalar(name, i)
-        if v is None:
-            raise _Reject(R.INVALID_STAGING_ROW, f"{name} is not one value")
-        row[name] = v
+        row[name] = t._scalars[name][i]
     for name in HASH_FIELDS:
-        b = t.raw(name, i)
-        if len(b) != HASH_BYTES:
-            raise _Reject(R.INVALID_STAGING_ROW, f"{name} is {len(b)} bytes, expected {HASH_BYTES}")
-        row[name] = b
+        row[name] = t.raw(name, i)
     if row["schema_version"] != SCHEMA_VERSION or row["digest_version"] != hashing.DIGEST_VERSION:
         raise _Reject(
             R.INVALID_STAGING_ROW,
