@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping, Optional
@@ -139,18 +140,26 @@ class TokenCaptureAdaptive(Adaptive):
         self.decisions: deque[ScalingDecision] = deque(maxlen=int(config.get("dashboard.history")))
         self.last_decision: Optional[ScalingDecision] = None
         self._last_published: Optional[tuple[str, str, int]] = None
+        self._probe_after = 0.0  # monotonic s; skip the signal RPC until then
         if cluster is not None and config.get("scaling.ensure-finalize-resource"):
             ensure_finalize_resource(cluster)
 
     async def target(self) -> int:
         current = len(self.plan)
-        try:
-            signal = await self.scheduler.token_capture_signal(window_s=None)
-        except Exception as e:  # no aggregator on this scheduler: never guess
+        signal: Any = None
+        if time.monotonic() >= self._probe_after:
+            try:
+                signal = await self.scheduler.token_capture_signal(window_s=None)
+            except Exception:
+                signal = None
+        if not isinstance(signal, dict):
+            # No aggregator on this scheduler (an unknown RPC answers None): never guess,
+            # and ask again only after a signal window, not every interval.
+            self._probe_after = time.monotonic() + float(config.get("scaling.window-s"))
             decision = ScalingDecision(
                 "hold", current, current, "no-aggregator",
-                f"no-aggregator: scheduler has no token-capture aggregator ({type(e).__name__}); "
-                f"install it with the preload {'pipeline.dashboard.preload'!r}",
+                "no-aggregator: the scheduler has no token-capture aggregator; start it with "
+                "the preload 'pipeline.dashboard.preload' or pipeline.dashboard.install(client)",
             )
         else:
             decision = decide(signal, current, self.minimum, self.maximum)
