@@ -198,7 +198,7 @@ class RoutesTable:
         self.field = f
         v = f.values
         if num_experts is not None and v.ndim == 3 and v.dtype.kind in "iu":
-            bad = ((v < 0) | (v >= num_experts)).reshape(v.shape[0], -1).any(axis=1)
+            bad = ((v < 0) | (v >= num_experts)).any(axis=(1, 2))  # per token
             cb = np.concatenate(([0], np.cumsum(bad)))
             self.in_range = cb[f.offsets[1:]] - cb[f.offsets[:-1]] == 0
 

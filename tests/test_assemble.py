@@ -10,7 +10,7 @@ from tasks.assemble import assemble_group
 from tasks.linearize import Linearized
 from tasks.plan import plan_group
 from tasks.verify import RolloutResult, rejected_result, verify_many
-from tests.rollout_factory import VOCAB, fetch, make_group
+from rollout_factory import VOCAB, fetch, make_group
 
 
 def verified(seed=0, n=4, routes=None, **kw):

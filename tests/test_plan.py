@@ -7,7 +7,7 @@ import pytest
 from tasks import reasons as R
 from tasks.plan import pack_verify_tasks, plan_group, plan_step
 from tasks.receipts import Receipt
-from tests.rollout_factory import make_group, make_rollout, receipt_dict
+from rollout_factory import make_group, make_rollout, receipt_dict
 
 
 @pytest.fixture

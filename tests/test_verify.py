@@ -13,8 +13,8 @@ from tasks import reasons as R
 from tasks.assemble import assemble_group
 from tasks.plan import plan_group
 from tasks.verify import merge_results, verify_many, verify_rollout
-from tests.reference_verifier import reference_verify_rollout
-from tests.rollout_factory import (
+from reference_verifier import reference_verify_rollout
+from rollout_factory import (
     VOCAB,
     drop_key,
     drop_routes,
@@ -322,3 +322,11 @@ def test_whole_field_in_wrong_dtype_rejects_rows_not_task():
     merged, fg = finalize(b, rows_fn=fn)
     assert [r.status for r in merged] == [R.INVALID_STAGING_ROW] * 4
     assert "logprobs" in merged[0].detail
+
+
+def test_empty_routes_batch_is_missing_routes_not_a_crash():
+    # Regression (found by the property test): a routes batch with zero rows.
+    b = group(12, ROUTES)
+    merged, _ = finalize(b, routes_fn=lambda rt: rt.take([]))
+    assert [r.status for r in merged] == [R.MISSING_ROUTES] * 4
+    assert not any("unreadable" in r.detail for r in merged)

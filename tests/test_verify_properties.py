@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from tasks import reasons as R
 from tasks.plan import plan_step
 from tasks.verify import verify_many
-from tests.reference_verifier import reference_chain, reference_receipt_reason, reference_verify_rollout
-from tests.rollout_factory import (
+from reference_verifier import reference_chain, reference_receipt_reason, reference_verify_rollout
+from rollout_factory import (
     VOCAB,
     drop_key,
     drop_routes,
@@ -32,7 +32,7 @@ from tests.rollout_factory import (
     shift_lengths,
     swap_keys,
 )
-from tests.test_verify import same_rows
+from test_verify import same_rows
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
