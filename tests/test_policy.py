@@ -79,6 +79,24 @@ def test_weights_are_a_function_of_the_seed(policy):
     assert not policy.unembed.equal(other.unembed)
 
 
+def test_thread_setting_never_changes_tokens_and_is_restored(policy):
+    import torch
+
+    before = torch.get_num_threads()
+    win = np.arange(4 * CFG.window).reshape(4, CFG.window) % CFG.vocab_size
+    args = (win, np.array([0, 9, 99, 999]), np.arange(4, dtype=np.uint64), 12)
+    one = policy.decode(*args)
+    assert torch.get_num_threads() == before
+    torch.set_num_threads(2)
+    try:
+        two = MoEPolicy(PolicyConfig(**{**CFG.__dict__, "threads": 0})).decode(*args)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert bits(one.tokens) == bits(two.tokens) and bits(one.logprobs) == bits(two.logprobs)
+    assert bits(one.routes) == bits(two.routes)
+
+
 # ---- sampling primitives -----------------------------------------------------------------------
 
 
