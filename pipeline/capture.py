@@ -1,0 +1,71 @@
+"""Generation + capture as Dask work: rollouts are generated on workers, their rows staged
+from there, and only the token-free receipts travel back to the controller.
+
+This is the no-checkpoint path (the demo's uninterrupted run, tests, benchmarks). The
+checkpointable path runs calls on :class:`pipeline.generation.worker.GenerationWorker`
+actors instead; both stage through the same :class:`~tasks.gate.CaptureGate`.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Any, Mapping, Sequence
+
+from tasks.packed import PackedBatch, pack_rows
+from tasks.policy import MoEPolicy, PolicyConfig
+from tasks.receipts import Receipt
+from tasks.rollouts import GeneratedRollout, RolloutSpec, generate_rollouts
+
+from . import config
+
+STAGING_PARTITION = "staging"
+
+
+@functools.lru_cache(maxsize=4)
+def _policy(items: tuple) -> MoEPolicy:
+    return MoEPolicy(PolicyConfig.from_mapping(dict(items)))
+
+
+def policy_from_config(overrides: Mapping[str, Any] | None = None) -> MoEPolicy:
+    """The toy policy of ``token-capture.policy`` (cached per process: weights are derived
+    from the seed, so every worker builds the same model)."""
+    settings = dict(config.get("policy"))
+    settings.update(overrides or {})
+    return _policy(tuple(sorted(settings.items())))
+
+
+def stage_rollouts(store: Any, rollouts: Sequence[GeneratedRollout]) -> list[Receipt]:
+    """Stage every row of ``rollouts`` in ONE batched put; return their receipts.
+
+    A row the store refuses (``key_conflict``, ``store_full``, ...) poisons its rollout's
+    receipt with that reason, so the finalizer rejects that rollout alone and nothing is
+    silently missing.
+    """
+    rows = [r for ro in rollouts for r in ro.rows]
+    receipts = [ro.receipt for ro in rollouts]
+    if not rows:
+        return receipts
+    batch: PackedBatch = pack_rows(rows)
+    result = store.put_many(batch, partition=STAGING_PARTITION)
+    if result.failed:
+        for ro in rollouts:
+            bad = next((result.failed[k] for k in ro.staging_keys if k in result.failed), None)
+            if bad is not None and not ro.receipt.poisoned:
+                ro.receipt.poisoned = True
+                ro.receipt.failure_reason = f"staging_failed: {bad[0]}: {bad[1]}"
+    return receipts
+
+
+def generate_and_stage(store: Any, specs: Sequence[RolloutSpec], policy_overrides: Mapping[str, Any] | None = None, weight_version: int = 0) -> list[Receipt]:
+    """Task body: generate ``specs`` with the toy policy, stage their rows, return receipts."""
+    policy = policy_from_config(policy_overrides)
+    rollouts = generate_rollouts(policy, specs, weight_version=weight_version)
+    return stage_rollouts(store, rollouts)
+
+
+def submit_generation(client: Any, store: Any, groups: Sequence[Sequence[RolloutSpec]], **kwargs: Any) -> list[Any]:
+    """One generation task per group on the cluster; futures of each group's receipts."""
+    return [
+        client.submit(generate_and_stage, store, list(specs), pure=False, **kwargs)
+        for specs in groups
+        if specs
+    ]
