@@ -438,20 +438,21 @@ class PrefixReadCoalescer:
                 failed[k] = (exc.reason, exc.detail) if isinstance(exc, _KeyFailure) else ("read_failed", repr(exc))
         if failed:
             raise PrefixReadError(failed)
-        # Group the request's positions by the get batch that served them: one take each.
-        groups: dict[int, tuple[PackedBatch, list[int], list[int]]] = {}
+        # Where each of the request's rows sits: (get batch, row). One copy per field.
+        batches: dict[int, int] = {}
+        sources: list[PackedBatch] = []
+        src = np.empty(len(keys), dtype=np.int64)
+        rows_idx = np.empty(len(keys), dtype=np.int64)
         for pos, k in enumerate(keys):
             rows, i = mine[k].future.result()
-            g = groups.setdefault(id(rows), (rows, [], []))
-            g[1].append(i)
-            g[2].append(pos)
-        if len(groups) == 1:
-            rows, idx, _ = next(iter(groups.values()))
-            return rows.take(np.asarray(idx, dtype=np.int64))
-        parts = [rows.take(np.asarray(idx, dtype=np.int64)) for rows, idx, _ in groups.values()]
-        positions = np.concatenate([np.asarray(p, dtype=np.int64) for _, _, p in groups.values()])
-        # Back to the request's chain order.
-        return concat_aligned(parts).take(np.argsort(positions, kind="stable"))
+            b = batches.get(id(rows))
+            if b is None:
+                b = batches[id(rows)] = len(sources)
+                sources.append(rows)
+            src[pos], rows_idx[pos] = b, i
+        if len(sources) == 1 and len(sources[0]) == len(keys) and np.array_equal(rows_idx, np.arange(len(keys))):
+            return sources[0]  # the request had the get to itself: no copy
+        return _take_rows(align_fields(sources), src, rows_idx)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -500,11 +501,11 @@ def _consume_exception(fut: asyncio.Future) -> None:
         fut.exception()
 
 
-def concat_aligned(batches: Sequence[PackedBatch]) -> PackedBatch:
-    """:meth:`PackedBatch.concat` for batches whose field sets differ.
+def align_fields(batches: Sequence[PackedBatch]) -> list[PackedBatch]:
+    """Give every batch the union of the batches' fields (missing ones all-absent).
 
     A get of rows without routed experts may carry no ``routed_experts`` field at all;
-    before concatenating, such a batch gets the field with every row marked absent.
+    rows of several gets can only be gathered into one batch once the fields agree.
     """
     names: dict[str, PackedField] = {}
     for b in batches:
@@ -524,4 +525,17 @@ def concat_aligned(batches: Sequence[PackedBatch]) -> PackedBatch:
                 )
             fields[name] = f
         aligned.append(PackedBatch(list(b.keys), fields))
-    return PackedBatch.concat(aligned)
+    return aligned
+
+
+def concat_aligned(batches: Sequence[PackedBatch]) -> PackedBatch:
+    """:meth:`PackedBatch.concat` for batches whose field sets differ."""
+    return PackedBatch.concat(align_fields(batches))
+
+
+def _take_rows(batches: Sequence[PackedBatch], src: np.ndarray, rows: np.ndarray) -> PackedBatch:
+    # The store's gather (row-slice memcpy for long token rows); imported here so that
+    # importing the coalescer pulls in no Dask.
+    from pipeline.store.client import take_rows
+
+    return take_rows(batches, src, rows)

@@ -1,0 +1,206 @@
+"""PrefixReadBatcher: the Dask actor that serves restore reads on one generation worker.
+
+One batcher per generation worker (:func:`start_batchers` places one on each worker).
+Its methods are ``async``, so they run on the worker's event loop, never on the actor
+thread that sync actor methods (the generation worker's decoding) share: concurrent
+calls from any number of resumed calls are merged by one
+:class:`~pipeline.restore.coalescer.PrefixReadCoalescer` over the store's ``cut``
+partition (``StagingStore.get_many_async``).
+
+    batchers = start_batchers(client, store)                  # {worker address: actor}
+    b = batchers[addr]
+    verdict = b.restore(ack).result()                        # PrefixVerdict
+    if verdict.usable:
+        gen.resume_call(rid, cid, history=..., max_new_tokens=...,
+                        **verdict.prefix.resume_kwargs()).result()
+    else:                                                     # verdict.reason says why
+        gen.start_call(rid, cid, context, max_new_tokens=...).result()   # regenerate
+
+:meth:`PrefixReadBatcher.restore_many` answers many continuations in one actor round
+trip (their reads coalesce exactly as concurrent ``restore`` calls do). Verification
+(:func:`tasks.prefix.verify_prefix`, hashing over whole buffers) runs in a thread, off
+the event loop. Statistics go to the ``token-capture-restore`` event topic at most every
+``restore.publish-interval-s`` seconds.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any, Optional, Sequence
+
+from tasks import reasons
+from tasks.packed import PackedBatch
+from tasks.prefix import Continuation, PrefixVerdict, verify_prefix
+
+from .. import config, events
+from .coalescer import PrefixReadCoalescer, PrefixReadError
+
+CUT_PARTITION = "cut"
+
+
+class PrefixReadBatcher:
+    """Dask actor: coalesced prefix reads and prefix verification for one worker.
+
+    ``store`` is a :class:`~pipeline.store.client.StagingStore` (anything with
+    ``get_many_async(keys, fields, partition=)``). Coalescer knobs left ``None`` are read
+    from ``token-capture.restore.*`` when used. ``vocab_size``/``num_experts``/
+    ``routes_shape`` are the defaults for verification (``None``: not checked).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        partition: str = CUT_PARTITION,
+        fields: Optional[Sequence[str]] = None,
+        *,
+        batch_size: Optional[int] = None,
+        max_tokens: Optional[int] = None,
+        window_ms: Optional[float] = None,
+        max_concurrent: Optional[int] = None,
+        timeout_s: Optional[float] = None,
+        vocab_size: Optional[int] = None,
+        num_experts: Optional[int] = None,
+        routes_shape: Optional[tuple[int, int]] = None,
+        name: Optional[str] = None,
+    ):
+        self.store = store
+        self.partition = partition
+        self.fields = None if fields is None else list(fields)
+        self._knobs = dict(
+            batch_size=batch_size, max_tokens=max_tokens, window_ms=window_ms,
+            max_concurrent=max_concurrent, timeout_s=timeout_s,
+        )
+        self._verify_kw = dict(vocab_size=vocab_size, num_experts=num_experts, routes_shape=routes_shape)
+        self._name = name
+        self._coalescer: Optional[PrefixReadCoalescer] = None
+        self._verdicts: dict[str, int] = {}  # "ok" or reason -> count
+        self._last_publish = 0.0
+
+    @property
+    def name(self) -> str:
+        if self._name is None:
+            try:
+                from distributed import get_worker
+
+                self._name = get_worker().address
+            except ValueError:
+                self._name = "local"
+        return self._name
+
+    def _co(self) -> PrefixReadCoalescer:
+        # Built on first use, inside the event loop that serves the actor's async methods.
+        if self._coalescer is None:
+            self._coalescer = PrefixReadCoalescer(self._get_many, **self._knobs)
+        return self._coalescer
+
+    async def _get_many(self, keys: list[str]) -> Any:
+        return await self.store.get_many_async(keys, self.fields, partition=self.partition)
+
+    # ---- reads ----------------------------------------------------------------------
+
+    async def read(self, keys: Sequence[str], tokens: Any = None) -> PackedBatch:
+        """Rows of ``keys`` in that order (see :meth:`PrefixReadCoalescer.read`).
+
+        Raises :class:`~pipeline.restore.coalescer.PrefixReadError` naming unreadable keys.
+        """
+        try:
+            return await self._co().read(keys, tokens)
+        finally:
+            self._maybe_publish()
+
+    async def restore(self, continuation: Any, **verify_kw: Any) -> PrefixVerdict:
+        """Read and verify one call's prefix; a :class:`~tasks.prefix.PrefixVerdict`.
+
+        ``continuation`` is the cut receipt's ``CallAck`` (or a dict with ``staging_keys``,
+        ``prefix_tokens``, ``prefix_digest``). Never raises for bad data: an unreadable or
+        unusable prefix is a verdict with a reason, and the call regenerates.
+        ``verify_kw`` overrides ``vocab_size``/``num_experts``/``routes_shape``.
+        """
+        try:
+            verdict = await self._restore(continuation, {**self._verify_kw, **verify_kw})
+        finally:
+            self._maybe_publish()
+        key = "ok" if verdict.usable else str(verdict.reason)
+        self._verdicts[key] = self._verdicts.get(key, 0) + 1
+        return verdict
+
+    async def restore_many(self, continuations: Sequence[Any], **verify_kw: Any) -> list[PrefixVerdict]:
+        """:meth:`restore` of each continuation, concurrently (their reads coalesce)."""
+        return list(await asyncio.gather(*(self.restore(c, **verify_kw) for c in continuations)))
+
+    async def _restore(self, continuation: Any, verify_kw: dict) -> PrefixVerdict:
+        try:
+            cont = Continuation.of(continuation)
+        except ValueError:
+            return verify_prefix(PackedBatch([], {}), continuation)  # the verifier names it
+        if not cont.keys:
+            return verify_prefix(PackedBatch([], {}), cont)
+        try:
+            rows = await self._co().read(list(cont.keys), cont.prefix_tokens)
+        except PrefixReadError as e:
+            key, (why, detail) = next(iter(e.failed.items()))
+            more = f" (+{len(e.failed) - 1} more keys)" if len(e.failed) > 1 else ""
+            return PrefixVerdict.unusable(reasons.MISSING_STAGING_ROW, f"{key!r}: {why}: {detail}{more}")
+        except (TypeError, ValueError) as e:
+            return PrefixVerdict.unusable("invalid_continuation", str(e))
+        # Hashing a long prefix takes milliseconds: keep it off the worker's event loop
+        # (hashlib releases the GIL on large buffers).
+        return await asyncio.to_thread(verify_prefix, rows, cont, **verify_kw)
+
+    # ---- introspection --------------------------------------------------------------
+
+    async def stats(self) -> dict:
+        """Coalescer counters (``p50_ms``/``p99_ms`` request latency in ms) and verdicts."""
+        out = self._co().stats.summary()
+        out.update(worker=self.name, verdicts=dict(self._verdicts), inflight=self._co().inflight, queued=self._co().queued)
+        return out
+
+    async def close(self) -> None:
+        """Fail pending reads (``closed``) and stop gets in flight."""
+        if self._coalescer is not None:
+            await self._coalescer.close()
+
+    def _maybe_publish(self) -> None:
+        now = time.monotonic()
+        if now - self._last_publish < float(config.get("restore.publish-interval-s")):
+            return
+        self._last_publish = now
+        s = self._co().stats.summary()
+        failures = {k: v for k, v in self._verdicts.items() if k != "ok"}
+        events.publish(
+            events.RESTORE,
+            {
+                "worker": self.name,
+                "requests": s["requests"],
+                "gets": s["gets"],
+                "keys": s["keys_fetched"],
+                "keys_per_get": s["keys_per_get"],
+                "p50_ms": s["p50_ms"],
+                "p99_ms": s["p99_ms"],
+                "failures": failures,
+            },
+        )
+
+
+def start_batchers(client: Any, store: Any, workers: Optional[Sequence[str]] = None, **kwargs: Any) -> dict[str, Any]:
+    """One :class:`PrefixReadBatcher` actor on each worker (default: every worker now).
+
+    Returns ``{worker address: actor handle}``; ``kwargs`` go to the constructor.
+    """
+    if workers is None:
+        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
+    futures = {
+        addr: client.submit(
+            PrefixReadBatcher, store, actor=True, workers=[addr], allow_other_workers=False,
+            key=f"PrefixReadBatcher-{addr}-{id(store):x}", **kwargs,
+        )
+        for addr in workers
+    }
+    actors = dict(zip(futures, client.gather(list(futures.values()))))
+    if config.get("store.direct-to-workers", True):
+        # Verdicts carry prefix arrays: from the controller, talk to the hosting worker
+        # directly rather than through the scheduler (the store's handles do the same).
+        from pipeline.store.client import DirectActor
+
+        actors = {addr: DirectActor(a._cls, a._address, a.key) for addr, a in actors.items()}
+    return actors
