@@ -13,7 +13,7 @@ so a caller can clear them, but they never reach the training row.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
 from . import reasons as R
