@@ -190,3 +190,16 @@ def test_reversed_receipt_call_list_is_not_a_rejection(cluster_client, store):
     n = int(g.input_lengths[0])
     want = np.concatenate([b.row(c).token_ids for c in b.chain_ids])
     np.testing.assert_array_equal(g.input_ids[0, :n].numpy(), want)
+
+
+def test_step_of_only_unusable_receipts_fetches_nothing(cluster_client, store):
+    rng = np.random.default_rng(9)
+    b = _built(rng, "lonely")
+    d = receipt_dict(b)
+    d["terminal_model_call_id"] = "nope"
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E)
+    step = fin.submit_step({"g": [d, {"rollout_id": "x"}]}).result()
+    assert step.groups["g"].status == ["missing_terminal", "invalid_receipt"]
+    assert step.groups["g"].sample_mask.tolist() == [0.0, 0.0]
+    assert step.metrics["fetch_calls"] == 0 and step.metrics["bytes_fetched"] == 0
+    assert step.metrics["rejected"] == {"invalid_receipt": 1, "missing_terminal": 1}

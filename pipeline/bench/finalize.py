@@ -95,7 +95,8 @@ def stage_workload(store, name: str, n_groups: int, rng: np.random.Generator, pr
         if res.failed:
             raise RuntimeError(f"staging {name} group {g} failed: {dict(list(res.failed.items())[:3])}")
         groups.append(receipts)
-        progress(f"staged {name} {g + 1}/{n_groups}")
+        if (g + 1) % max(1, n_groups // 4) == 0 or g + 1 == n_groups:
+            progress(f"staged {name} {g + 1}/{n_groups}")
     return groups
 
 
@@ -241,10 +242,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         store = StagingStore.start(client)
         try:
             staged = {name: stage_workload(store, name, n, rng, say) for name, n in counts.items() if n > 0}
-            # Warm-up (imports, first-call costs on workers) on one group of each, untimed.
+            # Warm-up (imports, first-call costs on workers), untimed: one rollout per mode
+            # and workload is enough to load every module on both workers.
             for name, groups in staged.items():
-                run_baseline(client, store, groups[:1])
-                run_graph(client, store, groups[:1], 0)
+                run_baseline(client, store, [groups[0][:1], groups[-1][:1]])
+                run_graph(client, store, [groups[0][:1], groups[-1][:1]], 0)
             say("warm-up done")
             out: dict[str, Any] = {}
             for name, groups in staged.items():

@@ -168,7 +168,11 @@ class Finalizer:
             self._check_resources()
 
     def _check_resources(self) -> None:
-        workers = self.client.scheduler_info().get("workers", {})
+        try:
+            info = self.client.scheduler_info(n_workers=-1)  # all workers, not the first few
+        except TypeError:  # older distributed
+            info = self.client.scheduler_info()
+        workers = info.get("workers", {})
         if workers and not any(w.get("resources", {}).get("finalize", 0) > 0 for w in workers.values()):
             raise FinalizeError(
                 "no worker advertises the 'finalize' resource; start workers with "
