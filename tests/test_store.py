@@ -276,3 +276,17 @@ def test_store_usable_from_tasks_and_async_actors(cluster_client, store_factory)
     n_ok, keys = reader.roundtrip(batch).result()
     assert n_ok == len(batch) and keys == batch.keys
     assert store.get_many([batch.keys[0]], partition="cut").failed[batch.keys[0]][0] == "missing_key"
+
+
+def test_large_put_split_into_capped_calls(store_factory):
+    import dask
+
+    store = store_factory(n_units=1)
+    rows = make_rows(6, calls=1, tokens=256)
+    batch = pack_rows(rows)
+    with dask.config.set({"token-capture.store.max-call-bytes": 20_000}):  # ~2 rows per call
+        res = store.put_many(batch)
+    assert sorted(res.ok) == sorted(batch.keys) and not res.failed
+    assert store.stats()[0]["puts"] >= 3
+    got = store.get_many(list(batch.keys))
+    assert_same_batch(got.batch, batch)

@@ -16,6 +16,7 @@ import uuid
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from distributed.actor import Actor
 
 from tasks.errors import InvalidKey
 from tasks.keys import unit_for_key
@@ -34,6 +35,30 @@ from .unit import (
 )
 
 DEFAULT_PARTITION = "staging"
+# Fields whose rows average more elements than this are gathered by row slices (one
+# memcpy per row); smaller ones by numpy's element gather, which is cheaper for them.
+_SLICE_GATHER_MIN_ELEMENTS = 64
+
+
+class DirectActor(Actor):
+    """An actor handle whose calls from a client go straight to the hosting worker.
+
+    Dask's default (``distributed.client.direct-to-workers: null``) routes a client's
+    actor calls through the scheduler, which copies every batch twice more; staged
+    batches are megabytes, so the store talks to its units directly (config
+    ``token-capture.store.direct-to-workers``; calls from workers are direct anyway).
+    """
+
+    @property
+    def _worker_rpc(self):
+        if self._worker is None and self._client is None:
+            self._try_bind_worker_client()
+        if self._worker is None and self._client is not None:
+            return self._client.rpc(self._address)
+        return super()._worker_rpc
+
+    def __reduce__(self):
+        return (DirectActor, (self._cls, self._address, self.key))
 
 
 def _parse_bytes(value: Any) -> int:
@@ -105,6 +130,8 @@ class StagingStore:
             for i, addr in enumerate(placed)
         ]
         units = client.gather(futures)
+        if config.get("store.direct-to-workers", True):
+            units = [DirectActor(u._cls, u._address, u.key) for u in units]
         store = cls(units, placed, partitions)
         store._futures = futures
         return store
@@ -151,13 +178,18 @@ class StagingStore:
         if not isinstance(batch, PackedBatch):
             raise StoreError(f"put_many needs a PackedBatch, got {type(batch).__name__}")
         where, failed = self._route(batch.keys)
+        max_bytes = _parse_bytes(config.get("store.max-call-bytes", "64MiB"))
+        row_bytes = _row_bytes(batch)
         parts = []
         for u in range(len(self.units)):
             idx = np.flatnonzero(where == u)
-            if len(idx) == len(batch):
-                parts.append((u, batch))  # the common single-unit case: no copy
-            elif len(idx):
-                parts.append((u, batch.take(idx)))
+            # Cap bytes per actor call: several calls in flight pipeline the transfer of
+            # one with the unit's copy of another, and no call needs a huge fresh buffer.
+            for chunk in _chunks_by_bytes(idx, row_bytes, max_bytes):
+                if len(chunk) == len(batch):
+                    parts.append((u, batch))  # one unit, one call: no copy
+                else:
+                    parts.append((u, take_rows([batch], np.zeros(len(chunk), np.int64), chunk)))
         return parts, failed
 
     def _plan_keys(self, keys: Sequence[str]) -> tuple[list[str], list[tuple[int, list[str]]], dict]:
@@ -273,6 +305,32 @@ class StagingStore:
         return list(dict.fromkeys(fields))
 
 
+def _row_bytes(batch: PackedBatch) -> np.ndarray:
+    """Payload bytes of each row of ``batch`` (all fields), vectorized."""
+    total = np.zeros(len(batch), dtype=np.int64)
+    for f in batch.fields.values():
+        per_element = f.values.itemsize * int(np.prod(f.values.shape[1:], dtype=np.int64))
+        total += np.diff(f.offsets) * per_element
+    return total
+
+
+def _chunks_by_bytes(idx: np.ndarray, row_bytes: np.ndarray, max_bytes: int) -> list[np.ndarray]:
+    """Split row indices ``idx`` into runs of at most ``max_bytes`` (a bigger row goes alone)."""
+    if not len(idx):
+        return []
+    sizes = row_bytes[idx]
+    if int(sizes.sum()) <= max_bytes:
+        return [idx]
+    chunks, start, acc = [], 0, 0
+    for i, b in enumerate(sizes.tolist()):  # per row, not per token
+        if acc and acc + b > max_bytes:
+            chunks.append(idx[start:i])
+            start, acc = i, 0
+        acc += b
+    chunks.append(idx[start:])
+    return chunks
+
+
 def _absent_like(n: int, spec: tuple[np.dtype, tuple]) -> PackedField:
     dtype, trailing = spec
     return PackedField(np.zeros((0, *trailing), dtype=dtype), np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=bool))
@@ -320,11 +378,60 @@ def _merge_gets(keys: Sequence[str], results: list[GetResult], failed: dict) -> 
             failed.update({k: (DTYPE_MISMATCH, bad) for k in b.keys})
             continue
         aligned.append(PackedBatch(b.keys, fields))
-    merged = PackedBatch.concat(aligned)
-    if not len(merged):
+    if not aligned:
         return GetResult(PackedBatch([], {}), failed)
-    pos = {k: i for i, k in enumerate(merged.keys)}
-    index = np.fromiter((pos[k] for k in keys if k in pos), dtype=np.int64)
-    if len(index) == len(merged) and np.array_equal(index, np.arange(len(merged))):
-        return GetResult(merged, failed)
-    return GetResult(merged.take(index), failed)
+    # Where each served key sits: (source batch, row); duplicates in the request repeat.
+    where = {k: (b, j) for b, batch in enumerate(aligned) for j, k in enumerate(batch.keys)}
+    picks = [where[k] for k in keys if k in where]
+    src = np.fromiter((p[0] for p in picks), dtype=np.int64, count=len(picks))
+    rows = np.fromiter((p[1] for p in picks), dtype=np.int64, count=len(picks))
+    if len(aligned) == 1 and np.array_equal(rows, np.arange(len(aligned[0]))):
+        return GetResult(aligned[0], failed)  # already one batch in request order
+    return GetResult(take_rows(aligned, src, rows), failed)
+
+
+def take_rows(batches: Sequence[PackedBatch], src: np.ndarray, rows: np.ndarray) -> PackedBatch:
+    """Row ``rows[i]`` of ``batches[src[i]]`` for every ``i``, as ONE new packed batch.
+
+    Does the work of ``PackedBatch.concat`` + ``take`` in one copy per field. Long rows
+    (token fields) are copied as row slices (a memcpy each) instead of building an
+    element index as large as the data, which is what makes ``take`` slow on them.
+    """
+    keys = [batches[b].keys[j] for b, j in zip(src.tolist(), rows.tolist())]
+    fields = {}
+    for name in batches[0].fields:
+        parts = [b.fields[name] for b in batches]
+        if len(parts) == 1:
+            field, index = parts[0], rows
+        else:
+            base = np.cumsum([0] + [len(p) for p in parts[:-1]])
+            index = base[src] + rows
+            field = None
+        total = sum(len(p.values) for p in parts)
+        n_rows = max(1, sum(len(p) for p in parts))
+        if total / n_rows < _SLICE_GATHER_MIN_ELEMENTS:
+            if field is None:
+                field = PackedBatch.concat([PackedBatch(b.keys, {name: b.fields[name]}) for b in batches]).fields[name]
+            fields[name] = field.take(index)
+            continue
+        slices = []
+        lengths = np.empty(len(src), dtype=np.int64)
+        for i, (b, j) in enumerate(zip(src.tolist(), rows.tolist())):
+            p = parts[b]
+            lo, hi = int(p.offsets[j]), int(p.offsets[j + 1])
+            slices.append(p.values[lo:hi])
+            lengths[i] = hi - lo
+        offsets = np.zeros(len(src) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        proto = parts[0].values
+        values = np.empty((int(offsets[-1]),) + proto.shape[1:], dtype=proto.dtype)
+        if slices:
+            np.concatenate(slices, out=values)
+        if all(p.present is None for p in parts):
+            present = None
+        else:
+            present = np.fromiter((parts[b].has(j) for b, j in zip(src.tolist(), rows.tolist())), dtype=bool, count=len(src))
+            if present.all():
+                present = None
+        fields[name] = PackedField(values, offsets, present)
+    return PackedBatch(keys, fields)

@@ -32,6 +32,8 @@ from . import checkpoint
 from .registry import FieldRegistry, PartitionRegistry, Spec
 from .spill import Row, SpillMapping, row_nbytes
 
+# Fields averaging fewer elements per row than this are copied once per batch, not per row.
+SMALL_FIELD_ELEMENTS = 64
 PARTITION_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 # Put/get/delete failure reasons (the per-key vocabulary of StoreResult/GetResult).
@@ -235,8 +237,16 @@ class StorageUnit:
                     if present is None or present[i]:
                         bad_field[i] = bad_field[i] or detail
                 continue
-            cols.append((name, f.values, f.offsets.tolist(), present, spec))
+            values = f.values
+            if len(values) < SMALL_FIELD_ELEMENTS * max(n, 1):
+                # Small fields (ids, scalars, hashes): ONE copy for the batch, rows are views
+                # of it. It is a few KB, so it never keeps the batch's big buffers alive.
+                values = values.copy()
+                cols.append((name, values, f.offsets.tolist(), present, spec, False))
+            else:
+                cols.append((name, values, f.offsets.tolist(), present, spec, True))
 
+        stored: dict[str, object] = {}  # fields some stored row carries: pinned below
         for i, key in enumerate(batch.keys):
             problem = check_key(key)
             if problem is not None:
@@ -247,18 +257,19 @@ class StorageUnit:
                 continue
             # Copy out of the batch buffer: the batch must not stay alive through our rows.
             row = {
-                name: values[off[i] : off[i + 1]].copy()
-                for name, values, off, present, _ in cols
+                name: values[off[i] : off[i + 1]].copy() if big else values[off[i] : off[i + 1]]
+                for name, values, off, present, _, big in cols
                 if present is None or present[i]
             }
             outcome = self._store_row(partition, index, key, row)
             if outcome is None:
                 result.ok.append(key)
-                for name, _, _, present, spec in cols:
-                    if present is None or present[i]:
-                        reg.pin(name, spec)
+                stored.update(row)
             else:
                 result.failed[key] = outcome
+        for name, _, _, _, spec, _ in cols:
+            if name in stored:
+                reg.pin(name, spec)
         self.counters["put_rows"] += len(result.ok)
         self.counters["refused_rows"] += len(result.failed)
         return result
