@@ -1,0 +1,191 @@
+"""StagingStore.checkpoint / restore: atomic saves, crash safety, digest-checked restores."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from pipeline.store import CheckpointCorrupt, CheckpointError, StagingStore
+from pipeline.store import checkpoint as ck
+from tasks.packed import pack_rows, unpack_rows
+
+from test_store import make_rows  # noqa: E402  (tests/ is on sys.path under pytest)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def stores(cluster_client, tmp_path):
+    made = []
+
+    def make(**kw):
+        kw.setdefault("spill_directory", str(tmp_path / "spill"))
+        s = StagingStore.start(cluster_client, **kw)
+        made.append(s)
+        return s
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def read_all(store, rows, partition="staging"):
+    got = store.get_many([r.staging_key for r in rows], partition=partition)
+    assert not got.failed, list(got.failed.items())[:3]
+    return unpack_rows(got.batch)
+
+
+def assert_rows(store, rows, partition="staging"):
+    back = read_all(store, rows, partition)
+    assert [b.staging_key for b in back] == [r.staging_key for r in rows]
+    assert all(a.same_content(b) for a, b in zip(back, rows))
+
+
+def total_rows(store):
+    return sum(s["rows"] for s in store.stats())
+
+
+def test_roundtrip_onto_a_different_unit_count(stores, tmp_path):
+    src = stores(n_units=2, memory_limit="32KiB")  # some rows are spilled when saved
+    staged = make_rows(6, calls=2, tokens=80)
+    cut = make_rows(3, calls=1, tokens=40, routes=False, prefix="k", seed=9)
+    assert not src.put_many(pack_rows(staged)).failed
+    assert not src.put_many(pack_rows(cut), partition="cut").failed
+    assert sum(s["spilled_bytes"] for s in src.stats()) > 0
+
+    manifest = src.checkpoint(str(tmp_path / "ckpt"), chunk_bytes=20_000)
+    assert manifest["rows"] == len(staged) + len(cut)
+    assert len(manifest["files"]) > 2  # chunked: several files per unit
+    assert os.path.exists(tmp_path / "ckpt" / ck.MANIFEST)
+
+    dst = stores(n_units=3)
+    out = dst.restore(str(tmp_path / "ckpt"))
+    assert out["rows"] == len(staged) + len(cut) and not out["failed"]
+    assert_rows(dst, staged)
+    assert_rows(dst, cut, partition="cut")
+    assert total_rows(dst) == len(staged) + len(cut)
+    # Rows sit where unit_for_key puts them on the NEW store: one rollout, one unit.
+    assert sum(1 for s in dst.stats() if s["rows"]) >= 2
+
+
+def test_from_checkpoint_and_restore_is_idempotent(cluster_client, stores, tmp_path):
+    src = stores()
+    rows = make_rows(4)
+    src.put_many(pack_rows(rows))
+    src.checkpoint(str(tmp_path / "c"))
+    dst = StagingStore.from_checkpoint(cluster_client, str(tmp_path / "c"), n_units=1, spill_directory=str(tmp_path / "s2"))
+    try:
+        assert_rows(dst, rows)
+        again = dst.restore(str(tmp_path / "c"))  # identical re-put: write-once ok
+        assert again["rows"] == len(rows) and not again["failed"]
+    finally:
+        dst.close()
+
+
+def _fail_writes_after(n: int) -> None:
+    """Runs in each worker: the unit's (n+1)-th data file write raises (a crash mid-save)."""
+    import pipeline.store.checkpoint as mod
+
+    real = getattr(mod, "_real_write_atomic", mod.write_atomic)
+    count = {"n": 0}
+
+    def failing(path, buffers):
+        count["n"] += 1
+        if count["n"] > n:
+            raise OSError(f"injected crash before writing {os.path.basename(path)}")
+        return real(path, buffers)
+
+    mod._real_write_atomic = real
+    mod.write_atomic = failing
+
+
+def _heal_writes() -> None:
+    import pipeline.store.checkpoint as mod
+
+    mod.write_atomic = getattr(mod, "_real_write_atomic", mod.write_atomic)
+
+
+def test_crash_mid_save_keeps_previous_checkpoint(cluster_client, stores, tmp_path, monkeypatch):
+    path = str(tmp_path / "ckpt")
+    store = stores()
+    first = make_rows(4, seed=1)
+    store.put_many(pack_rows(first))
+    m1 = store.checkpoint(path, chunk_bytes=10_000)
+
+    later = make_rows(4, seed=2, prefix="late")
+    store.put_many(pack_rows(later))
+    cluster_client.run(_fail_writes_after, 1)  # each unit writes one file, then "crashes"
+    try:
+        with pytest.raises(CheckpointError, match="previous checkpoint kept"):
+            store.checkpoint(path, chunk_bytes=10_000)
+    finally:
+        cluster_client.run(_heal_writes)
+    assert ck.read_manifest(path)["generation"] == m1["generation"]
+
+    # A crash after every data file but before the manifest's rename: same guarantee.
+    def no_manifest(*a, **k):
+        raise OSError("injected crash before the manifest")
+
+    monkeypatch.setattr(ck, "write_manifest", no_manifest)
+    with pytest.raises(OSError, match="before the manifest"):
+        store.checkpoint(path, chunk_bytes=10_000)
+    monkeypatch.undo()
+    assert ck.read_manifest(path)["generation"] == m1["generation"]
+
+    fresh = stores(n_units=2)
+    out = fresh.restore(path)
+    assert out["rows"] == len(first) and total_rows(fresh) == len(first)
+    assert_rows(fresh, first)
+    assert fresh.get_many([later[0].staging_key]).failed[later[0].staging_key][0] == "missing_key"
+
+    # The next good save becomes current and clears the half-written generations.
+    m3 = store.checkpoint(path)
+    assert [d for d in os.listdir(path) if d.startswith("gen-")] == [m3["generation"]]
+    newest = stores(n_units=1)
+    newest.restore(path)
+    assert_rows(newest, first + later)
+
+
+def test_corrupt_checkpoint_refused(stores, tmp_path):
+    path = tmp_path / "ckpt"
+    store = stores()
+    rows = make_rows(4)
+    store.put_many(pack_rows(rows))
+    manifest = store.checkpoint(str(path))
+    victim = manifest["files"][0]["file"]
+    with open(path / victim, "r+b") as fh:  # flip one byte deep in the payload
+        fh.seek(os.path.getsize(path / victim) - 7)
+        b = fh.read(1)
+        fh.seek(-1, os.SEEK_CUR)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+    fresh = stores()
+    with pytest.raises(CheckpointCorrupt, match=os.path.basename(victim)):
+        fresh.restore(str(path))
+    assert total_rows(fresh) == 0, "nothing is loaded from a refused checkpoint"
+
+    # An edited manifest is refused too, and a missing checkpoint says so.
+    m = json.loads((path / ck.MANIFEST).read_text())
+    m["files"][0]["sha256"] = "0" * 64
+    (path / ck.MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(CheckpointCorrupt, match="manifest digest"):
+        fresh.restore(str(path))
+    with pytest.raises(CheckpointError, match="MANIFEST.json is missing"):
+        fresh.restore(str(tmp_path / "nowhere"))
+
+
+def test_packed_batch_file_format_roundtrip_and_truncation():
+    batch = pack_rows(make_rows(3, routes=True) + make_rows(2, routes=False, prefix="n"))
+    buf = bytearray(b"".join(bytes(b) for b in ck.encode_batch(batch)))
+    back = ck.decode_batch(buf)
+    assert back.keys == batch.keys
+    for name, f in batch.fields.items():
+        g = back.fields[name]
+        assert g.values.tobytes() == f.values.tobytes() and np.array_equal(g.offsets, f.offsets)
+        assert (g.present is None) == (f.present is None)
+    with pytest.raises(CheckpointCorrupt, match="truncated"):
+        ck.decode_batch(buf[: len(buf) // 2])
+    with pytest.raises(CheckpointCorrupt, match="not a v1"):
+        ck.decode_batch(b"XXXX" + bytes(buf[4:]))
