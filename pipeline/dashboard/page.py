@@ -81,14 +81,16 @@ class TokenCapturePage:
             Div,
             FactorRange,
             HoverTool,
+            DatetimeTickFormatter,
             NumberFormatter,
+            NumeralTickFormatter,
             TableColumn,
         )
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
         self._version = -1
-        w = dict(sizing_mode="stretch_width", height=260, tools="pan,wheel_zoom,box_zoom,reset,save")
+        w = dict(sizing_mode="stretch_width", height=230, tools="pan,wheel_zoom,box_zoom,reset,save")
 
         self.header = Div(text="", sizing_mode="stretch_width", name="tc-header")
 
@@ -123,9 +125,11 @@ class TokenCapturePage:
 
         # cuts: wall time per cut report, details in the table
         self.cut = ColumnDataSource(dict(
-            i=[], checkpoint_id=[], worker=[], calls=[], rows=[], puts=[], wall_ms=[], durable=[], failures=[]), name="tc-cut")
-        self.fig_cut = figure(title="Cut wall time per worker report (ms)", **w)
-        self.fig_cut.vbar(x="i", top="wall_ms", width=0.8, source=self.cut, color="#ff7f0e")
+            i=[], label=[], checkpoint_id=[], worker=[], calls=[], rows=[], puts=[], wall_ms=[], durable=[], failures=[]),
+            name="tc-cut")
+        self.fig_cut = figure(title="Cut wall time per worker report (ms)", x_range=FactorRange(), **w)
+        self.fig_cut.xaxis.major_label_orientation = 0.8
+        self.fig_cut.vbar(x="label", top="wall_ms", width=0.8, source=self.cut, color="#ff7f0e")
         self.fig_cut.add_tools(HoverTool(tooltips=[
             ("checkpoint", "@checkpoint_id"), ("worker", "@worker"), ("rows", "@rows"), ("puts", "@puts"),
             ("wall", "@wall_ms{0.0} ms"), ("durable", "@durable"), ("failures", "@failures")]))
@@ -162,6 +166,7 @@ class TokenCapturePage:
             ["memory_bytes", "spilled_bytes"], y="unit", height=0.7, source=self.store,
             color=["#17becf", "#7f7f7f"], legend_label=["memory", "spilled"],
         )
+        self.fig_store.xaxis.formatter = NumeralTickFormatter(format="0.0 b")
         self.fig_store.add_tools(HoverTool(tooltips=[
             ("unit", "@unit"), ("worker", "@worker"), ("rows", "@rows"),
             ("memory", "@memory_bytes{0.0 b}"), ("spilled", "@spilled_bytes{0.0 b}")]))
@@ -174,19 +179,25 @@ class TokenCapturePage:
         self.fig_scale.scatter("t", "y", source=self.decisions, size=9, color="color", marker="triangle")
         self.fig_scale.add_tools(HoverTool(tooltips=[
             ("action", "@action"), ("workers", "@current -> @target"), ("reason", "@reason")]))
-        self.decision_table = DataTable(source=self.decisions, height=200, sizing_mode="stretch_width", index_position=None, columns=[
+        self.decision_table = DataTable(source=self.decisions, height=230, sizing_mode="stretch_width", index_position=None, columns=[
             TableColumn(field="when", title="time"), TableColumn(field="action", title="action"),
             TableColumn(field="current", title="workers"), TableColumn(field="target", title="target"),
             TableColumn(field="reason", title="reason", width=600),
         ])
 
+        clock = DatetimeTickFormatter(
+            microseconds="%H:%M:%S.%3N", milliseconds="%H:%M:%S.%3N", seconds="%H:%M:%S",
+            minsec="%H:%M:%S", minutes="%H:%M", hourmin="%H:%M", hours="%H:%M")
+        for fig in (self.fig_depth, self.fig_wait, self.fig_calls, self.fig_scale):
+            fig.xaxis.formatter = clock
+
         self.root = column(
             self.header,
             row(self.fig_split, self.fig_outcome, sizing_mode="stretch_width"),
             row(self.fig_depth, self.fig_wait, self.fig_calls, sizing_mode="stretch_width"),
+            row(self.fig_scale, self.decision_table, sizing_mode="stretch_width"),
             row(self.fig_cut, self.fig_restore, self.fig_store, sizing_mode="stretch_width"),
             row(self.cut_table, self.restore_table, sizing_mode="stretch_width"),
-            row(self.fig_scale, self.decision_table, sizing_mode="stretch_width"),
             sizing_mode="stretch_width",
         )
 
@@ -235,8 +246,11 @@ class TokenCapturePage:
             outcome=[o for o, _, _ in outcomes], count=[n for _, n, _ in outcomes], color=[c for _, _, c in outcomes])
 
         cuts = list(agg.cuts)
+        labels = [f"{i}: {c['checkpoint_id']}/{c['worker']}" for i, c in enumerate(cuts)]
+        self.fig_cut.x_range.factors = labels
         self.cut.data = dict(
             i=list(range(len(cuts))),
+            label=labels,
             checkpoint_id=[c["checkpoint_id"] for c in cuts],
             worker=[c["worker"] for c in cuts],
             **{k: [c[k] for c in cuts] for k in ("calls", "rows", "puts", "wall_ms", "durable")},
