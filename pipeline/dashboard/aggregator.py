@@ -366,9 +366,20 @@ class TokenCaptureAggregator(SchedulerPlugin):
         self.sample_workers()
 
     def sample_workers(self) -> None:
-        """Record the scheduler's current worker count (for the page's scaling plot)."""
-        if self.scheduler is not None:
-            self.worker_counts.append((time.time(), len(self.scheduler.workers)))
+        """Record the scheduler's current worker count (for the page's scaling plot).
+
+        Called by every open page on each refresh: a sample is kept only when the count
+        changed or the last one is older than ``dashboard.update-ms``, so the ring covers
+        the same span however many browsers watch.
+        """
+        if self.scheduler is None:
+            return
+        now, n = time.time(), len(self.scheduler.workers)
+        if self.worker_counts:
+            last_t, last_n = self.worker_counts[-1]
+            if n == last_n and (now - last_t) * 1000 < float(config.get("dashboard.update-ms")):
+                return
+        self.worker_counts.append((now, n))
 
     # ------------------------------------------------------------------ views
     def signal(self, window_s: Optional[float] = None) -> dict[str, Any]:
