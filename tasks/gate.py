@@ -19,7 +19,7 @@ from .errors import InvalidRecord
 from .keys import check_id, staging_key
 from .receipts import CallRecord, Receipt
 from .schema import ROUTES_INT16, ROUTES_NONE, SCHEMA_VERSION, StagedRow
-from .validation import check_delta
+from .validation import check_delta, check_routes
 
 
 @dataclass
@@ -47,6 +47,7 @@ class CaptureGate:
         self._calls: dict[str, _CallState] = {}
         self._records: list[CallRecord] = []
         self._poison: Optional[str] = None
+        self._routes_shape: Optional[tuple[int, int]] = None  # [L, K], fixed by the first routed call
 
     def stage_call(
         self,
@@ -92,9 +93,17 @@ class CaptureGate:
             vocab_size=self.vocab_size,
             num_experts=self.num_experts,
         )
+        if not problem and routed_experts is not None:
+            problem = check_routes(routes_encoding, routed_experts, delta_len, self.num_experts, self._routes_shape)
+        if not problem and self._records and (routes_encoding != self._records[0].routes_encoding):
+            problem = ("invalid_routes", "a rollout's calls must all carry routed experts, or none")
         if problem:
             raise InvalidRecord(*problem)
-        token_ids = np.ascontiguousarray(token_ids)
+        # Copies: the row must not change if the caller reuses its buffers after staging.
+        token_ids = np.array(token_ids, copy=True)
+        token_mask = np.array(token_mask, copy=True)
+        logprobs = np.array(logprobs, copy=True)
+        routed_experts = None if routed_experts is None else np.array(routed_experts, copy=True)
         chain = hashing.chain_hash(None if parent is None else parent.chain_hash, token_ids)
         prefix = hashing.prefix_state(None if parent is None else parent.prefix)
         cumulative = hashing.extend_prefix(prefix, token_ids)
@@ -107,10 +116,10 @@ class CaptureGate:
             cum_len=prev_len + delta_len,
             weight_version=int(weight_version),
             token_ids=token_ids,
-            token_mask=np.ascontiguousarray(token_mask),
-            logprobs=np.ascontiguousarray(logprobs),
+            token_mask=token_mask,
+            logprobs=logprobs,
             routes_encoding=routes_encoding,
-            routed_experts=None if routed_experts is None else np.ascontiguousarray(routed_experts),
+            routed_experts=routed_experts,
             digest=b"",
             chain_hash=chain,
             cumulative_hash=cumulative,
@@ -119,6 +128,8 @@ class CaptureGate:
         )
         row.digest = hashing.row_digest(row)
         self._calls[model_call_id] = _CallState(row.cum_len, chain, prefix)
+        if routed_experts is not None:
+            self._routes_shape = tuple(routed_experts.shape[1:])
         self._records.append(record_of(row))
         return row
 

@@ -102,8 +102,10 @@ def digest(
     """The per-call digest over identity, lengths, token buffers and both chain hashes."""
     if digest_version != DIGEST_VERSION:
         raise ValueError(f"unsupported digest_version {digest_version} (this build: {DIGEST_VERSION})")
+    if not 0 <= schema_version <= 0xFFFF:
+        raise ValueError(f"schema_version {schema_version} outside the 16-bit field of digest v1")
     h = hashlib.sha256(TAG_CALL)
-    header = [struct.pack("<HH", schema_version & 0xFFFF, digest_version), _framed_id(rollout_id), _framed_id(model_call_id)]
+    header = [struct.pack("<HH", schema_version, digest_version), _framed_id(rollout_id), _framed_id(model_call_id)]
     header.append(ROOT_MARKER if parent_call_id is None else b"\x01" + _framed_id(parent_call_id))
     header.append(struct.pack("<qqqqb", prev_len, delta_len, cum_len, weight_version, routes_encoding))
     h.update(b"".join(header))

@@ -221,6 +221,24 @@ def test_receipt_roundtrips_through_msgpack():
 
     gate = new_gate()
     stage(gate, "c0")
-    stage(gate, "c1", "c0", **good(seed=5, routes=False))
+    stage(gate, "c1", "c0", **good(seed=5))
     rec = gate.receipt(0.5)
     assert Receipt.from_msgpack(rec.to_msgpack()) == rec
+
+
+def test_mixed_routes_within_a_rollout_refused():
+    """The verifier rejects a chain mixing routed and unrouted calls, so the gate refuses it."""
+    gate = new_gate()
+    stage(gate, "c0")
+    with pytest.raises(InvalidRecord) as e:
+        stage(gate, "c1", "c0", **good(seed=5, routes=False))
+    assert e.value.reason == "invalid_routes"
+
+
+def test_gate_copies_caller_buffers():
+    gate = new_gate()
+    kw = good(seed=3)
+    row = gate.stage_call("c0", None, kw["token_ids"], kw["token_mask"], kw["logprobs"], routed_experts=kw["routed_experts"])
+    before = row.token_ids.copy()
+    kw["token_ids"][:] = 0
+    assert np.array_equal(row.token_ids, before)
