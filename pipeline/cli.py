@@ -42,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
             p = bench_sub.add_parser(name, help=f"{help_text} (unavailable: {e})")
             p.set_defaults(func=lambda args, e=e: sys.exit(f"benchmark unavailable: {e}"))
             continue
-        p = bench_sub.add_parser(name, help=help_text, description=(module.__doc__ or help_text))
+        p = bench_sub.add_parser(
+            name, help=help_text, description=(module.__doc__ or help_text), formatter_class=argparse.RawDescriptionHelpFormatter
+        )
         module.add_arguments(p)
         if not any("--json" in a.option_strings for a in p._actions):
             p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
