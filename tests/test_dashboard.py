@@ -49,21 +49,37 @@ def state(client: Client) -> dict[str, Any]:
     return client.sync(client.scheduler.token_capture_state)
 
 
-def publish_run(client: Client, first_group: int = 0, groups: int = 6) -> dict[str, Any]:
-    """A small run's worth of events; returns the figures the page must show."""
-    expected = {"rollouts": 0, "accepted": 0, "rejected": {}}
+def publish_run(client: Client, first_group: int = 0, groups: int = 6, collect: bool = True) -> dict[str, Any]:
+    """A small run's events, shaped as finalization publishes them (two groups a step).
+
+    Each group event carries its step's shared union-fetch time; ``collect`` adds the
+    controller's step event. Returns the figures the page must show.
+    """
+    expected: dict[str, Any] = {"rollouts": 0, "accepted": 0, "rejected": {}}
+    step_accepted = 0
     for i in range(first_group, first_group + groups):
         rej = REJECTIONS[i % len(REJECTIONS)]
         accepted = 4 - sum(rej.values())
         client.log_event(FINALIZE, dict(
-            step_id=f"step-{i // 2}", group_id=f"g{i}", rollouts=4, accepted=accepted, rejected=rej,
-            fetch_ms=8.0 + i, verify_ms=30.0 + 4 * i, assemble_ms=2.0, queue_wait_ms=5.0 * i,
-            queue_depth=i % 4, calls_per_rollout=3, fetch_calls=1, bytes_fetched=4096, tokens=512,
+            kind="group", step_id=f"step-{i // 2}", group_id=f"g{i}", rollouts=4, accepted=accepted,
+            rejected=rej, fetch_ms=8.0 + i // 2, verify_ms=30.0 + 4 * i, assemble_ms=2.0,
+            queue_wait_ms=5.0 * i, queue_depth=i % 4, calls_per_rollout=3, fetch_calls=1,
+            bytes_fetched=4096, tokens=512,
         ))
         expected["rollouts"] += 4
         expected["accepted"] += accepted
+        step_accepted += accepted
         for reason, n in rej.items():
             expected["rejected"][reason] = expected["rejected"].get(reason, 0) + n
+        if collect and i % 2 == 1:
+            k = i // 2
+            client.log_event(FINALIZE, dict(
+                kind="step", step_id=f"step-{k}", groups=2, rollouts=8, accepted=step_accepted, rejected={},
+                fetch_ms=8.0 + k, verify_ms=(30.0 + 8 * k) + (34.0 + 8 * k), assemble_ms=4.0,
+                queue_wait_ms=1.0, queue_depth=2, queue_depth_after=1, wall_ms=120.0 + k,
+                dominant="verify", calls_per_rollout=3, fetch_calls=1, bytes_fetched=8192, tokens=1024,
+            ))
+            step_accepted = 0
     return expected
 
 
@@ -89,7 +105,7 @@ def run():
     ) as cluster, Client(cluster) as client:
         expected = publish_run(client)
         publish_side_events(client)
-        wait_until(lambda: state(client)["totals"].get("groups") == 6 and state(client)["decisions"]
+        wait_until(lambda: state(client)["totals"].get("steps") == 3 and state(client)["decisions"]
                    and state(client)["malformed"], what="events aggregated")
         yield client, expected
 
@@ -117,8 +133,14 @@ def test_aggregator_state_carries_the_run(run):
     assert s["totals"]["accepted"] == expected["accepted"]
     assert s["rejected"] == expected["rejected"]
     assert [st["step_id"] for st in s["steps"]] == ["step-0", "step-1", "step-2"]
-    assert s["steps"][1]["verify_ms"] == pytest.approx((30 + 8) + (30 + 12))  # groups 2 and 3
-    assert s["cut_failures"] == {"durable_failure": 1}
+    assert s["totals"]["groups"] == 6 and s["totals"]["steps"] == 3
+    # the step event's figures win: fetch counted once per step, not once per group
+    assert [st["fetch_ms"] for st in s["steps"]] == [8.0, 9.0, 10.0]
+    assert s["steps"][1]["verify_ms"] == pytest.approx(38.0 + 42.0)
+    assert all(st["final"] and st["dominant"] == "verify" for st in s["steps"])
+    assert s["histograms"]["verify_ms"]["count"] == 3  # per step
+    assert s["histograms"]["queue_wait_ms"]["count"] == 6  # per group
+    assert len(s["depths"]) == 9  # 6 group points + 3 step points    assert s["cut_failures"] == {"durable_failure": 1}
     assert s["store_units"]["0"]["spilled_bytes"] == 5 << 20
     assert s["decisions"][0]["reason_code"] == "verify-bound"
     assert s["malformed"] == {f"{FINALIZE}:fetch_ms": 1}
@@ -134,7 +156,8 @@ JS_FIGURES = """
   return {
     steps: arr(split.step), step_rollouts: arr(split.rollouts), verify_ms: arr(split.verify_ms),
     outcome: Object.fromEntries(arr(out.outcome).map((o, i) => [o, out.count[i]])),
-    queue_points: data('tc-queue').queue_depth.length,
+    depth_points: data('tc-depth').queue_depth.length, wait_points: data('tc-queue').queue_wait_ms.length,
+    fetch_ms: arr(split.fetch_ms), state: arr(split.state),
     cut_rows: arr(cut.rows), cut_failures: arr(cut.failures),
     restore_gets: arr(rst.gets), restore_p99: arr(rst.p99_ms),
     store_units: arr(store.unit), spilled: arr(store.spilled_bytes),
@@ -159,8 +182,10 @@ def test_page_renders_in_chromium_with_the_run_figures_and_updates_live(run):
         assert fig["steps"] == ["step-0", "step-1", "step-2"]
         assert sum(fig["step_rollouts"]) == expected["rollouts"]
         assert fig["verify_ms"][1] == pytest.approx(80.0)
+        assert fig["fetch_ms"] == [8.0, 9.0, 10.0]
+        assert fig["state"] == ["collected (verify-bound)"] * 3
         assert fig["outcome"] == {"accepted": expected["accepted"], **expected["rejected"]}
-        assert fig["queue_points"] == 6
+        assert fig["depth_points"] == 9 and fig["wait_points"] == 6
         assert fig["cut_rows"] == [14] and fig["cut_failures"] == ["durable_failure: 1"]
         assert fig["restore_gets"] == [3] and fig["restore_p99"] == [29.0]
         assert fig["store_units"] == ["0", "1"] and fig["spilled"] == [5 << 20, 0]
@@ -178,13 +203,15 @@ def test_page_renders_in_chromium_with_the_run_figures_and_updates_live(run):
         assert stats["colors"] > 200, stats  # plots drawn, not a blank page
         assert shot.stat().st_size > 30_000
 
-        # live: more groups finalize; the open page follows without a reload
-        more = publish_run(client, first_group=6, groups=2)
+        # live: a new step's groups finalize (not yet collected); the open page follows
+        more = publish_run(client, first_group=6, groups=2, collect=False)
         total = expected["rollouts"] + more["rollouts"]
         browser.wait_for(
             f"Array.from(Bokeh.documents[0].get_model_by_name('tc-split').data.rollouts)"
             f".reduce((a, b) => a + b, 0) === {total}", timeout_s=30)
-        assert browser.evaluate("Bokeh.documents[0].get_model_by_name('tc-split').data.step.length") == 4
+        live = browser.evaluate(JS_FIGURES)
+        assert live["steps"][-1] == "step-3" and live["state"][-1] == "running"
+        assert live["fetch_ms"][-1] == 11.0  # provisional: the shared fetch once, not per group
 
 
 def test_install_on_a_running_cluster_serves_page_and_metrics():
@@ -218,7 +245,7 @@ def test_state_is_bounded_by_history():
             assert len(s["groups"]) == 5 and len(s["steps"]) == 5 and len(s["cuts"]) == 5
             assert [st["step_id"] for st in s["steps"]] == [f"s{i}" for i in range(15, 20)]  # newest kept
             assert s["totals"]["groups"] == 20 and s["totals"]["rollouts"] == 40  # totals are not windowed
-            assert s["histograms"]["fetch_ms"]["count"] == 20
+            assert s["histograms"]["queue_wait_ms"]["count"] == 20
 
 
 def test_dask_scheduler_cli_preload_serves_the_page(tmp_path):

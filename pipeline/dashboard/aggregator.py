@@ -4,14 +4,25 @@
 scheduler reaches its :meth:`~TokenCaptureAggregator.log_event` hook, which validates the
 event (:func:`parse_event`) and folds it into bounded state:
 
-* per finalize event (one per group): fetch/verify/assemble ms, queue depth and wait,
-  calls per rollout, in a ring of ``dashboard.history`` entries; per step sums of the
-  split timing (ring of the same length);
-* running totals: rollouts accepted, rejected by reason, fetch calls, bytes, tokens;
-* histograms (fixed buckets from ``metrics.buckets-*``) of the split timing, queue wait,
-  calls per rollout and cut wall time, for Prometheus;
+* finalize events come in two kinds (``kind``, see ``pipeline.finalize.timing``):
+  ``"group"`` (one per assembled group, published by the assemble task; an event without
+  ``kind`` counts as a group) and ``"step"`` (one per collected step, published by the
+  controller). Group events feed the running totals (rollouts accepted, rejected by
+  reason, tokens, bytes, fetch calls), the per-group ring (queue wait, calls per
+  rollout) and a provisional per-step split, so the page moves while a step runs. A
+  group's ``fetch_ms`` is the step's shared union fetch, so the provisional split takes
+  its maximum, not its sum; the step event then replaces the provisional figures with
+  the controller's deduplicated ones (and adds wall time and the dominant side);
+* queue depth over time: each group event's ``queue_depth`` and each step event's
+  ``queue_depth_after``;
+* histograms (fixed buckets from ``metrics.buckets-*``): split timing per step (from
+  step events), step wall time, queue wait and calls per rollout per group, cut wall
+  time, for Prometheus;
 * cut events (ring) and totals, failures by reason;
-* restore reports: totals and the latest report per batcher worker;
+* restore reports: ``PrefixReadBatcher`` publishes counters cumulative since it
+  started, so totals are the sum over batchers of their latest report; a report lower
+  than the previous one from the same worker means a new batcher, and the old one's
+  counts are carried forward (Prometheus counter semantics);
 * store reports: the latest report per storage unit;
 * scaling decisions (ring) and counts by action.
 
@@ -100,6 +111,7 @@ def _label(topic: str, msg: Mapping[str, Any], key: str, required: bool) -> str:
     return str(value)
 
 
+FINALIZE_KINDS = ("group", "step")
 _FINALIZE_NUMBERS = {
     # name: required
     "fetch_ms": True,
@@ -113,6 +125,9 @@ _FINALIZE_NUMBERS = {
     "fetch_calls": False,
     "bytes_fetched": False,
     "tokens": False,
+    "groups": False,  # step events
+    "wall_ms": False,  # step events
+    "queue_depth_after": False,  # step events
 }
 _CUT_NUMBERS = {"wall_ms": True, "rows": True, "puts": True, "calls": False, "durable": False}
 _RESTORE_NUMBERS = {
@@ -122,8 +137,8 @@ _RESTORE_NUMBERS = {
     "keys_per_get": False,
     "p50_ms": False,
     "p99_ms": False,
-    "failures": False,
 }
+RESTORE_COUNTERS = ("requests", "gets", "keys", "failures")
 _STORE_NUMBERS = {"memory_bytes": True, "spilled_bytes": True, "rows": False}
 _SCALE_NUMBERS = {"target": True, "current": True, "verify_ms": False, "fetch_ms": False, "queue_depth": False}
 
@@ -144,6 +159,9 @@ def parse_event(topic: str, msg: Any) -> dict[str, Any]:
         out["rejected"] = _counts(topic, msg, "rejected")
         out["step_id"] = _label(topic, msg, "step_id", required=False)
         out["group_id"] = _label(topic, msg, "group_id", required=False)
+        out["kind"] = msg.get("kind") or "group"
+        if out["kind"] not in FINALIZE_KINDS:
+            raise InvalidEvent(topic, "kind", f"expected one of {FINALIZE_KINDS}, got {out['kind']!r}")
         if "accepted" not in msg and "rollouts" in msg:
             out["accepted"] = max(0.0, out["rollouts"] - sum(out["rejected"].values()))
         if "rollouts" not in msg:
@@ -156,6 +174,13 @@ def parse_event(topic: str, msg: Any) -> dict[str, Any]:
     elif topic == RESTORE:
         out.update({k: _number(topic, msg, k, req) for k, req in _RESTORE_NUMBERS.items()})
         out["worker"] = _label(topic, msg, "worker", required=False)
+        # failures: a count, or {verdict: count} as PrefixReadBatcher publishes them
+        if isinstance(msg.get("failures"), Mapping):
+            out["failures_by_reason"] = _counts(topic, msg, "failures")
+            out["failures"] = float(sum(out["failures_by_reason"].values()))
+        else:
+            out["failures"] = _number(topic, msg, "failures", required=False)
+            out["failures_by_reason"] = {}
         if "keys_per_get" not in msg and out["gets"]:
             out["keys_per_get"] = out["keys"] / out["gets"]
     elif topic == STORE:
@@ -240,14 +265,18 @@ class TokenCaptureAggregator(SchedulerPlugin):
             "queue_wait_ms": Histogram(ms_bounds),
             "calls_per_rollout": Histogram(call_bounds),
             "cut_wall_ms": Histogram(ms_bounds),
+            "step_wall_ms": Histogram(ms_bounds),
         }
         self.queue_depth = 0.0
+        self.depths: deque[tuple[float, float]] = deque(maxlen=self.history)  # (t, queue depth)
         # cut
         self.cuts: deque[dict[str, Any]] = deque(maxlen=self.history)
         self.cut_totals: Counter[str] = Counter()
         self.cut_failures: Counter[str] = Counter()
         # restore
-        self.restore_totals: Counter[str] = Counter()
+        self.restore_base: Counter[str] = Counter()  # counts of batchers since replaced
+        self.restore_failures: Counter[str] = Counter()
+        self.restore_reports = 0
         self.restore_latest: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.restores: deque[dict[str, Any]] = deque(maxlen=self.history)
         # store
@@ -304,36 +333,68 @@ class TokenCaptureAggregator(SchedulerPlugin):
         self.version += 1
 
     def _finalize(self, ev: dict[str, Any]) -> None:
+        if ev["kind"] == "step":
+            self._finalize_step(ev)
+        else:
+            self._finalize_group(ev)
+
+    def _step_entry(self, ev: dict[str, Any]) -> dict[str, Any]:
+        key = ev["step_id"] or f"group-{self.totals['groups']}"
+        step = self.steps.get(key)
+        if step is None:
+            step = self.steps[key] = {
+                "step_id": key, "groups": 0, "rollouts": 0, "accepted": 0, "fetch_ms": 0.0,
+                "verify_ms": 0.0, "assemble_ms": 0.0, "wall_ms": 0.0, "dominant": "",
+                "final": False, "t": ev["t"], "t_last": ev["t"],
+            }
+            while len(self.steps) > self.history:
+                self.steps.popitem(last=False)
+        step["t_last"] = ev["t"]
+        return step
+
+    def _finalize_group(self, ev: dict[str, Any]) -> None:
         self.groups.append(ev)
         t = self.totals
         t["groups"] += 1
         t["rollouts"] += int(ev["rollouts"])
         t["accepted"] += int(ev["accepted"])
         t["rejected"] += sum(ev["rejected"].values())
-        for k in ("fetch_calls", "bytes_fetched", "tokens", "fetch_ms", "verify_ms", "assemble_ms"):
+        for k in ("fetch_calls", "bytes_fetched", "tokens"):
             t[k] += ev[k]
         self.rejected.update(ev["rejected"])
-        for k in ("fetch_ms", "verify_ms", "assemble_ms", "queue_wait_ms"):
-            self.hist[k].observe(ev[k])
+        self.hist["queue_wait_ms"].observe(ev["queue_wait_ms"])
         if ev["calls_per_rollout"]:
             self.hist["calls_per_rollout"].observe(ev["calls_per_rollout"])
         self.queue_depth = ev["queue_depth"]
+        self.depths.append((ev["t"], ev["queue_depth"]))
 
-        # per step: sums of the step's group events
-        step_key = ev["step_id"] or f"group-{t['groups']}"
-        step = self.steps.get(step_key)
-        if step is None:
-            step = self.steps[step_key] = {
-                "step_id": step_key, "groups": 0, "rollouts": 0, "accepted": 0,
-                "fetch_ms": 0.0, "verify_ms": 0.0, "assemble_ms": 0.0, "t": ev["t"],
-            }
-            while len(self.steps) > self.history:
-                self.steps.popitem(last=False)
+        step = self._step_entry(ev)
         step["groups"] += 1
         step["rollouts"] += int(ev["rollouts"])
         step["accepted"] += int(ev["accepted"])
+        if not step["final"]:  # provisional until the step event arrives
+            step["fetch_ms"] = max(step["fetch_ms"], ev["fetch_ms"])  # one union fetch per step
+            step["verify_ms"] += ev["verify_ms"]
+            step["assemble_ms"] += ev["assemble_ms"]
+
+    def _finalize_step(self, ev: dict[str, Any]) -> None:
+        step = self._step_entry(ev)
+        step.update(
+            final=True, fetch_ms=ev["fetch_ms"], verify_ms=ev["verify_ms"], assemble_ms=ev["assemble_ms"],
+            wall_ms=ev["wall_ms"], dominant=str(ev.get("dominant") or ""),
+        )
+        if ev["groups"]:
+            step["groups"] = int(ev["groups"])
+        if ev["rollouts"]:
+            step["rollouts"], step["accepted"] = int(ev["rollouts"]), int(ev["accepted"])
+        self.totals["steps"] += 1
         for k in ("fetch_ms", "verify_ms", "assemble_ms"):
-            step[k] += ev[k]
+            self.totals[k] += ev[k]
+            self.hist[k].observe(ev[k])
+        self.hist["step_wall_ms"].observe(ev["wall_ms"])
+        depth = ev["queue_depth_after"] if "queue_depth_after" in ev else ev["queue_depth"]
+        self.queue_depth = depth
+        self.depths.append((ev["t"], depth))
 
     def _cut(self, ev: dict[str, Any]) -> None:
         self.cuts.append(ev)
@@ -344,16 +405,37 @@ class TokenCaptureAggregator(SchedulerPlugin):
         self.hist["cut_wall_ms"].observe(ev["wall_ms"])
 
     def _restore(self, ev: dict[str, Any]) -> None:
-        # Reports carry counts for the period since the batcher's previous report.
+        # Reports carry counters cumulative since the batcher started.
         self.restores.append(ev)
-        self.restore_totals["reports"] += 1
-        for k in ("requests", "gets", "keys", "failures"):
-            self.restore_totals[k] += ev[k]
+        self.restore_reports += 1
         worker = ev["worker"] or "?"
-        self.restore_latest.pop(worker, None)
+        prev = self.restore_latest.pop(worker, None)
+        if prev is not None and any(ev[k] < prev[k] for k in RESTORE_COUNTERS):
+            self._retire_restore(prev)  # a new batcher on this worker: keep the old counts
         self.restore_latest[worker] = ev
         while len(self.restore_latest) > self.history:
-            self.restore_latest.popitem(last=False)
+            self._retire_restore(self.restore_latest.popitem(last=False)[1])
+
+    def _retire_restore(self, ev: dict[str, Any]) -> None:
+        for k in RESTORE_COUNTERS:
+            self.restore_base[k] += ev[k]
+        self.restore_failures.update(ev["failures_by_reason"])
+
+    @property
+    def restore_totals(self) -> Counter[str]:
+        """Restore counters over all batchers, past and present (``reports`` counts events)."""
+        out: Counter[str] = Counter(self.restore_base)
+        for ev in self.restore_latest.values():
+            for k in RESTORE_COUNTERS:
+                out[k] += ev[k]
+        out["reports"] = self.restore_reports
+        return out
+
+    def restore_failures_by_reason(self) -> Counter[str]:
+        out: Counter[str] = Counter(self.restore_failures)
+        for ev in self.restore_latest.values():
+            out.update(ev["failures_by_reason"])
+        return out
 
     def _store(self, ev: dict[str, Any]) -> None:
         self.store_units[ev["unit"]] = ev
@@ -385,27 +467,32 @@ class TokenCaptureAggregator(SchedulerPlugin):
     def signal(self, window_s: Optional[float] = None) -> dict[str, Any]:
         """The adaptive policy's input: recent split timing, queue trend and load.
 
-        Over finalize events newer than ``window_s`` seconds (default
-        ``scaling.window-s``): ``events``, ``fetch_ms``/``verify_ms``/``assemble_ms``
-        sums, ``queue_depth_first``/``_last``/``_max``; ``last_event_age_s`` (seconds
-        since the newest finalize event, ``inf`` if none); scheduler load ``tasks``
+        Over the last ``window_s`` seconds (default ``scaling.window-s``): ``events``
+        (finalize events), ``steps`` (steps updated), ``fetch_ms``/``verify_ms``/
+        ``assemble_ms`` summed over those steps (per step: the step event's figures, or
+        the provisional split of its groups so far), ``queue_depth_first``/``_last``/
+        ``_max``; ``last_event_age_s`` (seconds since the newest finalize event, ``inf``
+        if none); scheduler load ``tasks``
         (processing + queued + unrunnable), ``workers``, ``finalize_slots``,
         ``actor_hosts`` (workers hosting actors, which cannot be retired).
         """
         window = float(window_s if window_s is not None else config.get("scaling.window-s"))
         now = time.time()
-        recent = [g for g in self.groups if now - g["t"] <= window]
-        depths = [g["queue_depth"] for g in recent]
+        # split per step (provisional or final), over steps updated in the window
+        recent_steps = [st for st in self.steps.values() if now - st["t_last"] <= window]
+        depths = [d for t, d in self.depths if now - t <= window]
+        newest = self.depths[-1][0] if self.depths else None
         out: dict[str, Any] = {
             "window_s": window,
-            "events": len(recent),
-            "fetch_ms": sum(g["fetch_ms"] for g in recent),
-            "verify_ms": sum(g["verify_ms"] for g in recent),
-            "assemble_ms": sum(g["assemble_ms"] for g in recent),
+            "events": len(depths),
+            "steps": len(recent_steps),
+            "fetch_ms": sum(st["fetch_ms"] for st in recent_steps),
+            "verify_ms": sum(st["verify_ms"] for st in recent_steps),
+            "assemble_ms": sum(st["assemble_ms"] for st in recent_steps),
             "queue_depth_first": depths[0] if depths else 0.0,
             "queue_depth_last": depths[-1] if depths else 0.0,
             "queue_depth_max": max(depths) if depths else 0.0,
-            "last_event_age_s": (now - self.groups[-1]["t"]) if self.groups else math.inf,
+            "last_event_age_s": (now - newest) if newest is not None else math.inf,
             "tasks": 0,
             "workers": 0,
             "finalize_slots": 0.0,
@@ -436,6 +523,8 @@ class TokenCaptureAggregator(SchedulerPlugin):
             "cut_failures": dict(self.cut_failures),
             "cuts": [dict(c) for c in self.cuts],
             "restore_totals": dict(self.restore_totals),
+            "restore_failures": dict(self.restore_failures_by_reason()),
+            "depths": [list(d) for d in self.depths],
             "restore_latest": {k: dict(v) for k, v in self.restore_latest.items()},
             "store_units": {k: dict(v) for k, v in self.store_units.items()},
             "decisions": [dict(d) for d in self.decisions],

@@ -95,7 +95,9 @@ class TokenCapturePage:
         self.header = Div(text="", sizing_mode="stretch_width", name="tc-header")
 
         # split timing per step (stacked)
-        self.split = ColumnDataSource(dict(step=[], fetch_ms=[], verify_ms=[], assemble_ms=[], groups=[], rollouts=[]), name="tc-split")
+        self.split = ColumnDataSource(dict(
+            step=[], fetch_ms=[], verify_ms=[], assemble_ms=[], groups=[], rollouts=[], wall_ms=[], state=[]),
+            name="tc-split")
         self.fig_split = figure(title="Finalize time per step: fetch / verify / assemble (ms)", x_range=FactorRange(), **w)
         self.fig_split.vbar_stack(
             list(_SPLIT), x="step", width=0.8, source=self.split, color=list(_SPLIT_COLORS),
@@ -103,14 +105,16 @@ class TokenCapturePage:
         )
         self.fig_split.add_tools(HoverTool(tooltips=[
             ("step", "@step"), ("fetch", "@fetch_ms{0.0} ms"), ("verify", "@verify_ms{0.0} ms"),
-            ("assemble", "@assemble_ms{0.0} ms"), ("groups", "@groups"), ("rollouts", "@rollouts")]))
+            ("assemble", "@assemble_ms{0.0} ms"), ("groups", "@groups"), ("rollouts", "@rollouts"),
+            ("wall", "@wall_ms{0.0} ms"), ("state", "@state")]))
         self.fig_split.legend.location = "top_left"
         self.fig_split.xaxis.major_label_orientation = 0.8
 
         # queue depth and wait over time (one point per finalized group)
-        self.queue = ColumnDataSource(dict(t=[], queue_depth=[], queue_wait_ms=[], calls_per_rollout=[]), name="tc-queue")
-        self.fig_depth = figure(title="Queue depth (groups waiting)", x_axis_type="datetime", **w)
-        self.fig_depth.step("t", "queue_depth", source=self.queue, mode="after", line_width=2)
+        self.depth = ColumnDataSource(dict(t=[], queue_depth=[]), name="tc-depth")
+        self.queue = ColumnDataSource(dict(t=[], queue_wait_ms=[], calls_per_rollout=[]), name="tc-queue")
+        self.fig_depth = figure(title="Queue depth (groups in flight)", x_axis_type="datetime", **w)
+        self.fig_depth.step("t", "queue_depth", source=self.depth, mode="after", line_width=2)
         self.fig_wait = figure(title="Queue wait per group (ms)", x_axis_type="datetime", **w)
         self.fig_wait.scatter("t", "queue_wait_ms", source=self.queue, size=5)
         self.fig_wait.line("t", "queue_wait_ms", source=self.queue, alpha=0.5)
@@ -215,7 +219,8 @@ class TokenCapturePage:
         self._version = agg.version
         s = summary(agg)
         self.header.text = (
-            f"<b>{s['rollouts']}</b> rollouts finalized in {s['groups']} groups "
+            f"<b>{s['rollouts']}</b> rollouts finalized in {s['groups']} groups, "
+            f"{int(agg.totals['steps'])} steps collected "
             f"(<b>{s['accepted']}</b> accepted, {s['rejected']} rejected); queue depth "
             f"{agg.queue_depth:g}; {s['cuts']} cut reports; {s['gets']} restore gets; "
             f"{len(agg.malformed) and sum(agg.malformed.values())} malformed events dropped"
@@ -228,12 +233,14 @@ class TokenCapturePage:
             **{k: [st[k] for st in steps] for k in _SPLIT},
             groups=[st["groups"] for st in steps],
             rollouts=[st["rollouts"] for st in steps],
+            wall_ms=[st["wall_ms"] for st in steps],
+            state=[f"collected ({st['dominant']}-bound)" if st["final"] else "running" for st in steps],
         )
+        self.depth.data = dict(t=[t * 1000 for t, _ in agg.depths], queue_depth=[d for _, d in agg.depths])
 
         groups = list(agg.groups)
         self.queue.data = dict(
             t=[g["t"] * 1000 for g in groups],
-            queue_depth=[g["queue_depth"] for g in groups],
             queue_wait_ms=[g["queue_wait_ms"] for g in groups],
             calls_per_rollout=[g["calls_per_rollout"] for g in groups],
         )

@@ -18,12 +18,14 @@ Series (``_ms`` milliseconds, ``_bytes`` bytes; histograms carry ``_bucket``/``_
 name                                            type       labels
 ==============================================  =========  ==========================
 token_capture_groups_finalized_total            counter
+token_capture_steps_finalized_total             counter
 token_capture_rollouts_total                    counter    status (accepted|rejected)
 token_capture_rollouts_rejected_total           counter    reason
 token_capture_fetch_calls_total                 counter
 token_capture_fetched_bytes_total               counter
 token_capture_finalized_tokens_total            counter
 token_capture_finalize_phase_ms                 histogram  phase (fetch|verify|assemble)
+token_capture_step_wall_ms                      histogram
 token_capture_queue_wait_ms                     histogram
 token_capture_calls_per_rollout                 histogram
 token_capture_queue_depth                       gauge
@@ -94,6 +96,7 @@ class TokenCaptureCollector(Collector):
             return
         t = agg.totals
         yield _counter("groups_finalized", "Finalized groups", t["groups"])
+        yield _counter("steps_finalized", "Finalized (collected) steps", t["steps"])
         fam = CounterMetricFamily(f"{PREFIX}_rollouts", "Finalized rollouts by status", labels=["status"])
         fam.add_metric(["accepted"], t["accepted"])
         fam.add_metric(["rejected"], t["rejected"])
@@ -109,10 +112,11 @@ class TokenCaptureCollector(Collector):
         yield _counter("finalized_tokens", "Tokens in finalized training rows", t["tokens"])
         yield _hist(
             "finalize_phase_ms",
-            "Per-group finalization time by phase (ms)",
+            "Finalization work time per step by phase (ms)",
             [([p], agg.hist[f"{p}_ms"]) for p in ("fetch", "verify", "assemble")],
             ["phase"],
         )
+        yield _hist("step_wall_ms", "Step submission to collection on the controller (ms)", [([], agg.hist["step_wall_ms"])], [])
         yield _hist("queue_wait_ms", "Per-group queue wait before finalization (ms)", [([], agg.hist["queue_wait_ms"])], [])
         yield _hist("calls_per_rollout", "Model calls per rollout (per group mean)", [([], agg.hist["calls_per_rollout"])], [])
         yield GaugeMetricFamily(f"{PREFIX}_queue_depth", "Groups waiting for finalization (latest report)", value=agg.queue_depth)
