@@ -30,6 +30,7 @@ from tasks.cut_receipt import (
     prefix_digest,
 )
 from tasks.packed import unpack_rows
+from tasks.prefix import verify_prefix
 from tasks.policy import MoEPolicy, PolicyConfig
 from tasks.rollouts import advance, start_calls
 
@@ -87,6 +88,13 @@ def all_cut_keys(bufs, checkpoint_id="ck", seq=0) -> list[str]:
     return [f"__cut__/{checkpoint_id}/{b.rollout_id}/{b.model_call_id}/{seq}" for b in bufs]
 
 
+def assert_verifies(store, ack) -> None:
+    """The restore side's verifier accepts the prefix: digests, chain, cumulative, prefix digest."""
+    rows = store.get_many(list(ack.staging_keys), partition="cut").batch
+    verdict = verify_prefix(rows, ack)
+    assert verdict.usable, (verdict.reason, verdict.detail)
+
+
 def assert_rolled_back(b: CallBuffer, ctx: int = 6, gen: int = 10) -> None:
     info = b.info()
     assert not info["cutting"] and info["cut_keys"] == [] and info["cut_tokens"] == 0
@@ -120,6 +128,8 @@ def test_cut_writes_prefixes_that_read_back_and_verify(store):
     assert [r.delta_len for r in rows] == [16, 3]
     assert prefix_digest([r.token_ids for r in rows]) == ack.prefix_digest
     assert np.array_equal(np.concatenate([r.token_ids for r in rows]), b.output()["token_ids"])
+    for a in receipt.acks[:3] + r2.acks:
+        assert_verifies(store, a)
 
 
 def test_batch_size_one_gives_one_put_per_call(store):
@@ -167,9 +177,11 @@ def test_call_whose_rows_always_fail_leaves_other_cuts_intact(store):
     assert present(store, [k for a in good for k in a.staging_keys]) == {k for a in good for k in a.staging_keys}
     assert_rolled_back(bufs[1])
     # The failed call keeps decoding, and a later clean cut writes its whole prefix.
+    bufs[1].append(np.array([5, 6]), np.full(2, -0.3, np.float32), np.zeros((2, L, K), np.int16))
     r2, _ = cut([bufs[1]], store, checkpoint_id="ck2")
-    assert r2.acks[0].durable and r2.acks[0].prefix_tokens == 16
+    assert r2.acks[0].durable and r2.acks[0].prefix_tokens == 18
     assert r2.acks[0].staging_keys == ("__cut__/ck2/r1/call-0/0",)
+    assert_verifies(store, r2.acks[0])
 
 
 def test_failed_ack_fails_only_its_call_and_clears_its_row(store):
@@ -196,9 +208,14 @@ def test_interruption_clears_rows_no_call_received(store):
     for b in bufs[4:]:
         assert_rolled_back(b)
     assert all(b.info()["cut_keys"] == [k] for b, k in zip(bufs[:4], first))
-    # Nothing is left frozen: the next cut covers every call.
+    # Nothing is left frozen: the next cut covers every call, chains intact.
+    for b in bufs:
+        b.append(np.array([1, 2, 3]), np.full(3, -0.3, np.float32), np.zeros((3, L, K), np.int16))
     r2, _ = cut(bufs, store, checkpoint_id="ck2")
     assert r2.counts() == {DURABLE_PREFIX: 8}
+    for a in r2.acks:
+        assert_verifies(store, a)
+    assert [len(a.staging_keys) for a in r2.acks] == [2] * 4 + [1] * 4
 
 
 def test_deadline_passing_between_batches(store):

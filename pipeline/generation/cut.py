@@ -119,8 +119,7 @@ class FrozenChunk:
     row: StagedRow
     prefix_tokens: int  # prefix length once sealed (tokens)
     prefix_digest: bytes
-    _cum_state: Any = field(repr=False, default=None)
-    _digest_state: Any = field(repr=False, default=None)
+    _chain_state: Any = field(repr=False, default=None)  # the chunk's running chain state (for rollback)
     frozen_at: float = 0.0  # time.perf_counter() when frozen (s), for row-wait stats
     tokens: int = 0
     nbytes: int = 0
@@ -178,10 +177,14 @@ class CallBuffer:
         # Cut state: committed only on seal.
         self.cut_keys: list[str] = []
         self.cut_tokens = 0
-        self._chain: Optional[bytes] = None
-        self._cum_state = hashing.prefix_state()
-        self._digest_state = prefix_state()
-        self._prefix_digest = self._digest_state.digest()
+        # Running hash states, fed on every append (so a freeze only reads them out):
+        # the cumulative hash and prefix digest over every token so far, and the chain
+        # hash of the chunk not yet sealed (chunk 0 starts with the context).
+        self._prefix_digest = prefix_state().digest()  # of the sealed prefix
+        self._run_cum = hashing.prefix_state()
+        self._run_pdig = prefix_state()
+        self._run_chain = _chain_state(None)
+        self._feed(self.context_ids)
 
     @property
     def key(self) -> str:
@@ -221,6 +224,7 @@ class CallBuffer:
             if len(ids):
                 self._active.append((ids, logprobs, routes))
                 self.generated += len(ids)
+                self._feed(ids)
             if self.max_new_tokens is not None and self.generated >= self.max_new_tokens:
                 self.state = COMPLETED_STATE
             return self.state == COMPLETED_STATE
@@ -299,13 +303,15 @@ class CallBuffer:
             raise InvalidCall(f"{self.key}: {len(keys)} keys with chunk lengths {lengths[:8]} do not cover "
                               f"the {len(ids)}-token prefix")
         chain, start = None, 0
+        cum, pdig = hashing.prefix_state(), prefix_state()
+        pdigest = pdig.digest()
         for n in lengths:
             chunk = ids[start : start + n]
             chain = hashing.chain_hash(chain, chunk)
-            hashing.extend_prefix(self._cum_state, chunk)
-            self._prefix_digest = extend_prefix_digest(self._digest_state, chunk)
+            hashing.extend_prefix(cum, chunk)
+            pdigest = extend_prefix_digest(pdig, chunk)
             start += n
-        if expected_digest is not None and expected_digest != self._prefix_digest:
+        if expected_digest is not None and expected_digest != pdigest:
             raise InvalidCall(f"{self.key}: prefix digest mismatch (the saved prefix is not the one cut)")
         with self.lock:
             if len(gen_ids):
@@ -313,7 +319,8 @@ class CallBuffer:
                                      np.ascontiguousarray(gen_logprobs, dtype="<f4"),
                                      None if self.routes_shape is None else np.ascontiguousarray(gen_routes, dtype="<i2")))
             self.generated = len(gen_ids)
-            self._chain = chain
+            self._prefix_digest = pdigest
+            self._run_cum, self._run_pdig, self._run_chain = cum, pdig, _chain_state(chain)
             self.cut_keys = list(keys)
             self.cut_tokens = len(ids)
             if self.max_new_tokens is not None and self.generated >= self.max_new_tokens:
@@ -341,11 +348,14 @@ class CallBuffer:
             parts, self._active = self._active, []
             seq = len(self.cut_keys)
             prev = self.cut_tokens
-            chain_parent = self._chain
-            cum_state = self._cum_state.copy()
-            digest_state = self._digest_state.copy()
+            # The running states already cover every token: reading them is O(1).
+            chain = self._run_chain.digest()
+            cumulative = self._run_cum.digest()
+            pdigest = self._run_pdig.digest()
+            chain_state, self._run_chain = self._run_chain, _chain_state(chain)  # next chunk extends this one
             # A placeholder marks the call frozen until the row is built below.
             placeholder = FrozenChunk(self, seq, "", *_concat_parts(parts, self.routes_shape), None, 0, b"")
+            placeholder._chain_state = chain_state
             self._frozen = placeholder
         # Outside the lock: concatenation and hashing (decoding continues meanwhile).
         gen_ids, gen_lps, gen_routes = placeholder.gen_ids, placeholder.gen_logprobs, placeholder.gen_routes
@@ -360,9 +370,6 @@ class CallBuffer:
             ids, lps, routes = gen_ids, gen_lps, gen_routes
             mask = np.ones(len(ids), "<f4")
         key = cut_key(checkpoint_id, self.rollout_id, self.model_call_id, seq)
-        chain = hashing.chain_hash(chain_parent, ids)
-        cumulative = hashing.extend_prefix(cum_state, ids)
-        pdigest = extend_prefix_digest(digest_state, ids)
         row = StagedRow(
             rollout_id=self.rollout_id,
             model_call_id=self.model_call_id,
@@ -387,8 +394,6 @@ class CallBuffer:
         placeholder.row = row
         placeholder.prefix_tokens = prev + len(ids)
         placeholder.prefix_digest = pdigest
-        placeholder._cum_state = cum_state
-        placeholder._digest_state = digest_state
         placeholder._chain = chain
         placeholder.frozen_at = time.perf_counter()
         placeholder.tokens = len(ids)
@@ -415,9 +420,6 @@ class CallBuffer:
             self._frozen = None
             self.cut_keys.append(frozen.key)
             self.cut_tokens = frozen.prefix_tokens
-            self._chain = frozen._chain
-            self._cum_state = frozen._cum_state
-            self._digest_state = frozen._digest_state
             self._prefix_digest = frozen.prefix_digest
             return self._durable_ack_locked()
 
@@ -428,9 +430,21 @@ class CallBuffer:
 
     def _rollback_locked(self, frozen: FrozenChunk) -> None:
         if self._frozen is frozen:
+            # The unsealed chunk is again frozen + newer tokens: its chain state resumes
+            # from the freeze and re-reads only the tokens appended since (failure path).
+            state = frozen._chain_state.copy()
+            for ids, _, _ in self._active:
+                state.update(_bytes(ids))
+            self._run_chain = state
             if len(frozen.gen_ids):
                 self._active.insert(0, (frozen.gen_ids, frozen.gen_logprobs, frozen.gen_routes))
             self._frozen = None
+
+    def _feed(self, ids: np.ndarray) -> None:
+        b = _bytes(ids)
+        self._run_cum.update(b)
+        self._run_pdig.update(b)
+        self._run_chain.update(b)
 
     def _durable_ack_locked(self) -> CallAck:
         return CallAck(self.rollout_id, self.model_call_id, DURABLE_PREFIX, tuple(self.cut_keys),
@@ -439,6 +453,18 @@ class CallBuffer:
     def _completed_ack_locked(self) -> CallAck:
         return CallAck(self.rollout_id, self.model_call_id, COMPLETED,
                        total_tokens=len(self.context_ids) + self.generated)
+
+
+def _bytes(ids: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(ids, dtype="<i8")).cast("B")
+
+
+def _chain_state(parent_chain: Optional[bytes]):
+    """A running :func:`tasks.hashing.chain_hash` state for a chunk after ``parent_chain``:
+    the same bytes as ``chain_hash(parent, ids)`` once the chunk's ids are fed to it."""
+    h = hashlib.sha256(hashing.TAG_CHAIN)
+    h.update(hashing.ROOT_MARKER if parent_chain is None else b"\x01" + parent_chain)
+    return h
 
 
 def _concat_parts(parts: list[tuple], routes_shape) -> tuple:

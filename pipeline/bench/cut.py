@@ -1,0 +1,184 @@
+"""Checkpoint-cut writes: one put per call vs batched puts, side by side (SPEC section 11).
+
+The reference's cut table: N prefix rows from 32 writer clients, prefix tokens 1,024 and
+16,384, ``rows_per_put`` 1 (one put per call, the baseline) vs 256. Each client is a
+"generation worker" in the controller (a thread) holding its share of in-flight calls as
+:class:`~pipeline.generation.cut.CallBuffer` objects and cutting them through the real
+cut transaction (:func:`~pipeline.generation.cut.run_cut`: freeze, batch, put_many,
+validate acks, seal) against the real :class:`~pipeline.store.client.StagingStore` on a
+LocalCluster (2 worker processes, one storage unit each). All clients start together on a
+barrier; ``wall_s`` is until the last cut returns its receipt.
+
+Per table row: ``prefix_tokens``, ``rows_per_put``, ``rows``, ``put_calls``, ``wall_s``,
+``rows_per_s``, ``mean_row_wait_ms`` (a row's time from its freeze to its put's ack).
+Top level: ``speedup_1024`` and ``speedup_16384`` (batch-1 wall / batch-256 wall).
+Rows are synthetic (16 context tokens then generated ones, no routed experts, like the
+reference). At 16,384 tokens the default is 2,048 rows (512 MB of prefixes; 8,192 would be
+2 GB on a 2-core machine); ``--rows-16384 8192`` runs the full size.
+
+    python -m pipeline bench cut --json
+    python -m pipeline.bench.cut --json --rows 2048 --rows-16384 512
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+TARGETS = {"speedup_1024": 25.0, "speedup_16384": 3.0}
+CONTEXT_TOKENS = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``python -m pipeline bench cut``."""
+    p.add_argument("--rows", type=int, default=8192, help="prefix rows at 1,024 tokens (default 8,192)")
+    p.add_argument("--rows-16384", type=int, default=2048,
+                   help="prefix rows at 16,384 tokens (default 2,048: 512 MB; the reference used 8,192)")
+    p.add_argument("--clients", type=int, default=32, help="concurrent writer clients (default 32)")
+    p.add_argument("--batch-size", type=int, default=256, help="rows per put in the batched mode (default 256)")
+    p.add_argument("--tokens", default="1024,16384", help="prefix token counts to run (comma-separated)")
+    p.add_argument("--unit-memory-limit", default="2GiB", help="per storage unit memory before spilling")
+    p.add_argument("--scheduler", default=None, help="use an existing cluster instead of a LocalCluster")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _note(args, text: str) -> None:
+    if not args.quiet:
+        print(f"[bench cut] {text}", file=sys.stderr, flush=True)
+
+
+def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str) -> list:
+    """One writer client's in-flight calls: ``tokens``-token prefixes (context + generated)."""
+    from ..generation.cut import CallBuffer
+
+    rng = np.random.default_rng(client_idx)
+    gen_n = tokens - CONTEXT_TOKENS
+    calls = []
+    for i in range(n_calls):
+        b = CallBuffer(f"{tag}c{client_idx}r{i}", "call-0", rng.integers(0, 512, CONTEXT_TOKENS),
+                       max_new_tokens=gen_n + 1)
+        b.append(rng.integers(0, 512, gen_n), -rng.random(gen_n, dtype=np.float32))
+        calls.append(b)
+    return calls
+
+
+def _one_config(store, tokens: int, rows: int, rows_per_put: int, args, tag: str) -> dict[str, Any]:
+    from tasks.cut_batching import BatchLimits
+    from tasks.cut_receipt import inventory_digest
+
+    from .. import config
+    from ..generation.cut import run_cut
+
+    n_clients = min(args.clients, rows)
+    shares = [rows // n_clients + (1 if c < rows % n_clients else 0) for c in range(n_clients)]
+    per_client = [_client_calls(c, shares[c], tokens, tag) for c in range(n_clients)]
+    limits = BatchLimits(
+        max_rows=rows_per_put,
+        max_tokens=int(config.get("cut.generation-prefix-batch-max-tokens")),
+        max_bytes=int(config.get_bytes("cut.generation-prefix-batch-max-bytes")),
+    )
+    barrier = threading.Barrier(n_clients + 1)
+    results: list[Any] = [None] * n_clients
+
+    def writer(c: int) -> None:
+        calls = [(b.call, b) for b in per_client[c]]
+        barrier.wait()
+        try:
+            results[c] = run_cut(calls, store, checkpoint_id=f"{tag}ck", inventory_digest=inventory_digest([k for k, _ in calls]),
+                                 deadline=time.time() + 3600, limits=limits, worker=f"client-{c}")
+        except BaseException as e:  # reported, not raised from a thread
+            results[c] = e
+
+    threads = [threading.Thread(target=writer, args=(c,), daemon=True) for c in range(n_clients)]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    errors = [repr(r) for r in results if isinstance(r, BaseException)]
+    if errors:
+        raise RuntimeError(f"cut failed in {len(errors)} clients: {errors[:2]}")
+    receipts = [r[0] for r in results]
+    waits = [w for r in results for w in r[1].row_wait_ms]
+    durable = sum(len(r.durable) for r in receipts)
+    return {
+        "prefix_tokens": tokens,
+        "rows_per_put": rows_per_put,
+        "rows": rows,
+        "clients": n_clients,
+        "put_calls": sum(r.put_calls for r in receipts),
+        "wall_s": round(wall, 4),
+        "rows_per_s": round(rows / wall, 1),
+        "mean_row_wait_ms": round(float(np.mean(waits)) if waits else 0.0, 2),
+        "durable": durable,
+        "failed": rows - durable,
+        "bytes_written": sum(r.bytes_written for r in receipts),
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the cut table; returns the JSON-able result (see module docstring)."""
+    from distributed import Client
+
+    from ..cluster import local_cluster
+    from ..store.client import StagingStore
+
+    token_sizes = [int(t) for t in str(args.tokens).split(",") if t]
+    rows_for = {1024: args.rows, 16384: args.rows_16384}
+    if args.scheduler:
+        client, cluster = Client(args.scheduler), None
+    else:
+        cluster = local_cluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0")
+        client = Client(cluster)
+    table: list[dict[str, Any]] = []
+    try:
+        with tempfile.TemporaryDirectory(prefix="bench-cut-") as spill:
+            for tokens in token_sizes:
+                rows = rows_for.get(tokens, args.rows)
+                # Baseline first, then batched: each on a fresh store of the same shape.
+                for rpp in (1, args.batch_size):
+                    store = StagingStore.start(client, n_units=2, memory_limit=args.unit_memory_limit, spill_directory=spill)
+                    try:
+                        _note(args, f"{tokens} tokens x {rows} rows, {rpp} rows/put, {args.clients} clients ...")
+                        row = _one_config(store, tokens, rows, rpp, args, tag=f"t{tokens}b{rpp}")
+                    finally:
+                        store.close()
+                    _note(args, f"  {row['put_calls']} puts, {row['wall_s']:.2f} s, {row['rows_per_s']:.0f} rows/s, "
+                                f"row wait {row['mean_row_wait_ms']:.1f} ms")
+                    table.append(row)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    out: dict[str, Any] = {"benchmark": "cut", "clients": args.clients, "table": table}
+    for tokens in token_sizes:
+        base = [r for r in table if r["prefix_tokens"] == tokens and r["rows_per_put"] == 1]
+        batched = [r for r in table if r["prefix_tokens"] == tokens and r["rows_per_put"] == args.batch_size]
+        if base and batched:
+            out[f"speedup_{tokens}"] = round(base[0]["wall_s"] / batched[0]["wall_s"], 2)
+    out["targets"] = {k: v for k, v in TARGETS.items() if k in out}
+    out["meets_targets"] = all(out[k] >= v for k, v in out["targets"].items())
+    return out
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m pipeline.bench.cut", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = p.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
