@@ -51,9 +51,13 @@ def _buf(a: np.ndarray, dtype: np.dtype) -> memoryview:
 
 def chain_hash(parent_chain: Optional[bytes], token_ids: np.ndarray) -> bytes:
     """H(TAG_CHAIN, parent marker, ids): links a call to its parent's chain."""
-    h = hashlib.sha256(TAG_CHAIN)
-    h.update(ROOT_MARKER if parent_chain is None else b"\x01" + parent_chain)
-    h.update(_buf(token_ids, _I64))
+    return chain_hash_raw(parent_chain, _buf(token_ids, _I64))
+
+
+def chain_hash_raw(parent_chain: Optional[bytes], ids_bytes) -> bytes:
+    """:func:`chain_hash` over ids already given as their ``<i8`` bytes (any buffer)."""
+    h = hashlib.sha256(TAG_CHAIN + (ROOT_MARKER if parent_chain is None else b"\x01" + parent_chain))
+    h.update(ids_bytes)
     return h.digest()
 
 
@@ -75,9 +79,74 @@ def cumulative_hash(all_token_ids: np.ndarray) -> bytes:
     return h.digest()
 
 
-def _framed_id(s: str) -> bytes:
-    b = s.encode("utf-8")
-    return struct.pack("<I", len(b)) + b
+_HEAD = struct.Struct("<HH")
+_LENGTHS = struct.Struct("<qqqqb")
+_NBYTES = struct.Struct("<Q")
+_ROUTES_HEAD = struct.Struct("<IIQ")
+
+
+def digest_header(
+    schema_version: int,
+    digest_version: int,
+    rollout_id: bytes,
+    model_call_id: bytes,
+    parent_call_id: Optional[bytes],
+    prev_len: int,
+    delta_len: int,
+    cum_len: int,
+    weight_version: int,
+    routes_encoding: int,
+) -> bytes:
+    """The digest's bytes from TAG_CALL (included) through ``routes_encoding``.
+
+    Ids are given as their UTF-8 bytes; ``parent_call_id`` ``None`` means a root.
+    """
+    if digest_version != DIGEST_VERSION:
+        raise ValueError(f"unsupported digest_version {digest_version} (this build: {DIGEST_VERSION})")
+    if not 0 <= schema_version <= 0xFFFF:
+        raise ValueError(f"schema_version {schema_version} outside the 16-bit field of digest v1")
+    parent = ROOT_MARKER if parent_call_id is None else b"\x01" + struct.pack("<I", len(parent_call_id)) + parent_call_id
+    return b"".join(
+        (
+            TAG_CALL,
+            _HEAD.pack(schema_version, digest_version),
+            struct.pack("<I", len(rollout_id)),
+            rollout_id,
+            struct.pack("<I", len(model_call_id)),
+            model_call_id,
+            parent,
+            _LENGTHS.pack(prev_len, delta_len, cum_len, weight_version, routes_encoding),
+        )
+    )
+
+
+def digest_raw(
+    header: bytes,
+    token_ids,
+    token_mask,
+    logprobs,
+    routes: Optional[tuple[int, int, object]],
+    chain_hash: bytes,
+    cumulative_hash: bytes,
+) -> bytes:
+    """The digest from :func:`digest_header`'s bytes and the raw little-endian buffers.
+
+    ``token_ids`` (``<i8``), ``token_mask`` and ``logprobs`` (``<f4``) are byte buffers
+    (memoryviews hash without copies); ``routes`` is ``(L, K, <i2 bytes)`` when
+    ``routes_encoding == 1``, else ``None``. Byte-identical to :func:`digest`.
+    """
+    h = hashlib.sha256(header + _NBYTES.pack(memoryview(token_ids).nbytes))
+    h.update(token_ids)
+    h.update(_NBYTES.pack(memoryview(token_mask).nbytes))
+    h.update(token_mask)
+    h.update(_NBYTES.pack(memoryview(logprobs).nbytes))
+    h.update(logprobs)
+    if routes is not None:
+        n_layers, top_k, buf = routes
+        h.update(_ROUTES_HEAD.pack(n_layers, top_k, memoryview(buf).nbytes))
+        h.update(buf)
+    h.update(chain_hash + cumulative_hash)
+    return h.digest()
 
 
 def digest(
@@ -100,28 +169,32 @@ def digest(
     digest_version: int = DIGEST_VERSION,
 ) -> bytes:
     """The per-call digest over identity, lengths, token buffers and both chain hashes."""
-    if digest_version != DIGEST_VERSION:
-        raise ValueError(f"unsupported digest_version {digest_version} (this build: {DIGEST_VERSION})")
-    if not 0 <= schema_version <= 0xFFFF:
-        raise ValueError(f"schema_version {schema_version} outside the 16-bit field of digest v1")
-    h = hashlib.sha256(TAG_CALL)
-    header = [struct.pack("<HH", schema_version, digest_version), _framed_id(rollout_id), _framed_id(model_call_id)]
-    header.append(ROOT_MARKER if parent_call_id is None else b"\x01" + _framed_id(parent_call_id))
-    header.append(struct.pack("<qqqqb", prev_len, delta_len, cum_len, weight_version, routes_encoding))
-    h.update(b"".join(header))
-    for arr, dt in ((token_ids, _I64), (token_mask, _F32), (logprobs, _F32)):
-        b = _buf(arr, dt)
-        h.update(struct.pack("<Q", b.nbytes))
-        h.update(b)
+    header = digest_header(
+        schema_version,
+        digest_version,
+        rollout_id.encode("utf-8"),
+        model_call_id.encode("utf-8"),
+        None if parent_call_id is None else parent_call_id.encode("utf-8"),
+        prev_len,
+        delta_len,
+        cum_len,
+        weight_version,
+        routes_encoding,
+    )
+    routes = None
     if routes_encoding == 1:
         if routed_experts is None or routed_experts.ndim != 3:
             raise ValueError("routes_encoding 1 needs routed_experts of shape [delta_len, L, K]")
-        b = _buf(routed_experts, _I16)
-        h.update(struct.pack("<IIQ", routed_experts.shape[1], routed_experts.shape[2], b.nbytes))
-        h.update(b)
-    h.update(chain_hash)
-    h.update(cumulative_hash)
-    return h.digest()
+        routes = (routed_experts.shape[1], routed_experts.shape[2], _buf(routed_experts, _I16))
+    return digest_raw(
+        header,
+        _buf(token_ids, _I64),
+        _buf(token_mask, _F32),
+        _buf(logprobs, _F32),
+        routes,
+        chain_hash,
+        cumulative_hash,
+    )
 
 
 def row_digest(row) -> bytes:

@@ -20,14 +20,16 @@ import numpy as np
 
 from . import hashing
 from . import reasons as R
-from .linearize import Linearized, linearize
+from .linearize import Alloc, Linearized, OutputArena, linearize_ranges, row_bytes
 from .packed import PackedBatch, PackedField
 from .plan import RolloutPlan, StepPlan
 from .schema import (
     HASH_BYTES,
     HASH_FIELDS,
     ID_FIELDS,
+    ROUTES_DTYPE,
     ROUTES_FIELD,
+    ROUTES_INT16,
     ROUTES_NONE,
     SCALAR_FIELDS,
     SCHEMA_VERSION,
@@ -39,6 +41,9 @@ _U8 = np.dtype("u1")
 # A batch whose needed rows hold under this share of its tokens is not pre-scanned whole:
 # per-call checks on the needed rows are cheaper than a scan of everything.
 _PRESCAN_MIN_SHARE = 0.25
+# prev_len and delta_len below this keep the batch's cum_len == prev_len + delta_len check
+# exact in int64; a row past it takes the per-call checks (Python ints).
+_LEN_BOUND = 1 << 62
 
 
 @dataclass
@@ -67,6 +72,11 @@ class _Reject(Exception):
         self.reason, self.detail = reason, detail
 
 
+def _byte_view(a: np.ndarray) -> memoryview:
+    """Flat byte view of a contiguous array, without a copy (empty arrays too)."""
+    return memoryview(a.reshape(-1).view(np.uint8))
+
+
 def _field_problem(name: str, f: Optional[PackedField], n: int, dtype: np.dtype) -> Optional[str]:
     """Batch-level structure of one field: present, dtype, 1-D, sane offsets."""
     if f is None:
@@ -86,9 +96,13 @@ def _field_problem(name: str, f: Optional[PackedField], n: int, dtype: np.dtype)
 
 
 class RowTable:
-    """One fetched batch, indexed by key, with its whole-batch validity pre-scan.
+    """One fetched batch, indexed by key, with its whole-batch validity pre-scans.
 
-    Built once per verify task and shared by every rollout of the task.
+    Built once per verify task and shared by every rollout of the task. Besides the
+    content pre-scan (:attr:`content_ok`), :attr:`good` flags rows whose structure,
+    versions, lengths and token-array lengths are all sound (one numpy pass over the
+    batch's scalar columns), so a sound row skips those per-call checks; a row that is
+    not runs the per-call checks, which name the exact reason.
     """
 
     def __init__(self, batch: PackedBatch, vocab_size: int, needed: Optional[Sequence[str]] = None):
@@ -105,6 +119,10 @@ class RowTable:
         self._bytes: dict[str, bytes] = {}
         self._scalars: dict[str, list[int]] = {}
         self.struct_ok: list[bool] = []
+        self.good: list[bool] = [False] * n
+        # Token fields as contiguous arrays and byte views of them (hashed without copies).
+        self.values: dict[str, np.ndarray] = {}
+        self.mv: dict[str, memoryview] = {}
         if self.batch_problem is None:
             fields = {name: batch.fields[name] for name in specs}
             ok = np.ones(n, dtype=bool)
@@ -120,29 +138,52 @@ class RowTable:
             # Python lists and bytes once per batch: per-row access is then plain indexing.
             self._offs = {name: f.offsets.tolist() for name, f in fields.items()}
             self._bytes = {name: fields[name].values.tobytes() for name in ID_FIELDS + HASH_FIELDS}
+            cols: dict[str, np.ndarray] = {}
             for name in SCALAR_FIELDS:
                 f = fields[name]
                 at = np.minimum(f.offsets[:-1], max(len(f.values) - 1, 0))
-                self._scalars[name] = f.values[at].tolist() if len(f.values) else [0] * n
-        self.content_ok = self._prescan(vocab_size, needed)
+                cols[name] = f.values[at].astype(np.int64) if len(f.values) else np.zeros(n, np.int64)
+                self._scalars[name] = cols[name].tolist()
+            for name in TOKEN_FIELDS:
+                v = np.ascontiguousarray(fields[name].values)
+                self.values[name] = v
+                self.mv[name] = _byte_view(v)
+            prev, delta, cum = cols["prev_len"], cols["delta_len"], cols["cum_len"]
+            good = ok & (cols["schema_version"] == SCHEMA_VERSION) & (cols["digest_version"] == hashing.DIGEST_VERSION)
+            # The check_lengths rules; the bounds keep prev + delta clear of int64 overflow.
+            good &= (delta > 0) & (delta < _LEN_BOUND) & (prev >= 0) & (prev < _LEN_BOUND) & (cum == prev + delta)
+            for name in TOKEN_FIELDS:
+                good &= np.diff(fields[name].offsets) == delta
+            self.good = good.tolist()
+        self.content_ok: Optional[list[bool]] = None
+        scan = self._prescan(vocab_size, needed)
+        if scan is not None:
+            self.content_ok = scan.tolist()
 
     def _prescan(self, vocab_size: int, needed: Optional[Sequence[str]]) -> Optional[np.ndarray]:
         """bool[n]: True where mask, token and logprob rules surely hold (None: not scanned)."""
-        if self.batch_problem is not None:
+        if self.batch_problem is None:
+            fs = [self.batch.fields[name] for name in TOKEN_FIELDS]
+        if self.batch_problem is not None or len(fs[0].offsets) < 2:
             return None
-        fs = [self.batch.fields[name] for name in TOKEN_FIELDS]
         off = fs[0].offsets
         if any(f.present is not None for f in fs) or not all(np.array_equal(off, f.offsets) for f in fs[1:]):
             return None  # misaligned buffers (a malformed batch): per-call checks only
-        total = int(off[-1] - off[0]) if len(off) > 1 else 0
+        total = int(off[-1] - off[0])
         if needed is not None and total:
             idx = [self.index[k] for k in needed if k in self.index]
             share = float(np.sum(off[np.add(idx, 1)] - off[idx])) / total if idx else 0.0
             if share < _PRESCAN_MIN_SHARE:
                 return None
-        ids, mask, lps = (f.values for f in fs)
+        ids, mask, lps = (self.values[name] for name in TOKEN_FIELDS)
+        if not ids.size == mask.size == lps.size:
+            return None  # buffers longer than their rows, unequally: per-call checks only
         is_one = mask == 1.0
         is_zero = mask == 0.0
+        fast = _all_valid(ids, mask, lps, is_one, is_zero, vocab_size)
+        if fast is not None:
+            return _zeros_then_ones(off, is_one, is_zero)
+        # Some element somewhere is bad: name the rows that hold one (cumulative counts).
         bad = ~(is_one | is_zero)
         bad |= (ids < 0) | (ids >= vocab_size)
         bad |= ~np.isfinite(lps) | (lps > 0.0) | (is_zero & (lps != 0.0))
@@ -178,13 +219,61 @@ class RowTable:
         return "malformed row"
 
 
+def _all_valid(
+    ids: np.ndarray, mask: np.ndarray, lps: np.ndarray, is_one: np.ndarray, is_zero: np.ndarray, vocab_size: int
+) -> Optional[bool]:
+    """True if EVERY element of the buffers passes the per-element content rules (ids in
+    range, mask 0/1, logprobs finite and <= 0, 0 where the mask is 0); None otherwise.
+
+    Reductions only (no per-element cumulative counts): the common, all-valid case.
+    """
+    if not ids.size:
+        return True if not mask.size and not lps.size else None
+    if ids.min() < 0 or ids.max() >= vocab_size:
+        return None
+    if np.count_nonzero(is_one) + np.count_nonzero(is_zero) != mask.size:
+        return None
+    # NaN fails both comparisons (min/max propagate it); -inf fails the first.
+    if not (lps.min() > -np.inf and lps.max() <= 0.0):
+        return None
+    # Every logprob is <= 0 now, so "!= 0" is "< 0".
+    if np.any(is_zero & (lps < 0.0)):
+        return None
+    return True
+
+
+def _zeros_then_ones(off: np.ndarray, is_one: np.ndarray, is_zero: np.ndarray) -> np.ndarray:
+    """bool[n]: row is zeros then ones with at least one 1, given every mask value is 0 or 1.
+
+    Such a row ends with a 1 and has no 1 -> 0 step inside it; steps at row boundaries
+    are allowed. One vectorized pass, no cumulative sums.
+    """
+    start, end = off[:-1], off[1:]
+    ok = end > start
+    if is_one.size:
+        ok &= is_one[np.clip(end - 1, 0, is_one.size - 1)]
+        drops = np.flatnonzero(is_one[:-1] & is_zero[1:])  # mask[p] == 1, mask[p + 1] == 0
+        if drops.size:
+            r = np.searchsorted(off, drops, side="right") - 1  # the row holding p
+            inside = (r >= 0) & (r < len(start))
+            r, p = r[inside], drops[inside]
+            ok[r[p + 1 < end[r]]] = False
+    return ok
+
+
 class RoutesTable:
-    """The ``routed_experts`` batch (or ``None``), indexed by key, range pre-scanned."""
+    """The ``routed_experts`` batch (or ``None``), indexed by key, range pre-scanned.
+
+    :attr:`sound` is set when the field is one int16 ``[total, L, K]`` buffer: a row
+    present with ``delta_len`` tokens then passes :func:`check_routes`' presence, dtype
+    and shape rules without calling it.
+    """
 
     def __init__(self, batch: Optional[PackedBatch], num_experts: Optional[int]):
         self.index: dict[str, int] = {}
         self.field: Optional[PackedField] = None
-        self.in_range: Optional[np.ndarray] = None
+        self.in_range: Optional[list[bool]] = None
+        self.sound = False
         if batch is None:
             return
         for i, k in enumerate(batch.keys):
@@ -197,10 +286,24 @@ class RoutesTable:
             return
         self.field = f
         v = f.values
+        present_ok = f.present is None or (
+            isinstance(f.present, np.ndarray) and f.present.dtype == bool and f.present.shape == (n,)
+        )
+        if v.dtype == ROUTES_DTYPE and v.ndim == 3 and present_ok:
+            self.sound = True
+            self.values = np.ascontiguousarray(v)
+            self.mv = _byte_view(self.values)
+            self.lk = (int(v.shape[1]), int(v.shape[2]))
+            self.row_bytes = int(v.shape[1] * v.shape[2] * v.itemsize)
+            self.offs = f.offsets.tolist()
+            self.present = [True] * n if f.present is None else f.present.tolist()
         if num_experts is not None and v.ndim == 3 and v.dtype.kind in "iu":
-            bad = ((v < 0) | (v >= num_experts)).any(axis=(1, 2))  # per token
-            cb = np.concatenate(([0], np.cumsum(bad)))
-            self.in_range = cb[f.offsets[1:]] - cb[f.offsets[:-1]] == 0
+            if not v.size or (v.min() >= 0 and v.max() < num_experts):
+                self.in_range = [True] * n  # one pass over the whole buffer: the common case
+            else:
+                bad = ((v < 0) | (v >= num_experts)).any(axis=(1, 2))  # per token
+                cb = np.concatenate(([0], np.cumsum(bad)))
+                self.in_range = (cb[f.offsets[1:]] - cb[f.offsets[:-1]] == 0).tolist()
 
     def get(self, key: str) -> tuple[Optional[np.ndarray], int]:
         i = self.index.get(key, -1)
@@ -237,110 +340,246 @@ def _row_structure(t: RowTable, i: int) -> dict:
     return row
 
 
+@dataclass
+class _Chain:
+    """What the walk along a rollout's chain carries from one call to the next."""
+
+    root_enc: int
+    parent_chain: Optional[bytes] = None
+    prev_cum: int = 0
+    routes_shape: Optional[tuple] = None
+
+
+def _verify_call_checked(
+    rec, rid: str, i: int, rows: RowTable, routes: RoutesTable, st: _Chain, vocab_size: int, num_experts: Optional[int]
+) -> int:
+    """Every rule for one call, each through its named check (the path for a row the
+    batch pre-checks did not clear). Returns the call's routes row (-1: none)."""
+    where = f"call {rec.model_call_id!r}"
+    row = _row_structure(rows, i)
+    if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
+        raise _Reject(
+            R.IDENTITY_MISMATCH,
+            f"row under {rec.staging_key!r} is {row['rollout_id']!r}/{row['model_call_id']!r}",
+        )
+    for name in R.RECEIPT_COMPARED_FIELDS:
+        if row[name] != getattr(rec, name):
+            raise _Reject(R.wrong(name), f"{where}: row {name} differs from the receipt")
+    # Lengths now equal the (validated) receipt's; the arrays must match them.
+    problem = check_lengths(row["prev_len"], row["delta_len"], row["cum_len"]) or check_token_arrays(
+        row["token_ids"], row["token_mask"], row["logprobs"], row["delta_len"]
+    )
+    if problem:
+        raise _Reject(problem[0], f"{where}: {problem[1]}")
+    enc = row["routes_encoding"]
+    experts, j = None, -1
+    if enc != st.root_enc:
+        raise _Reject(R.INVALID_ROUTES, f"{where}: routes_encoding {enc} differs from the root's {st.root_enc}")
+    if enc != ROUTES_NONE:
+        experts, j = routes.get(rec.staging_key)
+        problem = check_routes(enc, experts, row["delta_len"], None, st.routes_shape)
+        if problem:
+            raise _Reject(problem[0], f"{where}: {problem[1]}")
+        st.routes_shape = st.routes_shape or tuple(experts.shape[1:])
+    recomputed = hashing.digest(
+        rollout_id=rid,
+        model_call_id=rec.model_call_id,
+        parent_call_id=row["parent_call_id"],
+        prev_len=row["prev_len"],
+        delta_len=row["delta_len"],
+        cum_len=row["cum_len"],
+        weight_version=row["weight_version"],
+        token_ids=row["token_ids"],
+        token_mask=row["token_mask"],
+        logprobs=row["logprobs"],
+        routes_encoding=enc,
+        routed_experts=experts,
+        chain_hash=row["chain_hash"],
+        cumulative_hash=row["cumulative_hash"],
+        schema_version=row["schema_version"],
+        digest_version=row["digest_version"],
+    )
+    if recomputed != row["digest"]:
+        raise _Reject(R.CORRUPT_DIGEST, f"{where}: recomputed digest differs from the stored one")
+    if row["prev_len"] != st.prev_cum:
+        raise _Reject(R.PARENT_LENGTH_MISMATCH, f"{where}: prev_len {row['prev_len']}, parent ends at {st.prev_cum}")
+    st.parent_chain = hashing.chain_hash(st.parent_chain, row["token_ids"])
+    if st.parent_chain != row["chain_hash"]:
+        raise _Reject(R.CHAIN_HASH_MISMATCH, f"{where}: recomputed chain hash differs")
+    _check_content(rec, rows, i, row["token_ids"], row["token_mask"], row["logprobs"], vocab_size)
+    if experts is not None and num_experts is not None and (routes.in_range is None or not routes.in_range[j]):
+        problem = check_routes(enc, experts, row["delta_len"], num_experts, st.routes_shape)
+        if problem:
+            raise _Reject(problem[0], f"{where}: {problem[1]}")
+    st.prev_cum = row["cum_len"]
+    return j
+
+
+def _check_content(rec, rows: RowTable, i: int, ids, mask, lps, vocab_size: int) -> None:
+    if rows.content_ok is not None and rows.content_ok[i]:
+        return
+    problem = check_mask(mask) or check_tokens(ids, vocab_size) or check_logprobs(lps, mask)
+    if problem:
+        raise _Reject(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")
+
+
 def _verify(
     plan: RolloutPlan,
     rows: RowTable,
     routes: RoutesTable,
     vocab_size: int,
     num_experts: Optional[int],
+    alloc: Optional[Alloc] = None,
 ) -> RolloutResult:
+    """The rules of :mod:`tasks.reasons`, call by call, in their order.
+
+    A row the batch pre-checks cleared (:attr:`RowTable.good`, :attr:`RoutesTable.sound`)
+    takes the lean path: ids decoded and compared, receipt fields compared, digest and
+    chain hash recomputed over byte views of the batch buffers, content and expert
+    ranges read off the pre-scans. Any other row, and any rule a pre-scan did not clear,
+    goes through the named check functions, so reasons and details are the same either
+    way.
+    """
     chain = plan.chain
     rid = plan.rollout_id
-    parent_chain: Optional[bytes] = None
-    prev_cum = 0
-    root_enc = chain[0].routes_encoding
-    routes_shape = None
-    views: list[dict] = []
-    route_views: list[np.ndarray] = []
-    for pos, rec in enumerate(chain):
-        where = f"call {rec.model_call_id!r}"
-        i = rows.index.get(rec.staging_key, -1)
-        if i < 0:
-            raise _Reject(R.MISSING_STAGING_ROW, f"{where}: no staged row for {rec.staging_key!r}")
-        row = _row_structure(rows, i)
-        if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
-            raise _Reject(
-                R.IDENTITY_MISMATCH,
-                f"row under {rec.staging_key!r} is {row['rollout_id']!r}/{row['model_call_id']!r}",
-            )
-        for name in R.RECEIPT_COMPARED_FIELDS:
-            if row[name] != getattr(rec, name):
-                raise _Reject(R.wrong(name), f"{where}: row {name} differs from the receipt")
-        # Lengths now equal the (validated) receipt's; the arrays must match them.
-        problem = check_lengths(row["prev_len"], row["delta_len"], row["cum_len"]) or check_token_arrays(
-            row["token_ids"], row["token_mask"], row["logprobs"], row["delta_len"]
-        )
-        if problem:
-            raise _Reject(problem[0], f"{where}: {problem[1]}")
-        enc = row["routes_encoding"]
-        experts = None
-        if enc != root_enc:
-            raise _Reject(R.INVALID_ROUTES, f"{where}: routes_encoding {enc} differs from the root's {root_enc}")
+    st = _Chain(chain[0].routes_encoding)
+    index, good = rows.index, rows.good
+    offs, raw, scal = rows._offs, rows._bytes, rows._scalars
+    o_rid, o_cid, o_par = offs.get("rollout_id"), offs.get("model_call_id"), offs.get("parent_call_id")
+    o_ids, o_mask, o_lps = offs.get("token_ids"), offs.get("token_mask"), offs.get("logprobs")
+    o_dig, o_ch, o_cu = offs.get("digest"), offs.get("chain_hash"), offs.get("cumulative_hash")
+    b_rid, b_cid, b_par = raw.get("rollout_id"), raw.get("model_call_id"), raw.get("parent_call_id")
+    b_dig, b_ch, b_cu = raw.get("digest"), raw.get("chain_hash"), raw.get("cumulative_hash")
+    mv_ids, mv_mask, mv_lps = rows.mv.get("token_ids"), rows.mv.get("token_mask"), rows.mv.get("logprobs")
+    s_prev, s_delta, s_cum = scal.get("prev_len"), scal.get("delta_len"), scal.get("cum_len")
+    s_wv, s_enc, s_sv = scal.get("weight_version"), scal.get("routes_encoding"), scal.get("schema_version")
+    content_ok = rows.content_ok
+    ids_v = rows.values.get("token_ids")
+    mask_v = rows.values.get("token_mask")
+    lps_v = rows.values.get("logprobs")
+    rids = rid.encode("utf-8")
+    rows_i: list[int] = []
+    rows_j: list[int] = []
+
+    def _lean_call(rec, i: int) -> Optional[int]:
+        """The call's rules for a pre-checked row; None hands the call to the named checks
+        (before any state changed). Returns the routes row (-1: none)."""
+        row_rid = b_rid[o_rid[i] : o_rid[i + 1]]
+        row_cid = b_cid[o_cid[i] : o_cid[i + 1]]
+        row_par = b_par[o_par[i] : o_par[i + 1]]
+        try:
+            row_rid.decode("utf-8")
+            cid = row_cid.decode("utf-8")
+            parent = row_par.decode("utf-8") or None
+        except UnicodeDecodeError:
+            return None
+        prev, delta, cum, enc = s_prev[i], s_delta[i], s_cum[i], s_enc[i]
+        dig, chh, cuh = b_dig[o_dig[i] : o_dig[i + 1]], b_ch[o_ch[i] : o_ch[i + 1]], b_cu[o_cu[i] : o_cu[i + 1]]
+        if (
+            row_rid != rids
+            or cid != rec.model_call_id
+            or parent != rec.parent_call_id
+            or prev != rec.prev_len
+            or delta != rec.delta_len
+            or cum != rec.cum_len
+            or s_wv[i] != rec.weight_version
+            or enc != rec.routes_encoding
+            or dig != rec.digest
+            or chh != rec.chain_hash
+            or cuh != rec.cumulative_hash
+            or enc != st.root_enc
+        ):
+            return None
+        j = -1
+        route_buf = None
         if enc != ROUTES_NONE:
-            experts, j = routes.get(rec.staging_key)
-            problem = check_routes(enc, experts, row["delta_len"], None, routes_shape)
-            if problem:
-                raise _Reject(problem[0], f"{where}: {problem[1]}")
-            routes_shape = routes_shape or tuple(experts.shape[1:])
-        recomputed = hashing.digest(
-            rollout_id=rid,
-            model_call_id=rec.model_call_id,
-            parent_call_id=row["parent_call_id"],
-            prev_len=row["prev_len"],
-            delta_len=row["delta_len"],
-            cum_len=row["cum_len"],
-            weight_version=row["weight_version"],
-            token_ids=row["token_ids"],
-            token_mask=row["token_mask"],
-            logprobs=row["logprobs"],
-            routes_encoding=enc,
-            routed_experts=experts,
-            chain_hash=row["chain_hash"],
-            cumulative_hash=row["cumulative_hash"],
-            schema_version=row["schema_version"],
-            digest_version=row["digest_version"],
+            j = routes.index.get(rec.staging_key, -1)
+            if not (
+                enc == ROUTES_INT16
+                and routes.sound
+                and j >= 0
+                and routes.present[j]
+                and routes.offs[j + 1] - routes.offs[j] == delta
+            ):
+                return None
+            rb = routes.row_bytes
+            route_buf = (routes.lk[0], routes.lk[1], routes.mv[routes.offs[j] * rb : routes.offs[j + 1] * rb])
+        # From here on a failing rule rejects directly: the named checks would find the
+        # same first failure, everything before it having passed.
+        where = f"call {rec.model_call_id!r}"
+        a_ids, a_mask, a_lps = o_ids[i], o_mask[i], o_lps[i]
+        ids_b = mv_ids[a_ids * 8 : (a_ids + delta) * 8]
+        header = hashing.digest_header(
+            s_sv[i], hashing.DIGEST_VERSION, row_rid, row_cid, row_par or None, prev, delta, cum, s_wv[i], enc
         )
-        if recomputed != row["digest"]:
+        mask_b = mv_mask[a_mask * 4 : (a_mask + delta) * 4]
+        lps_b = mv_lps[a_lps * 4 : (a_lps + delta) * 4]
+        if hashing.digest_raw(header, ids_b, mask_b, lps_b, route_buf, chh, cuh) != dig:
             raise _Reject(R.CORRUPT_DIGEST, f"{where}: recomputed digest differs from the stored one")
-        if row["prev_len"] != prev_cum:
-            raise _Reject(R.PARENT_LENGTH_MISMATCH, f"{where}: prev_len {row['prev_len']}, parent ends at {prev_cum}")
-        parent_chain = hashing.chain_hash(parent_chain, row["token_ids"])
-        if parent_chain != row["chain_hash"]:
+        if prev != st.prev_cum:
+            raise _Reject(R.PARENT_LENGTH_MISMATCH, f"{where}: prev_len {prev}, parent ends at {st.prev_cum}")
+        st.parent_chain = hashing.chain_hash_raw(st.parent_chain, ids_b)
+        if st.parent_chain != chh:
             raise _Reject(R.CHAIN_HASH_MISMATCH, f"{where}: recomputed chain hash differs")
-        if rows.content_ok is None or not rows.content_ok[i]:
-            problem = (
-                check_mask(row["token_mask"])
-                or check_tokens(row["token_ids"], vocab_size)
-                or check_logprobs(row["logprobs"], row["token_mask"])
-            )
-            if problem:
-                raise _Reject(problem[0], f"{where}: {problem[1]}")
-        if experts is not None and num_experts is not None and (routes.in_range is None or not routes.in_range[j]):
-            problem = check_routes(enc, experts, row["delta_len"], num_experts, routes_shape)
-            if problem:
-                raise _Reject(problem[0], f"{where}: {problem[1]}")
-        prev_cum = row["cum_len"]
-        views.append(row)
-        if experts is not None:
-            route_views.append(experts)
-    lin = linearize(
-        [c.model_call_id for c in chain],
-        [v["token_ids"] for v in views],
-        [v["token_mask"] for v in views],
-        [v["logprobs"] for v in views],
-        route_views if root_enc != ROUTES_NONE else None,
-    )
+        if content_ok is None or not content_ok[i]:
+            ids_a, mask_a = ids_v[a_ids : a_ids + delta], mask_v[a_mask : a_mask + delta]
+            _check_content(rec, rows, i, ids_a, mask_a, lps_v[a_lps : a_lps + delta], vocab_size)
+        if j >= 0:
+            st.routes_shape = st.routes_shape or routes.lk
+            if num_experts is not None and (routes.in_range is None or not routes.in_range[j]):
+                problem = check_routes(enc, routes.field.row(j), delta, num_experts, st.routes_shape)
+                if problem:
+                    raise _Reject(problem[0], f"{where}: {problem[1]}")
+        st.prev_cum = cum
+        return j
+
+    for rec in chain:
+        i = index.get(rec.staging_key, -1)
+        if i < 0:
+            raise _Reject(R.MISSING_STAGING_ROW, f"call {rec.model_call_id!r}: no staged row for {rec.staging_key!r}")
+        j = _lean_call(rec, i) if good[i] else None
+        if j is None:  # not cleared by the pre-checks: the named checks decide
+            j = _verify_call_checked(rec, rid, i, rows, routes, st, vocab_size, num_experts)
+        rows_i.append(i)
+        rows_j.append(j)
+    lin = _linearize(chain, rows, routes, rows_i, rows_j, st.root_enc != ROUTES_NONE, alloc)
     # Recomputed once over the linearized ids: covers every token from the root on.
-    if hashing.cumulative_hash(lin.input_ids) != views[-1]["cumulative_hash"]:
+    if hashing.cumulative_hash(lin.input_ids) != rows._bytes["cumulative_hash"][
+        rows._offs["cumulative_hash"][rows_i[-1]] : rows._offs["cumulative_hash"][rows_i[-1] + 1]
+    ]:
         raise _Reject(R.CUMULATIVE_HASH_MISMATCH, "cumulative hash of the linearized ids differs from the terminal's")
     if lin.length == 0 or not np.any(lin.token_mask):
         raise _Reject(R.EMPTY_TRAINING_ROW, "no generated token in the training row")
     return RolloutResult(rid, R.OK, "", lin, len(chain))
 
 
-def _safe_verify(plan, rows, routes, vocab_size, num_experts) -> RolloutResult:
+def _linearize(
+    chain, rows: RowTable, routes: RoutesTable, rows_i: list[int], rows_j: list[int], routed: bool, alloc: Optional[Alloc]
+) -> Linearized:
+    """The verified chain's training row: ranges of the batch buffers, one copy per field."""
+    delta = rows._scalars["delta_len"]
+    lengths = [delta[i] for i in rows_i]
+
+    def ranges(name: str) -> tuple:
+        off = rows._offs[name]
+        starts = [off[i] for i in rows_i]
+        return rows.values[name], starts, [s + n for s, n in zip(starts, lengths)]
+
+    route_ranges = None
+    if routed:
+        f = routes.field
+        off = routes.offs if routes.sound else f.offsets.tolist()
+        starts = [off[j] for j in rows_j]
+        values = routes.values if routes.sound else f.values
+        route_ranges = (values, starts, [s + n for s, n in zip(starts, lengths)])
+    names = [c.model_call_id for c in chain]
+    parts = (ranges("token_ids"), ranges("token_mask"), ranges("logprobs"), route_ranges)
+    return linearize_ranges(names, *parts) if alloc is None else linearize_ranges(names, *parts, alloc)
+
+
+def _safe_verify(plan, rows, routes, vocab_size, num_experts, alloc=None) -> RolloutResult:
     try:
-        return _verify(plan, rows, routes, vocab_size, num_experts)
+        return _verify(plan, rows, routes, vocab_size, num_experts, alloc)
     except _Reject as e:
         return RolloutResult(plan.rollout_id, e.reason, e.detail, None, len(plan.chain))
     except Exception as e:  # never take down the task; a bug shows in the detail
@@ -384,7 +623,29 @@ def verify_many(
             RolloutResult(p.rollout_id, R.INVALID_STAGING_ROW, f"unreadable batch: {type(e).__name__}: {e}", None, len(p.chain))
             for p in plans
         ]
-    return [_safe_verify(p, table, rtable, vocab_size, num_experts) for p in plans]
+    arena = _arena(plans, table, rtable)
+    if arena is None:
+        return [_safe_verify(p, table, rtable, vocab_size, num_experts) for p in plans]
+    return [_safe_verify(p, table, rtable, vocab_size, num_experts, arena.alloc(k)) for k, p in enumerate(plans)]
+
+
+def _arena(plans: Sequence[RolloutPlan], table: RowTable, rtable: RoutesTable) -> Optional[OutputArena]:
+    """One output buffer for every rollout's training row, sized from the receipts.
+
+    A verified chain's tokens are exactly its receipts' delta lengths; a receipt claiming
+    more tokens than the batch holds cannot verify, and gets no slot (so a forged
+    receipt cannot make the arena huge). None for a single rollout or an unusable batch.
+    """
+    if len(plans) < 2 or table.batch_problem is not None:
+        return None
+    cap = int(table.values["token_ids"].shape[0])
+    per_token_routes = rtable.row_bytes if rtable.sound else 0
+    sizes = []
+    for p in plans:
+        n = sum(rec.delta_len for rec in p.chain)
+        routed = p.chain[0].routes_encoding != ROUTES_NONE
+        sizes.append(row_bytes(n, per_token_routes if routed else 0) if 0 < n <= cap else 0)
+    return OutputArena(sizes) if any(sizes) else None
 
 
 def merge_results(step: StepPlan, results: Sequence[RolloutResult]) -> list[RolloutResult]:
