@@ -1,0 +1,51 @@
+"""The examples run as a user would run them (subprocesses, small sizes)."""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The CLI tools (dask, python) of the interpreter running the tests come first.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    env["DASK_TOKEN_CAPTURE__CLUSTER__DASHBOARD_ADDRESS"] = "127.0.0.1:0"
+    return env
+
+
+def _run(cmd: list[str], timeout: float = 240, **env_extra: str) -> str:
+    env = _env()
+    env.update(env_extra)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{cmd} failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def test_controller_loop_finalizes_every_step():
+    out = _run([sys.executable, str(EXAMPLES / "controller_loop.py"), "--steps", "3", "--groups", "2", "--rollouts", "2", "--turns", "2"])
+    done = re.findall(r"step-(\d+): (\d+)/(\d+) accepted", out)
+    assert [d[0] for d in done] == ["0", "1", "2"], out
+    assert all(int(a) == int(n) == 4 for _, a, n in done), out
+    # Several steps were in flight: the second was submitted before the first was collected.
+    assert out.index("step 1: submitted") < out.index("step-0:"), out
+
+
+@pytest.mark.slow
+def test_multi_worker_cluster_from_the_command_line():
+    out = _run(
+        ["bash", str(EXAMPLES / "multi_worker_cluster.sh")],
+        WORKERS="2",
+        DEMO_ARGS="--steps 1 --groups 1 --rollouts 2 --turns 2 --quiet",
+    )
+    assert re.search(r"scheduler: tcp://127\.0\.0\.1:\d+", out), out
+    m = re.search(r"step-0: (\d+)/(\d+) rollouts accepted", out)
+    assert m and m.group(1) == m.group(2) == "2", out
