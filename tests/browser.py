@@ -113,7 +113,8 @@ class Browser:
 
     def __init__(self, *, width: int = 1400, height: int = 1000, start_timeout_s: float = 60.0) -> None:
         self.width, self.height = width, height
-        self._profile = tempfile.TemporaryDirectory(prefix="tc-chromium-")
+        # chromium's helper processes may still flush into the profile as it exits
+        self._profile = tempfile.TemporaryDirectory(prefix="tc-chromium-", ignore_cleanup_errors=True)
         self._proc = subprocess.Popen(
             [_exe(), *COMMON_FLAGS, f"--user-data-dir={self._profile.name}",
              "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
@@ -222,6 +223,10 @@ class Browser:
     def close(self) -> None:
         try:
             if self._ws is not None:
+                try:  # a clean shutdown stops chromium's helper processes too
+                    self.call("Browser.close", timeout_s=10)
+                except Exception:
+                    pass
                 self._ws.close()
         finally:
             if self._proc.poll() is None:

@@ -136,8 +136,10 @@ def test_fetch_heavy_holds_verify_heavy_scales_up_idle_scales_down_sparing_actor
         start = len(adaptive.decisions)
         wait_until(lambda: len(adaptive.decisions) >= start + 10, what="10 more policy rounds")
         recent = list(adaptive.decisions)[start:]
-    assert {d.reason_code for d in recent} == {"fetch-bound"}
+    # A loaded machine may stall the publisher past the window (no-signal / idle at the
+    # floor); every decision made on a signal must be the fetch-bound hold.
     assert all(d.action == "hold" for d in recent)
+    assert {d.reason_code for d in recent} - {"no-signal", "idle-at-floor"} == {"fetch-bound"}
     assert n_workers() == 1 and len(cluster.worker_spec) == 1
     fetch_events = [e for e in scale_events(client) if e["reason_code"] == "fetch-bound"]
     assert fetch_events and fetch_events[0]["action"] == "hold" and "batch more" in fetch_events[0]["reason"]
@@ -154,20 +156,22 @@ def test_fetch_heavy_holds_verify_heavy_scales_up_idle_scales_down_sparing_actor
     assert len(added) == 2
     assert all(infos[a]["resources"].get("finalize", 0) > 0 for a in added)
 
-    # 3. two workers host actors (stand-ins for storage units / generation actors)
-    hosts = sorted(infos)[:2]
-    actors = [client.submit(Ping, actor=True, workers=[h], pure=False).result() for h in hosts]
-    wait_until(lambda: all(a.ping().result() == "pong" for a in actors), what="actors up")
+    # 3. two workers host actors (stand-ins for storage units / generation actors); a
+    #    fetch-bound signal keeps the cluster from going idle while they are placed
+    with Publisher(client, fetch_ms=80.0, verify_ms=5.0):
+        hosts = sorted(infos)[:2]
+        actors = [client.submit(Ping, actor=True, workers=[h], pure=False).result() for h in hosts]
+        wait_until(lambda: all(a.ping().result() == "pong" for a in actors), what="actors up")
 
-    # Data on the third worker makes it the one distributed would keep, so without the
-    # protection plugin the scale-down below would pick an actor host.
-    (other,) = set(infos) - set(hosts)
-    ballast = client.scatter(bytes(4 << 20), workers=[other])
-    wait_until(lambda: client.who_has([ballast])[ballast.key], what="ballast stored")
+        # Data on the third worker makes it the one distributed would keep, so without the
+        # protection plugin the scale-down below would pick an actor host.
+        (other,) = set(infos) - set(hosts)
+        ballast = client.scatter(bytes(4 << 20), workers=[other])
+        wait_until(lambda: client.who_has([ballast])[ballast.key], what="ballast stored")
 
-    # the plugin keeps them out of every downscaling suggestion, even "close all"
-    suggested = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.workers_to_close(n=3))
-    assert set(suggested).isdisjoint(hosts)
+        # the plugin keeps them out of every downscaling suggestion, even "close all"
+        suggested = client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.workers_to_close(n=3))
+        assert set(suggested).isdisjoint(hosts)
 
     # 4. idle: scale down to the floor (minimum 1, but two workers host actors)
     wait_until(lambda: n_workers() == 2, timeout_s=60, what="scale down to the 2 actor hosts")
