@@ -24,8 +24,12 @@ def local_cluster(**overrides: Any) -> LocalCluster:
     Keyword arguments override the ``token-capture.cluster`` config section. Workers the
     cluster adds later (``adapt``) reuse the same worker spec, so they carry the slots too.
     """
+    from .dashboard.preload import PRELOAD
+
     kwargs: dict[str, Any] = dict(
         host=config.get("cluster.host"),
+        # The token-capture page, /metrics series and downscaling protection.
+        scheduler_kwargs={"preload": [PRELOAD]},
         dashboard_address=config.get("cluster.dashboard-address"),
         n_workers=config.get("cluster.n-workers"),
         threads_per_worker=config.get("cluster.threads-per-worker"),
@@ -36,6 +40,18 @@ def local_cluster(**overrides: Any) -> LocalCluster:
     return LocalCluster(**kwargs)
 
 
+def adapt(cluster: LocalCluster, minimum: Optional[int] = None, maximum: Optional[int] = None, **kwargs: Any) -> Any:
+    """Scale ``cluster`` with the split-timing policy (:class:`TokenCaptureAdaptive`)."""
+    from .scaling.adaptive import TokenCaptureAdaptive
+
+    return cluster.adapt(
+        Adaptive=TokenCaptureAdaptive,
+        minimum=config.get("cluster.adaptive-minimum") if minimum is None else minimum,
+        maximum=config.get("cluster.adaptive-maximum") if maximum is None else maximum,
+        **kwargs,
+    )
+
+
 @contextlib.contextmanager
 def connect(scheduler: Optional[str] = None, **cluster_kwargs: Any) -> Iterator[tuple[Client, Optional[LocalCluster]]]:
     """Attach to ``scheduler`` if given, else start an embedded :func:`local_cluster`.
@@ -43,7 +59,10 @@ def connect(scheduler: Optional[str] = None, **cluster_kwargs: Any) -> Iterator[
     Yields ``(client, cluster)``; ``cluster`` is ``None`` when attached to an existing one.
     """
     if scheduler:
+        from .dashboard.preload import install
+
         with Client(scheduler) as client:
+            install(client)  # idempotent: a scheduler started with the preload keeps its plugins
             yield client, None
         return
     with local_cluster(**cluster_kwargs) as cluster, Client(cluster) as client:
