@@ -19,7 +19,6 @@ import torch
 from pipeline import config
 from pipeline.capture import submit_generation
 from pipeline.cluster import connect, dashboard_url
-from pipeline.dashboard.preload import PRELOAD
 from pipeline.finalize.controller import Finalizer
 from pipeline.store.client import StagingStore
 from tasks.rollouts import make_step_specs
@@ -47,7 +46,7 @@ def main() -> None:
     p.add_argument("--in-flight", type=int, default=2, help="finalization steps kept in flight")
     args = p.parse_args()
 
-    with connect(args.scheduler, scheduler_kwargs={"preload": [PRELOAD]}) as (client, _):
+    with connect(args.scheduler) as (client, _):
         print("dashboard:", dashboard_url(client, "token-capture"))
         store = StagingStore.start(client)
         finalizer = Finalizer(client, store)
