@@ -178,12 +178,12 @@ class RowTable:
         ids, mask, lps = (self.values[name] for name in TOKEN_FIELDS)
         if not ids.size == mask.size == lps.size:
             return None  # buffers longer than their rows, unequally: per-call checks only
+        drops = _scan_all_valid(ids, mask, lps, vocab_size)
+        if drops is not None:
+            return _zeros_then_ones(off, mask, drops)
+        # Some element somewhere is bad: name the rows that hold one (cumulative counts).
         is_one = mask == 1.0
         is_zero = mask == 0.0
-        fast = _all_valid(ids, mask, lps, is_one, is_zero, vocab_size)
-        if fast is not None:
-            return _zeros_then_ones(off, is_one, is_zero)
-        # Some element somewhere is bad: name the rows that hold one (cumulative counts).
         bad = ~(is_one | is_zero)
         bad |= (ids < 0) | (ids >= vocab_size)
         bad |= ~np.isfinite(lps) | (lps > 0.0) | (is_zero & (lps != 0.0))
@@ -219,40 +219,54 @@ class RowTable:
         return "malformed row"
 
 
-def _all_valid(
-    ids: np.ndarray, mask: np.ndarray, lps: np.ndarray, is_one: np.ndarray, is_zero: np.ndarray, vocab_size: int
-) -> Optional[bool]:
-    """True if EVERY element of the buffers passes the per-element content rules (ids in
-    range, mask 0/1, logprobs finite and <= 0, 0 where the mask is 0); None otherwise.
+# Elements per step of the whole-buffer scan: its boolean temporaries stay small enough
+# to be reused from the heap (a fresh large temporary costs a page fault per 4 KiB).
+_SCAN_CHUNK = 1 << 15
 
-    Reductions only (no per-element cumulative counts): the common, all-valid case.
+
+def _scan_all_valid(ids: np.ndarray, mask: np.ndarray, lps: np.ndarray, vocab_size: int) -> Optional[np.ndarray]:
+    """If EVERY element of the (equally long) buffers passes the per-element content rules
+    (ids in ``[0, vocab_size)``, mask 0.0 or 1.0, logprobs finite and <= 0, and 0 where the
+    mask is 0), the positions ``p`` where ``mask[p] == 1`` and ``mask[p + 1] == 0``;
+    otherwise None.
+
+    Reductions and chunked comparisons only: the common, all-valid case.
     """
-    if not ids.size:
-        return True if not mask.size and not lps.size else None
+    n = mask.size
+    if not n:
+        return np.zeros(0, dtype=np.int64)
     if ids.min() < 0 or ids.max() >= vocab_size:
-        return None
-    if np.count_nonzero(is_one) + np.count_nonzero(is_zero) != mask.size:
         return None
     # NaN fails both comparisons (min/max propagate it); -inf fails the first.
     if not (lps.min() > -np.inf and lps.max() <= 0.0):
         return None
-    # Every logprob is <= 0 now, so "!= 0" is "< 0".
-    if np.any(is_zero & (lps < 0.0)):
-        return None
-    return True
+    drops = []
+    for a in range(0, n, _SCAN_CHUNK):
+        b = min(a + _SCAN_CHUNK + 1, n)  # one element of overlap: steps across chunks
+        one = mask[a:b] == 1.0
+        zero = mask[a:b] == 0.0
+        if np.count_nonzero(one) + np.count_nonzero(zero) != b - a:
+            return None
+        # Every logprob is <= 0 now, so "!= 0" is "< 0".
+        if np.any(zero & (lps[a:b] < 0.0)):
+            return None
+        d = np.flatnonzero(one[:-1] & zero[1:])
+        if d.size:
+            drops.append(d + a)
+    return np.concatenate(drops) if drops else np.zeros(0, dtype=np.int64)
 
 
-def _zeros_then_ones(off: np.ndarray, is_one: np.ndarray, is_zero: np.ndarray) -> np.ndarray:
-    """bool[n]: row is zeros then ones with at least one 1, given every mask value is 0 or 1.
+def _zeros_then_ones(off: np.ndarray, mask: np.ndarray, drops: np.ndarray) -> np.ndarray:
+    """bool[n]: row is zeros then ones with at least one 1, given every mask value is 0 or 1
+    and ``drops`` (every ``p`` with ``mask[p] == 1`` and ``mask[p + 1] == 0``).
 
     Such a row ends with a 1 and has no 1 -> 0 step inside it; steps at row boundaries
-    are allowed. One vectorized pass, no cumulative sums.
+    are allowed. Vectorized over rows, no cumulative sums.
     """
     start, end = off[:-1], off[1:]
     ok = end > start
-    if is_one.size:
-        ok &= is_one[np.clip(end - 1, 0, is_one.size - 1)]
-        drops = np.flatnonzero(is_one[:-1] & is_zero[1:])  # mask[p] == 1, mask[p + 1] == 0
+    if mask.size:
+        ok &= mask[np.clip(end - 1, 0, mask.size - 1)] == 1.0
         if drops.size:
             r = np.searchsorted(off, drops, side="right") - 1  # the row holding p
             inside = (r >= 0) & (r < len(start))
@@ -632,19 +646,23 @@ def verify_many(
 def _arena(plans: Sequence[RolloutPlan], table: RowTable, rtable: RoutesTable) -> Optional[OutputArena]:
     """One output buffer for every rollout's training row, sized from the receipts.
 
-    A verified chain's tokens are exactly its receipts' delta lengths; a receipt claiming
-    more tokens than the batch holds cannot verify, and gets no slot (so a forged
-    receipt cannot make the arena huge). None for a single rollout or an unusable batch.
+    A verified chain's tokens are exactly its receipts' delta lengths, and rollouts of
+    one step never share rows, so all verifiable rows together fit in the batch's tokens:
+    slots are handed out only up to that many tokens (forged receipts cannot make the
+    arena bigger than the batch); a rollout past it gets its own allocation. None for an
+    unusable batch.
     """
-    if len(plans) < 2 or table.batch_problem is not None:
+    if table.batch_problem is not None:
         return None
-    cap = int(table.values["token_ids"].shape[0])
+    left = int(table.values["token_ids"].shape[0])
     per_token_routes = rtable.row_bytes if rtable.sound else 0
     sizes = []
     for p in plans:
         n = sum(rec.delta_len for rec in p.chain)
         routed = p.chain[0].routes_encoding != ROUTES_NONE
-        sizes.append(row_bytes(n, per_token_routes if routed else 0) if 0 < n <= cap else 0)
+        fits = 0 < n <= left
+        left -= n if fits else 0
+        sizes.append(row_bytes(n, per_token_routes if routed else 0) if fits else 0)
     return OutputArena(sizes) if any(sizes) else None
 
 
