@@ -181,6 +181,8 @@ def verify_piece(
                 rejected_result(p.rollout_id, reasons.INVALID_STAGING_ROW, f"verifier raised {type(e).__name__}: {e}")
                 for _, p in plans
             ]
+    if staging is not None and staging.failed:
+        results = [_with_store_reason(res, p, staging.failed) for (_, p), res in zip(plans, results)]
     tokens = np.array([max(int(p.n_tokens), 1) for _, p in plans], dtype=np.float64)
     share = tokens / tokens.sum() if len(tokens) else tokens
     for (r, _), result, frac in zip(plans, results, share):
@@ -190,6 +192,19 @@ def verify_piece(
     out.timing = {"task": task, "start_s": sw.start_s, "ms": sw.ms, "rollouts": len(plans)}
     out.fetch_timings = [p.timing for p in (staging, routes) if p is not None]
     return out
+
+
+def _with_store_reason(result: RolloutResult, plan: Any, failed: Mapping[str, tuple[str, str]]) -> RolloutResult:
+    """A ``missing_staging_row`` verdict with the store's own per-key reason appended
+    (e.g. ``unit_unavailable`` when the unit holding the row was lost), so the operator
+    sees why the row is missing, not only that it is."""
+    if result.status != reasons.MISSING_STAGING_ROW:
+        return result
+    why = next((failed[k] for k in plan.keys if k in failed), None)
+    if why is None:
+        return result
+    result.detail = f"{result.detail} (store: {why[0]}: {why[1]})"
+    return result
 
 
 @dataclass(frozen=True)

@@ -35,12 +35,36 @@ from .unit import (
 )
 
 DEFAULT_PARTITION = "staging"
+# Per-key reason when the unit holding a key cannot be reached (its worker died, the unit
+# was closed): the keys of that unit fail, the other units' keys are served as usual.
+UNIT_UNAVAILABLE = "unit_unavailable"
 # Fields whose rows average more elements than this are gathered by row slices (one
 # memcpy per row); smaller ones by numpy's element gather, which is cheaper for them.
 _SLICE_GATHER_MIN_ELEMENTS = 64
 
 
-class DirectActor(Actor):
+class PinnedActor(Actor):
+    """An actor handle that fails fast when its worker is gone.
+
+    Storage units never move (they are pinned to their worker; a recreated unit would be
+    empty), so when the hosting worker is unreachable there is nothing to wait for. A plain
+    ``Actor`` handle that holds its task's future awaits that future on a connection
+    error, i.e. forever for a pinned task whose worker died. This handle keeps that future
+    only to keep the actor alive (as a plain handle does), out of the retry path, so the
+    call fails with ``OSError`` after the connect timeout and the store reports the unit's
+    keys ``unit_unavailable``.
+    """
+
+    def _try_bind_worker_client(self):
+        super()._try_bind_worker_client()
+        if self._future is not None:
+            self._keepalive, self._future = self._future, None
+
+    def __reduce__(self):
+        return (type(self), (self._cls, self._address, self.key))
+
+
+class DirectActor(PinnedActor):
     """An actor handle whose calls from a client go straight to the hosting worker.
 
     Dask's default (``distributed.client.direct-to-workers: null``) routes a client's
@@ -56,9 +80,6 @@ class DirectActor(Actor):
         if self._worker is None and self._client is not None:
             return self._client.rpc(self._address)
         return super()._worker_rpc
-
-    def __reduce__(self):
-        return (DirectActor, (self._cls, self._address, self.key))
 
 
 def _parse_bytes(value: Any) -> int:
@@ -130,8 +151,8 @@ class StagingStore:
             for i, addr in enumerate(placed)
         ]
         units = client.gather(futures)
-        if config.get("store.direct-to-workers", True):
-            units = [DirectActor(u._cls, u._address, u.key) for u in units]
+        handle = DirectActor if config.get("store.direct-to-workers", True) else PinnedActor
+        units = [handle(u._cls, u._address, u.key) for u in units]
         store = cls(units, placed, partitions)
         store._futures = futures
         return store
@@ -209,7 +230,8 @@ class StagingStore:
         self._check_partition(partition)
         parts, failed = self._plan_put(batch)
         futures = [self.units[u].put_many(partition, sub) for u, sub in parts]
-        result = StoreResult.merge(f.result() for f in futures)
+        results = [self._settle(u, f.result, sub.keys, StoreResult) for (u, sub), f in zip(parts, futures)]
+        result = StoreResult.merge(results)
         result.failed.update(failed)
         return result
 
@@ -223,14 +245,15 @@ class StagingStore:
         fields = self._check_fields(fields)
         _, parts, failed = self._plan_keys(keys)
         futures = [self.units[u].get_many(partition, ks, fields) for u, ks in parts]
-        return _merge_gets(keys, [f.result() for f in futures], failed)
+        results = [self._settle(u, f.result, ks, _empty_get) for (u, ks), f in zip(parts, futures)]
+        return _merge_gets(keys, results, failed)
 
     def delete(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION) -> StoreResult:
         """Delete ``keys`` (one call per unit); absent keys come back ``missing_key``."""
         self._check_partition(partition)
         _, parts, failed = self._plan_keys(keys)
         futures = [self.units[u].delete(partition, ks) for u, ks in parts]
-        result = StoreResult.merge(f.result() for f in futures)
+        result = StoreResult.merge(self._settle(u, f.result, ks, StoreResult) for (u, ks), f in zip(parts, futures))
         result.failed.update(failed)
         return result
 
@@ -242,7 +265,12 @@ class StagingStore:
     def close(self) -> list[dict]:
         """Close every unit (drops rows, removes spill directories) and release the actors."""
         futures = [u.close() for u in self.units]
-        out = [f.result() for f in futures]
+        out = []
+        for i, f in enumerate(futures):
+            try:
+                out.append(f.result())
+            except Exception as e:  # a lost unit has nothing left to close
+                out.append({"unit": i, "closed": False, "error": f"{type(e).__name__}: {e}"})
         self.__dict__.pop("_futures", None)
         return out
 
@@ -251,8 +279,8 @@ class StagingStore:
     async def put_many_async(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION) -> StoreResult:
         self._check_partition(partition)
         parts, failed = self._plan_put(batch)
-        results = await asyncio.gather(*(self.units[u].put_many(partition, sub) for u, sub in parts))
-        result = StoreResult.merge(results)
+        results = await asyncio.gather(*(self.units[u].put_many(partition, sub) for u, sub in parts), return_exceptions=True)
+        result = StoreResult.merge(self._settle(u, r, sub.keys, StoreResult) for (u, sub), r in zip(parts, results))
         result.failed.update(failed)
         return result
 
@@ -262,14 +290,14 @@ class StagingStore:
         self._check_partition(partition)
         fields = self._check_fields(fields)
         _, parts, failed = self._plan_keys(keys)
-        results = await asyncio.gather(*(self.units[u].get_many(partition, ks, fields) for u, ks in parts))
-        return _merge_gets(keys, list(results), failed)
+        results = await asyncio.gather(*(self.units[u].get_many(partition, ks, fields) for u, ks in parts), return_exceptions=True)
+        return _merge_gets(keys, [self._settle(u, r, ks, _empty_get) for (u, ks), r in zip(parts, results)], failed)
 
     async def delete_async(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION) -> StoreResult:
         self._check_partition(partition)
         _, parts, failed = self._plan_keys(keys)
-        results = await asyncio.gather(*(self.units[u].delete(partition, ks) for u, ks in parts))
-        result = StoreResult.merge(results)
+        results = await asyncio.gather(*(self.units[u].delete(partition, ks) for u, ks in parts), return_exceptions=True)
+        result = StoreResult.merge(self._settle(u, r, ks, StoreResult) for (u, ks), r in zip(parts, results))
         result.failed.update(failed)
         return result
 
@@ -297,12 +325,34 @@ class StagingStore:
     def __repr__(self) -> str:
         return f"<StagingStore units={len(self.units)} workers={sorted(set(self.unit_workers))}>"
 
+    def _settle(self, u: int, outcome: Any, keys: Sequence[str], empty: Any) -> Any:
+        """One unit's answer: ``outcome`` is the answer, an exception (async gather) or a
+        zero-argument callable giving the answer (a sync future's ``result``). A unit that
+        failed as a whole (worker lost, unit closed) fails only ITS keys, as
+        ``unit_unavailable``; the other units' answers stand."""
+        try:
+            if callable(outcome):
+                outcome = outcome()
+            if isinstance(outcome, BaseException):
+                raise outcome
+            return outcome
+        except Exception as e:
+            worker = self.unit_workers[u] if u < len(self.unit_workers) else "?"
+            detail = f"storage unit {u} on {worker} is unavailable: {type(e).__name__}: {e}"
+            out = empty()
+            out.failed.update({k: (UNIT_UNAVAILABLE, detail) for k in keys})
+            return out
+
     def _check_fields(self, fields: Optional[Sequence[str]]) -> Optional[list[str]]:
         if fields is None:
             return None
         if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
             raise StoreError(f"fields must be a list of field names, got {fields!r}")
         return list(dict.fromkeys(fields))
+
+
+def _empty_get() -> GetResult:
+    return GetResult(PackedBatch([], {}), {})
 
 
 def _row_bytes(batch: PackedBatch) -> np.ndarray:
