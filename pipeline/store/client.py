@@ -336,7 +336,10 @@ class StagingStore:
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
-        except Exception as e:
+        except (OSError, RuntimeError, StoreError) as e:
+            # Unreachable worker (OSError, incl. comm/timeouts), "Worker holding Actor
+            # was lost" (RuntimeError), a closed unit (StoreError). A bug (TypeError, ...)
+            # still raises: it must not pass for a lost unit.
             worker = self.unit_workers[u] if u < len(self.unit_workers) else "?"
             detail = f"storage unit {u} on {worker} is unavailable: {type(e).__name__}: {e}"
             out = empty()
