@@ -131,19 +131,20 @@ def digest_raw(
 ) -> bytes:
     """The digest from :func:`digest_header`'s bytes and the raw little-endian buffers.
 
-    ``token_ids`` (``<i8``), ``token_mask`` and ``logprobs`` (``<f4``) are byte buffers
-    (memoryviews hash without copies); ``routes`` is ``(L, K, <i2 bytes)`` when
+    ``token_ids`` (``<i8``), ``token_mask`` and ``logprobs`` (``<f4``) are flat byte
+    buffers (``bytes`` or format-``B`` memoryviews, whose ``len`` is their size in bytes;
+    memoryviews hash without copies); ``routes`` is ``(L, K, <i2 bytes)`` when
     ``routes_encoding == 1``, else ``None``. Byte-identical to :func:`digest`.
     """
-    h = hashlib.sha256(header + _NBYTES.pack(memoryview(token_ids).nbytes))
+    h = hashlib.sha256(header + _NBYTES.pack(len(token_ids)))
     h.update(token_ids)
-    h.update(_NBYTES.pack(memoryview(token_mask).nbytes))
+    h.update(_NBYTES.pack(len(token_mask)))
     h.update(token_mask)
-    h.update(_NBYTES.pack(memoryview(logprobs).nbytes))
+    h.update(_NBYTES.pack(len(logprobs)))
     h.update(logprobs)
     if routes is not None:
         n_layers, top_k, buf = routes
-        h.update(_ROUTES_HEAD.pack(n_layers, top_k, memoryview(buf).nbytes))
+        h.update(_ROUTES_HEAD.pack(n_layers, top_k, len(buf)))
         h.update(buf)
     h.update(chain_hash + cumulative_hash)
     return h.digest()

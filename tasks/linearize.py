@@ -10,6 +10,7 @@ ONE slice copy.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -83,7 +84,7 @@ class OutputArena:
 
         def take(shape: tuple, dtype: np.dtype) -> np.ndarray:
             dtype = np.dtype(dtype)
-            nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            nbytes = math.prod(shape) * dtype.itemsize
             at, end = state
             if at + nbytes > end:
                 return np.empty(shape, dtype=dtype)

@@ -354,6 +354,15 @@ def _row_structure(t: RowTable, i: int) -> dict:
     return row
 
 
+def _utf8(text: str) -> Optional[bytes]:
+    """UTF-8 of a receipt's id; None (equal to no row's bytes) if it has none (a lone
+    surrogate): the named checks then decide."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+
+
 @dataclass
 class _Chain:
     """What the walk along a rollout's chain carries from one call to the next."""
@@ -471,7 +480,7 @@ def _verify(
     ids_v = rows.values.get("token_ids")
     mask_v = rows.values.get("token_mask")
     lps_v = rows.values.get("logprobs")
-    rids = rid.encode("utf-8")
+    rids = _utf8(rid)
     rows_i: list[int] = []
     rows_j: list[int] = []
 
@@ -481,18 +490,16 @@ def _verify(
         row_rid = b_rid[o_rid[i] : o_rid[i + 1]]
         row_cid = b_cid[o_cid[i] : o_cid[i + 1]]
         row_par = b_par[o_par[i] : o_par[i + 1]]
-        try:
-            row_rid.decode("utf-8")
-            cid = row_cid.decode("utf-8")
-            parent = row_par.decode("utf-8") or None
-        except UnicodeDecodeError:
-            return None
+        # Ids equal to the UTF-8 of the receipt's strings decode to them (UTF-8 is
+        # canonical), so byte equality covers decoding, identity and wrong_parent_call_id.
+        rec_par = rec.parent_call_id
         prev, delta, cum, enc = s_prev[i], s_delta[i], s_cum[i], s_enc[i]
         dig, chh, cuh = b_dig[o_dig[i] : o_dig[i + 1]], b_ch[o_ch[i] : o_ch[i + 1]], b_cu[o_cu[i] : o_cu[i + 1]]
         if (
             row_rid != rids
-            or cid != rec.model_call_id
-            or parent != rec.parent_call_id
+            or row_cid != _utf8(rec.model_call_id)
+            or row_par != (b"" if rec_par is None else _utf8(rec_par))
+            or (rec_par is not None and not rec_par)  # a receipt's "" parent: the checks decide
             or prev != rec.prev_len
             or delta != rec.delta_len
             or cum != rec.cum_len
@@ -520,7 +527,6 @@ def _verify(
             route_buf = (routes.lk[0], routes.lk[1], routes.mv[routes.offs[j] * rb : routes.offs[j + 1] * rb])
         # From here on a failing rule rejects directly: the named checks would find the
         # same first failure, everything before it having passed.
-        where = f"call {rec.model_call_id!r}"
         a_ids, a_mask, a_lps = o_ids[i], o_mask[i], o_lps[i]
         ids_b = mv_ids[a_ids * 8 : (a_ids + delta) * 8]
         header = hashing.digest_header(
@@ -529,12 +535,14 @@ def _verify(
         mask_b = mv_mask[a_mask * 4 : (a_mask + delta) * 4]
         lps_b = mv_lps[a_lps * 4 : (a_lps + delta) * 4]
         if hashing.digest_raw(header, ids_b, mask_b, lps_b, route_buf, chh, cuh) != dig:
-            raise _Reject(R.CORRUPT_DIGEST, f"{where}: recomputed digest differs from the stored one")
+            raise _Reject(R.CORRUPT_DIGEST, f"call {rec.model_call_id!r}: recomputed digest differs from the stored one")
         if prev != st.prev_cum:
-            raise _Reject(R.PARENT_LENGTH_MISMATCH, f"{where}: prev_len {prev}, parent ends at {st.prev_cum}")
+            raise _Reject(
+                R.PARENT_LENGTH_MISMATCH, f"call {rec.model_call_id!r}: prev_len {prev}, parent ends at {st.prev_cum}"
+            )
         st.parent_chain = hashing.chain_hash_raw(st.parent_chain, ids_b)
         if st.parent_chain != chh:
-            raise _Reject(R.CHAIN_HASH_MISMATCH, f"{where}: recomputed chain hash differs")
+            raise _Reject(R.CHAIN_HASH_MISMATCH, f"call {rec.model_call_id!r}: recomputed chain hash differs")
         if content_ok is None or not content_ok[i]:
             ids_a, mask_a = ids_v[a_ids : a_ids + delta], mask_v[a_mask : a_mask + delta]
             _check_content(rec, rows, i, ids_a, mask_a, lps_v[a_lps : a_lps + delta], vocab_size)
@@ -543,7 +551,7 @@ def _verify(
             if num_experts is not None and (routes.in_range is None or not routes.in_range[j]):
                 problem = check_routes(enc, routes.field.row(j), delta, num_experts, st.routes_shape)
                 if problem:
-                    raise _Reject(problem[0], f"{where}: {problem[1]}")
+                    raise _Reject(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")
         st.prev_cum = cum
         return j
 
@@ -562,7 +570,7 @@ def _verify(
         rows._offs["cumulative_hash"][rows_i[-1]] : rows._offs["cumulative_hash"][rows_i[-1] + 1]
     ]:
         raise _Reject(R.CUMULATIVE_HASH_MISMATCH, "cumulative hash of the linearized ids differs from the terminal's")
-    if lin.length == 0 or not np.any(lin.token_mask):
+    if lin.length == 0 or not lin.token_mask.any():
         raise _Reject(R.EMPTY_TRAINING_ROW, "no generated token in the training row")
     return RolloutResult(rid, R.OK, "", lin, len(chain))
 
