@@ -26,12 +26,14 @@ from .. import config
 from . import checkpoint as _checkpoint
 from .unit import (
     DTYPE_MISMATCH,
+    INVALID_BATCH,
     INVALID_KEY,
     GetResult,
     StorageUnit,
     StoreError,
     StoreResult,
     check_partition,
+    field_problem,
 )
 
 DEFAULT_PARTITION = "staging"
@@ -198,6 +200,12 @@ class StagingStore:
     def _plan_put(self, batch: PackedBatch) -> tuple[list[tuple[int, PackedBatch]], dict]:
         if not isinstance(batch, PackedBatch):
             raise StoreError(f"put_many needs a PackedBatch, got {type(batch).__name__}")
+        for name, f in batch.fields.items():
+            # A field that cannot be cut into rows fails the batch per key (the unit would
+            # refuse it the same way), before row sizes are computed from its offsets.
+            problem = field_problem(name, f, len(batch))
+            if problem:
+                return [], {k if isinstance(k, str) else repr(k): (INVALID_BATCH, problem) for k in batch.keys}
         where, failed = self._route(batch.keys)
         max_bytes = _parse_bytes(config.get("store.max-call-bytes", "64MiB"))
         row_bytes = _row_bytes(batch)
