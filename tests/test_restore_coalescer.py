@@ -370,3 +370,40 @@ def test_prefix_read_error_pickles():
     e = PrefixReadError({"k": ("missing_key", "gone")})
     e2 = pickle.loads(pickle.dumps(e))
     assert e2.failed == e.failed and "missing_key" in str(e2)
+
+
+def test_answers_are_views_when_rows_sit_together_and_copies_otherwise():
+    async def main():
+        keys = [f"k{i}" for i in range(6)]
+        store = FakeStore(rows_for(keys, n=5))
+        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
+        together, apart = await asyncio.gather(c.read(["k0", "k1", "k2"]), c.read(["k5", "k3"]))
+        assert len(store.calls) == 1
+        assert together.keys == ["k0", "k1", "k2"] and apart.keys == ["k5", "k3"]
+        f = together.fields["token_ids"]
+        assert f.offsets[0] == 0 and f.offsets[-1] == len(f.values) == 15
+        for i, k in enumerate(["k5", "k3"]):
+            np.testing.assert_array_equal(apart.fields["token_ids"].row(i), store.rows[k]["token_ids"])
+        # k4 was not asked for: k3 and k5 are not adjacent in the get, so they were gathered.
+        assert apart.fields["token_ids"].values.base is None or len(apart.fields["token_ids"].values) == 10
+
+    run(main())
+
+
+def test_gets_stay_within_a_group_and_groups_take_turns():
+    async def main():
+        keys = [f"g{i % 2}-k{i}" for i in range(10)]
+        store = FakeStore(rows_for(keys))
+        store.gate = asyncio.Event()
+        c = PrefixReadCoalescer(store.get_many, 3, 1 << 22, 2.0, 2, 30.0, timer=ManualTimer(), group=lambda k: k[:2])
+        t = asyncio.create_task(c.read(keys))
+        await settle()
+        # Two slots: the oldest group first, then the other one (round robin).
+        assert store.calls == [["g0-k0", "g0-k2", "g0-k4"], ["g1-k1", "g1-k3", "g1-k5"]]
+        store.gate.set()
+        out = await t
+        assert out.keys == keys
+        assert all(len({k[:2] for k in call}) == 1 for call in store.calls)
+        assert sorted(k for call in store.calls for k in call) == sorted(keys)
+
+    run(main())

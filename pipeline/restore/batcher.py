@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from tasks import reasons
+from tasks.keys import unit_for_key
 from tasks.packed import PackedBatch
 from tasks.prefix import Continuation, PrefixVerdict, verify_prefix
 
@@ -90,7 +91,7 @@ class PrefixReadBatcher:
     def _co(self) -> PrefixReadCoalescer:
         # Built on first use, inside the event loop that serves the actor's async methods.
         if self._coalescer is None:
-            self._coalescer = PrefixReadCoalescer(self._get_many, **self._knobs)
+            self._coalescer = PrefixReadCoalescer(self._get_many, **self._knobs, group=unit_grouping(self.store))
         return self._coalescer
 
     async def _get_many(self, keys: list[str]) -> Any:
@@ -180,6 +181,19 @@ class PrefixReadBatcher:
                 "failures": failures,
             },
         )
+
+
+def unit_grouping(store: Any) -> Optional[Callable[[str], int]]:
+    """``key -> storage unit`` for a store with ``units`` (placement by rollout), else None.
+
+    Coalesced gets then stay within one unit: the store answers such a get with the
+    unit's own batch, no cross-unit merge copy, and units serve their gets in parallel.
+    """
+    units = getattr(store, "units", None)
+    if not units:
+        return None
+    n = len(units)
+    return lambda key: unit_for_key(key, n)
 
 
 def start_batchers(client: Any, store: Any, workers: Optional[Sequence[str]] = None, **kwargs: Any) -> dict[str, Any]:

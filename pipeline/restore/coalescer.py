@@ -8,7 +8,9 @@ requests into few ``get_many`` calls:
 * keys are deduplicated (across queued *and* in-flight gets) and each request gets its
   rows back in its own (chain) order;
 * a get carries at most ``batch_size`` keys and ``max_tokens`` tokens (token counts are
-  the caller's hints; a key bigger than the limit goes alone, never split);
+  the caller's hints; a key bigger than the limit goes alone, never split), and, given a
+  ``group(key)`` function (the batcher passes the key's storage unit), keys of one group
+  only: each get then hits one unit, whose answer needs no cross-unit merge copy;
 * **no light-load penalty**: a request that arrives when nothing is queued and no get is
   in flight is issued on the next event-loop turn (same-tick arrivals still join it), not
   after the window; the ``window_ms`` wait happens only when there is something to
@@ -24,7 +26,9 @@ requests into few ``get_many`` calls:
 
 ``get_many`` is any ``async (keys) -> GetResult``-like callable: the result has ``batch``
 (a :class:`~tasks.packed.PackedBatch` of the found rows) and ``failed`` (key -> (reason,
-detail)). Nothing here imports Dask, so the core is testable with a fake store.
+detail)). Nothing here talks to Dask (knobs come from ``dask.config``), so the core is
+testable with a fake store. Answers are views of the get's buffers where a request's rows
+sit together in it (the usual case), one gather copy otherwise.
 """
 from __future__ import annotations
 
@@ -32,13 +36,15 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Hashable, Optional, Sequence, Union
 
 import numpy as np
 
 from tasks.packed import PackedBatch, PackedField
 
 from .. import config
+
+_timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
 GetMany = Callable[[list[str]], Awaitable[Any]]
 Timer = Callable[[float, Callable[[], None]], Any]  # (delay seconds, callback) -> handle with .cancel()
@@ -82,8 +88,73 @@ class _Entry:
 
     future: asyncio.Future  # -> (PackedBatch, row index) or _KeyFailure
     tokens: int
+    group: Hashable = None
     refs: int = 0
     issued: bool = False
+
+
+class _Queue:
+    """Keys waiting for a get, per group, in arrival order; token totals kept up to date."""
+
+    def __init__(self) -> None:
+        # group -> {key: entry}; groups in the order they have waited (oldest first).
+        self.groups: "collections.OrderedDict[Hashable, collections.OrderedDict[str, _Entry]]" = collections.OrderedDict()
+        self.tokens: dict[Hashable, int] = {}
+        self.n = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def add(self, key: str, e: _Entry) -> None:
+        self.groups.setdefault(e.group, collections.OrderedDict())[key] = e
+        self.tokens[e.group] = self.tokens.get(e.group, 0) + e.tokens
+        self.n += 1
+
+    def grow(self, e: _Entry, tokens: int) -> None:
+        """A later request hints more tokens for a queued key."""
+        self.tokens[e.group] += tokens - e.tokens
+        e.tokens = tokens
+
+    def remove(self, key: str, e: _Entry) -> None:
+        q = self.groups.get(e.group)
+        if q is None or q.pop(key, None) is None:
+            return
+        self.n -= 1
+        self.tokens[e.group] -= e.tokens
+        if not q:
+            del self.groups[e.group], self.tokens[e.group]
+
+    def full(self, batch_size: int, max_tokens: int) -> bool:
+        """Some group already fills a get."""
+        return any(len(q) >= batch_size or self.tokens[g] >= max_tokens for g, q in self.groups.items())
+
+    def pop_batch(self, batch_size: int, max_tokens: int) -> list[tuple[str, _Entry]]:
+        """From the longest-waiting group, its oldest keys up to the limits; an oversized
+        key goes alone. The group, if keys remain, waits behind the others (round robin)."""
+        g, q = next(iter(self.groups.items()))
+        out: list[tuple[str, _Entry]] = []
+        total = 0
+        while q and len(out) < batch_size:
+            k, e = next(iter(q.items()))
+            if out and total + e.tokens > max_tokens:
+                break
+            q.popitem(last=False)
+            out.append((k, e))
+            total += e.tokens
+        self.n -= len(out)
+        self.tokens[g] -= total
+        if q:
+            self.groups.move_to_end(g)
+        else:
+            del self.groups[g], self.tokens[g]
+        return out
+
+    def drain(self) -> list[tuple[str, _Entry]]:
+        out = [(k, e) for q in self.groups.values() for k, e in q.items()]
+        self.groups.clear()
+        self.tokens.clear()
+        self.n = 0
+        return out
 
 
 @dataclass
@@ -123,7 +194,8 @@ class PrefixReadCoalescer:
     Create it inside the event loop that will use it. Knobs left ``None`` are read from
     ``token-capture.restore.*`` each time they are used (``window_ms`` in ms,
     ``timeout_s`` in seconds, ``max_tokens`` in tokens). ``timer`` replaces
-    ``loop.call_later`` for the window (tests drive it by hand).
+    ``loop.call_later`` for the window (tests drive it by hand). ``group(key)`` (e.g. the
+    key's storage unit) keeps each get within one group; groups take turns.
     """
 
     def __init__(
@@ -136,9 +208,11 @@ class PrefixReadCoalescer:
         timeout_s: Optional[float] = None,
         *,
         timer: Optional[Timer] = None,
+        group: Optional[Callable[[str], Hashable]] = None,
         latency_samples: int = 4096,
     ):
         self._get_many = get_many
+        self._group = group
         self._overrides = {
             "batch-size": batch_size,
             "max-tokens": max_tokens,
@@ -152,7 +226,7 @@ class PrefixReadCoalescer:
         self._loop = asyncio.get_running_loop()
         self._timer: Timer = timer or self._loop.call_later
         self._entries: dict[str, _Entry] = {}  # every pending or in-flight key
-        self._queue: "collections.OrderedDict[str, _Entry]" = collections.OrderedDict()  # not yet issued
+        self._queue = _Queue()  # keys not yet issued
         self._inflight = 0
         self._window: Any = None  # timer handle while a window is open
         self._window_expired = False  # queued keys have waited their window: issue at the next free slot
@@ -225,15 +299,16 @@ class PrefixReadCoalescer:
                 continue
             e = self._entries.get(k)
             if e is None:
-                e = _Entry(self._loop.create_future(), t)
+                e = _Entry(self._loop.create_future(), t, self._group_of(k))
                 # Nobody may be left to look at a failure (all requesters cancelled).
                 e.future.add_done_callback(_consume_exception)
                 self._entries[k] = e
-                self._queue[k] = e
+                self._queue.add(k, e)
                 added = True
             else:
                 self.stats.keys_deduplicated += 1
-                e.tokens = max(e.tokens, t)
+                if not e.issued and t > e.tokens:
+                    self._queue.grow(e, t)
             e.refs += 1
             mine[k] = e
         self.stats.keys_requested += len(mine)
@@ -256,13 +331,21 @@ class PrefixReadCoalescer:
         finally:
             self.stats.latencies_ms.append((time.perf_counter() - t0) * 1000.0)
 
+    def _group_of(self, key: str) -> Hashable:
+        if self._group is None:
+            return None
+        try:
+            return self._group(key)
+        except Exception:  # noqa: BLE001 - a key the store cannot place fails in its get, not here
+            return None
+
     def _release(self, mine: dict[str, _Entry]) -> None:
         dropped = False
         for k, e in mine.items():
             e.refs -= 1
             if e.refs <= 0 and not e.issued and not e.future.done():
                 # Nobody wants it any more and no get carries it yet: do not read it.
-                self._queue.pop(k, None)
+                self._queue.remove(k, e)
                 self._entries.pop(k, None)
                 e.future.cancel()
                 self.stats.dropped_keys += 1
@@ -277,9 +360,11 @@ class PrefixReadCoalescer:
             return  # joins the flush already due this loop turn
         if self._inflight == 0 and self._window is None and not self._window_expired:
             # Nothing to coalesce with: issue on the next loop turn (requests arriving in
-            # this same turn still join), never after the window.
+            # this same turn still join), never after the window. The get's own task takes
+            # its batch on its first step: no extra loop turn in the light-load path.
             self._immediate_scheduled = True
-            self._loop.call_soon(self._flush_immediate)
+            self._inflight += 1  # the slot is reserved for that task
+            self._spawn(self._immediate_get())
             return
         if self._window is None and not self._window_expired:
             self.stats.window_waits += 1
@@ -287,13 +372,23 @@ class PrefixReadCoalescer:
         if self._queue_full():
             self._pump(force=True)  # a full batch gains nothing by waiting
 
-    def _flush_immediate(self) -> None:
+    async def _immediate_get(self) -> None:
         self._immediate_scheduled = False
-        if not self._queue:
+        batch = self._next_batch() if self._queue and not self._closed else []
+        if not batch:  # every requester cancelled already, or closed
+            self._inflight -= 1
+            self._pump()
             return
-        self._pump(force=True, immediate=True)
+        self.stats.immediate_gets += 1
+        self._pump(force=True, immediate=True)  # what the same turn queued beyond one get
         if self._queue and self._window is None:
             self._window_expired = True  # slots are full: the rest goes at the next free slot
+        await self._run_get(batch)
+
+    def _spawn(self, coro) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def _on_window(self) -> None:
         self._window = None
@@ -307,9 +402,7 @@ class PrefixReadCoalescer:
         self._window_expired = False
 
     def _queue_full(self) -> bool:
-        if len(self._queue) >= self.batch_size:
-            return True
-        return sum(e.tokens for e in self._queue.values()) >= self.max_tokens
+        return self._queue.full(self.batch_size, self.max_tokens)
 
     def _pump(self, *, force: bool = False, immediate: bool = False) -> None:
         """Issue gets while slots are free and the queue may go (window over, or full)."""
@@ -326,33 +419,27 @@ class PrefixReadCoalescer:
             self.stats.max_inflight = max(self.stats.max_inflight, self._inflight)
             if immediate:
                 self.stats.immediate_gets += 1
-            task = self._loop.create_task(self._run_get(batch))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._run_get(batch))
         if not self._queue:
             self._close_window()
 
     def _next_batch(self) -> list[tuple[str, _Entry]]:
-        """Pop queued keys in arrival order up to batch_size keys and max_tokens tokens."""
-        batch_size, max_tokens = self.batch_size, self.max_tokens
-        out: list[tuple[str, _Entry]] = []
-        total = 0
-        while self._queue and len(out) < batch_size:
-            k, e = next(iter(self._queue.items()))
-            if out and total + e.tokens > max_tokens:
-                break  # an oversized key still goes, alone
-            self._queue.popitem(last=False)
+        """Queued keys of one group in arrival order, up to batch_size keys and max_tokens."""
+        batch = self._queue.pop_batch(self.batch_size, self.max_tokens)
+        for _, e in batch:
             e.issued = True
-            out.append((k, e))
-            total += e.tokens
-        return out
+        return batch
 
     # ---- gets ---------------------------------------------------------------------------
 
     async def _get(self, keys: list[str]) -> Any:
         self.stats.gets += 1
         self.stats.keys_fetched += len(keys)
-        result = await asyncio.wait_for(self._get_many(list(keys)), self.timeout_s)
+        if _timeout is not None:  # no extra task around the get (wait_for makes one)
+            async with _timeout(self.timeout_s):
+                result = await self._get_many(list(keys))
+        else:
+            result = await asyncio.wait_for(self._get_many(list(keys)), self.timeout_s)
         if not isinstance(getattr(result, "batch", None), PackedBatch) or not isinstance(getattr(result, "failed", None), dict):
             raise TypeError(f"get_many returned {type(result).__name__}, expected a GetResult (batch, failed)")
         return result
@@ -450,8 +537,12 @@ class PrefixReadCoalescer:
                 b = batches[id(rows)] = len(sources)
                 sources.append(rows)
             src[pos], rows_idx[pos] = b, i
-        if len(sources) == 1 and len(sources[0]) == len(keys) and np.array_equal(rows_idx, np.arange(len(keys))):
-            return sources[0]  # the request had the get to itself: no copy
+        if len(sources) == 1:
+            lo = int(rows_idx[0])
+            if np.array_equal(rows_idx, np.arange(lo, lo + len(keys))):
+                # The request's rows sit together in its get's answer (the usual case: a
+                # request's keys are queued together): a view, no copy.
+                return slice_rows(sources[0], lo, lo + len(keys))
         return _take_rows(align_fields(sources), src, rows_idx)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -460,8 +551,7 @@ class PrefixReadCoalescer:
         """Fail every pending key with ``closed`` and stop the gets in flight."""
         self._closed = True
         self._close_window()
-        queued = list(self._queue.items())
-        self._queue.clear()
+        queued = self._queue.drain()
         self._fail(queued, "closed", "the prefix read coalescer was closed")
         for k, _ in queued:
             self._entries.pop(k, None)
@@ -499,6 +589,20 @@ def _failure_of(exc: BaseException, timeout_s: float) -> tuple[str, str]:
 def _consume_exception(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+def slice_rows(batch: PackedBatch, lo: int, hi: int) -> PackedBatch:
+    """Rows ``lo:hi`` of ``batch`` as views of its buffers (offsets rebased, no copy)."""
+    if lo == 0 and hi == len(batch):
+        return batch
+    fields = {}
+    for name, f in batch.fields.items():
+        start, end = int(f.offsets[lo]), int(f.offsets[hi])
+        present = None if f.present is None else f.present[lo:hi]
+        if present is not None and present.all():
+            present = None
+        fields[name] = PackedField(f.values[start:end], f.offsets[lo : hi + 1] - start, present)
+    return PackedBatch(list(batch.keys[lo:hi]), fields)
 
 
 def align_fields(batches: Sequence[PackedBatch]) -> list[PackedBatch]:

@@ -1,0 +1,304 @@
+"""Restore reads: per-request gets vs the coalescing PrefixReadBatcher core, side by side.
+
+The reference's restore scenarios (SPEC section 11, ``batched-prefix-io-pr.txt``) against
+a real :class:`~pipeline.store.client.StagingStore` (2 storage units, one per worker of a
+2-process LocalCluster) holding pre-staged cut rows in its ``cut`` partition:
+
+=====================  ===========================================================
+mass_resume            W workers x R restores, all at once, one chunk of T tokens
+mass_resume_4chunks    the same, each prefix cut in 4 chunks of T/4 tokens
+every_5ms / every_20ms W workers, each starting a restore every 5 / 20 ms
+light_10ms / light_50ms  8 workers, each starting a restore every 10 / 50 ms
+=====================  ===========================================================
+
+``per-request``: each restore does its own ``get_many_async`` (the old path).
+``coalesced``: one :class:`~pipeline.restore.coalescer.PrefixReadCoalescer` per simulated
+worker (W instances in the controller's event loop sharing the store, as the reference's
+tool ran its batchers), with the configured knobs (``token-capture.restore.*``) and the
+batcher's unit grouping (each get targets one storage unit).
+Every restore's latency runs from its scheduled start to its rows in hand. Each scenario
+runs ``--repeats`` times per mode, alternating which mode goes first; ``wall_s`` is the
+slower run (as the reference reported), ``p50_ms``/``p99_ms`` pool every run's restores.
+
+Per row: ``scenario``, ``mode``, ``restores``, ``gets``, ``keys_per_get``, ``wall_s``,
+``p50_ms``, ``p99_ms``. Top level: ``mass_resume_speedup`` (per-request wall / coalesced
+wall) and ``light_50ms_p50_ratio`` (coalesced p50 / per-request p50), with the scale run.
+Default scale on a 2-core machine: 16 workers x 64 restores of 16,384-token prefixes
+(the reference: 128 x 64; W is scaled down, R and T kept, so a coalesced get carries as
+many keys as the reference's); ``--workers 128`` runs the full size (2 GB of prefixes).
+
+    python -m pipeline bench restore --json
+    python -m pipeline.bench.restore --json --workers 64 --restores 32 --tokens 4096
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+TARGETS = {"mass_resume_speedup": 7.0, "light_50ms_p50_ratio": 1.1}
+MODES = ("per-request", "coalesced")
+CONTEXT_TOKENS = 16
+TEMPLATES = 8  # distinct payload rows, reused under many keys
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``python -m pipeline bench restore``."""
+    p.add_argument("--workers", type=int, default=16, help="simulated generation workers W (reference 128)")
+    p.add_argument("--restores", type=int, default=64, help="restores per worker R (reference 64)")
+    p.add_argument("--tokens", type=int, default=16384, help="prefix tokens T (reference 16,384)")
+    p.add_argument("--light-workers", type=int, default=8, help="workers in the light-load scenarios (default 8)")
+    p.add_argument("--light-restores", type=int, default=32, help="restores per worker under light load (default 32)")
+    p.add_argument("--repeats", type=int, default=2, help="runs per scenario and mode, alternating order (default 2)")
+    p.add_argument("--scenarios", default="all", help="comma-separated subset of the scenario names, or 'all'")
+    p.add_argument("--unit-memory-limit", default="4GiB", help="per storage unit memory before spilling")
+    p.add_argument("--scheduler", default=None, help="use an existing cluster instead of a LocalCluster")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+
+
+def _note(args, text: str) -> None:
+    if not args.quiet:
+        print(f"[bench restore] {text}", file=sys.stderr, flush=True)
+
+
+# ---- scenarios and staged rows --------------------------------------------------------
+
+
+def scenarios(args) -> list[dict[str, Any]]:
+    """Each: name, workers, restores per worker, chunks per restore, period (s; 0 = all at once)."""
+    W, R, LW, LR = args.workers, args.restores, args.light_workers, args.light_restores
+    out = [
+        dict(name="mass_resume", workers=W, restores=R, chunks=1, period_s=0.0),
+        dict(name="mass_resume_4chunks", workers=W, restores=R, chunks=4, period_s=0.0),
+        dict(name="every_5ms", workers=W, restores=R, chunks=1, period_s=0.005),
+        dict(name="every_20ms", workers=W, restores=R, chunks=1, period_s=0.020),
+        dict(name="light_10ms", workers=LW, restores=LR, chunks=1, period_s=0.010),
+        dict(name="light_50ms", workers=LW, restores=LR, chunks=1, period_s=0.050),
+    ]
+    if args.scenarios != "all":
+        wanted = {s.strip() for s in args.scenarios.split(",")}
+        unknown = wanted - {s["name"] for s in out}
+        if unknown:
+            raise SystemExit(f"unknown scenario(s) {sorted(unknown)}; choose from {[s['name'] for s in out]}")
+        out = [s for s in out if s["name"] in wanted]
+    return out
+
+
+def _templates(tokens: int, seed: int = 0):
+    """Real cut rows (CallBuffer freeze) of ``tokens`` tokens: the payload to replicate."""
+    from tasks.packed import pack_rows
+
+    from ..generation.cut import CallBuffer
+
+    rng = np.random.default_rng(seed)
+    ctx = min(CONTEXT_TOKENS, tokens - 1)
+    rows = []
+    for i in range(TEMPLATES):
+        b = CallBuffer(f"tmpl{i}", "c0", rng.integers(0, 512, ctx))
+        b.append(rng.integers(0, 512, tokens - ctx), -rng.random(tokens - ctx, dtype=np.float32))
+        rows.append(b.freeze("bench").row)
+    return pack_rows(rows)
+
+
+def restore_keys(sc: dict[str, Any]) -> list[list[str]]:
+    """Cut keys of every restore of a scenario, chain order; restore ``w * R + r``."""
+    from tasks.keys import cut_key
+
+    ck = f"{sc['chunks']}x"  # one checkpoint per chunking: rows differ in size
+    return [
+        [cut_key(ck, f"w{w}r{r}", "c0", s) for s in range(sc["chunks"])]
+        for w in range(sc["workers"])
+        for r in range(sc["restores"])
+    ]
+
+
+def stage(store, scs: list[dict[str, Any]], tokens: int, args) -> dict[str, int]:
+    """Put every key the scenarios (and the warm-up) read, once per chunking, in puts of <= 64 MB."""
+    from tasks.packed import PackedBatch
+
+    need: dict[int, set] = {1: set()}
+    warm = dict(workers=args.workers, restores=args.restores, chunks=1)
+    for sc in scs + [warm]:
+        need.setdefault(sc["chunks"], set()).update(k for ks in restore_keys(sc) for k in ks)
+    staged = {}
+    for chunks, keys in need.items():
+        chunk_tokens = max(1, tokens // chunks)
+        tmpl = _templates(chunk_tokens, seed=chunks)
+        keys = sorted(keys)
+        per_put = max(1, min(256, (64 << 20) // max(1, tmpl.nbytes // len(tmpl))))
+        _note(args, f"staging {len(keys)} cut rows of {chunk_tokens} tokens ({tmpl.nbytes // len(tmpl) * len(keys) / 1e6:.0f} MB)")
+        for i in range(0, len(keys), per_put):
+            part = keys[i : i + per_put]
+            batch = tmpl.take(np.arange(len(part)) % len(tmpl))
+            res = store.put_many(PackedBatch(part, batch.fields), partition="cut")
+            if res.failed:
+                raise RuntimeError(f"staging failed: {next(iter(res.failed.items()))}")
+        staged[chunks] = chunk_tokens
+    return staged
+
+
+# ---- one run ---------------------------------------------------------------------------
+
+
+async def _run_once(store, sc: dict[str, Any], mode: str, chunk_tokens: int) -> dict[str, Any]:
+    """One scenario in one mode, inside the client's event loop."""
+    from ..restore.batcher import unit_grouping
+    from ..restore.coalescer import PrefixReadCoalescer
+
+    keys = restore_keys(sc)
+    W, R, period = sc["workers"], sc["restores"], sc["period_s"]
+    gets = 0
+
+    async def get(ks: list[str]) -> Any:
+        nonlocal gets
+        gets += 1
+        return await store.get_many_async(ks, partition="cut")
+
+    group = unit_grouping(store)  # as the PrefixReadBatcher does: one unit per get
+    coalescers = [PrefixReadCoalescer(get, group=group) for _ in range(W)] if mode == "coalesced" else None
+    latencies = np.zeros(W * R, dtype=np.float64)
+    errors = 0
+    loop = asyncio.get_running_loop()
+    t0 = loop.time() + 0.01  # every start is scheduled on this common origin
+
+    async def one(w: int, r: int) -> None:
+        nonlocal errors
+        # Workers are staggered evenly over the period, so arrivals are spread, not bunched.
+        start = t0 + (r * period + w * period / W if period else 0.0)
+        delay = start - loop.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        ks = keys[w * R + r]
+        try:
+            if coalescers is None:
+                res = await get(ks)
+                ok = not res.failed and len(res.batch) == len(ks)
+            else:
+                rows = await coalescers[w].read(ks, chunk_tokens * len(ks))
+                ok = rows.keys == ks
+        except Exception:  # noqa: BLE001 - counted, reported; a benchmark must finish
+            ok = False
+        errors += not ok
+        latencies[w * R + r] = (loop.time() - start) * 1000.0
+
+    await asyncio.sleep(max(0.0, t0 - loop.time()))
+    t_start = time.perf_counter()
+    await asyncio.gather(*(one(w, r) for w in range(W) for r in range(R)))
+    wall = time.perf_counter() - t_start
+    n_keys = W * R * sc["chunks"]
+    return {"gets": gets, "keys": n_keys, "wall_s": wall, "latencies_ms": latencies, "errors": errors}
+
+
+def _row(sc: dict[str, Any], mode: str, runs: list[dict[str, Any]], chunk_tokens: int) -> dict[str, Any]:
+    slow = max(runs, key=lambda r: r["wall_s"])
+    lat = np.concatenate([r["latencies_ms"] for r in runs])
+    return {
+        "scenario": sc["name"],
+        "mode": mode,
+        "workers": sc["workers"],
+        "restores": sc["workers"] * sc["restores"],
+        "chunks_per_restore": sc["chunks"],
+        "chunk_tokens": chunk_tokens,
+        "gets": slow["gets"],
+        "keys_per_get": round(slow["keys"] / slow["gets"], 2) if slow["gets"] else 0.0,
+        "wall_s": round(slow["wall_s"], 3),
+        "p50_ms": round(float(np.percentile(lat, 50)), 2),
+        "p99_ms": round(float(np.percentile(lat, 99)), 2),
+        "errors": int(sum(r["errors"] for r in runs)),
+    }
+
+
+# ---- entry points ----------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the benchmark; returns one JSON-able dict (see module docstring)."""
+    from distributed import Client
+
+    from .. import config
+    from ..cluster import local_cluster
+    from ..store import StagingStore
+
+    scs = scenarios(args)
+    cluster = None
+    if args.scheduler:
+        client = Client(args.scheduler)
+    else:
+        cluster = local_cluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0")
+        client = Client(cluster)
+    result: dict[str, Any] = {
+        "benchmark": "restore",
+        "scale": {
+            "workers": args.workers,
+            "restores_per_worker": args.restores,
+            "tokens": args.tokens,
+            "light_workers": args.light_workers,
+            "light_restores_per_worker": args.light_restores,
+            "repeats": args.repeats,
+            "reference": {"workers": 128, "restores_per_worker": 64, "tokens": 16384, "light_restores_per_worker": 64},
+            "cluster_workers": len(client.scheduler_info(n_workers=-1)["workers"]),
+            "storage_units": 2,
+        },
+        "knobs": {k: config.get(f"restore.{k}") for k in ("window-ms", "batch-size", "max-tokens", "max-concurrent-gets", "get-timeout-s")},
+        "rows": [],
+    }
+    store = StagingStore.start(client, n_units=2, memory_limit=args.unit_memory_limit)
+    try:
+        staged = stage(store, scs, args.tokens, args)
+        # Open the client's connections to the units before measuring anything: the first
+        # burst of concurrent gets pays connection setup, which is no mode's cost.
+        warm = dict(name="warm-up", workers=args.workers, restores=args.restores, chunks=1, period_s=0.0)
+        for mode in MODES:
+            client.sync(_run_once, store, warm, mode, staged.get(1, args.tokens))
+        _note(args, "warmed up")
+        for sc in scs:
+            chunk_tokens = staged[sc["chunks"]]
+            runs: dict[str, list] = {m: [] for m in MODES}
+            for rep in range(args.repeats):
+                order = MODES if rep % 2 == 0 else MODES[::-1]
+                for mode in order:
+                    # The coroutine runs on the client's own event loop, where the store's
+                    # actor futures resolve.
+                    out = client.sync(_run_once, store, sc, mode, chunk_tokens)
+                    runs[mode].append(out)
+                    _note(args, f"{sc['name']:<20} {mode:<12} run {rep + 1}: {out['wall_s']:.3f} s, {out['gets']} gets")
+            for mode in MODES:
+                result["rows"].append(_row(sc, mode, runs[mode], chunk_tokens))
+    finally:
+        store.close()
+        client.close()
+        if cluster is not None:
+            cluster.close()
+
+    by = {(r["scenario"], r["mode"]): r for r in result["rows"]}
+    if ("mass_resume", "coalesced") in by:
+        result["mass_resume_speedup"] = round(by["mass_resume", "per-request"]["wall_s"] / by["mass_resume", "coalesced"]["wall_s"], 2)
+    if ("light_50ms", "coalesced") in by:
+        result["light_50ms_p50_ratio"] = round(by["light_50ms", "coalesced"]["p50_ms"] / by["light_50ms", "per-request"]["p50_ms"], 3)
+    result["targets"] = TARGETS
+    result["meets_targets"] = {
+        "mass_resume_speedup": result.get("mass_resume_speedup", 0.0) >= TARGETS["mass_resume_speedup"],
+        "light_50ms_p50_ratio": result.get("light_50ms_p50_ratio", float("inf")) <= TARGETS["light_50ms_p50_ratio"],
+    }
+    return result
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m pipeline.bench.restore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_arguments(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    args = p.parse_args(argv)
+    result = run(args)
+    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
