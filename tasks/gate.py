@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -132,6 +132,48 @@ class CaptureGate:
             self._routes_shape = tuple(routed_experts.shape[1:])
         self._records.append(record_of(row))
         return row
+
+    @classmethod
+    def resume(
+        cls,
+        rollout_id: str,
+        rows: Sequence[StagedRow],
+        *,
+        vocab_size: int,
+        num_experts: Optional[int] = None,
+        group_id: Optional[str] = None,
+        records: Optional[Sequence[CallRecord]] = None,
+    ) -> "CaptureGate":
+        """Rebuild a gate (after a crash) from the rows it already staged, in chain order.
+
+        A hash state cannot be saved, so every row's delta is staged again through
+        :meth:`stage_call`: chain, cumulative hash and digest are recomputed (one pass
+        over the tokens), never taken from the row. Each recomputed record must equal
+        the row's own hashes and, when given, ``records`` (the receipt the controller
+        kept); otherwise :class:`InvalidRecord` (``missing_staging_row`` when the counts
+        differ, ``identity_mismatch``, ``corrupt_digest``, or a content reason from
+        :meth:`stage_call`) names the call and nothing is returned.
+        """
+        gate = cls(rollout_id, vocab_size=vocab_size, num_experts=num_experts, group_id=group_id)
+        if records is not None and len(records) != len(rows):
+            raise InvalidRecord("missing_staging_row", f"{rollout_id!r}: {len(rows)} rows for {len(records)} receipt records")
+        for i, row in enumerate(rows):
+            if row.rollout_id != gate.rollout_id:
+                raise InvalidRecord("identity_mismatch", f"row {i} belongs to {row.rollout_id!r}, not {rollout_id!r}")
+            new = gate.stage_call(
+                row.model_call_id,
+                row.parent_call_id,
+                row.token_ids,
+                row.token_mask,
+                row.logprobs,
+                routed_experts=row.routed_experts if row.routes_encoding != ROUTES_NONE else None,
+                weight_version=row.weight_version,
+            )
+            got = gate._records[-1]
+            want = record_of(row) if records is None else records[i]
+            if (new.digest, new.chain_hash, new.cumulative_hash) != (row.digest, row.chain_hash, row.cumulative_hash) or got != want:
+                raise InvalidRecord("corrupt_digest", f"{got.staging_key!r}: recomputed hashes differ from the staged row or receipt")
+        return gate
 
     def poison(self, reason: str) -> None:
         """Mark the capture as unusable (e.g. a call failed mid-way); the receipt says so."""
