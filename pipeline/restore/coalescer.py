@@ -20,9 +20,9 @@ requests into few ``get_many`` calls:
 * a failed multi-key get (exception or timeout) re-reads each of its keys alone, once, so
   a bad row fails only the requests that asked for it; per-key failures the store reports
   (``GetResult.failed``) fail only that key's requesters and are not retried;
-* cancelling a request never cancels a shared get: requests wait with ``asyncio.wait``,
-  which leaves the shared futures alone; a queued key whose every requester was cancelled
-  is dropped before it is read.
+* cancelling a request never cancels a shared get: a request waits on its own private
+  future, completed when its last key resolves, never on the shared ones; a queued key
+  whose every requester was cancelled is dropped before it is read.
 
 ``get_many`` is any ``async (keys) -> GetResult``-like callable: the result has ``batch``
 (a :class:`~tasks.packed.PackedBatch` of the found rows) and ``failed`` (key -> (reason,
@@ -91,6 +91,26 @@ class _Entry:
     group: Hashable = None
     refs: int = 0
     issued: bool = False
+    waiting: list = field(default_factory=list)  # _Request objects to tell when this resolves
+
+
+class _Request:
+    """One read's private waiter: completed (synchronously) when its last key resolves.
+
+    Requests never await the shared key futures: cancelling a request cancels only this
+    waiter, and a resolved get wakes its requesters in one loop turn.
+    """
+
+    __slots__ = ("waiter", "pending")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.waiter = loop.create_future()
+        self.pending = 0
+
+    def key_done(self) -> None:
+        self.pending -= 1
+        if self.pending <= 0 and not self.waiter.done():
+            self.waiter.set_result(None)
 
 
 class _Queue:
@@ -293,6 +313,7 @@ class PrefixReadCoalescer:
             return PackedBatch([], {})
         t0 = time.perf_counter()
         mine: dict[str, _Entry] = {}
+        req = _Request(self._loop)
         added = False
         for k, t in zip(keys, hints):
             if k in mine:
@@ -311,17 +332,24 @@ class PrefixReadCoalescer:
                     self._queue.grow(e, t)
             e.refs += 1
             mine[k] = e
+            if not e.future.done():
+                e.waiting.append(req)
+                req.pending += 1
         self.stats.keys_requested += len(mine)
         if added:
             self._on_arrival()
-        try:
-            # asyncio.wait never cancels what it waits on: a cancelled request leaves the
-            # shared futures (and the gets behind them) running for the other requesters.
-            await asyncio.wait([e.future for e in mine.values()])
-        except asyncio.CancelledError:
-            self.stats.cancelled_requests += 1
-            self._release(mine)
-            raise
+        if req.pending:
+            try:
+                # Only this request's own waiter is awaited (and cancelled with it): the
+                # shared futures and the gets behind them run on for the other requesters.
+                await req.waiter
+            except asyncio.CancelledError:
+                self.stats.cancelled_requests += 1
+                for e in mine.values():
+                    if req in e.waiting:
+                        e.waiting.remove(req)
+                self._release(mine)
+                raise
         self._release(mine)
         try:
             return self._assemble(keys, mine)
@@ -508,12 +536,14 @@ class PrefixReadCoalescer:
                 self._fail([(k, e)], "incomplete_get", "the store returned neither the row nor a failure for it")
             else:
                 e.future.set_result((rows, i))
+                _notify(e)
 
     def _fail(self, batch: list[tuple[str, _Entry]], reason: str, detail: str) -> None:
         for _, e in batch:
             if not e.future.done():
                 self.stats.failed_keys += 1
                 e.future.set_exception(_KeyFailure(reason, detail))
+                _notify(e)
 
     # ---- answers ------------------------------------------------------------------------
 
@@ -584,6 +614,12 @@ def _failure_of(exc: BaseException, timeout_s: float) -> tuple[str, str]:
     if isinstance(exc, asyncio.TimeoutError):
         return "read_timeout", f"get ran past get-timeout-s ({timeout_s} s)"
     return "read_failed", f"{type(exc).__name__}: {exc}"
+
+
+def _notify(e: _Entry) -> None:
+    waiting, e.waiting = e.waiting, []
+    for req in waiting:
+        req.key_done()
 
 
 def _consume_exception(fut: asyncio.Future) -> None:
