@@ -474,6 +474,8 @@ class RolloutDriver:
         Gates are rebuilt from the staged rows (ONE get for all rollouts); a rollout whose
         rows are missing or do not hash to its receipt is poisoned, the others go on.
         """
+        if not isinstance(snapshot, DriverSnapshot):
+            raise DriverError(f"recover needs the DriverSnapshot of a cut, got {type(snapshot).__name__}")
         t0 = time.perf_counter()
         s = snapshot.settings
         driver = cls(client, store, n_workers, policy=s["policy"], with_routes=s["with_routes"],
@@ -644,3 +646,15 @@ def reference_mismatches(groups: Mapping[str, Any], reference: Sequence[Generate
         if rid not in seen:
             bad[rid] = ["missing"]
     return bad
+
+
+def cut_round(turns: int, tokens_per_turn: int, step_tokens: int) -> int:
+    """Rounds to run so a cut then lands mid-generation of the middle turn.
+
+    Each turn takes ``ceil(tokens_per_turn / step_tokens)`` rounds; the answer is half
+    of the middle turn's rounds into it (at least one round, so every call has tokens
+    generated when a turn takes more than one round), and always before the last round.
+    """
+    per_turn = max(1, math.ceil(tokens_per_turn / step_tokens))
+    middle = per_turn * (turns // 2) + max(1, per_turn // 2)
+    return max(0, min(middle, per_turn * turns - 1))

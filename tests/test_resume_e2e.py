@@ -139,6 +139,7 @@ def test_cut_checkpoint_kill_restore_resume_is_bit_identical(cluster_client, tmp
     # Receipts agree call by call (digests cover ids, mask, logprobs, routes and both chains).
     got = {r.rollout_id: r for rs in receipts.values() for r in rs}
     assert all(got[ro.spec.rollout_id] == ro.receipt for ro in reference)
+    resumed.kill()
     for s in (store, restored, ref_store):
         s.close()
 
@@ -175,6 +176,7 @@ def test_durable_failures_and_unusable_prefixes_regenerate(cluster_client, tmp_p
     reference = generate_rollouts(policy_from_config(), flat(groups))
     bad = reference_mismatches(step.groups, reference)
     assert bad.keys() == {"df-p1-0"} and "status=capture_poisoned" in bad["df-p1-0"]
+    resumed.kill()
     store.close()
 
 
@@ -196,6 +198,7 @@ def test_calls_started_after_the_cut_start_over(cluster_client, tmp_path):
     assert rec.regenerated == {NOT_CUT: 1} and rec.resumed == 1 and rec.resumed_tokens == 7
     step = Finalizer(client, store).submit_step(resumed.finish()).result()
     assert reference_mismatches(step.groups, generate_rollouts(policy_from_config(), flat(groups))) == {}
+    resumed.kill()
     store.close()
 
 
@@ -211,3 +214,26 @@ def test_walkthrough_example_runs(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "2/2 rollouts matched the uninterrupted run" in proc.stdout, proc.stdout
+
+
+def test_demo_resume_phase_reports_cut_restore_and_matches(cluster_client, tmp_path):
+    import argparse
+    import io
+
+    from pipeline.cli import build_parser
+    from pipeline.demo import resume_phase
+
+    assert build_parser().parse_args(["demo", "--no-resume"]).no_resume is True
+    assert build_parser().parse_args(["demo"]).no_resume is False
+    store = new_store(cluster_client, tmp_path / "spill")
+    before = generation_actors(cluster_client)
+    out = io.StringIO()
+    args = argparse.Namespace(groups=1, rollouts=2, turns=2, tokens_per_turn=12)
+    summary = resume_phase(cluster_client, store, args, out)
+    text = out.getvalue()
+    assert "2 in-flight calls, 2 rows in" in text and "2 durable / 0 failed" in text, text
+    assert "2 calls resumed from their prefixes" in text and "keys/get" in text, text
+    assert "2/2 rollouts matched the uninterrupted run" in text, text
+    assert summary["matched"] == 2 and summary["resumed"] == 2 and summary["regenerated"] == {}
+    assert not wait_gone(cluster_client, generation_actors(cluster_client) - before), "the demo left generation actors behind"
+    store.close()
