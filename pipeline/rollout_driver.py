@@ -39,7 +39,6 @@ bit-identical to an uninterrupted run (:func:`reference_mismatches` checks that)
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 import uuid
