@@ -37,6 +37,15 @@ def local_cluster(**overrides: Any) -> LocalCluster:
         resources=finalize_resources(),
     )
     kwargs.update(overrides)
+    host = kwargs.get("host")
+    dashboard = kwargs.get("dashboard_address")
+    if host and isinstance(dashboard, str) and dashboard.startswith(":"):
+        # A bare ":port" binds every interface; keep the dashboard on the cluster's host.
+        kwargs["dashboard_address"] = f"{host}{dashboard}"
+    if not kwargs.get("processes", True) and "protocol" not in kwargs:
+        # In-process clusters talk over inproc://, which takes no host; only the
+        # dashboard opens a socket, and it is bound above.
+        kwargs.pop("host", None)
     return LocalCluster(**kwargs)
 
 
