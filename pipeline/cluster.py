@@ -44,8 +44,10 @@ def local_cluster(**overrides: Any) -> LocalCluster:
         kwargs["dashboard_address"] = f"{host}{dashboard}"
     if not kwargs.get("processes", True) and "protocol" not in kwargs:
         # In-process clusters talk over inproc://, which takes no host; only the
-        # dashboard opens a socket, and it is bound above.
-        kwargs.pop("host", None)
+        # dashboard and each worker's HTTP server (":0" by default: every interface) open
+        # sockets, so both are bound to the host explicitly.
+        host = kwargs.pop("host", None) or "127.0.0.1"
+        kwargs.setdefault("worker_dashboard_address", f"{host}:0")
     return LocalCluster(**kwargs)
 
 
