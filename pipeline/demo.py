@@ -19,11 +19,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from . import config
 from .capture import submit_generation
-from .cluster import connect, dashboard_url
+from .cluster import adapt, connect, dashboard_url
+from .store.report import report_store
 from .progress import Progress
 
 
@@ -36,61 +37,83 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-turn", type=int, default=config.get("demo.tokens-per-turn"), help="generated tokens per call (default %(default)s)")
     p.add_argument("--in-flight", type=int, default=config.get("demo.steps-in-flight"), help="finalization steps kept in flight (default %(default)s)")
     p.add_argument("--no-resume", action="store_true", help="skip the cut -> checkpoint -> kill -> restore -> resume -> finalize phase")
-    p.add_argument("--keep-alive", action="store_true", help="keep the cluster and dashboard up after the run (Ctrl-C to stop)")
+    p.add_argument("--keep-alive", action="store_true", help="after the run, keep the cluster and dashboard up and keep finalizing steps (Ctrl-C to stop)")
+    p.add_argument("--keep-alive-interval", type=float, default=2.0, help="seconds between steps with --keep-alive (default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
     """The demo proper; returns its summary (the CLI prints it)."""
-    from tasks.rollouts import make_step_specs
-
     from .finalize.controller import Finalizer
     from .store.client import StagingStore
 
     summary: dict[str, Any] = {"steps": []}
     with connect(args.scheduler) as (client, cluster):
-        url = dashboard_url(client)
+        if cluster is not None:
+            adapt(cluster)  # embedded: split-timing adaptive scaling (decisions shown on the page)
+        url = dashboard_url(client, config.get("dashboard.page"))
         print(f"dashboard: {url}", file=out, flush=True)
         store = StagingStore.start(client)
         finalizer = Finalizer(client, store)
-        pending: list[Any] = []
         t0 = time.perf_counter()
         with Progress("demo", total=args.steps, quiet=args.quiet) as progress:
-            for s in range(args.steps):
-                groups = make_step_specs(
-                    f"s{s}",
-                    args.groups,
-                    args.rollouts,
-                    turns=args.turns,
-                    tokens_per_turn=args.tokens_per_turn,
-                    tool_tokens=config.get("demo.tool-tokens"),
-                    prompt_tokens=config.get("demo.prompt-tokens"),
-                    vocab_size=config.get("policy.vocab-size"),
-                    seed=config.get("policy.seed"),
-                )
-                receipts = client.gather(submit_generation(client, store, groups))
-                pending.append(finalizer.submit_step({g[0].group_id: r for g, r in zip(groups, receipts)}, step_id=f"step-{s}"))
-                while len(pending) >= args.in_flight or (pending and s == args.steps - 1):
-                    step = pending.pop(0).result()
-                    summary["steps"].append(_print_step(step, out))
-                    progress.advance(1, f"{step.step_id} done")
+            summary["steps"] += run_steps(client, store, finalizer, args, range(args.steps), out, progress)
         if not getattr(args, "no_resume", False):
             summary["resume"] = resume_phase(client, store, args, out)
         wall_s = time.perf_counter() - t0
-        stats = store.stats()
+        stats = report_store(store)
         summary.update(_store_summary(stats))
         summary["wall_s"] = wall_s
         summary["dashboard"] = url
         _print_summary(summary, out)
         if args.keep_alive:
-            print("keeping the cluster up; Ctrl-C to stop", file=out, flush=True)
-            try:
-                while True:
-                    time.sleep(1)
-            except KeyboardInterrupt:
-                pass
+            keep_alive(client, store, finalizer, args, out)
         store.close()
     return summary
+
+
+def run_steps(client: Any, store: Any, finalizer: Any, args: argparse.Namespace, steps: Iterable[int], out, progress: Optional[Progress] = None) -> list[dict[str, Any]]:
+    """Generate, stage and finalize ``steps``, keeping ``args.in_flight`` steps in flight."""
+    from tasks.rollouts import make_step_specs
+
+    steps = list(steps)
+    pending: list[Any] = []
+    done: list[dict[str, Any]] = []
+    for i, s in enumerate(steps):
+        groups = make_step_specs(
+            f"s{s}",
+            args.groups,
+            args.rollouts,
+            turns=args.turns,
+            tokens_per_turn=args.tokens_per_turn,
+            tool_tokens=config.get("demo.tool-tokens"),
+            prompt_tokens=config.get("demo.prompt-tokens"),
+            vocab_size=config.get("policy.vocab-size"),
+            seed=config.get("policy.seed"),
+        )
+        receipts = client.gather(submit_generation(client, store, groups))
+        pending.append(finalizer.submit_step({g[0].group_id: r for g, r in zip(groups, receipts)}, step_id=f"step-{s}"))
+        while len(pending) >= args.in_flight or (pending and i == len(steps) - 1):
+            step = pending.pop(0).result()
+            done.append(_print_step(step, out))
+            report_store(store)
+            if progress is not None:
+                progress.advance(1, f"{step.step_id} done")
+    return done
+
+
+def keep_alive(client: Any, store: Any, finalizer: Any, args: argparse.Namespace, out) -> None:
+    """Keep finalizing a step every ``--keep-alive-interval`` seconds until Ctrl-C, so the
+    page's split timing, queue depth and scaling decisions keep moving."""
+    print(f"keeping the cluster up and finalizing a step every {args.keep_alive_interval:g} s; Ctrl-C to stop", file=out, flush=True)
+    s = args.steps
+    try:
+        while True:
+            run_steps(client, store, finalizer, args, [s], out)
+            s += 1
+            time.sleep(args.keep_alive_interval)
+    except KeyboardInterrupt:
+        pass
 
 
 def resume_phase(client: Any, store: Any, args: argparse.Namespace, out) -> dict[str, Any]:
