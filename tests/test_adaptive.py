@@ -114,7 +114,7 @@ def adaptive_cluster():
     with dask.config.set(FAST):
         # No `resources=` here on purpose: the adaptive policy must add `finalize` itself.
         with LocalCluster(
-            n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
+            n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0", worker_dashboard_address="127.0.0.1:0",
             scheduler_kwargs={"preload": [PRELOAD]},
         ) as cluster, Client(cluster) as client:
             adaptive = cluster.adapt(
@@ -191,7 +191,7 @@ def test_fetch_heavy_holds_verify_heavy_scales_up_idle_scales_down_sparing_actor
 
 def test_without_aggregator_the_policy_holds_and_says_why():
     with dask.config.set(FAST):
-        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0") as cluster, \
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0", worker_dashboard_address="127.0.0.1:0") as cluster, \
                 Client(cluster) as client:
             adaptive = cluster.adapt(Adaptive=TokenCaptureAdaptive, minimum=1, maximum=2, interval="100ms", wait_count=1)
             wait_until(lambda: adaptive.last_decision is not None, what="a decision")

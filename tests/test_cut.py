@@ -42,7 +42,7 @@ L, K = 4, 2
 @pytest.fixture(scope="module")
 def client():
     # inproc transport: nothing is bound to a network interface (no dashboard either).
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None) as cluster:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None, worker_dashboard_address="127.0.0.1:0") as cluster:
         with Client(cluster) as c:
             yield c
 

@@ -100,7 +100,7 @@ def publish_side_events(client: Client) -> None:
 def run():
     """A cluster with the preload that has seen one small run's events."""
     with LocalCluster(
-        n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
+        n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0", worker_dashboard_address="127.0.0.1:0",
         scheduler_kwargs={"preload": [PRELOAD]},
     ) as cluster, Client(cluster) as client:
         expected = publish_run(client)
@@ -215,7 +215,7 @@ def test_page_renders_in_chromium_with_the_run_figures_and_updates_live(run):
 
 
 def test_install_on_a_running_cluster_serves_page_and_metrics():
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0") as cluster, \
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0", worker_dashboard_address="127.0.0.1:0") as cluster, \
             Client(cluster) as client:
         base = base_url(client)
         with pytest.raises(urllib.error.HTTPError):
@@ -234,7 +234,7 @@ def test_install_on_a_running_cluster_serves_page_and_metrics():
 
 def test_state_is_bounded_by_history():
     with dask.config.set({"token-capture.dashboard.history": 5}):
-        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
+        with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0", worker_dashboard_address="127.0.0.1:0",
                           scheduler_kwargs={"preload": [PRELOAD]}) as cluster, Client(cluster) as client:
             for i in range(20):
                 client.log_event(FINALIZE, dict(step_id=f"s{i}", rollouts=2, accepted=2, fetch_ms=1.0,

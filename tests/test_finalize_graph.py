@@ -226,6 +226,6 @@ def test_bad_submissions_are_refused(cluster_client, store):
 
 def test_cluster_without_finalize_slots_is_refused():
     # Verify tasks would wait forever for a `finalize` slot: refuse up front.
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as c, Client(c) as client:
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0", worker_dashboard_address="127.0.0.1:0") as c, Client(c) as client:
         with pytest.raises(FinalizeError, match="finalize"):
             Finalizer(client, store=None)

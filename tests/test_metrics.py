@@ -83,7 +83,7 @@ def sample(families: dict[str, Any], family: str, sample_name: str, **labels: st
 @pytest.fixture(scope="module")
 def client():
     with LocalCluster(
-        n_workers=1, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0",
+        n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address="127.0.0.1:0",
         scheduler_kwargs={"preload": [PRELOAD]},
     ) as cluster, Client(cluster) as client:
         yield client

@@ -213,7 +213,7 @@ def test_packed_batch_survives_dask_serialization(routed_rows, plain_rows):
 
     rows = routed_rows[:5] + plain_rows[:4]
     batch = pack_rows(rows)
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         [remote] = client.scatter([batch])
         back = client.submit(_roundtrip_in_worker, remote, pure=False).result()
     assert_rows_bit_exact(unpack_rows(back), rows)

@@ -442,7 +442,7 @@ def test_worker_process_regenerates_bit_identically(policy):
     from distributed import Client, LocalCluster
 
     local = _digests_in_worker(CFG.__dict__, "x")
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster, Client(cluster) as client:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         workers = list(client.scheduler_info()["workers"])
         futures = [client.submit(_digests_in_worker, CFG.__dict__, "x", workers=[w], pure=False) for w in workers]
         for remote in client.gather(futures):
