@@ -17,6 +17,11 @@ split (a prefix chunk is the unit the restore side verifies).
 Planning is incremental (:class:`BatchPlanner`) so a cut can freeze calls lazily, one
 batch at a time, and put each batch as soon as it is full; :func:`plan_batches` plans a
 whole list at once. Per-row Python only (one loop over rows), never per token.
+
+A frozen call is described by a :class:`PrefixChunk` (its context and generated parts,
+not concatenated). :func:`pack_chunks` writes a batch of them straight into ONE buffer per
+field (the only copy of the tokens on the writer side) and computes each row's digest
+over its slices of those buffers (:func:`tasks.hashing.digest_raw`, no further copy).
 """
 from __future__ import annotations
 
@@ -25,8 +30,22 @@ from typing import Hashable, Iterable, Optional, Sequence
 
 import numpy as np
 
+from . import hashing
 from .errors import TokenCaptureError
-from .schema import HASH_BYTES, HASH_FIELDS, ID_FIELDS, ROUTES_FIELD, SCALAR_FIELDS, TOKEN_FIELDS, StagedRow
+from .packed import PackedBatch, PackedField
+from .schema import (
+    HASH_BYTES,
+    HASH_FIELDS,
+    ID_FIELDS,
+    ROUTES_DTYPE,
+    ROUTES_FIELD,
+    ROUTES_INT16,
+    ROUTES_NONE,
+    SCALAR_FIELDS,
+    SCHEMA_VERSION,
+    TOKEN_FIELDS,
+    StagedRow,
+)
 
 # Bytes a packed row costs besides its token payload: scalars, hashes and one offset per
 # field (ids are counted from their actual length).
@@ -164,3 +183,169 @@ def plan_rows(rows: Iterable[StagedRow], *, limits: BatchLimits) -> list[Planned
     return plan_batches(
         [r.delta_len for r in rows], [row_nbytes(r) for r in rows], [row_signature(r) for r in rows], limits=limits
     )
+
+
+# ---- frozen chunks packed straight into batch buffers ----------------------------------
+
+# (ids <i8[n], logprobs <f4[n], routes <i2[n, L, K] or None): one piece of generated tokens.
+Part = tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]
+_TOKEN_SIGNATURE = tuple((name, dt.str, ()) for name, dt in TOKEN_FIELDS.items())
+
+
+@dataclass(eq=False)
+class PrefixChunk:
+    """One cut row described by its pieces (nothing concatenated yet).
+
+    ``context_ids`` (and ``context_routes``) are set on a call's first chunk only: its
+    carried tokens, written with mask 0 and logprob 0. ``parts`` are the generated pieces
+    (mask 1) in order. ``prev_len`` (tokens) is the prefix already sealed before this
+    chunk; ``chain_hash``/``cumulative_hash`` are the running states read at freeze time.
+    Arrays are little-endian and contiguous (``CallBuffer`` guarantees it).
+    """
+
+    key: str
+    rollout_id: str
+    model_call_id: str
+    parent_call_id: Optional[str]
+    prev_len: int
+    weight_version: int
+    context_ids: Optional[np.ndarray]
+    context_routes: Optional[np.ndarray]
+    parts: Sequence[Part]
+    routes_shape: Optional[tuple[int, int]]
+    chain_hash: bytes
+    cumulative_hash: bytes
+    delta_len: int = 0  # tokens (filled by __post_init__)
+
+    def __post_init__(self) -> None:
+        n = 0 if self.context_ids is None else len(self.context_ids)
+        self.delta_len = n + sum(len(p[0]) for p in self.parts)
+
+    @property
+    def signature(self) -> Signature:
+        """Same value as :func:`row_signature` of the row this chunk packs to."""
+        if self.routes_shape is None:
+            return _TOKEN_SIGNATURE
+        return _TOKEN_SIGNATURE + ((ROUTES_FIELD, ROUTES_DTYPE.str, tuple(self.routes_shape)),)
+
+    @property
+    def nbytes(self) -> int:
+        """Same value as :func:`row_nbytes` of the row this chunk packs to (bytes)."""
+        per_token = 16 + (0 if self.routes_shape is None else 2 * self.routes_shape[0] * self.routes_shape[1])
+        ids = len(self.rollout_id.encode("utf-8")) + len(self.model_call_id.encode("utf-8"))
+        ids += len((self.parent_call_id or "").encode("utf-8"))
+        return self.delta_len * per_token + ids + ROW_FIXED_BYTES
+
+    def to_row(self) -> StagedRow:
+        """The chunk as a :class:`StagedRow` (concatenated, digest set): what a put stores."""
+        from .packed import unpack_rows
+
+        return unpack_rows(pack_chunks([self]))[0]
+
+
+def _utf8_field(encoded: Sequence[bytes]) -> PackedField:
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return PackedField(np.frombuffer(bytearray(b"".join(encoded)), dtype=np.uint8), offsets)
+
+
+def _concat(pieces: list[np.ndarray], total: int, trailing: tuple, dtype: np.dtype) -> np.ndarray:
+    out = np.empty((total,) + trailing, dtype=dtype)
+    if len(pieces) > 1:
+        np.concatenate(pieces, out=out)
+    elif pieces:
+        out[...] = pieces[0]
+    return out
+
+
+def pack_chunks(chunks: Sequence[PrefixChunk]) -> PackedBatch:
+    """Pack ``chunks`` as one :class:`PackedBatch` keyed by ``chunk.key`` (rows in order).
+
+    Byte-identical to ``pack_rows([c.to_row() for c in chunks])`` with the keys replaced,
+    but each token is copied once (piece -> batch buffer) and each digest is hashed over
+    the batch buffer's row slices. Chunks of one batch share a routes shape (or none):
+    the planner groups them by :attr:`PrefixChunk.signature`.
+    """
+    n = len(chunks)
+    shapes = {c.routes_shape for c in chunks}
+    if len(shapes) > 1:
+        raise ValueError(f"chunks of one batch must share a routes shape, got {sorted(map(str, shapes))}")
+    routes_shape = shapes.pop() if shapes else None
+    lengths = [c.delta_len for c in chunks]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    # Pieces in row order, copied by ONE concatenate per field (no per-row numpy call):
+    # context (mask 0, logprob 0) then the generated parts (mask 1).
+    ctx_lens = [0 if c.context_ids is None else len(c.context_ids) for c in chunks]
+    zeros = np.zeros(max(ctx_lens, default=0), dtype=TOKEN_FIELDS["logprobs"])
+    id_pieces: list[np.ndarray] = []
+    lp_pieces: list[np.ndarray] = []
+    route_pieces: list[np.ndarray] = []
+    for c, k in zip(chunks, ctx_lens):
+        if k:
+            id_pieces.append(c.context_ids)
+            lp_pieces.append(zeros[:k])
+            if routes_shape is not None:
+                route_pieces.append(c.context_routes)
+        for p in c.parts:
+            id_pieces.append(p[0])
+            lp_pieces.append(p[1])
+            if routes_shape is not None:
+                route_pieces.append(p[2])
+    ids = _concat(id_pieces, total, (), TOKEN_FIELDS["token_ids"])
+    lps = _concat(lp_pieces, total, (), TOKEN_FIELDS["logprobs"])
+    routes = None if routes_shape is None else _concat(route_pieces, total, tuple(routes_shape), ROUTES_DTYPE)
+    seg = np.empty(2 * n, dtype=np.int64)  # per row: context length, generated length
+    seg[0::2] = ctx_lens
+    seg[1::2] = np.asarray(lengths, dtype=np.int64) - seg[0::2]
+    mask = np.repeat(np.tile(np.array([0.0, 1.0], dtype=TOKEN_FIELDS["token_mask"]), n), seg)
+    ids_b, mask_b, lps_b = memoryview(ids).cast("B"), memoryview(mask).cast("B"), memoryview(lps).cast("B")
+    routes_b = None if routes is None else memoryview(routes.reshape(-1)).cast("B")
+    per_route = 0 if routes_shape is None else 2 * routes_shape[0] * routes_shape[1]  # bytes per token
+    enc = ROUTES_NONE if routes is None else ROUTES_INT16
+    rid = [c.rollout_id.encode("utf-8") for c in chunks]
+    mid = [c.model_call_id.encode("utf-8") for c in chunks]
+    pid = [None if c.parent_call_id is None else c.parent_call_id.encode("utf-8") for c in chunks]
+    digests: list[bytes] = []
+    bounds = offsets.tolist()
+    for i, c in enumerate(chunks):
+        a, b = bounds[i], bounds[i + 1]
+        header = hashing.digest_header(SCHEMA_VERSION, hashing.DIGEST_VERSION, rid[i], mid[i], pid[i],
+                                       c.prev_len, b - a, c.prev_len + b - a, c.weight_version, enc)
+        r = None if routes is None else (routes_shape[0], routes_shape[1], routes_b[a * per_route : b * per_route])
+        digests.append(hashing.digest_raw(header, ids_b[a * 8 : b * 8], mask_b[a * 4 : b * 4],
+                                          lps_b[a * 4 : b * 4], r, c.chain_hash, c.cumulative_hash))
+    arange = np.arange(n + 1, dtype=np.int64)
+    prev = np.fromiter((c.prev_len for c in chunks), dtype=np.int64, count=n)
+    delta = np.asarray(lengths, dtype=np.int64)
+    scalars = {
+        "prev_len": prev,
+        "delta_len": delta,
+        "cum_len": prev + delta,
+        "weight_version": np.fromiter((c.weight_version for c in chunks), dtype=np.int64, count=n),
+        "routes_encoding": np.full(n, enc),
+        "schema_version": np.full(n, SCHEMA_VERSION),
+        "digest_version": np.full(n, hashing.DIGEST_VERSION),
+    }
+    fields: dict[str, PackedField] = {
+        "rollout_id": _utf8_field(rid),
+        "model_call_id": _utf8_field(mid),
+        "parent_call_id": _utf8_field([b"" if p is None else p for p in pid]),
+    }
+    for name, dt in SCALAR_FIELDS.items():
+        fields[name] = PackedField(scalars[name].astype(dt, copy=False), arange.copy())
+    hashes = {"digest": digests, "chain_hash": [c.chain_hash for c in chunks],
+              "cumulative_hash": [c.cumulative_hash for c in chunks]}
+    for name in HASH_FIELDS:
+        buf = b"".join(hashes[name])
+        if len(buf) != n * HASH_BYTES:
+            raise ValueError(f"{name}: every chunk needs {HASH_BYTES} bytes")
+        fields[name] = PackedField(np.frombuffer(bytearray(buf), dtype=np.uint8), arange * HASH_BYTES)
+    fields["token_ids"] = PackedField(ids, offsets)
+    fields["token_mask"] = PackedField(mask, offsets.copy())
+    fields["logprobs"] = PackedField(lps, offsets.copy())
+    if routes is not None:
+        fields[ROUTES_FIELD] = PackedField(routes, offsets.copy())
+    return PackedBatch([c.key for c in chunks], fields)

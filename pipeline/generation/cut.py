@@ -34,7 +34,8 @@ benchmark's 32 writer clients run exactly this code):
        exception propagates: no unsealed key is ever advertised.
 
 Cut row format (documented choice): a prefix chunk is a :class:`~tasks.schema.StagedRow`
-packed with :func:`~tasks.packed.pack_rows`, its batch key replaced by
+(packed by :func:`~tasks.cut_batching.pack_chunks`, byte-identical to
+:func:`~tasks.packed.pack_rows`) keyed by
 ``tasks.keys.cut_key(checkpoint_id, rollout_id, model_call_id, seq)``. Reusing the staged
 row keeps one wire format, one store registry and the finalizer's row decoder. Within a
 cut row, lengths are relative to the call's prefix: ``prev_len`` is the prefix tokens in
@@ -60,7 +61,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from tasks import hashing
-from tasks.cut_batching import BatchLimits, BatchPlanner, PlannedBatch, row_nbytes, row_signature
+from tasks.cut_batching import BatchLimits, BatchPlanner, PlannedBatch, PrefixChunk, pack_chunks
 from tasks.cut_receipt import (
     COMPLETED,
     CONTROL_DEADLINE,
@@ -75,9 +76,9 @@ from tasks.cut_receipt import (
     prefix_state,
 )
 from tasks.errors import TokenCaptureError
-from tasks.keys import check_id, cut_key
-from tasks.packed import PackedBatch, pack_rows
-from tasks.schema import ROUTES_INT16, ROUTES_NONE, SCHEMA_VERSION, StagedRow
+from tasks.keys import CUT_PREFIX, check_id, unit_for_rollout
+from tasks.packed import PackedBatch
+from tasks.schema import StagedRow
 
 from .. import config
 
@@ -106,25 +107,52 @@ def limits_from_config() -> BatchLimits:
 # ---- one call's buffer -----------------------------------------------------------------
 
 
-@dataclass
 class FrozenChunk:
-    """What a cut froze of one call: the row to write and what sealing it will commit."""
+    """What a cut froze of one call: the chunk to write and what sealing it will commit.
 
-    buffer: "CallBuffer"
-    seq: int
-    key: str
-    gen_ids: np.ndarray  # generated tokens of this chunk (excluding context)
-    gen_logprobs: np.ndarray
-    gen_routes: Optional[np.ndarray]
-    row: StagedRow
-    prefix_tokens: int  # prefix length once sealed (tokens)
-    prefix_digest: bytes
-    _chain_state: Any = field(repr=False, default=None)  # the chunk's running chain state (for rollback)
-    frozen_at: float = 0.0  # time.perf_counter() when frozen (s), for row-wait stats
-    tokens: int = 0
-    nbytes: int = 0
-    signature: Any = None
-    _chain: Optional[bytes] = field(repr=False, default=None)
+    ``parts`` are the generated pieces moved out of the call's active list (not copied);
+    ``chunk`` describes the row (:class:`~tasks.cut_batching.PrefixChunk`), packed with
+    its batch by :func:`~tasks.cut_batching.pack_chunks` (one copy, digest over the batch
+    buffer). ``row`` builds the :class:`StagedRow` on demand (tools, not the cut path).
+    """
+
+    __slots__ = ("buffer", "seq", "key", "parts", "chunk", "prefix_tokens", "prefix_digest", "_chain_state",
+                 "frozen_at", "tokens", "nbytes", "signature", "unit", "_row")
+
+    def __init__(self, buffer: "CallBuffer", seq: int, parts: list, chain_state: Any):
+        self.buffer = buffer
+        self.seq = seq
+        self.key = ""
+        self.parts = parts  # generated (ids, logprobs, routes) pieces of this chunk, in order
+        self.chunk: Optional[PrefixChunk] = None
+        self.prefix_tokens = 0  # prefix length once sealed (tokens)
+        self.prefix_digest = b""
+        self._chain_state = chain_state  # the chunk's running chain state (for rollback)
+        self.frozen_at = 0.0  # time.perf_counter() when frozen (s), for row-wait stats
+        self.tokens = 0
+        self.nbytes = 0
+        self.signature: Any = None
+        self.unit = 0  # storage unit of the row (orders a batch so the store splits it without copies)
+        self._row: Optional[StagedRow] = None
+
+    @property
+    def row(self) -> StagedRow:
+        """The prefix row as a :class:`StagedRow` (concatenated, digest set; built once)."""
+        if self._row is None:
+            self._row = self.chunk.to_row()
+        return self._row
+
+    @property
+    def gen_ids(self) -> np.ndarray:
+        return _concat_parts(self.parts, self.buffer.routes_shape)[0]
+
+    @property
+    def gen_logprobs(self) -> np.ndarray:
+        return _concat_parts(self.parts, self.buffer.routes_shape)[1]
+
+    @property
+    def gen_routes(self) -> Optional[np.ndarray]:
+        return _concat_parts(self.parts, self.buffer.routes_shape)[2]
 
 
 class CallBuffer:
@@ -251,8 +279,7 @@ class CallBuffer:
         with self.lock:
             parts = list(self._sealed)
             if self._frozen is not None:
-                f = self._frozen
-                parts.append((f.gen_ids, f.gen_logprobs, f.gen_routes))
+                parts += self._frozen.parts
             parts += self._active
             state = self.state
         n_ctx = len(self.context_ids)
@@ -353,53 +380,32 @@ class CallBuffer:
             cumulative = self._run_cum.digest()
             pdigest = self._run_pdig.digest()
             chain_state, self._run_chain = self._run_chain, _chain_state(chain)  # next chunk extends this one
-            # A placeholder marks the call frozen until the row is built below.
-            placeholder = FrozenChunk(self, seq, "", *_concat_parts(parts, self.routes_shape), None, 0, b"")
-            placeholder._chain_state = chain_state
-            self._frozen = placeholder
-        # Outside the lock: concatenation and hashing (decoding continues meanwhile).
-        gen_ids, gen_lps, gen_routes = placeholder.gen_ids, placeholder.gen_logprobs, placeholder.gen_routes
-        if first:
-            n_ctx = len(self.context_ids)
-            ids = np.concatenate([self.context_ids, gen_ids])
-            lps = np.concatenate([np.zeros(n_ctx, "<f4"), gen_lps])
-            mask = np.ones(len(ids), "<f4")
-            mask[:n_ctx] = 0.0
-            routes = None if self.routes_shape is None else np.concatenate([self.context_routes, gen_routes])
-        else:
-            ids, lps, routes = gen_ids, gen_lps, gen_routes
-            mask = np.ones(len(ids), "<f4")
-        key = cut_key(checkpoint_id, self.rollout_id, self.model_call_id, seq)
-        row = StagedRow(
+            frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state)
+        # Outside the lock: describe the row (no copy, no hashing: pack_chunks does both once).
+        first_ctx = first and len(self.context_ids)
+        # == cut_key(...): the ids were checked when the buffer was made, the checkpoint id here.
+        frozen.key = f"{CUT_PREFIX}/{check_id(checkpoint_id, 'checkpoint_id')}/{self.rollout_id}/{self.model_call_id}/{seq}"
+        frozen.chunk = PrefixChunk(
+            key=frozen.key,
             rollout_id=self.rollout_id,
             model_call_id=self.model_call_id,
             parent_call_id=self.parent_call_id,
             prev_len=prev,
-            delta_len=len(ids),
-            cum_len=prev + len(ids),
             weight_version=self.weight_version,
-            token_ids=ids,
-            token_mask=mask,
-            logprobs=lps,
-            routes_encoding=ROUTES_NONE if routes is None else ROUTES_INT16,
-            routed_experts=routes,
-            digest=b"",
+            context_ids=self.context_ids if first_ctx else None,
+            context_routes=self.context_routes if first_ctx else None,
+            parts=parts,
+            routes_shape=self.routes_shape,
             chain_hash=chain,
             cumulative_hash=cumulative,
-            schema_version=SCHEMA_VERSION,
-            digest_version=hashing.DIGEST_VERSION,
         )
-        row.digest = hashing.row_digest(row)
-        placeholder.key = key
-        placeholder.row = row
-        placeholder.prefix_tokens = prev + len(ids)
-        placeholder.prefix_digest = pdigest
-        placeholder._chain = chain
-        placeholder.frozen_at = time.perf_counter()
-        placeholder.tokens = len(ids)
-        placeholder.nbytes = row_nbytes(row)
-        placeholder.signature = row_signature(row)
-        return placeholder
+        frozen.tokens = frozen.chunk.delta_len
+        frozen.prefix_tokens = prev + frozen.tokens
+        frozen.prefix_digest = pdigest
+        frozen.nbytes = frozen.chunk.nbytes
+        frozen.signature = frozen.chunk.signature
+        frozen.frozen_at = time.perf_counter()
+        return frozen
 
     def seal(self, frozen: FrozenChunk) -> CallAck:
         """Commit a written chunk: the call's prefix now ends with it.
@@ -416,7 +422,7 @@ class CallBuffer:
                 if self.state == COMPLETED_STATE:
                     return self._completed_ack_locked()
                 return CallAck.failure(self.call, GENERATION_LOST, f"call failed during the cut: {self.failure}")
-            self._sealed.append((frozen.gen_ids, frozen.gen_logprobs, frozen.gen_routes))
+            self._sealed += frozen.parts
             self._frozen = None
             self.cut_keys.append(frozen.key)
             self.cut_tokens = frozen.prefix_tokens
@@ -436,8 +442,7 @@ class CallBuffer:
             for ids, _, _ in self._active:
                 state.update(_bytes(ids))
             self._run_chain = state
-            if len(frozen.gen_ids):
-                self._active.insert(0, (frozen.gen_ids, frozen.gen_logprobs, frozen.gen_routes))
+            self._active[0:0] = frozen.parts
             self._frozen = None
 
     def _feed(self, ids: np.ndarray) -> None:
@@ -504,6 +509,7 @@ class _Cut:
         self.acks: dict[CallId, CallAck] = {}
         self.frozen: list[FrozenChunk] = []
         self.written: set[str] = set()  # keys the store accepted and nobody owns yet
+        self.n_units = len(getattr(store, "units", None) or ())  # 0: a store without visible units
 
     def past_deadline(self) -> bool:
         if self.clock() >= self.deadline:
@@ -514,12 +520,15 @@ class _Cut:
     # -- store round trips (each one call) --
 
     def _put(self, chunks: Sequence[FrozenChunk]):
-        rows = [c.row for c in chunks]
-        packed = pack_rows(rows)
-        batch = PackedBatch([c.key for c in chunks], packed.fields)
+        # Rows ordered by storage unit: the store then sends each unit a contiguous slice
+        # of the batch buffers (no re-split copy). Freshly packed buffers nobody else holds:
+        # the units may keep views into them instead of copying each row (adopt).
+        if self.n_units > 1:
+            chunks = sorted(chunks, key=lambda c: c.unit)
+        batch = pack_chunks([c.chunk for c in chunks])
         self.stats.put_calls += 1
         try:
-            result = self.store.put_many(batch, partition=self.partition)
+            result = self.store.put_many(batch, partition=self.partition, adopt=True)
         except Exception as e:  # the whole put failed: no per-key answer
             return None, f"put_many raised {type(e).__name__}: {e}", batch.nbytes
         return result, "", batch.nbytes
@@ -621,6 +630,8 @@ class _Cut:
                 self.acks[call_id] = got
                 continue
             idx = len(self.frozen)
+            if self.n_units > 1:
+                got.unit = unit_for_rollout(buf.rollout_id, self.n_units)
             self.frozen.append(got)
             for b in planner.add(idx, got.tokens, got.nbytes, got.signature):
                 if not self.put_batch([self.frozen[i] for i in b.rows]):
@@ -767,7 +778,7 @@ class FaultyStore:
         self.puts: list[list[str]] = []
         self.deletes: list[list[str]] = []
 
-    def put_many(self, batch: PackedBatch, partition: str = "staging"):
+    def put_many(self, batch: PackedBatch, partition: str = "staging", adopt: bool = False):
         r = self.rules
         self.puts.append(list(batch.keys))
         n = len(self.puts)
@@ -783,7 +794,7 @@ class FaultyStore:
         if refused:
             keep = np.setdiff1d(np.arange(len(batch)), refused)
             if len(keep):
-                result = self.store.put_many(batch.take(keep), partition=partition)
+                result = self.store.put_many(batch.take(keep), partition=partition, adopt=True)
             else:
                 from ..store.unit import StoreResult
 
@@ -791,7 +802,7 @@ class FaultyStore:
             for i in refused:
                 result.failed[batch.keys[i]] = ("injected_fault", f"put {n} refuses {batch.keys[i]!r}")
         else:
-            result = self.store.put_many(batch, partition=partition)
+            result = self.store.put_many(batch, partition=partition, adopt=adopt)
         if r.drop_ack_keys:
             result.ok = [k for k in result.ok if not _matches(k, r.drop_ack_keys)]
         if n in r.advance_after_put and self.clock is not None:

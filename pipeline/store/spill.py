@@ -125,10 +125,24 @@ class SpillMapping(zict.Buffer):
         self.disk = _DiskRows(self.directory)
         super().__init__(fast={}, slow=self.disk, n=int(memory_limit), weight=lambda k, v: row_nbytes(v))
         self.spill_errors = 0
+        # The LRU discards a key before every insert; for a key it does not hold that is a
+        # raised-and-caught KeyError per row. Same semantics, checked first.
+        lru = self.fast
+
+        def discard_if_held(key: str) -> None:
+            if key in lru.d or key in lru._cancel_evict:
+                zict.common.discard(lru, key)
+
+        lru.discard = discard_if_held
 
     def __setitem__(self, key: str, value: Row) -> None:
         try:
-            super().__setitem__(key, value)
+            if key in self.slow or key in self._cancel_restore:
+                super().__setitem__(key, value)
+            else:
+                # A new key (the store's case: slots are never reused): skip Buffer's
+                # discard-from-slow, which costs a raised KeyError per row.
+                self.fast[key] = value
         except OSError:
             # zict keeps the row that failed to spill in memory: nothing is lost.
             self.spill_errors += 1

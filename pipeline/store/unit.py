@@ -8,7 +8,9 @@ worker's single actor thread, so they never race each other; heavy work is numpy
 (one slice-copy per field per row on put, one ``np.concatenate`` per field on get).
 
 A row is ``{field: np.ndarray}`` copied out of the incoming :class:`PackedBatch`, so the
-batch's buffers are not retained. Keys are write-once (identical re-put is ok, different
+batch's buffers are not retained; a put with ``adopt=True`` (buffers handed over, as a batch
+received off the wire is) keeps token fields as views instead, one shared buffer per field
+per put, tracked so freed and pinned bytes are accounted exactly (``pinned_bytes``). Keys are write-once (identical re-put is ok, different
 content is ``key_conflict``); each partition pins field dtypes at first write
 (``dtype_mismatch``); a write beyond ``capacity`` bytes (memory + disk) is refused
 (``store_full``). One bad row fails only its own key.
@@ -45,6 +47,16 @@ INVALID_BATCH = "invalid_batch"
 MISSING_KEY = "missing_key"
 ABSENT_FIELD = "absent_field"
 STORE_ERROR = "store_error"
+
+
+@dataclass
+class _Group:
+    """Rows of one adopted put that still hold views of its buffers (see _adopt_group)."""
+
+    members: dict[str, int]  # slot -> bytes of the row's views
+    held: int  # bytes of the shared buffers (all of them, until the group ends)
+    live: int  # bytes of them still covered by a member row in memory
+    fields: tuple[str, ...] = ()
 
 
 class StoreError(TokenCaptureError):
@@ -195,6 +207,13 @@ class StorageUnit:
         self.partitions = None if partitions is None else [check_partition(p) for p in partitions]
         self.directory = os.path.join(str(spill_directory), f"storage-unit-{unit_index}-{uuid.uuid4().hex[:12]}")
         self.rows = SpillMapping(self.directory, self.memory_limit)
+        self.rows.fast_to_slow_callbacks.append(self._on_spill)
+        # Adopted buffers (see _adopt_group): groups by id, each in-memory member's group.
+        self._groups: dict[int, _Group] = {}
+        self._slot_group: dict[str, int] = {}
+        self._pending: set[int] = set()  # groups that lost members: compaction check due
+        self._next_group = 0
+        self.pinned_bytes = 0
         self.index: dict[str, dict[str, str]] = {}  # partition -> key -> slot
         self.weights: dict[str, int] = {}  # slot -> row bytes, for capacity accounting
         self.used_bytes = 0
@@ -205,8 +224,12 @@ class StorageUnit:
 
     # ---- puts -------------------------------------------------------------------
 
-    def put_many(self, partition: str, batch: PackedBatch) -> StoreResult:
-        """Store every row of ``batch`` under ``partition``; per-key results."""
+    def put_many(self, partition: str, batch: PackedBatch, adopt: bool = False) -> StoreResult:
+        """Store every row of ``batch`` under ``partition``; per-key results.
+
+        ``adopt``: the batch's buffers are handed over (the caller never touches them again;
+        a batch that came over the wire always qualifies), so token-sized rows are kept as
+        views of them instead of one copy per row."""
         self._check_open()
         check_partition(partition, self.partitions)
         if not isinstance(batch, PackedBatch):
@@ -224,7 +247,8 @@ class StorageUnit:
         reg = self.registry[partition]
         index = self.index.setdefault(partition, {})
         # Per field (not per row): a packed field has one dtype; present rows inherit its verdict.
-        cols = []  # (name, values, offsets list, present list | None, spec)
+        cols = []  # (name, values, offsets list, present list | None, spec, copy each row)
+        shared: list[str] = []  # adopted fields: rows keep views of their buffers
         bad_field: list[Optional[str]] = [None] * n
         for name, f in batch.fields.items():
             present = None if f.present is None else f.present.astype(bool).tolist()
@@ -244,9 +268,12 @@ class StorageUnit:
                 values = values.copy()
                 cols.append((name, values, f.offsets.tolist(), present, spec, False))
             else:
-                cols.append((name, values, f.offsets.tolist(), present, spec, True))
+                cols.append((name, values, f.offsets.tolist(), present, spec, not adopt))
+                if adopt:
+                    shared.append(name)
 
-        stored: dict[str, object] = {}  # fields some stored row carries: pinned below
+        stored_rows: list[int] = []  # batch rows stored under a NEW slot
+        stored_slots: list[str] = []
         for i, key in enumerate(batch.keys):
             problem = check_key(key)
             if problem is not None:
@@ -255,54 +282,131 @@ class StorageUnit:
             if bad_field[i] is not None:
                 result.failed[key] = (DTYPE_MISMATCH, bad_field[i])
                 continue
-            # Copy out of the batch buffer: the batch must not stay alive through our rows.
+            # Copy out of the batch buffer (the batch must not stay alive through our rows),
+            # unless the buffers were adopted: then rows are views and the batch's token
+            # buffers are tracked as one shared group (see _adopt_group).
             row = {
-                name: values[off[i] : off[i + 1]].copy() if big else values[off[i] : off[i + 1]]
-                for name, values, off, present, _, big in cols
+                name: values[off[i] : off[i + 1]].copy() if copy else values[off[i] : off[i + 1]]
+                for name, values, off, present, _, copy in cols
                 if present is None or present[i]
             }
-            outcome = self._store_row(partition, index, key, row)
+            outcome, slot = self._store_row(partition, index, key, row)
             if outcome is None:
                 result.ok.append(key)
-                stored.update(row)
+                if slot is not None:
+                    stored_rows.append(i)
+                    stored_slots.append(slot)
             else:
                 result.failed[key] = outcome
-        for name, _, _, _, spec, _ in cols:
-            if name in stored:
-                reg.pin(name, spec)
+        if stored_rows:
+            for name, _, _, present, spec, _ in cols:
+                if present is None or any(present[i] for i in stored_rows):
+                    reg.pin(name, spec)
+        if shared and stored_slots:
+            self._adopt_group(shared, cols, stored_slots)
+        self._maybe_compact_pending()
         self.counters["put_rows"] += len(result.ok)
         self.counters["refused_rows"] += len(result.failed)
         return result
 
-    def _store_row(self, partition: str, index: dict[str, str], key: str, row: Row) -> Optional[tuple[str, str]]:
+    # ---- adopted (shared) token buffers ----------------------------------------------
+    #
+    # An adopted put keeps each row's token fields as views of the batch's buffers: ONE
+    # buffer per field shared by the batch's rows, freed when the last of them leaves
+    # memory (deleted or spilled). Row weights stay exact (each view's bytes); the bytes
+    # of a buffer no live in-memory row covers any more are ``pinned_bytes``, counted
+    # against capacity. A group whose live rows cover less than half of its buffers is
+    # compacted (its remaining rows copied out), so pinned bytes never exceed live ones.
+
+    def _adopt_group(self, shared: list[str], cols: list, slots: list[str]) -> None:
+        """Track the adopted buffers of fields ``shared`` as one group of rows ``slots``."""
+        held = sum(c[1].nbytes for c in cols if c[0] in shared)
+        members: dict[str, int] = {}
+        for slot in slots:
+            row = self.rows.fast.d.get(slot)
+            if row is None:
+                continue  # went straight to disk: holds nothing of the buffers
+            # Bytes of the row's views (exact for any dtype / trailing shape).
+            nbytes = sum(row[name].nbytes for name in shared if name in row)
+            if nbytes:
+                members[slot] = nbytes
+        if not members:
+            return  # nothing references the buffers: they are freed with the batch
+        gid = self._next_group
+        self._next_group += 1
+        g = self._groups[gid] = _Group(members, held, sum(members.values()), tuple(shared))
+        for slot in members:
+            self._slot_group[slot] = gid
+        self.pinned_bytes += g.held - g.live
+        self._maybe_compact(gid)
+
+    def _release(self, slot: str) -> None:
+        """``slot``'s in-memory row is gone (deleted or spilled): update its group."""
+        gid = self._slot_group.pop(slot, None)
+        if gid is None:
+            return
+        g = self._groups[gid]
+        nbytes = g.members.pop(slot)
+        g.live -= nbytes
+        if not g.members:
+            self.pinned_bytes -= g.held - g.live - nbytes
+            del self._groups[gid]
+        else:
+            self.pinned_bytes += nbytes
+            self._pending.add(gid)
+
+    def _on_spill(self, slot: str, row: Row) -> None:
+        # zict callback, inside an eviction: only bookkeeping here; compaction waits for
+        # the end of the current unit call (_maybe_compact_pending).
+        self._release(slot)
+
+    def _maybe_compact_pending(self) -> None:
+        while self._pending:
+            self._maybe_compact(self._pending.pop())
+
+    def _maybe_compact(self, gid: int) -> None:
+        g = self._groups.get(gid)
+        if g is None or 2 * g.live >= g.held:
+            return
+        del self._groups[gid]
+        self.pinned_bytes -= g.held - g.live
+        for slot in g.members:
+            self._slot_group.pop(slot, None)
+            row = self.rows.fast.d.get(slot)
+            if row is not None:
+                # Same key, same weight: zict keeps it in place (no eviction, no reorder of others).
+                self.rows.fast.d[slot] = {k: (v.copy() if k in g.fields else v) for k, v in row.items()}
+
+    def _store_row(self, partition: str, index: dict[str, str], key: str, row: Row) -> tuple[Optional[tuple[str, str]], Optional[str]]:
+        """(failure or None, the new slot when the row was stored: None for an identical re-put)."""
         slot = index.get(key)
         if slot is not None:
             # Write-once: compare only when the key exists.
             try:
                 existing = self.rows[slot]
             except Exception as e:  # a spill file gone bad must not take down the batch
-                return (STORE_ERROR, f"{key!r}: reading the existing row failed: {e!r}")
+                return (STORE_ERROR, f"{key!r}: reading the existing row failed: {e!r}"), None
             if same_row(existing, row):
-                return None
-            return (KEY_CONFLICT, f"{key!r} already holds different content in partition {partition!r}")
+                return None, None
+            return (KEY_CONFLICT, f"{key!r} already holds different content in partition {partition!r}"), None
         weight = row_nbytes(row)
-        if self.used_bytes + weight > self.capacity:
+        if self.used_bytes + self.pinned_bytes + weight > self.capacity:
             return (
                 STORE_FULL,
                 f"{key!r}: {weight} bytes would exceed capacity {self.capacity} bytes "
-                f"(used {self.used_bytes}) of unit {self.unit_index}",
-            )
+                f"(used {self.used_bytes}, pinned {self.pinned_bytes}) of unit {self.unit_index}",
+            ), None
         slot = str(self._next_slot)
         self._next_slot += 1
         try:
             self.rows[slot] = row
         except Exception as e:
             if slot not in self.rows:
-                return (STORE_ERROR, f"{key!r}: storing failed: {e!r}")
+                return (STORE_ERROR, f"{key!r}: storing failed: {e!r}"), None
         index[key] = slot
         self.weights[slot] = weight
         self.used_bytes += weight
-        return None
+        return None, slot
 
     # ---- gets -------------------------------------------------------------------
 
@@ -336,7 +440,9 @@ class StorageUnit:
                 if absent:
                     failed[key] = (ABSENT_FIELD, f"{key!r} has no field(s) {absent}")
         self.counters["get_rows"] += len(found)
-        return GetResult(pack_stored_rows(found, rows, names, reg), failed)
+        out = GetResult(pack_stored_rows(found, rows, names, reg), failed)
+        self._maybe_compact_pending()  # reading spilled rows back may have evicted others
+        return out
 
     # ---- deletes ----------------------------------------------------------------
 
@@ -353,9 +459,11 @@ class StorageUnit:
                 result.failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
                 continue
             del self.rows[slot]
+            self._release(slot)
             self.used_bytes -= self.weights.pop(slot)
             result.ok.append(key)
         self.counters["deleted_rows"] += len(result.ok)
+        self._maybe_compact_pending()
         return result
 
     # ---- introspection ----------------------------------------------------------
@@ -374,6 +482,8 @@ class StorageUnit:
             "rows": sum(len(ix) for ix in self.index.values()),
             "partitions": {p: len(ix) for p, ix in self.index.items()},
             "used_bytes": self.used_bytes,
+            "pinned_bytes": self.pinned_bytes,
+            "shared_groups": len(self._groups),
             "memory_bytes": self.rows.memory_bytes,
             "spilled_bytes": self.rows.spilled_bytes,
             "disk_bytes": self.rows.spilled_bytes,
@@ -430,7 +540,11 @@ class StorageUnit:
         shutil.rmtree(self.directory, ignore_errors=True)
         self.index.clear()
         self.weights.clear()
+        self._groups.clear()
+        self._slot_group.clear()
+        self._pending.clear()
         self.used_bytes = 0
+        self.pinned_bytes = 0
         self.closed = True
         return final
 
