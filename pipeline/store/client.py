@@ -180,6 +180,8 @@ class StagingStore:
     # ---- planning (pure, shared by sync and async paths) ------------------------
 
     def _check_partition(self, partition: str) -> str:
+        if self.__dict__.get("_closed") is not None:
+            raise StoreError("this store is closed")
         return check_partition(partition, self.partitions)
 
     def _route(self, keys: Sequence[str]) -> tuple[np.ndarray, dict[str, tuple[str, str]]]:
@@ -217,8 +219,6 @@ class StagingStore:
             for chunk in _chunks_by_bytes(idx, row_bytes, max_bytes):
                 if len(chunk) == len(batch):
                     parts.append((u, batch))  # one unit, one call: no copy
-                elif chunk[-1] - chunk[0] + 1 == len(chunk):
-                    parts.append((u, _slice_rows(batch, int(chunk[0]), int(chunk[-1]) + 1)))  # a run: views
                 else:
                     parts.append((u, take_rows([batch], np.zeros(len(chunk), np.int64), chunk)))
         return parts, failed
@@ -235,15 +235,11 @@ class StagingStore:
 
     # ---- sync API -----------------------------------------------------------------
 
-    def put_many(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION, adopt: bool = False) -> StoreResult:
-        """Stage every row of ``batch``; per-key results (see :class:`StoreResult`).
-
-        ``adopt=True``: the caller hands the batch's buffers over and never modifies them
-        afterwards, so a unit may keep rows as views of them instead of copying each row
-        (see :meth:`StorageUnit.put_many`)."""
+    def put_many(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION) -> StoreResult:
+        """Stage every row of ``batch``; per-key results (see :class:`StoreResult`)."""
         self._check_partition(partition)
         parts, failed = self._plan_put(batch)
-        futures = [self.units[u].put_many(partition, sub, adopt) for u, sub in parts]
+        futures = [self.units[u].put_many(partition, sub) for u, sub in parts]
         results = [self._settle(u, f.result, sub.keys, StoreResult) for (u, sub), f in zip(parts, futures)]
         result = StoreResult.merge(results)
         result.failed.update(failed)
@@ -277,7 +273,10 @@ class StagingStore:
         return [f.result() for f in futures]
 
     def close(self) -> list[dict]:
-        """Close every unit (drops rows, removes spill directories) and release the actors."""
+        """Close every unit (drops rows, removes spill directories) and release the actors.
+        Idempotent; any later call through this object raises :class:`StoreError`."""
+        if self.__dict__.get("_closed") is not None:
+            return self._closed
         futures = [u.close() for u in self.units]
         out = []
         for i, f in enumerate(futures):
@@ -285,15 +284,25 @@ class StagingStore:
                 out.append(f.result())
             except Exception as e:  # a lost unit has nothing left to close
                 out.append({"unit": i, "closed": False, "error": f"{type(e).__name__}: {e}"})
-        self.__dict__.pop("_futures", None)
+        # Drop the actors now, not whenever every handle copy (graph submissions make
+        # some) is garbage-collected: a forced cancel ends the actor tasks on the
+        # scheduler whoever still holds a future; a later call through any handle then
+        # fails ("Worker holding Actor was lost") instead of reaching a closed unit.
+        futures = self.__dict__.pop("_futures", None) or []
+        if futures:
+            try:
+                futures[0].client.cancel(futures, force=True)
+            except Exception:  # the cluster may already be gone; nothing left to free
+                pass
+        self._closed = out
         return out
 
     # ---- async twins (inside async actors / coroutines on a worker) ---------------
 
-    async def put_many_async(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION, adopt: bool = False) -> StoreResult:
+    async def put_many_async(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION) -> StoreResult:
         self._check_partition(partition)
         parts, failed = self._plan_put(batch)
-        results = await asyncio.gather(*(self.units[u].put_many(partition, sub, adopt) for u, sub in parts), return_exceptions=True)
+        results = await asyncio.gather(*(self.units[u].put_many(partition, sub) for u, sub in parts), return_exceptions=True)
         result = StoreResult.merge(self._settle(u, r, sub.keys, StoreResult) for (u, sub), r in zip(parts, results))
         result.failed.update(failed)
         return result
@@ -379,16 +388,6 @@ def _row_bytes(batch: PackedBatch) -> np.ndarray:
         per_element = f.values.itemsize * int(np.prod(f.values.shape[1:], dtype=np.int64))
         total += np.diff(f.offsets) * per_element
     return total
-
-
-def _slice_rows(batch: PackedBatch, lo: int, hi: int) -> PackedBatch:
-    """Rows ``lo:hi`` of ``batch`` as views of its buffers (offsets rebased): no copy."""
-    fields = {}
-    for name, f in batch.fields.items():
-        off = f.offsets[lo : hi + 1]
-        present = None if f.present is None else f.present[lo:hi]
-        fields[name] = PackedField(f.values[int(off[0]) : int(off[-1])], off - off[0], present)
-    return PackedBatch(batch.keys[lo:hi], fields)
 
 
 def _chunks_by_bytes(idx: np.ndarray, row_bytes: np.ndarray, max_bytes: int) -> list[np.ndarray]:
