@@ -219,6 +219,8 @@ class StagingStore:
             for chunk in _chunks_by_bytes(idx, row_bytes, max_bytes):
                 if len(chunk) == len(batch):
                     parts.append((u, batch))  # one unit, one call: no copy
+                elif chunk[-1] - chunk[0] + 1 == len(chunk):
+                    parts.append((u, _slice_rows(batch, int(chunk[0]), int(chunk[-1]) + 1)))  # a run: views
                 else:
                     parts.append((u, take_rows([batch], np.zeros(len(chunk), np.int64), chunk)))
         return parts, failed
@@ -235,11 +237,15 @@ class StagingStore:
 
     # ---- sync API -----------------------------------------------------------------
 
-    def put_many(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION) -> StoreResult:
-        """Stage every row of ``batch``; per-key results (see :class:`StoreResult`)."""
+    def put_many(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION, adopt: bool = False) -> StoreResult:
+        """Stage every row of ``batch``; per-key results (see :class:`StoreResult`).
+
+        ``adopt=True``: the caller hands the batch's buffers over and never modifies them
+        afterwards, so a unit may keep rows as views of them instead of copying each row
+        (see :meth:`StorageUnit.put_many`)."""
         self._check_partition(partition)
         parts, failed = self._plan_put(batch)
-        futures = [self.units[u].put_many(partition, sub) for u, sub in parts]
+        futures = [self.units[u].put_many(partition, sub, adopt) for u, sub in parts]
         results = [self._settle(u, f.result, sub.keys, StoreResult) for (u, sub), f in zip(parts, futures)]
         result = StoreResult.merge(results)
         result.failed.update(failed)
@@ -299,10 +305,10 @@ class StagingStore:
 
     # ---- async twins (inside async actors / coroutines on a worker) ---------------
 
-    async def put_many_async(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION) -> StoreResult:
+    async def put_many_async(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION, adopt: bool = False) -> StoreResult:
         self._check_partition(partition)
         parts, failed = self._plan_put(batch)
-        results = await asyncio.gather(*(self.units[u].put_many(partition, sub) for u, sub in parts), return_exceptions=True)
+        results = await asyncio.gather(*(self.units[u].put_many(partition, sub, adopt) for u, sub in parts), return_exceptions=True)
         result = StoreResult.merge(self._settle(u, r, sub.keys, StoreResult) for (u, sub), r in zip(parts, results))
         result.failed.update(failed)
         return result
@@ -388,6 +394,16 @@ def _row_bytes(batch: PackedBatch) -> np.ndarray:
         per_element = f.values.itemsize * int(np.prod(f.values.shape[1:], dtype=np.int64))
         total += np.diff(f.offsets) * per_element
     return total
+
+
+def _slice_rows(batch: PackedBatch, lo: int, hi: int) -> PackedBatch:
+    """Rows ``lo:hi`` of ``batch`` as views of its buffers (offsets rebased): no copy."""
+    fields = {}
+    for name, f in batch.fields.items():
+        off = f.offsets[lo : hi + 1]
+        present = None if f.present is None else f.present[lo:hi]
+        fields[name] = PackedField(f.values[int(off[0]) : int(off[-1])], off - off[0], present)
+    return PackedBatch(batch.keys[lo:hi], fields)
 
 
 def _chunks_by_bytes(idx: np.ndarray, row_bytes: np.ndarray, max_bytes: int) -> list[np.ndarray]:
