@@ -48,10 +48,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from tasks.cut_receipt import DURABLE_FAILURE, CallAck, CutReceipt
+from tasks.cut_receipt import DURABLE_FAILURE, GENERATION_LOST, CallAck, CutReceipt, inventory_digest
 from tasks.environment import ToolEnvironment
 from tasks.errors import InvalidRecord
 from tasks.gate import CaptureGate
+from tasks.keys import CUT_PREFIX
 from tasks.packed import pack_rows, unpack_rows
 from tasks.receipts import Receipt
 from tasks.rollouts import GeneratedRollout, RolloutSpec, call_id, parent_call_id, toy_reward
@@ -61,6 +62,7 @@ from . import config
 from .capture import STAGING_PARTITION, policy_from_config
 
 # Why a call regenerated from scratch instead of resuming (RecoveryStats.regenerated).
+CUT_PARTITION = "cut"  # where generation actors write cut prefixes (pipeline.generation.cut)
 NOT_CUT = "not_cut"  # started after the cut (or the cut never listed it)
 RESUME_FAILED = "resume_failed"  # the worker refused the verified prefix
 CONTEXT_MISMATCH = "context_mismatch"  # the prefix's carried context is not this call's
@@ -77,7 +79,9 @@ class CutStats:
     calls: in-flight calls listed; rows/puts: cut rows written and ``put_many`` calls
     (all actors); durable: calls with a sealed prefix; failed: ``durable_failure``
     reason -> calls; completed: calls that finished during the cut; wall_ms: controller
-    wall time of the whole cut (ms); receipts: one :class:`CutReceipt` per actor.
+    wall time of the whole cut (ms); receipts: one :class:`CutReceipt` per actor;
+    lost_workers: workers whose generation actor died mid-cut (its calls come back
+    ``generation_lost``; recover the driver from :attr:`RolloutDriver.snapshot`).
     """
 
     checkpoint_id: str
@@ -89,6 +93,7 @@ class CutStats:
     completed: int
     wall_ms: float
     receipts: list[CutReceipt] = field(repr=False, default_factory=list)
+    lost_workers: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -414,7 +419,18 @@ class RolloutDriver:
             if r.active:
                 inventory[r.slot].append(r.call)
         futures = {s: self.actors[s].checkpoint_cut(checkpoint_id, inv, deadline) for s, inv in inventory.items()}
-        receipts = [f.result() for f in futures.values()]
+        answers: dict[int, Optional[CutReceipt]] = {}
+        lost: dict[int, BaseException] = {}
+        for s, f in futures.items():
+            try:
+                answers[s] = f.result()
+            except Exception as e:
+                if not self._actor_lost(s, e):
+                    raise
+                lost[s] = e
+        if lost:
+            answers.update(self._lost_cuts(checkpoint_id, {s: inventory[s] for s in lost}, lost))
+        receipts = [answers[s] for s in futures]
         acks = {a.call: a for rc in receipts for a in rc.acks}
         completed = [s for s, rc in zip(futures, receipts) if rc.counts().get("completed")]
         self._collect(completed)
@@ -431,7 +447,51 @@ class RolloutDriver:
             completed=counts.get("completed", 0),
             wall_ms=wall_ms,
             receipts=receipts,
+            lost_workers=[self.workers[s] for s in lost],
         )
+
+    def _actor_lost(self, slot: int, error: BaseException) -> bool:
+        """Whether ``error`` (raised by an actor call of ``slot``) means the actor is gone:
+        a connection failure, or its worker no longer in the cluster. Other errors are
+        the actor's own (a bug, a bad argument) and propagate."""
+        if isinstance(error, OSError):  # CommClosedError, refused connect, timeouts
+            return True
+        try:
+            alive = self.workers[slot] in self.client.scheduler_info(n_workers=-1)["workers"]
+        except Exception:  # the scheduler cannot say: treat the actor as reachable
+            return False
+        return not alive
+
+    def _lost_cuts(self, checkpoint_id: str, inventories: Mapping[int, list[tuple[str, str]]],
+                   errors: Mapping[int, BaseException]) -> dict[int, CutReceipt]:
+        """Receipts for cuts whose generation actor died before answering: every listed call
+        is ``durable_failure`` / ``generation_lost`` (it regenerates after recovery).
+
+        The dead actor may have written rows of this cut (sealed on its side or not) that
+        no receipt will ever advertise: they are found by listing the cut partition for
+        ``__cut__/{checkpoint_id}/{rollout}/{call}/`` (one listing for all lost actors) and
+        deleted in one batched delete, so no unadvertised row stays behind.
+        """
+        prefixes = tuple(f"{CUT_PREFIX}/{checkpoint_id}/{r}/{c}/" for inv in inventories.values() for r, c in inv)
+        cleared, problem = 0, ""
+        try:
+            orphans = [k for k in self.cut_store.keys(CUT_PARTITION) if k.startswith(prefixes)]
+            if orphans:
+                res = self.cut_store.delete(orphans, partition=CUT_PARTITION)
+                bad = {k: v for k, v in res.failed.items() if v[0] != "missing_key"}
+                cleared = len(orphans) - len(bad)
+                if bad:
+                    problem = f"; {len(bad)} of its cut rows could not be deleted, e.g. {next(iter(bad.items()))}"
+        except (OSError, RuntimeError) as e:  # includes StoreError: the rows stay unadvertised either way
+            problem = f"; its cut rows could not be listed or deleted: {type(e).__name__}: {e}"
+        out = {}
+        for s, inv in inventories.items():
+            detail = (f"generation actor on {self.workers[s]} lost mid-cut ({type(errors[s]).__name__}: {errors[s]}); "
+                      f"{cleared} unadvertised cut rows of the lost calls deleted{problem}")
+            out[s] = CutReceipt(checkpoint_id=checkpoint_id, inventory_digest=inventory_digest(inv),
+                                acks=tuple(CallAck.failure(c, GENERATION_LOST, detail) for c in inv),
+                                worker=self.workers[s], delete_calls=int(bool(cleared)))
+        return out
 
     def checkpoint_store(self, path: str) -> dict:
         """Checkpoint the staging store (staged rows and cut prefixes) to ``path``; the manifest."""

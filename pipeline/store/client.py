@@ -278,6 +278,21 @@ class StagingStore:
         futures = [u.stats() for u in self.units]
         return [f.result() for f in futures]
 
+    def keys(self, partition: str = DEFAULT_PARTITION, prefix: Optional[str] = None) -> list[str]:
+        """Every key of ``partition`` (one call per unit, all at once), optionally only those
+        starting with ``prefix``; unit order, then insertion order. Raises :class:`StoreError`
+        naming the unit when one cannot be reached: a listing is never silently partial."""
+        self._check_partition(partition)
+        futures = [u.keys(partition) for u in self.units]
+        out: list[str] = []
+        for i, f in enumerate(futures):
+            try:
+                ks = f.result()
+            except (OSError, RuntimeError, StoreError) as e:
+                raise StoreError(f"storage unit {i} cannot list its keys: {type(e).__name__}: {e}") from e
+            out.extend(ks if prefix is None else (k for k in ks if k.startswith(prefix)))
+        return out
+
     def close(self) -> list[dict]:
         """Close every unit (drops rows, removes spill directories) and release the actors.
         Idempotent; any later call through this object raises :class:`StoreError`."""
