@@ -166,6 +166,8 @@ def test_generation_worker_killed_mid_cut(gen_cluster, tmp_path, when):
     for (rid, _), ack in acks.items():
         if rid in victim_rollouts:
             assert ack.status == DURABLE_FAILURE and ack.reason == GENERATION_LOST and not ack.staging_keys
+            # The driver, not the dead worker, cleared the rows the victim had written.
+            assert f"{len(victim_keys)} unadvertised cut rows of the lost calls deleted" in ack.detail, ack.detail
         else:
             assert ack.status == DURABLE_PREFIX and ack.staging_keys
     # No unsealed (or unadvertised) row stays: the cut partition is exactly what the acks advertise.
