@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import math
 import threading
-import time
-from typing import Any, Callable
+from typing import Any
 
 import dask
 import pytest
@@ -19,6 +18,7 @@ from distributed import Client, LocalCluster
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.events import FINALIZE, SCALE
 from pipeline.scaling import ScalingDecision, TokenCaptureAdaptive, decide
+from support import wait_until
 
 FAST = {
     "token-capture.scaling.window-s": 2.0,
@@ -28,14 +28,6 @@ FAST = {
 }
 
 
-def wait_until(cond: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what or cond}")
 
 
 class Publisher:

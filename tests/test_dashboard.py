@@ -11,7 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import dask
 import pytest
@@ -21,28 +21,16 @@ from browser import Browser, chromium_path, image_stats
 from pipeline.dashboard import install
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.events import CUT, FINALIZE, RESTORE, SCALE, STORE
+from support import dashboard_base as base_url, http_get as get, wait_until
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 REJECTIONS = ({}, {"corrupt_digest": 1}, {"missing_parent": 1}, {}, {"corrupt_digest": 2}, {})
 
 
-def wait_until(cond: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def base_url(client: Client) -> str:
-    return f"http://127.0.0.1:{client.scheduler_info()['services']['dashboard']}"
 
 
-def get(url: str) -> tuple[int, str]:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        return r.status, r.read().decode()
 
 
 def state(client: Client) -> dict[str, Any]:

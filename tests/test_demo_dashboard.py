@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import re
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,24 +18,13 @@ from browser import Browser, chromium_path, image_stats
 from pipeline import demo
 from pipeline.cli import build_parser
 from pipeline.cluster import local_cluster
+from support import http_get, wait_until
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
 
 
-def _get(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=30) as r:
-        assert r.status == 200
-        return r.read().decode()
 
 
-def _wait(cond, timeout_s: float = 30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError("condition not reached")
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +39,7 @@ def demo_run():
         # Events reach the scheduler asynchronously; wait until the run's steps are in.
         # The resume phase finalizes one more step of groups x rollouts on top of the steps.
         expected = summary["rollouts"] + summary["resume"]["rollouts"]
-        _wait(lambda: client.sync(client.scheduler.token_capture_state)["totals"].get("rollouts") == expected)
+        wait_until(lambda: client.sync(client.scheduler.token_capture_state)["totals"].get("rollouts") == expected)
         yield client, base, summary, out.getvalue()
 
 
@@ -67,7 +55,8 @@ def test_demo_prints_the_page_address_and_its_figures(demo_run):
 
 def test_page_over_http_carries_the_demo_figures(demo_run):
     client, base, summary, _ = demo_run
-    html = _get(f"{base}/token-capture")
+    status, html = http_get(f"{base}/token-capture")
+    assert status == 200
     state = client.sync(client.scheduler.token_capture_state)
     finalized = state["totals"]["rollouts"]
     assert int(re.search(r'id="tc-rollouts">(\d+)<', html).group(1)) == finalized
@@ -80,7 +69,8 @@ def test_page_over_http_carries_the_demo_figures(demo_run):
 
 def test_metrics_endpoint_matches_the_demo(demo_run):
     client, base, summary, _ = demo_run
-    text = _get(f"{base}/metrics")
+    status, text = http_get(f"{base}/metrics")
+    assert status == 200
     state = client.sync(client.scheduler.token_capture_state)
     m = re.search(r'^token_capture_rollouts_total\{status="accepted"\} ([0-9.e+]+)$', text, re.M)
     assert m and float(m.group(1)) == state["totals"]["accepted"] >= summary["accepted"]

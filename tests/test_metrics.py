@@ -6,9 +6,8 @@ finalization graph uses). The scrape is parsed with prometheus_client's own pars
 """
 from __future__ import annotations
 
-import time
 import urllib.request
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from distributed import Client, LocalCluster
@@ -17,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.dashboard import InvalidEvent, parse_event
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.events import CUT, FINALIZE, RESTORE, SCALE, STORE, publish
+from support import wait_until
 
 GROUPS = [
     # (queue_wait_ms, queue_depth, accepted, rejected, verify_ms)
@@ -55,14 +55,6 @@ def publish_from_worker(event: dict[str, Any]) -> bool:
     return True
 
 
-def wait_until(cond: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
 def scrape(client: Client) -> dict[str, Any]:
