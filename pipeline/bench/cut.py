@@ -10,7 +10,9 @@ LocalCluster (2 worker processes, one storage unit each). All clients start toge
 barrier; ``wall_s`` is until the last cut returns its receipt.
 
 Per table row: ``prefix_tokens``, ``rows_per_put``, ``rows``, ``put_calls``, ``wall_s``,
-``rows_per_s``, ``mean_row_wait_ms`` (a row's time from its freeze to its put's ack).
+``rows_per_s``, ``mean_row_wait_ms`` (a row's time from its freeze to its put's ack), and
+``cpu_s`` (user + system CPU seconds spent meanwhile by the controller and by each worker
+process: where the time goes when the machine, not the round trips, is the limit).
 Top level: ``speedup_1024`` and ``speedup_16384`` (batch-1 wall / batch-256 wall).
 Rows are synthetic (16 context tokens then generated ones, no routed experts, like the
 reference). At 16,384 tokens the default is 2,048 rows (512 MB of prefixes; 8,192 would be
@@ -68,7 +70,7 @@ def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str) -> list:
     return calls
 
 
-def _one_config(store, tokens: int, rows: int, rows_per_put: int, args, tag: str) -> dict[str, Any]:
+def _one_config(store, tokens: int, rows: int, rows_per_put: int, args, tag: str, client=None) -> dict[str, Any]:
     from tasks.cut_batching import BatchLimits
     from tasks.cut_receipt import inventory_digest
 
@@ -98,11 +100,13 @@ def _one_config(store, tokens: int, rows: int, rows_per_put: int, args, tag: str
     threads = [threading.Thread(target=writer, args=(c,), daemon=True) for c in range(n_clients)]
     for t in threads:
         t.start()
+    cpu0 = _cpu_seconds(client)
     barrier.wait()
     t0 = time.perf_counter()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    cpu1 = _cpu_seconds(client)
     errors = [repr(r) for r in results if isinstance(r, BaseException)]
     if errors:
         raise RuntimeError(f"cut failed in {len(errors)} clients: {errors[:2]}")
@@ -121,7 +125,23 @@ def _one_config(store, tokens: int, rows: int, rows_per_put: int, args, tag: str
         "durable": durable,
         "failed": rows - durable,
         "bytes_written": sum(r.bytes_written for r in receipts),
+        "cpu_s": {k: round(cpu1[k] - cpu0[k], 3) for k in cpu0 if k in cpu1},
     }
+
+
+def _process_cpu_s() -> float:
+    import psutil
+
+    t = psutil.Process().cpu_times()
+    return t.user + t.system
+
+
+def _cpu_seconds(client) -> dict[str, float]:
+    """CPU seconds (user + system) of this process and of every worker process so far."""
+    out = {"controller": _process_cpu_s()}
+    for addr, cpu in (client.run(_process_cpu_s) if client is not None else {}).items():
+        out[addr] = cpu
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -148,11 +168,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     store = StagingStore.start(client, n_units=2, memory_limit=args.unit_memory_limit, spill_directory=spill)
                     try:
                         _note(args, f"{tokens} tokens x {rows} rows, {rpp} rows/put, {args.clients} clients ...")
-                        row = _one_config(store, tokens, rows, rpp, args, tag=f"t{tokens}b{rpp}")
+                        row = _one_config(store, tokens, rows, rpp, args, tag=f"t{tokens}b{rpp}", client=client)
                     finally:
                         store.close()
                     _note(args, f"  {row['put_calls']} puts, {row['wall_s']:.2f} s, {row['rows_per_s']:.0f} rows/s, "
-                                f"row wait {row['mean_row_wait_ms']:.1f} ms")
+                                f"row wait {row['mean_row_wait_ms']:.1f} ms, cpu s {row['cpu_s']}")
                     table.append(row)
     finally:
         client.close()

@@ -47,11 +47,18 @@ ride along when the call has them.
 
 Knobs (read at call time): ``cut.generation-prefix-batch-size`` (rows per put; 1 = one
 put per call, the baseline), ``cut.generation-prefix-batch-max-tokens``,
-``cut.generation-prefix-batch-max-bytes`` and ``cut.deadline-s`` (seconds, when the
-caller gives no deadline).
+``cut.generation-prefix-batch-max-bytes``, ``cut.deadline-s`` (seconds, when the
+caller gives no deadline) and ``cut.cpu-slots`` (cuts of one process freezing/packing at
+once; a cut waiting on the store holds no slot).
+
+Cost per row on the batched path: one copy of its tokens (pieces -> the batch buffer,
+:func:`~tasks.cut_batching.pack_chunks`), one SHA-256 pass for its digest over that buffer;
+the batch goes out in rows ordered by storage unit (each unit gets a view of its run) with
+``adopt=True`` (units keep views of the received buffers rather than copying each row).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -497,8 +504,28 @@ class CutStats:
     deadline_passed: bool = False
 
 
+# Cuts sharing a process (writer threads of one controller, several generation actors on
+# one worker) share one GIL: packing and hashing them all at once only interleaves them,
+# so every batch is ready late and the store sits idle meanwhile. A process-wide gate lets
+# ``cut.cpu-slots`` cuts do their CPU-bound steps at a time; a cut leaves it while it waits
+# on the store, so puts overlap the next cut's packing.
+_GATES: dict[int, threading.Semaphore] = {}
+_GATES_LOCK = threading.Lock()
+
+
+def _cpu_gate(slots: int) -> threading.Semaphore:
+    """The process-wide semaphore admitting ``slots`` cuts to their CPU-bound steps."""
+    with _GATES_LOCK:
+        gate = _GATES.get(slots)
+        if gate is None:
+            gate = _GATES[slots] = threading.Semaphore(slots)
+        return gate
+
+
 class _Cut:
     def __init__(self, store, checkpoint_id: str, deadline: float, clock: Clock, limits: BatchLimits, partition: str):
+        self.gate = _cpu_gate(max(1, int(config.get("cut.cpu-slots"))))
+        self.in_gate = False
         self.store = store
         self.checkpoint_id = checkpoint_id
         self.deadline = deadline
@@ -510,6 +537,24 @@ class _Cut:
         self.frozen: list[FrozenChunk] = []
         self.written: set[str] = set()  # keys the store accepted and nobody owns yet
         self.n_units = len(getattr(store, "units", None) or ())  # 0: a store without visible units
+
+    def enter_gate(self) -> None:
+        self.gate.acquire()
+        self.in_gate = True
+
+    def leave_gate(self) -> None:
+        if self.in_gate:
+            self.in_gate = False
+            self.gate.release()
+
+    @contextlib.contextmanager
+    def _io(self):
+        """Leave the CPU gate while waiting on the store (other cuts pack meanwhile)."""
+        self.leave_gate()
+        try:
+            yield
+        finally:
+            self.enter_gate()
 
     def past_deadline(self) -> bool:
         if self.clock() >= self.deadline:
@@ -528,7 +573,8 @@ class _Cut:
         batch = pack_chunks([c.chunk for c in chunks])
         self.stats.put_calls += 1
         try:
-            result = self.store.put_many(batch, partition=self.partition, adopt=True)
+            with self._io():
+                result = self.store.put_many(batch, partition=self.partition, adopt=True)
         except Exception as e:  # the whole put failed: no per-key answer
             return None, f"put_many raised {type(e).__name__}: {e}", batch.nbytes
         return result, "", batch.nbytes
@@ -539,7 +585,8 @@ class _Cut:
             return
         self.stats.delete_calls += 1
         try:
-            self.store.delete(keys, partition=self.partition)
+            with self._io():
+                self.store.delete(keys, partition=self.partition)
         except Exception:
             pass  # best effort: the keys stay unadvertised either way
         self.written.difference_update(keys)
@@ -691,10 +738,14 @@ def run_cut(
     t0 = time.perf_counter()
     cut = _Cut(store, checkpoint_id, resolve_deadline(deadline, clock), clock, limits or limits_from_config(), partition)
     try:
-        cut.run(list(calls))
-    except BaseException:
-        cut.abort()
-        raise
+        cut.enter_gate()
+        try:
+            cut.run(list(calls))
+        except BaseException:
+            cut.abort()
+            raise
+    finally:
+        cut.leave_gate()
     s = cut.stats
     receipt = CutReceipt(
         checkpoint_id=checkpoint_id,
