@@ -219,7 +219,9 @@ class PrefixChunk:
 
     def __post_init__(self) -> None:
         n = 0 if self.context_ids is None else len(self.context_ids)
-        self.delta_len = n + sum(len(p[0]) for p in self.parts)
+        for p in self.parts:  # a few pieces per call
+            n += len(p[0])
+        self.delta_len = n
 
     @property
     def signature(self) -> Signature:
