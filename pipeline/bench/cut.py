@@ -24,14 +24,15 @@ reference). At 16,384 tokens the default is 2,048 rows (512 MB of prefixes; 8,19
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
+
+from .common import add_cluster_arguments, bench_client, main, notes
 
 TARGETS = {"speedup_1024": 25.0, "speedup_16384": 3.0}
 CONTEXT_TOKENS = 16
@@ -46,13 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, default=256, help="rows per put in the batched mode (default 256)")
     p.add_argument("--tokens", default="1024,16384", help="prefix token counts to run (comma-separated)")
     p.add_argument("--unit-memory-limit", default="2GiB", help="per storage unit memory before spilling")
-    p.add_argument("--scheduler", default=None, help="use an existing cluster instead of a LocalCluster")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_cluster_arguments(p)
 
-
-def _note(args, text: str) -> None:
-    if not args.quiet:
-        print(f"[bench cut] {text}", file=sys.stderr, flush=True)
 
 
 def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str) -> list:
@@ -146,20 +142,13 @@ def _cpu_seconds(client) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the cut table; returns the JSON-able result (see module docstring)."""
-    from distributed import Client
-
-    from ..cluster import local_cluster
     from ..store.client import StagingStore
 
     token_sizes = [int(t) for t in str(args.tokens).split(",") if t]
     rows_for = {1024: args.rows, 16384: args.rows_16384}
-    if args.scheduler:
-        client, cluster = Client(args.scheduler), None
-    else:
-        cluster = local_cluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0")
-        client = Client(cluster)
+    say = notes("cut", args.quiet)
     table: list[dict[str, Any]] = []
-    try:
+    with bench_client(args) as client:
         with tempfile.TemporaryDirectory(prefix="bench-cut-") as spill:
             for tokens in token_sizes:
                 rows = rows_for.get(tokens, args.rows)
@@ -167,17 +156,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for rpp in (1, args.batch_size):
                     store = StagingStore.start(client, n_units=2, memory_limit=args.unit_memory_limit, spill_directory=spill)
                     try:
-                        _note(args, f"{tokens} tokens x {rows} rows, {rpp} rows/put, {args.clients} clients ...")
+                        say(f"{tokens} tokens x {rows} rows, {rpp} rows/put, {args.clients} clients ...")
                         row = _one_config(store, tokens, rows, rpp, args, tag=f"t{tokens}b{rpp}", client=client)
                     finally:
                         store.close()
-                    _note(args, f"  {row['put_calls']} puts, {row['wall_s']:.2f} s, {row['rows_per_s']:.0f} rows/s, "
+                    say(f"  {row['put_calls']} puts, {row['wall_s']:.2f} s, {row['rows_per_s']:.0f} rows/s, "
                                 f"row wait {row['mean_row_wait_ms']:.1f} ms, cpu s {row['cpu_s']}")
                     table.append(row)
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
     out: dict[str, Any] = {"benchmark": "cut", "clients": args.clients, "table": table}
     for tokens in token_sizes:
         base = [r for r in table if r["prefix_tokens"] == tokens and r["rows_per_put"] == 1]
@@ -189,16 +174,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.bench.cut", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    args = p.parse_args(argv)
-    result = run(args)
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
-    return 0
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.modules[__name__]))

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 import statistics
 import sys
 import time
@@ -39,6 +38,8 @@ from tasks.gate import CaptureGate
 from tasks.packed import pack_rows
 from tasks.receipts import Receipt
 from tasks.schema import ALL_FIELDS, ROUTES_FIELD, STAGING_FIELDS
+
+from .common import add_cluster_arguments, bench_client, main, notes
 
 TESTS_DIR = str(Path(__file__).resolve().parents[2] / "tests")
 VOCAB, EXPERTS = 512, 8
@@ -58,8 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--groups-per-step", type=int, default=0, help="groups per graph step (default 0: all in one step)")
     p.add_argument("--workers", type=int, default=2, help="LocalCluster workers (default 2, one thread each)")
     p.add_argument("--seed", type=int, default=0, help="random seed of the staged data")
-    p.add_argument("--scheduler", default=None, help="use an existing cluster instead of a LocalCluster")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_cluster_arguments(p)
 
 
 # ---- staged data -------------------------------------------------------------------------
@@ -203,15 +203,6 @@ def verify_vs_hash(store, groups: list[list[Receipt]], repeats: int = 3) -> dict
 # ---- the run -----------------------------------------------------------------------------
 
 
-def _progress(quiet: bool):
-    t0 = time.perf_counter()
-
-    def say(text: str) -> None:
-        if not quiet:
-            print(f"[bench finalize {time.perf_counter() - t0:6.1f}s] {text}", file=sys.stderr, flush=True)
-
-    return say
-
 
 def _add_path(path: str) -> None:
     if path not in sys.path:
@@ -220,23 +211,15 @@ def _add_path(path: str) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Stage both workloads, run baseline and graph on each, return the figures."""
-    from distributed import Client
-
-    from pipeline.cluster import local_cluster
     from pipeline.store import StagingStore
 
-    say = _progress(getattr(args, "quiet", False))
+    say = notes("finalize", args.quiet)
     # Workers import tests/reference_verifier.py: spawned LocalCluster workers inherit
     # sys.path; an existing cluster gets it through client.run below.
     _add_path(TESTS_DIR)
     rng = np.random.default_rng(args.seed)
     counts = {"short": args.short_groups, "agentic": args.agentic_groups}
-    if args.scheduler:
-        client, cluster = Client(args.scheduler), None
-    else:
-        cluster = local_cluster(n_workers=args.workers, threads_per_worker=1, processes=True, dashboard_address=":0")
-        client = Client(cluster)
-    try:
+    with bench_client(args, n_workers=args.workers) as client:
         client.run(_add_path, TESTS_DIR)
         say(f"cluster up: {len(client.scheduler_info()['workers'])} workers")
         store = StagingStore.start(client)
@@ -291,21 +274,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             return out
         finally:
             store.close()
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.bench.finalize", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    args = p.parse_args(argv)
-    result = run(args)
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.modules[__name__]))

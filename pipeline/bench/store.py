@@ -13,16 +13,17 @@ each storage worker's peak RSS (psutil, in the worker process) and read every ro
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
 from tasks.gate import CaptureGate
 from tasks.packed import PackedBatch, pack_rows
+
+from .common import add_cluster_arguments, bench_client, main
 
 TARGET_RATIO = 20.0  # 256-row calls vs one-row calls at 1,024 tokens (rows/s)
 
@@ -41,8 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-gb", type=float, default=2.0, help="GB of rows staged in memory mode (default 2)")
     p.add_argument("--unit-memory-limit", default="256MiB", help="per-unit memory limit in memory mode")
     p.add_argument("--memory-row-tokens", type=int, default=16384, help="tokens per row in memory mode")
-    p.add_argument("--scheduler", default=None, help="use an existing cluster instead of a LocalCluster")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    add_cluster_arguments(p)
 
 
 # ---- row material ------------------------------------------------------------------
@@ -243,19 +243,10 @@ def _memory_mode(client, args) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns one JSON-able dict (see module docstring)."""
-    from distributed import Client
-
-    from ..cluster import local_cluster
     from ..store import StagingStore
 
-    cluster = None
-    if args.scheduler:
-        client = Client(args.scheduler)
-    else:
-        cluster = local_cluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0")
-        client = Client(cluster)
-    result: dict[str, Any] = {"benchmark": "store", "workers": len(client.scheduler_info(n_workers=-1)["workers"])}
-    try:
+    with bench_client(args) as client:
+        result: dict[str, Any] = {"benchmark": "store", "workers": len(client.scheduler_info(n_workers=-1)["workers"])}
         for tokens, single, batched in (
             (1024, args.single_rows_1024, args.rows_1024),
             (16384, args.single_rows_16384, args.rows_16384),
@@ -272,22 +263,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.memory:
             result["memory"] = _memory_mode(client, args)
         result["note"] = f"rows/s of {bs}-row calls vs one-row calls, same store, same run"
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
     return result
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m pipeline.bench.store", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    args = p.parse_args(argv)
-    result = run(args)
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
-    return 0
-
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.modules[__name__]))
