@@ -58,6 +58,10 @@ class BatchLimitError(TokenCaptureError):
     """A batch limit that is not a positive integer."""
 
 
+class InvalidChunk(TokenCaptureError):
+    """A :class:`PrefixChunk` whose pieces do not fit its row (names the chunk and piece)."""
+
+
 @dataclass(frozen=True)
 class BatchLimits:
     """Per-put bounds: rows, tokens and bytes (all positive)."""
@@ -189,6 +193,8 @@ def plan_rows(rows: Iterable[StagedRow], *, limits: BatchLimits) -> list[Planned
 
 # (ids <i8[n], logprobs <f4[n], routes <i2[n, L, K] or None): one piece of generated tokens.
 Part = tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]
+_IDS = TOKEN_FIELDS["token_ids"]
+_LOGPROBS = TOKEN_FIELDS["logprobs"]
 _TOKEN_SIGNATURE = tuple((name, dt.str, ()) for name, dt in TOKEN_FIELDS.items())
 
 
@@ -218,10 +224,46 @@ class PrefixChunk:
     delta_len: int = 0  # tokens (filled by __post_init__)
 
     def __post_init__(self) -> None:
-        n = 0 if self.context_ids is None else len(self.context_ids)
-        for p in self.parts:  # a few pieces per call
-            n += len(p[0])
+        # Checked per piece (a few per call, never per token): pack_chunks copies with
+        # numpy's casting rules, which would silently convert a wrong dtype.
+        rs = None if self.routes_shape is None else tuple(self.routes_shape)
+        if rs is not None and (len(rs) != 2 or not all(isinstance(x, (int, np.integer)) and x > 0 for x in rs)):
+            raise InvalidChunk(f"{self.key}: routes_shape must be (layers, top_k) positive ints, got {self.routes_shape!r}")
+        n = 0
+        if self.context_ids is not None:
+            n = self._check("context_ids", self.context_ids, _IDS, None)
+            self._check_routes("context_routes", self.context_routes, n, rs)
+        for j, p in enumerate(self.parts):  # a few pieces per call
+            if not isinstance(p, tuple) or len(p) != 3:
+                raise InvalidChunk(f"{self.key}: parts[{j}] must be an (ids, logprobs, routes) tuple")
+            k = self._check(f"parts[{j}] ids", p[0], _IDS, None)
+            self._check(f"parts[{j}] logprobs", p[1], _LOGPROBS, k)
+            self._check_routes(f"parts[{j}] routes", p[2], k, rs)
+            n += k
+        for name in ("chain_hash", "cumulative_hash"):
+            h = getattr(self, name)
+            if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+                raise InvalidChunk(f"{self.key}: {name} must be {HASH_BYTES} bytes, got {type(h).__name__} "
+                                   f"of length {len(h) if isinstance(h, (bytes, bytearray)) else '?'}")
         self.delta_len = n
+
+    def _check(self, what: str, a: object, dtype: np.dtype, length: Optional[int]) -> int:
+        """Length (tokens) of ``a`` if it is a 1-D ``dtype`` array of ``length``, else raise."""
+        if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != dtype:
+            got = f"{a.dtype.str}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise InvalidChunk(f"{self.key}: {what} must be 1-d {dtype.str}, got {got}")
+        if length is not None and len(a) != length:
+            raise InvalidChunk(f"{self.key}: {what} has {len(a)} tokens, its ids {length}")
+        return len(a)
+
+    def _check_routes(self, what: str, a: object, n: int, rs: Optional[tuple]) -> None:
+        if rs is None:
+            if a is not None:
+                raise InvalidChunk(f"{self.key}: {what} given but routes_shape is None")
+            return
+        if not isinstance(a, np.ndarray) or a.dtype != ROUTES_DTYPE or a.shape != (n,) + rs:
+            got = f"{a.dtype.str}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
+            raise InvalidChunk(f"{self.key}: {what} must be {ROUTES_DTYPE.str}{[n, *rs]}, got {got}")
 
     @property
     def signature(self) -> Signature:
@@ -272,7 +314,7 @@ def pack_chunks(chunks: Sequence[PrefixChunk]) -> PackedBatch:
     n = len(chunks)
     shapes = {c.routes_shape for c in chunks}
     if len(shapes) > 1:
-        raise ValueError(f"chunks of one batch must share a routes shape, got {sorted(map(str, shapes))}")
+        raise InvalidChunk(f"chunks of one batch must share a routes shape, got {sorted(map(str, shapes))}")
     routes_shape = shapes.pop() if shapes else None
     lengths = [c.delta_len for c in chunks]
     offsets = np.zeros(n + 1, dtype=np.int64)
