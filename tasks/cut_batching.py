@@ -355,6 +355,9 @@ def pack_chunks(chunks: Sequence[PrefixChunk]) -> PackedBatch:
     digests: list[bytes] = []
     bounds = offsets.tolist()
     for i, c in enumerate(chunks):
+        if len(c.chain_hash) != HASH_BYTES or len(c.cumulative_hash) != HASH_BYTES:
+            # Checked per chunk: a per-batch length check passes 31 + 33 bytes.
+            raise InvalidChunk(f"{c.key}: chain_hash and cumulative_hash must be {HASH_BYTES} bytes each")
         a, b = bounds[i], bounds[i + 1]
         header = hashing.digest_header(SCHEMA_VERSION, hashing.DIGEST_VERSION, rid[i], mid[i], pid[i],
                                        c.prev_len, b - a, c.prev_len + b - a, c.weight_version, enc)
