@@ -9,6 +9,7 @@ import pytest
 
 from pipeline.store import GetResult, StagingStore, StoreError, StoreResult
 from tasks.gate import CaptureGate
+from tasks.keys import unit_for_key
 from tasks.packed import PackedBatch, PackedField, pack_rows, unpack_rows
 from tasks.schema import StagedRow
 
@@ -290,3 +291,206 @@ def test_large_put_split_into_capped_calls(store_factory):
     assert store.stats()[0]["puts"] >= 3
     got = store.get_many(list(batch.keys))
     assert_same_batch(got.batch, batch)
+
+
+# ---- adopted puts (put_many(..., adopt=True)) -------------------------------------------
+#
+# With adopt the caller hands the batch's buffers over; a unit keeps each row's token
+# fields (token_ids, token_mask, logprobs, routed_experts) as views of the buffers it
+# received, one shared group per put. Bytes of a group's buffers that no in-memory row
+# covers any more are ``pinned_bytes``, counted against capacity; a group whose live rows
+# cover less than half of its buffers is compacted (rows copied out, buffers freed).
+
+TOKENS = 256  # per row: every token field is shared (>= 64 elements per row)
+SHARED_BYTES = TOKENS * (8 + 4 + 4 + 2 * L * K)  # one row's bytes in the adopted buffers
+
+
+def unit_stats(store: StagingStore, i: int = 0) -> dict:
+    return store.stats()[i]
+
+
+def assert_rows_exact(store: StagingStore, rows: list[StagedRow], partition: str = "staging") -> None:
+    """Every row reads back bit-exact, in request order, recomputed digests included."""
+    from tasks.hashing import row_digest
+
+    got = store.get_many([r.staging_key for r in rows], partition=partition)
+    assert not got.failed, got.failed
+    assert_same_batch(got.batch, pack_rows(rows))
+    assert all(row_digest(a) == b.digest for a, b in zip(unpack_rows(got.batch), rows))
+
+
+def test_adopted_puts_read_back_bit_exact(store_factory):
+    import dask
+
+    rows = make_rows(12, calls=2, tokens=TOKENS, seed=21)
+    batch = pack_rows(rows)
+    store = store_factory(n_units=2)
+    copy = store_factory(n_units=2)
+    # Rows interleaving the units (each unit's rows are gathered into a new batch), then rows
+    # ordered by unit (each unit gets a slice of the batch buffers) in small capped calls.
+    order = np.random.default_rng(0).permutation(len(batch))
+    first, rest = order[:8], np.sort(order[8:])
+    rest = rest[np.argsort([unit_for_key(batch.keys[i], 2) for i in rest], kind="stable")]
+    res = store.put_many(batch.take(first), adopt=True)
+    assert sorted(res.ok) == sorted(batch.keys[i] for i in first) and not res.failed
+    with dask.config.set({"token-capture.store.max-call-bytes": 3 * SHARED_BYTES}):
+        res = store.put_many(batch.take(rest), adopt=True)
+    assert sorted(res.ok) == sorted(batch.keys[i] for i in rest) and not res.failed
+    assert not copy.put_many(pack_rows(rows)).failed
+    assert_rows_exact(store, rows)
+    stats, copy_stats = store.stats(), copy.stats()
+    # Adopted rows weigh exactly what copied rows weigh; nothing is pinned while every row lives.
+    assert [s["used_bytes"] for s in stats] == [s["used_bytes"] for s in copy_stats]
+    assert all(s["pinned_bytes"] == 0 for s in stats)
+    assert all(s["shared_groups"] >= 2 for s in stats), "one group per adopted call"
+    assert all(s["shared_groups"] == 0 for s in copy_stats)
+
+
+def test_adopted_rows_survive_deletes_and_mostly_dead_groups_compact(store_factory):
+    rows = make_rows(8, calls=1, tokens=TOKENS, seed=22)
+    store = store_factory(n_units=1)
+    assert not store.put_many(pack_rows(rows), adopt=True).failed
+    s = unit_stats(store)
+    assert (s["shared_groups"], s["pinned_bytes"]) == (1, 0)
+    row_weight = s["used_bytes"] // 8
+    for k in range(1, 6):
+        assert store.delete([rows[k - 1].staging_key]).ok == [rows[k - 1].staging_key]
+        s = unit_stats(store)
+        assert s["used_bytes"] == (8 - k) * row_weight, "a deleted row's weight is freed at once"
+        if k <= 4:
+            # Live rows still cover at least half of the buffers: kept, the dead part pinned.
+            assert (s["shared_groups"], s["pinned_bytes"]) == (1, k * SHARED_BYTES)
+        else:
+            # 3 of 8 live: compacted (survivors copied out, buffers freed, nothing pinned).
+            assert (s["shared_groups"], s["pinned_bytes"]) == (0, 0)
+        assert_rows_exact(store, rows[k:])
+    # The rest leave without a group to update; the unit ends empty.
+    store.delete([r.staging_key for r in rows[5:]])
+    s = unit_stats(store)
+    assert (s["rows"], s["used_bytes"], s["pinned_bytes"], s["shared_groups"]) == (0, 0, 0, 0)
+
+
+def test_whole_adopted_group_deleted_unpins_everything(store_factory):
+    rows = make_rows(6, calls=1, tokens=TOKENS, seed=23)
+    store = store_factory(n_units=1)
+    store.put_many(pack_rows(rows[:3]), adopt=True)
+    store.put_many(pack_rows(rows[3:]), adopt=True)
+    assert unit_stats(store)["shared_groups"] == 2
+    store.delete([rows[0].staging_key])  # group 1: 2 of 3 live
+    s = unit_stats(store)
+    assert (s["shared_groups"], s["pinned_bytes"]) == (2, SHARED_BYTES)
+    store.delete([r.staging_key for r in rows[1:3]])  # group 1 gone entirely: its pin goes too
+    s = unit_stats(store)
+    assert (s["shared_groups"], s["pinned_bytes"]) == (1, 0)
+    assert_rows_exact(store, rows[3:])
+
+
+def test_adopted_rows_bit_exact_through_spill(store_factory, tmp_path):
+    rows = make_rows(8, calls=1, tokens=TOKENS, seed=24)
+    probe = store_factory(n_units=1)
+    probe.put_many(pack_rows(rows[:1]))
+    weight = unit_stats(probe)["used_bytes"]
+
+    # Room for 5 rows in memory: the first 3 spill during the put, the group keeps 5 members.
+    store = store_factory(n_units=1, memory_limit=int(5.5 * weight))
+    assert not store.put_many(pack_rows(rows), adopt=True).failed
+    s = unit_stats(store)
+    in_memory = s["rows"] - s["spilled_rows"]
+    assert s["spilled_rows"] > 0 and spill_files(tmp_path / "spill")
+    assert in_memory >= 4, "the memory limit leaves a group worth keeping"
+    assert (s["shared_groups"], s["pinned_bytes"]) == (1, (8 - in_memory) * SHARED_BYTES)
+    # Reading the spilled rows back evicts members (LRU): pins rise, then the group compacts.
+    for _ in range(2):
+        assert_rows_exact(store, rows)
+        assert_rows_exact(store, rows[::-1])
+        s = unit_stats(store)
+        assert s["pinned_bytes"] % SHARED_BYTES == 0 and s["pinned_bytes"] <= 4 * SHARED_BYTES, "pins never exceed live bytes"
+        assert s["shared_groups"] or s["pinned_bytes"] == 0
+        assert s["memory_bytes"] <= int(5.5 * weight)
+    assert s["spilled_rows"] > 0
+
+    # Room for 1 row: everything but the last spills at once; a group of 1 live row in 8 is
+    # compacted at the end of the put itself.
+    tiny = store_factory(n_units=1, memory_limit=int(1.5 * weight))
+    others = make_rows(8, calls=1, tokens=TOKENS, seed=25, prefix="t")
+    assert not tiny.put_many(pack_rows(others), adopt=True).failed
+    s = unit_stats(tiny)
+    assert s["spilled_rows"] == 7 and (s["shared_groups"], s["pinned_bytes"]) == (0, 0)
+    assert_rows_exact(tiny, others)
+    # An identical re-put of spilled rows compares against the disk copy: idempotent.
+    again = tiny.put_many(pack_rows(others), adopt=True)
+    assert sorted(again.ok) == sorted(r.staging_key for r in others) and not again.failed
+    assert unit_stats(tiny)["rows"] == 8
+
+
+def test_adopted_reput_is_idempotent_and_different_content_conflicts(store_factory):
+    rows = make_rows(4, calls=2, tokens=TOKENS, seed=26)
+    store = store_factory(n_units=1)
+    assert not store.put_many(pack_rows(rows), adopt=True).failed
+    before = unit_stats(store)
+    again = store.put_many(pack_rows(rows), adopt=True)  # fresh buffers, same content
+    assert sorted(again.ok) == sorted(r.staging_key for r in rows) and not again.failed
+    s = unit_stats(store)
+    assert s["rows"] == 8 and s["used_bytes"] == before["used_bytes"]
+    assert (s["shared_groups"], s["pinned_bytes"]) == (1, 0), "an all-idempotent put keeps nothing of its buffers"
+
+    tampered = pack_rows(rows)
+    victim = tampered.keys[5]
+    o = tampered.fields["logprobs"].offsets
+    tampered.fields["logprobs"].values[o[5] + 3] -= 0.25
+    res = store.put_many(tampered, adopt=True)
+    assert list(res.failed) == [victim] and res.failed[victim][0] == "key_conflict"
+    assert sorted(res.ok) == sorted(k for k in tampered.keys if k != victim)
+    s = unit_stats(store)
+    assert (s["rows"], s["shared_groups"], s["pinned_bytes"]) == (8, 1, 0)
+    assert_rows_exact(store, rows)
+
+
+def test_capacity_counts_pinned_bytes_nothing_lost(store_factory):
+    rows = make_rows(8, calls=1, tokens=TOKENS, seed=27)
+    fresh = make_rows(4, calls=1, tokens=TOKENS, seed=28, prefix="f")
+    probe = store_factory(n_units=1)
+    probe.put_many(pack_rows(rows[:1]))
+    weight = unit_stats(probe)["used_bytes"]
+    capacity = 8 * weight + weight // 4
+    store = store_factory(n_units=1, capacity=capacity)
+    assert not store.put_many(pack_rows(rows), adopt=True).failed
+    store.delete([r.staging_key for r in rows[:4]])  # half live: kept, 4 rows' token bytes pinned
+    s = unit_stats(store)
+    assert s["pinned_bytes"] == 4 * SHARED_BYTES and s["used_bytes"] == 4 * weight
+    # By row weights alone the 4 new rows fit (8 <= 8.25 rows); the pinned buffers are real
+    # memory, so the unit refuses them.
+    res = store.put_many(pack_rows(fresh), adopt=True)
+    assert res.failed and all(r == "store_full" and "pinned" in d for r, d in res.failed.values())
+    s = unit_stats(store)
+    assert s["used_bytes"] + s["pinned_bytes"] <= capacity
+    assert_rows_exact(store, rows[4:])
+    refused = [r for r in fresh if r.staging_key in res.failed]
+    missing = store.get_many([r.staging_key for r in refused]).failed
+    assert all(missing[r.staging_key][0] == "missing_key" for r in refused), "refused rows are not half-stored"
+    # One more delete leaves 3 of 8 live: compaction frees the pinned bytes, the rows fit.
+    store.delete([rows[4].staging_key])
+    assert unit_stats(store)["pinned_bytes"] == 0
+    retry = store.put_many(pack_rows(refused), adopt=True)
+    assert sorted(retry.ok) == sorted(r.staging_key for r in refused) and not retry.failed
+    assert_rows_exact(store, rows[5:] + fresh)
+
+
+def test_partly_refused_adopted_put_never_holds_the_unit_past_capacity(store_factory):
+    """Rows refused from an adopted put (store_full, key_conflict, idempotent) still sit in
+    its buffers; the unit must not keep those dead bytes beyond its capacity."""
+    rows = make_rows(8, calls=1, tokens=TOKENS, seed=29)
+    probe = store_factory(n_units=1)
+    probe.put_many(pack_rows(rows[:1]))
+    weight = unit_stats(probe)["used_bytes"]
+    capacity = int(4.5 * weight)
+    store = store_factory(n_units=1, capacity=capacity)
+    res = store.put_many(pack_rows(rows), adopt=True)
+    assert len(res.ok) == 4 and all(r == "store_full" for r, _ in res.failed.values())
+    s = unit_stats(store)
+    assert s["used_bytes"] == 4 * weight
+    assert s["used_bytes"] + s["pinned_bytes"] <= capacity, s
+    # The space the rows leave is usable: a row that fits by weight is taken.
+    small = make_rows(1, calls=1, tokens=16, seed=30, prefix="s")
+    assert not store.put_many(pack_rows(small), adopt=True).failed
+    assert_rows_exact(store, [r for r in rows if r.staging_key in res.ok] + small)

@@ -316,7 +316,9 @@ class StorageUnit:
     # memory (deleted or spilled). Row weights stay exact (each view's bytes); the bytes
     # of a buffer no live in-memory row covers any more are ``pinned_bytes``, counted
     # against capacity. A group whose live rows cover less than half of its buffers is
-    # compacted (its remaining rows copied out), so pinned bytes never exceed live ones.
+    # compacted (its remaining rows copied out), so pinned bytes never exceed live ones; so
+    # is a group whose pinned bytes take the unit past its capacity (rows refused from an
+    # adopted put, or members spilled, must not hold memory the capacity does not allow).
 
     def _adopt_group(self, shared: list[str], cols: list, slots: list[str]) -> None:
         """Track the adopted buffers of fields ``shared`` as one group of rows ``slots``."""
@@ -366,7 +368,7 @@ class StorageUnit:
 
     def _maybe_compact(self, gid: int) -> None:
         g = self._groups.get(gid)
-        if g is None or 2 * g.live >= g.held:
+        if g is None or (2 * g.live >= g.held and self.used_bytes + self.pinned_bytes <= self.capacity):
             return
         del self._groups[gid]
         self.pinned_bytes -= g.held - g.live
