@@ -494,3 +494,102 @@ def test_partly_refused_adopted_put_never_holds_the_unit_past_capacity(store_fac
     small = make_rows(1, calls=1, tokens=16, seed=30, prefix="s")
     assert not store.put_many(pack_rows(small), adopt=True).failed
     assert_rows_exact(store, [r for r in rows if r.staging_key in res.ok] + small)
+
+
+# In-process (processes=False) the unit receives the caller's very arrays: no wire copy in
+# between. What adopt promises there (StorageUnit.put_many / StagingStore.put_many): the
+# caller hands the buffers over and never modifies them afterwards; in return the unit keeps
+# token rows as views of them instead of copying each row. Without adopt the unit copies.
+
+
+@pytest.fixture(scope="module")
+def inproc_client():
+    from distributed import Client, LocalCluster
+
+    # inproc transport: nothing bound to a network interface.
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None,
+                      worker_dashboard_address="127.0.0.1:0") as cluster:
+        with Client(cluster) as c:
+            yield c
+
+
+@pytest.fixture
+def inproc_store(inproc_client, tmp_path):
+    stores = []
+
+    def make(**kw):
+        kw.setdefault("spill_directory", str(tmp_path / "spill-inproc"))
+        s = StagingStore.start(inproc_client, **kw)
+        stores.append(s)
+        return s
+
+    yield make
+    for s in stores:
+        s.close()
+
+
+def _scribble(batch: PackedBatch, names) -> None:
+    for name in names:
+        v = batch.fields[name].values
+        v.view(np.uint8)[...] ^= 0x5A  # every byte changes
+
+
+TOKEN_NAMES = ("token_ids", "token_mask", "logprobs", "routed_experts")
+
+
+def test_in_process_adopt_keeps_views_and_a_kept_promise_keeps_rows_exact(inproc_store):
+    import gc
+
+    store = inproc_store(n_units=1)
+    rows = make_rows(8, calls=1, tokens=TOKENS, seed=31)
+
+    # Without adopt the unit copies: the caller may reuse every buffer at once.
+    copied = pack_rows(rows[:4])
+    assert not store.put_many(copied).failed
+    _scribble(copied, copied.fields)
+    assert_rows_exact(store, rows[:4])
+
+    # Adopt, promise kept: the caller never touches the buffers again (here: drops them).
+    adopted = pack_rows(rows[4:])
+    assert not store.put_many(adopted, adopt=True).failed
+    del adopted
+    gc.collect()
+    assert_rows_exact(store, rows[4:])  # the unit's views keep the buffers alive
+    assert unit_stats(store)["shared_groups"] == 1
+
+    # Why the promise matters: token fields ARE the handed-over buffers (no per-row copy),
+    # while ids, scalars and hashes are copied once per batch.
+    others = make_rows(8, calls=1, tokens=TOKENS, seed=32, prefix="v")
+    handed = pack_rows(others)
+    assert not store.put_many(handed, adopt=True).failed
+    keys = list(handed.keys)
+    want_small = {n: f.values.copy() for n, f in handed.fields.items() if n not in TOKEN_NAMES}
+    _scribble(handed, handed.fields)  # a broken promise
+    got = store.get_many(keys).batch
+    for name in TOKEN_NAMES:
+        assert got.fields[name].values.tobytes() == handed.fields[name].values.tobytes(), name
+    for name, want in want_small.items():
+        assert got.fields[name].values.tobytes() == want.tobytes(), f"{name} is copied on put"
+
+    # Compaction copies the survivors out: from then on they no longer follow the buffers.
+    store.delete(keys[:5])
+    assert unit_stats(store)["shared_groups"] == 1  # only the first adopted group is left
+    before = store.get_many(keys[5:]).batch
+    _scribble(handed, TOKEN_NAMES)
+    after = store.get_many(keys[5:]).batch
+    for name in TOKEN_NAMES:
+        assert after.fields[name].values.tobytes() == before.fields[name].values.tobytes(), name
+
+
+def test_in_process_adopt_across_units_reads_back_exact(inproc_store):
+    store = inproc_store(n_units=2, memory_limit="48KiB")  # spills too
+    rows = make_rows(16, calls=2, tokens=TOKENS, seed=33)
+    batch = pack_rows(rows)
+    by_unit = np.argsort([unit_for_key(k, 2) for k in batch.keys], kind="stable")
+    assert not store.put_many(batch.take(by_unit), adopt=True).failed  # each unit: a slice of the buffers
+    assert sum(s["spilled_rows"] for s in store.stats()) > 0
+    assert_rows_exact(store, rows)
+    store.delete([r.staging_key for r in rows[::2]])
+    assert_rows_exact(store, rows[1::2])
+    stats = store.stats()
+    assert all(s["pinned_bytes"] <= s["memory_bytes"] for s in stats), "pins never exceed live bytes"
