@@ -383,3 +383,128 @@ def test_actor_failed_call_mid_cut_reports_generation_lost(client, store):
     assert receipt.ack("x0", "call-0").reason == GENERATION_LOST
     assert receipt.ack("x1", "call-0").durable
     assert present(store, ["__cut__/lost/x0/call-0/0", "__cut__/lost/x1/call-0/0"]) == {"__cut__/lost/x1/call-0/0"}
+
+
+# ---- the process-wide CPU gate (cut.cpu-slots) -------------------------------------------
+#
+# Cuts sharing a process take a slot of a process-wide semaphore for their CPU-bound steps
+# (freezing, packing) and leave it while they wait on the store.
+
+import threading  # noqa: E402
+
+from pipeline.generation import cut as cut_module  # noqa: E402
+
+
+class PackProbe:
+    """Wraps ``pack_chunks``: counts packs running at once (``max_active``).
+
+    The first pack is held open until a second pack starts or ``hold_s`` passes, so a gate
+    that admits two cuts shows them overlapping instead of depending on a lucky schedule
+    (``hold_s`` only bounds the wait; nothing asserts on time)."""
+
+    def __init__(self, real, hold_s: float):
+        self.real, self.hold_s = real, hold_s
+        self.lock = threading.Lock()
+        self.active = self.max_active = self.calls = 0
+        self.overlap = threading.Event()
+
+    def __call__(self, chunks):
+        with self.lock:
+            self.active += 1
+            self.calls += 1
+            first = self.calls == 1
+            self.max_active = max(self.max_active, self.active)
+            if self.active > 1:
+                self.overlap.set()
+        try:
+            if first:
+                self.overlap.wait(self.hold_s)
+            return self.real(chunks)
+        finally:
+            with self.lock:
+                self.active -= 1
+
+
+def _in_threads(*jobs):
+    """Run each zero-argument job in its own thread; return their results (re-raise errors)."""
+    out, errors = [None] * len(jobs), []
+
+    def run(i, job):
+        try:
+            out[i] = job()
+        except BaseException as e:  # reported to the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i, j), daemon=True) for i, j in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads), "a cut never finished"
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.mark.parametrize("slots, expected", [(1, 1), (2, 2)])
+def test_cuts_in_one_process_pack_one_at_a_time_with_one_cpu_slot(store, monkeypatch, slots, expected):
+    probe = PackProbe(cut_module.pack_chunks, hold_s=2.0 if slots == 1 else 30.0)
+    monkeypatch.setattr(cut_module, "pack_chunks", probe)
+    a, b = buffers(6, prefix="ga"), buffers(6, prefix="gb")
+    limits = BatchLimits(2, 1 << 22, 1 << 28)  # 3 packs per cut
+    with dask.config.set({"token-capture.cut.cpu-slots": slots}):
+        (ra, _), (rb, _) = _in_threads(lambda: cut(a, store, limits=limits, checkpoint_id="gate-a"),
+                                       lambda: cut(b, store, limits=limits, checkpoint_id="gate-b"))
+    assert probe.calls == 6
+    # One slot: never two packs at once. Two slots (the control): the probe does see overlap.
+    assert probe.max_active == expected
+    for r in (ra, rb):
+        assert r.counts() == {DURABLE_PREFIX: 6}
+        for ack in r.acks:
+            assert_verifies(store, ack)
+
+
+class BlockingStore:
+    """The real store; a put carrying a key that contains ``block`` waits for ``release``."""
+
+    def __init__(self, store, block: str):
+        self.store, self.block = store, block
+        self.units = store.units  # the cut orders rows by unit
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def put_many(self, batch, partition="staging", adopt=False):
+        if any(self.block in k for k in batch.keys):
+            self.entered.set()
+            if not self.release.wait(60):
+                raise RuntimeError("blocked put never released")
+        return self.store.put_many(batch, partition=partition, adopt=adopt)
+
+    def delete(self, keys, partition="staging"):
+        return self.store.delete(keys, partition=partition)
+
+
+def test_a_cut_waiting_on_the_store_holds_no_cpu_slot(store, monkeypatch):
+    probe = PackProbe(cut_module.pack_chunks, hold_s=0.0)
+    monkeypatch.setattr(cut_module, "pack_chunks", probe)
+    blocking = BlockingStore(store, block="/wait-a/")
+    a, b = buffers(4, prefix="wa"), buffers(4, prefix="wb")
+    with dask.config.set({"token-capture.cut.cpu-slots": 1}):
+        results: dict = {}
+        waiting = threading.Thread(target=lambda: results.setdefault("a", cut(a, blocking, checkpoint_id="wait-a")),
+                                   daemon=True)
+        waiting.start()
+        try:
+            assert blocking.entered.wait(30), "cut A reached its put"
+            # A sits in its put with the only slot's holder gone: B freezes, packs, puts, seals.
+            (rb, _), = _in_threads(lambda: cut(b, blocking, checkpoint_id="wait-b"))
+            assert waiting.is_alive() and "a" not in results, "A was still waiting on the store"
+        finally:
+            blocking.release.set()
+            waiting.join(timeout=60)
+    assert not waiting.is_alive()
+    ra = results["a"][0]
+    assert probe.calls == 2
+    for r in (ra, rb):
+        assert r.counts() == {DURABLE_PREFIX: 4} and r.put_calls == 1
+        for ack in r.acks:
+            assert_verifies(store, ack)
