@@ -226,23 +226,43 @@ class PrefixChunk:
     def __post_init__(self) -> None:
         # Checked per piece (a few per call, never per token): pack_chunks copies with
         # numpy's casting rules, which would silently convert a wrong dtype.
-        rs = None if self.routes_shape is None else tuple(self.routes_shape)
-        if rs is not None and (len(rs) != 2 or not all(isinstance(x, (int, np.integer)) and x > 0 for x in rs)):
-            raise InvalidChunk(f"{self.key}: routes_shape must be (layers, top_k) positive ints, got {self.routes_shape!r}")
+        rs = self.routes_shape
+        if rs is not None and not (type(rs) is tuple and len(rs) == 2 and type(rs[0]) is int and type(rs[1]) is int
+                                   and rs[0] > 0 and rs[1] > 0):
+            rs = tuple(rs) if isinstance(rs, (tuple, list)) else ()
+            if len(rs) != 2 or not all(isinstance(x, (int, np.integer)) and x > 0 for x in rs):
+                raise InvalidChunk(f"{self.key}: routes_shape must be (layers, top_k) positive ints, got {self.routes_shape!r}")
+            rs = (int(rs[0]), int(rs[1]))
         n = 0
-        if self.context_ids is not None:
-            n = self._check("context_ids", self.context_ids, _IDS, None)
-            self._check_routes("context_routes", self.context_routes, n, rs)
+        ctx, ctx_routes = self.context_ids, self.context_routes
+        if ctx is not None:
+            try:  # fast path (numpy's dtypes are singletons); the slow one names the problem
+                ok = ctx.dtype is _IDS and ctx.ndim == 1 and (
+                    ctx_routes is None if rs is None
+                    else ctx_routes.dtype is ROUTES_DTYPE and ctx_routes.shape[1:] == rs and len(ctx_routes) == len(ctx))
+            except (TypeError, ValueError, AttributeError):
+                ok = False
+            if not ok:
+                self._check("context_ids", ctx, _IDS, None)
+                self._check_routes("context_routes", ctx_routes, len(ctx), rs)
+            n = len(ctx)
         for j, p in enumerate(self.parts):  # a few pieces per call
-            if not isinstance(p, tuple) or len(p) != 3:
-                raise InvalidChunk(f"{self.key}: parts[{j}] must be an (ids, logprobs, routes) tuple")
-            k = self._check(f"parts[{j}] ids", p[0], _IDS, None)
-            self._check(f"parts[{j}] logprobs", p[1], _LOGPROBS, k)
-            self._check_routes(f"parts[{j}] routes", p[2], k, rs)
-            n += k
-        for name in ("chain_hash", "cumulative_hash"):
-            h = getattr(self, name)
-            if not isinstance(h, bytes) or len(h) != HASH_BYTES:
+            try:
+                ids, lps, routes = p
+                ok = ids.dtype is _IDS and lps.dtype is _LOGPROBS and ids.ndim == 1 and lps.shape == ids.shape and (
+                    routes is None if rs is None
+                    else routes.dtype is ROUTES_DTYPE and routes.shape[1:] == rs and len(routes) == len(ids))
+            except (TypeError, ValueError, AttributeError):
+                ok = False
+            if not ok:  # say exactly what is wrong
+                if not isinstance(p, (tuple, list)) or len(p) != 3:
+                    raise InvalidChunk(f"{self.key}: parts[{j}] must be an (ids, logprobs, routes) tuple")
+                k = self._check(f"parts[{j}] ids", p[0], _IDS, None)
+                self._check(f"parts[{j}] logprobs", p[1], _LOGPROBS, k)
+                self._check_routes(f"parts[{j}] routes", p[2], k, rs)
+            n += len(ids)
+        for name, h in (("chain_hash", self.chain_hash), ("cumulative_hash", self.cumulative_hash)):
+            if type(h) is not bytes or len(h) != HASH_BYTES:
                 raise InvalidChunk(f"{self.key}: {name} must be {HASH_BYTES} bytes, got {type(h).__name__} "
                                    f"of length {len(h) if isinstance(h, (bytes, bytearray)) else '?'}")
         self.delta_len = n
