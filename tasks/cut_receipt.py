@@ -10,7 +10,8 @@ A cut answers, per call the controller listed (its *inventory*):
   it regenerates after a restore. Reasons (:data:`FAILURE_REASONS`): ``cut_error`` (put,
   ack or seal failed; ``detail`` says which), ``control_deadline`` (the cut deadline
   passed before the call's row was written), ``generation_lost`` (the call failed or was
-  aborted while its cut was in flight), ``unknown_call`` (the worker holds no such call).
+  aborted while its cut was in flight), ``unknown_call`` (the worker holds no such call),
+  ``empty_prefix`` (no context and no generated token yet: nothing worth a put).
 * ``completed``: the call reached its terminal completion before its prefix was sealed;
   its output is delivered by the normal finish path (``total_tokens`` long), so no
   prefix is kept for it: reported once, never lost and never doubled.
@@ -50,7 +51,8 @@ CUT_ERROR = "cut_error"
 CONTROL_DEADLINE = "control_deadline"
 GENERATION_LOST = "generation_lost"
 UNKNOWN_CALL = "unknown_call"
-FAILURE_REASONS = (CUT_ERROR, CONTROL_DEADLINE, GENERATION_LOST, UNKNOWN_CALL)
+EMPTY_PREFIX = "empty_prefix"
+FAILURE_REASONS = (CUT_ERROR, CONTROL_DEADLINE, GENERATION_LOST, UNKNOWN_CALL, EMPTY_PREFIX)
 
 CallId = tuple[str, str]
 InventoryEntry = Union[CallId, list, str]

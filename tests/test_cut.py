@@ -508,3 +508,17 @@ def test_a_cut_waiting_on_the_store_holds_no_cpu_slot(store, monkeypatch):
         assert r.counts() == {DURABLE_PREFIX: 4} and r.put_calls == 1
         for ack in r.acks:
             assert_verifies(store, ack)
+
+
+def test_call_with_nothing_to_save_is_not_written():
+    """No context and no generated token: no zero-token row is put and advertised; the call
+    is acknowledged ``durable_failure``/``empty_prefix`` and regenerates after a restore."""
+    from pipeline.generation.cut import CallBuffer
+    from tasks.cut_receipt import DURABLE_FAILURE, EMPTY_PREFIX
+
+    buf = CallBuffer("r-empty", "call-0", np.zeros(0, np.int64))
+    ack = buf.freeze("ck-empty")
+    assert ack.status == DURABLE_FAILURE and ack.reason == EMPTY_PREFIX
+    buf.append(np.array([3], np.int64), np.array([-0.5], np.float32))
+    frozen = buf.freeze("ck-empty-2")
+    assert getattr(frozen, "tokens", None) == 1  # once a token exists, it is cut

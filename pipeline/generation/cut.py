@@ -74,6 +74,7 @@ from tasks.cut_receipt import (
     CONTROL_DEADLINE,
     CUT_ERROR,
     DURABLE_PREFIX,
+    EMPTY_PREFIX,
     GENERATION_LOST,
     UNKNOWN_CALL,
     CallAck,
@@ -379,6 +380,9 @@ class CallBuffer:
             first = not self.cut_keys
             if not first and not self._active:
                 return self._durable_ack_locked()
+            if first and not len(self.context_ids) and not any(len(p[0]) for p in self._active):
+                # A zero-token row would be advertised, then refused on restore: skip the put.
+                return CallAck.failure(self.call, EMPTY_PREFIX, "no context and no generated token yet")
             parts, self._active = self._active, []
             seq = len(self.cut_keys)
             prev = self.cut_tokens
