@@ -45,7 +45,9 @@ _I16 = np.dtype("<i2")
 
 def _buf(a: np.ndarray, dtype: np.dtype) -> memoryview:
     """A zero-copy byte view of ``a`` as ``dtype`` (copies only if not already so)."""
-    a = np.ascontiguousarray(a, dtype=dtype)
+    # reshape(-1): memoryview refuses to cast a view with a zero in its shape, and a flat
+    # view of a contiguous array is free.
+    a = np.ascontiguousarray(a, dtype=dtype).reshape(-1)
     return memoryview(a).cast("B")
 
 
