@@ -16,9 +16,17 @@ light_10ms / light_50ms  8 workers, each starting a restore every 10 / 50 ms
 worker (W instances in the controller's event loop sharing the store, as the reference's
 tool ran its batchers), with the configured knobs (``token-capture.restore.*``) and the
 batcher's unit grouping (each get targets one storage unit).
+Both modes read the same fields (every field ``tasks.prefix.verify_prefix``
+checks) from the same store through the same ``get_many_async``.
 Every restore's latency runs from its scheduled start to its rows in hand. Each scenario
 runs ``--repeats`` times per mode, alternating which mode goes first; ``wall_s`` is the
 slower run (as the reference reported), ``p50_ms``/``p99_ms`` pool every run's restores.
+
+The controller also hosts the LocalCluster's scheduler: ~280,000 long-lived objects, so
+every full garbage collection costs ~160 ms, landing on whichever run happens to trigger
+it. After staging and warm-up the bench moves those objects out of the collector's way
+(``gc.freeze()``; ``--no-gc-freeze`` to measure without it); each row reports the
+collector's time during its slowest run (``gc_ms``).
 
 Per row: ``scenario``, ``mode``, ``restores``, ``gets``, ``keys_per_get``, ``wall_s``,
 ``p50_ms``, ``p99_ms``. Top level: ``mass_resume_speedup`` (per-request wall / coalesced
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import sys
 import time
@@ -47,6 +56,13 @@ CONTEXT_TOKENS = 16
 TEMPLATES = 8  # distinct payload rows, reused under many keys
 
 
+def _restore_fields() -> list[str]:
+    # Every field verify_prefix checks; cut rows without routes need no routed_experts.
+    from tasks.schema import STAGING_FIELDS
+
+    return list(STAGING_FIELDS)
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``python -m pipeline bench restore``."""
     p.add_argument("--workers", type=int, default=16, help="simulated generation workers W (reference 128)")
@@ -58,6 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenarios", default="all", help="comma-separated subset of the scenario names, or 'all'")
     p.add_argument("--unit-memory-limit", default="4GiB", help="per storage unit memory before spilling")
     p.add_argument("--scheduler", default=None, help="use an existing cluster instead of a LocalCluster")
+    p.add_argument("--no-gc-freeze", action="store_true", help="leave the setup's objects to the garbage collector (see module docstring)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -152,12 +169,14 @@ async def _run_once(store, sc: dict[str, Any], mode: str, chunk_tokens: int) -> 
 
     keys = restore_keys(sc)
     W, R, period = sc["workers"], sc["restores"], sc["period_s"]
+    fields = _restore_fields()
     gets = 0
 
     async def get(ks: list[str]) -> Any:
+        # The one read path of both modes: same store, same fields.
         nonlocal gets
         gets += 1
-        return await store.get_many_async(ks, partition="cut")
+        return await store.get_many_async(ks, fields, partition="cut")
 
     group = unit_grouping(store)  # as the PrefixReadBatcher does: one unit per get
     coalescers = [PrefixReadCoalescer(get, group=group) for _ in range(W)] if mode == "coalesced" else None
@@ -187,11 +206,33 @@ async def _run_once(store, sc: dict[str, Any], mode: str, chunk_tokens: int) -> 
         latencies[w * R + r] = (loop.time() - start) * 1000.0
 
     await asyncio.sleep(max(0.0, t0 - loop.time()))
-    t_start = time.perf_counter()
-    await asyncio.gather(*(one(w, r) for w in range(W) for r in range(R)))
-    wall = time.perf_counter() - t_start
+    with _GcTimer() as gc_time:
+        t_start = time.perf_counter()
+        await asyncio.gather(*(one(w, r) for w in range(W) for r in range(R)))
+        wall = time.perf_counter() - t_start
     n_keys = W * R * sc["chunks"]
-    return {"gets": gets, "keys": n_keys, "wall_s": wall, "latencies_ms": latencies, "errors": errors}
+    return {"gets": gets, "keys": n_keys, "wall_s": wall, "latencies_ms": latencies, "errors": errors, "gc_ms": gc_time.ms}
+
+
+class _GcTimer:
+    """Milliseconds the garbage collector ran in this process while the block ran."""
+
+    def __init__(self) -> None:
+        self.ms = 0.0
+        self._t = 0.0
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.ms += (time.perf_counter() - self._t) * 1000.0
+
+    def __enter__(self) -> "_GcTimer":
+        gc.callbacks.append(self._cb)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        gc.callbacks.remove(self._cb)
 
 
 def _row(sc: dict[str, Any], mode: str, runs: list[dict[str, Any]], chunk_tokens: int) -> dict[str, Any]:
@@ -210,6 +251,7 @@ def _row(sc: dict[str, Any], mode: str, runs: list[dict[str, Any]], chunk_tokens
         "p50_ms": round(float(np.percentile(lat, 50)), 2),
         "p99_ms": round(float(np.percentile(lat, 99)), 2),
         "errors": int(sum(r["errors"] for r in runs)),
+        "gc_ms": round(slow["gc_ms"], 1),
     }
 
 
@@ -243,6 +285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "reference": {"workers": 128, "restores_per_worker": 64, "tokens": 16384, "light_restores_per_worker": 64},
             "cluster_workers": len(client.scheduler_info(n_workers=-1)["workers"]),
             "storage_units": 2,
+            "gc_frozen": not args.no_gc_freeze,
+            "fields": _restore_fields(),
         },
         "knobs": {k: config.get(f"restore.{k}") for k in ("window-ms", "batch-size", "max-tokens", "max-concurrent-gets", "get-timeout-s")},
         "rows": [],
@@ -255,6 +299,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm = dict(name="warm-up", workers=args.workers, restores=args.restores, chunks=1, period_s=0.0)
         for mode in MODES:
             client.sync(_run_once, store, warm, mode, staged.get(1, args.tokens))
+        if not args.no_gc_freeze:
+            # Setup's long-lived objects (scheduler, client, imports) out of every later
+            # full collection: no mode pays a ~160 ms pause for them by chance.
+            gc.collect()
+            gc.freeze()
         _note(args, "warmed up")
         for sc in scs:
             chunk_tokens = staged[sc["chunks"]]
@@ -270,6 +319,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for mode in MODES:
                 result["rows"].append(_row(sc, mode, runs[mode], chunk_tokens))
     finally:
+        gc.unfreeze()
         store.close()
         client.close()
         if cluster is not None:

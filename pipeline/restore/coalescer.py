@@ -86,7 +86,7 @@ class _KeyFailure(Exception):
 class _Entry:
     """One distinct key pending or in flight, shared by every request that asked for it."""
 
-    future: asyncio.Future  # -> (PackedBatch, row index) or _KeyFailure
+    future: asyncio.Future  # -> (_Answer of its get, row index) or _KeyFailure
     tokens: int
     group: Hashable = None
     refs: int = 0
@@ -522,9 +522,9 @@ class PrefixReadCoalescer:
         await asyncio.gather(*(one(k, e) for k, e in batch))
 
     def _deliver(self, batch: list[tuple[str, _Entry]], result: Any) -> None:
-        rows: PackedBatch = result.batch
+        rows = _Answer(result.batch)  # sliced by every request it serves: prepared once
         failed: dict = result.failed
-        index = {k: i for i, k in enumerate(rows.keys)}
+        index = {k: i for i, k in enumerate(rows.batch.keys)}
         for k, e in batch:
             if e.future.done():
                 continue
@@ -555,24 +555,30 @@ class PrefixReadCoalescer:
                 failed[k] = (exc.reason, exc.detail) if isinstance(exc, _KeyFailure) else ("read_failed", repr(exc))
         if failed:
             raise PrefixReadError(failed)
-        # Where each of the request's rows sits: (get batch, row). One copy per field.
+        # Where each of the request's rows sits: (get answer, row).
+        first, lo = mine[keys[0]].future.result()
+        together = True
+        for pos in range(1, len(keys)):
+            answer, i = mine[keys[pos]].future.result()
+            if answer is not first or i != lo + pos:
+                together = False
+                break
+        if together:
+            # The request's rows sit together in its get's answer (the usual case: a
+            # request's keys are queued together): views, no copy.
+            return first.slice(lo, lo + len(keys))
+        # Rows from several gets (or out of order): one gather copy per field.
         batches: dict[int, int] = {}
         sources: list[PackedBatch] = []
         src = np.empty(len(keys), dtype=np.int64)
         rows_idx = np.empty(len(keys), dtype=np.int64)
         for pos, k in enumerate(keys):
-            rows, i = mine[k].future.result()
-            b = batches.get(id(rows))
+            answer, i = mine[k].future.result()
+            b = batches.get(id(answer))
             if b is None:
-                b = batches[id(rows)] = len(sources)
-                sources.append(rows)
+                b = batches[id(answer)] = len(sources)
+                sources.append(answer.batch)
             src[pos], rows_idx[pos] = b, i
-        if len(sources) == 1:
-            lo = int(rows_idx[0])
-            if np.array_equal(rows_idx, np.arange(lo, lo + len(keys))):
-                # The request's rows sit together in its get's answer (the usual case: a
-                # request's keys are queued together): a view, no copy.
-                return slice_rows(sources[0], lo, lo + len(keys))
         return _take_rows(align_fields(sources), src, rows_idx)
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -625,6 +631,72 @@ def _notify(e: _Entry) -> None:
 def _consume_exception(fut: asyncio.Future) -> None:
     if not fut.cancelled():
         fut.exception()
+
+
+class _Answer:
+    """One get's rows, prepared once for the many requests that take slices of it.
+
+    A mass resume slices each get's answer once per request (32 requests of 16 fields
+    per get): the per-field offsets are read into Python lists once here, and fields
+    whose offsets are equal (the token fields, the scalars, the hashes) share one rebased
+    offsets array per slice, made read-only so no consumer can change one field's
+    layout through another.
+    """
+
+    __slots__ = ("batch", "_fields", "_single", "_offsets")
+
+    def __init__(self, batch: PackedBatch):
+        self.batch = batch
+        self._fields: Optional[list] = None  # (name, values, offsets list, present, group), built on first slice
+        self._single: list[np.ndarray] = []  # per group: read-only [n, 2] rows of [0, row length]
+        self._offsets: list[np.ndarray] = []  # per group: the answer's offsets (int64)
+
+    def _prepare(self) -> list:
+        fields = []
+        groups: list[np.ndarray] = []  # one offsets array per distinct layout
+        for name, f in self.batch.fields.items():
+            g = -1
+            for j, other in enumerate(groups):
+                if other is f.offsets or (other.shape == f.offsets.shape and np.array_equal(other, f.offsets)):
+                    g = j
+                    break
+            if g < 0:
+                g = len(groups)
+                groups.append(f.offsets)
+            fields.append((name, f.values, f.offsets.tolist(), f.present, g))
+        for offsets in groups:
+            self._offsets.append(np.asarray(offsets, dtype=np.int64))
+            # A one-row slice's offsets are a row of this table: a view, no arithmetic.
+            single = np.zeros((len(offsets) - 1, 2), dtype=np.int64)
+            np.subtract(offsets[1:], offsets[:-1], out=single[:, 1])
+            single.flags.writeable = False
+            self._single.append(single)
+        self._fields = fields
+        return fields
+
+    def slice(self, lo: int, hi: int) -> PackedBatch:
+        """Rows ``lo:hi`` as views of the answer's buffers (offsets rebased), no copy."""
+        if lo == 0 and hi == len(self.batch):
+            return self.batch
+        fields = self._fields if self._fields is not None else self._prepare()
+        shared: dict[int, np.ndarray] = {}
+        out = {}
+        for name, values, offs, present, g in fields:
+            start = offs[lo]
+            rebased = shared.get(g)
+            if rebased is None:
+                if hi == lo + 1:
+                    rebased = self._single[g][lo]
+                else:
+                    rebased = self._offsets[g][lo : hi + 1] - start
+                    rebased.flags.writeable = False
+                shared[g] = rebased
+            if present is not None:
+                present = present[lo:hi]
+                if present.all():
+                    present = None
+            out[name] = PackedField(values[start : offs[hi]], rebased, present)
+        return PackedBatch(self.batch.keys[lo:hi], out)
 
 
 def slice_rows(batch: PackedBatch, lo: int, hi: int) -> PackedBatch:

@@ -334,6 +334,15 @@ class StagingStore:
         self._check_partition(partition)
         fields = self._check_fields(fields)
         _, parts, failed = self._plan_keys(keys)
+        if len(parts) == 1:
+            # One unit (a restore's keys, a coalesced get): await its call directly, no
+            # gather task per get. Failures settle exactly as gather's would.
+            (u, ks), = parts
+            try:
+                outcome: Any = await self.units[u].get_many(partition, ks, fields)
+            except Exception as e:  # noqa: BLE001 - _settle keeps unit failures, re-raises bugs
+                outcome = e
+            return _merge_gets(keys, [self._settle(u, outcome, ks, _empty_get)], failed)
         results = await asyncio.gather(*(self.units[u].get_many(partition, ks, fields) for u, ks in parts), return_exceptions=True)
         return _merge_gets(keys, [self._settle(u, r, ks, _empty_get) for (u, ks), r in zip(parts, results)], failed)
 
