@@ -19,14 +19,18 @@ batcher's unit grouping (each get targets one storage unit).
 Both modes read the same fields (every field ``tasks.prefix.verify_prefix``
 checks) from the same store through the same ``get_many_async``.
 Every restore's latency runs from its scheduled start to its rows in hand. Each scenario
-runs ``--repeats`` times per mode, alternating which mode goes first; ``wall_s`` is the
-slower run (as the reference reported), ``p50_ms``/``p99_ms`` pool every run's restores.
+runs ``--repeats`` times per mode (the light-load ones ``--light-repeats``), alternating
+which mode goes first; ``wall_s`` is the slowest run (as the reference reported),
+``p50_ms``/``p99_ms`` pool every run's restores.
 
-The controller also hosts the LocalCluster's scheduler: ~280,000 long-lived objects, so
-every full garbage collection costs ~160 ms, landing on whichever run happens to trigger
-it. After staging and warm-up the bench moves those objects out of the collector's way
-(``gc.freeze()``; ``--no-gc-freeze`` to measure without it); each row reports the
-collector's time during its slowest run (``gc_ms``).
+The controller also hosts the LocalCluster's scheduler: ~280,000 long-lived objects, so a
+full garbage collection costs ~160 ms. Python starts one when enough objects have survived
+since the last, so left alone a run may pay for its predecessor's survivors. ``--gc``:
+``collect`` (default) collects before every run, outside the timed part, so each run pays
+the collections its own allocations trigger and no more; ``freeze`` also moves the setup's
+objects out of every later collection (``gc.freeze()``, cheaper full collections for both
+modes); ``none`` leaves the collector alone. Each row reports the collector's time during
+its slowest run (``gc_ms``).
 
 Per row: ``scenario``, ``mode``, ``restores``, ``gets``, ``keys_per_get``, ``wall_s``,
 ``p50_ms``, ``p99_ms``. Top level: ``mass_resume_speedup`` (per-request wall / coalesced
@@ -71,10 +75,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--light-workers", type=int, default=8, help="workers in the light-load scenarios (default 8)")
     p.add_argument("--light-restores", type=int, default=32, help="restores per worker under light load (default 32)")
     p.add_argument("--repeats", type=int, default=2, help="runs per scenario and mode, alternating order (default 2)")
+    p.add_argument(
+        "--light-repeats", type=int, default=4,
+        help="runs per mode of the light-load scenarios (default 4: their p50s differ by less than the machine's drift, so they alternate more)",
+    )
     p.add_argument("--scenarios", default="all", help="comma-separated subset of the scenario names, or 'all'")
     p.add_argument("--unit-memory-limit", default="4GiB", help="per storage unit memory before spilling")
     p.add_argument("--scheduler", default=None, help="use an existing cluster instead of a LocalCluster")
-    p.add_argument("--no-gc-freeze", action="store_true", help="leave the setup's objects to the garbage collector (see module docstring)")
+    p.add_argument("--gc", choices=("collect", "freeze", "none"), default="collect", help="garbage collector between runs (see module docstring; default collect)")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -87,15 +95,16 @@ def _note(args, text: str) -> None:
 
 
 def scenarios(args) -> list[dict[str, Any]]:
-    """Each: name, workers, restores per worker, chunks per restore, period (s; 0 = all at once)."""
+    """Each: name, workers, restores per worker, chunks per restore, period (s; 0 = all at once),
+    and optionally its own number of runs per mode."""
     W, R, LW, LR = args.workers, args.restores, args.light_workers, args.light_restores
     out = [
         dict(name="mass_resume", workers=W, restores=R, chunks=1, period_s=0.0),
         dict(name="mass_resume_4chunks", workers=W, restores=R, chunks=4, period_s=0.0),
         dict(name="every_5ms", workers=W, restores=R, chunks=1, period_s=0.005),
         dict(name="every_20ms", workers=W, restores=R, chunks=1, period_s=0.020),
-        dict(name="light_10ms", workers=LW, restores=LR, chunks=1, period_s=0.010),
-        dict(name="light_50ms", workers=LW, restores=LR, chunks=1, period_s=0.050),
+        dict(name="light_10ms", workers=LW, restores=LR, chunks=1, period_s=0.010, repeats=args.light_repeats),
+        dict(name="light_50ms", workers=LW, restores=LR, chunks=1, period_s=0.050, repeats=args.light_repeats),
     ]
     if args.scenarios != "all":
         wanted = {s.strip() for s in args.scenarios.split(",")}
@@ -282,10 +291,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "light_workers": args.light_workers,
             "light_restores_per_worker": args.light_restores,
             "repeats": args.repeats,
+            "light_repeats": args.light_repeats,
             "reference": {"workers": 128, "restores_per_worker": 64, "tokens": 16384, "light_restores_per_worker": 64},
             "cluster_workers": len(client.scheduler_info(n_workers=-1)["workers"]),
             "storage_units": 2,
-            "gc_frozen": not args.no_gc_freeze,
+            "gc": args.gc,
             "fields": _restore_fields(),
         },
         "knobs": {k: config.get(f"restore.{k}") for k in ("window-ms", "batch-size", "max-tokens", "max-concurrent-gets", "get-timeout-s")},
@@ -299,18 +309,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         warm = dict(name="warm-up", workers=args.workers, restores=args.restores, chunks=1, period_s=0.0)
         for mode in MODES:
             client.sync(_run_once, store, warm, mode, staged.get(1, args.tokens))
-        if not args.no_gc_freeze:
+        if args.gc == "freeze":
             # Setup's long-lived objects (scheduler, client, imports) out of every later
-            # full collection: no mode pays a ~160 ms pause for them by chance.
+            # full collection.
             gc.collect()
             gc.freeze()
         _note(args, "warmed up")
         for sc in scs:
             chunk_tokens = staged[sc["chunks"]]
             runs: dict[str, list] = {m: [] for m in MODES}
-            for rep in range(args.repeats):
+            for rep in range(sc.get("repeats", args.repeats)):
                 order = MODES if rep % 2 == 0 else MODES[::-1]
                 for mode in order:
+                    if args.gc == "collect":
+                        gc.collect()  # no run pays for the previous run's survivors
                     # The coroutine runs on the client's own event loop, where the store's
                     # actor futures resolve.
                     out = client.sync(_run_once, store, sc, mode, chunk_tokens)
