@@ -33,7 +33,7 @@ modes); ``none`` leaves the collector alone. Each row reports the collector's ti
 its slowest run (``gc_ms``).
 
 Per row: ``scenario``, ``mode``, ``restores``, ``gets``, ``keys_per_get``, ``wall_s``,
-``p50_ms``, ``p99_ms``. Top level: ``mass_resume_speedup`` (per-request wall / coalesced
+``wall_s_runs``, ``p50_ms``, ``p99_ms``, ``errors``, ``gc_ms``. Top level: ``mass_resume_speedup`` (per-request wall / coalesced
 wall) and ``light_50ms_p50_ratio`` (coalesced p50 / per-request p50), with the scale run.
 Default scale on a 2-core machine: 16 workers x 64 restores of 16,384-token prefixes
 (the reference: 128 x 64; W is scaled down, R and T kept, so a coalesced get carries as
@@ -257,6 +257,7 @@ def _row(sc: dict[str, Any], mode: str, runs: list[dict[str, Any]], chunk_tokens
         "gets": slow["gets"],
         "keys_per_get": round(slow["keys"] / slow["gets"], 2) if slow["gets"] else 0.0,
         "wall_s": round(slow["wall_s"], 3),
+        "wall_s_runs": [round(r["wall_s"], 3) for r in runs],  # every run, in order: the spread behind wall_s
         "p50_ms": round(float(np.percentile(lat, 50)), 2),
         "p99_ms": round(float(np.percentile(lat, 99)), 2),
         "errors": int(sum(r["errors"] for r in runs)),
