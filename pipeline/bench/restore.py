@@ -33,8 +33,9 @@ modes); ``none`` leaves the collector alone. Each row reports the collector's ti
 its slowest run (``gc_ms``).
 
 Per row: ``scenario``, ``mode``, ``restores``, ``gets``, ``keys_per_get``, ``wall_s``,
-``wall_s_runs``, ``p50_ms``, ``p99_ms``, ``errors``, ``gc_ms``. Top level: ``mass_resume_speedup`` (per-request wall / coalesced
-wall) and ``light_50ms_p50_ratio`` (coalesced p50 / per-request p50), with the scale run.
+``wall_s_runs``, ``p50_ms``, ``p99_ms``, ``errors``, ``gc_ms``. Top level:
+``mass_resume_speedup`` (per-request wall / coalesced wall) and ``light_50ms_p50_ratio``
+(coalesced p50 / per-request p50), with the scale run.
 Default scale on a 2-core machine: 16 workers x 64 restores of 16,384-token prefixes
 (the reference: 128 x 64; W is scaled down, R and T kept, so a coalesced get carries as
 many keys as the reference's); ``--workers 128`` runs the full size (2 GB of prefixes).
