@@ -48,12 +48,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
+
+from .common import add_cluster_arguments, bench_client, main, notes
 
 TARGETS = {"mass_resume_speedup": 7.0, "light_50ms_p50_ratio": 1.1}
 MODES = ("per-request", "coalesced")
@@ -82,14 +83,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--scenarios", default="all", help="comma-separated subset of the scenario names, or 'all'")
     p.add_argument("--unit-memory-limit", default="4GiB", help="per storage unit memory before spilling")
-    p.add_argument("--scheduler", default=None, help="use an existing cluster instead of a LocalCluster")
     p.add_argument("--gc", choices=("collect", "freeze", "none"), default="collect", help="garbage collector between runs (see module docstring; default collect)")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
-
-
-def _note(args, text: str) -> None:
-    if not args.quiet:
-        print(f"[bench restore] {text}", file=sys.stderr, flush=True)
+    add_cluster_arguments(p)
 
 
 # ---- scenarios and staged rows --------------------------------------------------------
@@ -158,7 +153,7 @@ def stage(store, scs: list[dict[str, Any]], tokens: int, args) -> dict[str, int]
         tmpl = _templates(chunk_tokens, seed=chunks)
         keys = sorted(keys)
         per_put = max(1, min(256, (64 << 20) // max(1, tmpl.nbytes // len(tmpl))))
-        _note(args, f"staging {len(keys)} cut rows of {chunk_tokens} tokens ({tmpl.nbytes // len(tmpl) * len(keys) / 1e6:.0f} MB)")
+        notes("restore", args.quiet)(f"staging {len(keys)} cut rows of {chunk_tokens} tokens ({tmpl.nbytes // len(tmpl) * len(keys) / 1e6:.0f} MB)")
         for i in range(0, len(keys), per_put):
             part = keys[i : i + per_put]
             batch = tmpl.take(np.arange(len(part)) % len(tmpl))
@@ -271,19 +266,28 @@ def _row(sc: dict[str, Any], mode: str, runs: list[dict[str, Any]], chunk_tokens
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns one JSON-able dict (see module docstring)."""
-    from distributed import Client
+    scs = scenarios(args)
+    with bench_client(args) as client:
+        result = _run_scenarios(client, scs, args)
+    by = {(r["scenario"], r["mode"]): r for r in result["rows"]}
+    if ("mass_resume", "coalesced") in by:
+        result["mass_resume_speedup"] = round(by["mass_resume", "per-request"]["wall_s"] / by["mass_resume", "coalesced"]["wall_s"], 2)
+    if ("light_50ms", "coalesced") in by:
+        result["light_50ms_p50_ratio"] = round(by["light_50ms", "coalesced"]["p50_ms"] / by["light_50ms", "per-request"]["p50_ms"], 3)
+    result["targets"] = TARGETS
+    result["meets_targets"] = {
+        "mass_resume_speedup": result.get("mass_resume_speedup", 0.0) >= TARGETS["mass_resume_speedup"],
+        "light_50ms_p50_ratio": result.get("light_50ms_p50_ratio", float("inf")) <= TARGETS["light_50ms_p50_ratio"],
+    }
+    return result
 
+
+def _run_scenarios(client: Any, scs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+    """Stage once, warm up, then run every scenario in both modes, alternating order."""
     from .. import config
-    from ..cluster import local_cluster
     from ..store import StagingStore
 
-    scs = scenarios(args)
-    cluster = None
-    if args.scheduler:
-        client = Client(args.scheduler)
-    else:
-        cluster = local_cluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0")
-        client = Client(cluster)
+    say = notes("restore", args.quiet)
     result: dict[str, Any] = {
         "benchmark": "restore",
         "scale": {
@@ -316,7 +320,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # full collection.
             gc.collect()
             gc.freeze()
-        _note(args, "warmed up")
+        say("warmed up")
         for sc in scs:
             chunk_tokens = staged[sc["chunks"]]
             runs: dict[str, list] = {m: [] for m in MODES}
@@ -329,40 +333,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     # actor futures resolve.
                     out = client.sync(_run_once, store, sc, mode, chunk_tokens)
                     runs[mode].append(out)
-                    _note(args, f"{sc['name']:<20} {mode:<12} run {rep + 1}: {out['wall_s']:.3f} s, {out['gets']} gets")
+                    say(f"{sc['name']:<20} {mode:<12} run {rep + 1}: {out['wall_s']:.3f} s, {out['gets']} gets")
             for mode in MODES:
                 result["rows"].append(_row(sc, mode, runs[mode], chunk_tokens))
     finally:
         gc.unfreeze()
         store.close()
-        client.close()
-        if cluster is not None:
-            cluster.close()
-
-    by = {(r["scenario"], r["mode"]): r for r in result["rows"]}
-    if ("mass_resume", "coalesced") in by:
-        result["mass_resume_speedup"] = round(by["mass_resume", "per-request"]["wall_s"] / by["mass_resume", "coalesced"]["wall_s"], 2)
-    if ("light_50ms", "coalesced") in by:
-        result["light_50ms_p50_ratio"] = round(by["light_50ms", "coalesced"]["p50_ms"] / by["light_50ms", "per-request"]["p50_ms"], 3)
-    result["targets"] = TARGETS
-    result["meets_targets"] = {
-        "mass_resume_speedup": result.get("mass_resume_speedup", 0.0) >= TARGETS["mass_resume_speedup"],
-        "light_50ms_p50_ratio": result.get("light_50ms_p50_ratio", float("inf")) <= TARGETS["light_50ms_p50_ratio"],
-    }
     return result
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m pipeline.bench.restore", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    add_arguments(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    args = p.parse_args(argv)
-    result = run(args)
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
-    return 0
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.modules[__name__]))
