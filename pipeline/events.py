@@ -34,6 +34,17 @@ current, reason, verify_ms, fetch_ms, queue_depth."""
 TOPICS = (FINALIZE, CUT, RESTORE, STORE, SCALE)
 
 
+def host_name(default: str = "local") -> str:
+    """The address of the worker we run on (how events name their producer), or ``default``
+    outside a worker (in-process use, tests)."""
+    try:
+        from distributed import get_worker
+
+        return get_worker().address
+    except ValueError:
+        return default
+
+
 def publish(topic: str, payload: Mapping[str, Any]) -> None:
     """Log ``payload`` under ``topic`` from wherever we run (worker, actor or client).
 

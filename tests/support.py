@@ -29,3 +29,51 @@ def http_get(url: str, timeout_s: float = 30.0) -> tuple[int, str]:
     """(status, body) of a GET."""
     with urllib.request.urlopen(url, timeout=timeout_s) as r:
         return r.status, r.read().decode()
+
+
+# ---- named-worker clusters for fault tests --------------------------------------------
+
+
+def named_nanny_cluster(workers: dict[str, dict[str, Any]], connect_timeout: str = "3s"):
+    """A SpecCluster of named nannies on 127.0.0.1 (``{name: worker options}``) and its
+    Client, as a context manager yielding the client.
+
+    A killed worker's nanny restarts it under the same name (not the same port). Calls to
+    a dead worker are retried until ``timeouts.connect`` (30 s by default); loopback
+    connects to live workers take milliseconds, so ``connect_timeout`` keeps tests short.
+    """
+    import contextlib
+
+    import dask
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    @contextlib.contextmanager
+    def _cluster():
+        with dask.config.set({"distributed.comm.timeouts.connect": connect_timeout}):
+            spec = {name: {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", **opts}} for name, opts in workers.items()}
+            scheduler = {"cls": Scheduler, "options": {"dashboard_address": "127.0.0.1:0", "host": "127.0.0.1"}}
+            with SpecCluster(workers=spec, scheduler=scheduler) as cluster, Client(cluster) as client:
+                client.wait_for_workers(len(workers))
+                yield client
+
+    return _cluster()
+
+
+def addresses(client: Any) -> dict[str, str]:
+    """Worker name -> current address (a restarted worker keeps its name, not its port)."""
+    return {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+
+
+def wait_for_names(client: Any, names, timeout_s: float = 60.0) -> dict[str, str]:
+    """Wait until every worker in ``names`` is registered; returns :func:`addresses`."""
+    def registered():
+        got = addresses(client)
+        return got if set(names) <= set(got) else None
+
+    return wait_until(registered, timeout_s, f"workers {set(names)}")
+
+
+def wait_replaced(client: Any, name: str, old: str, timeout_s: float = 60.0) -> str:
+    """Wait until worker ``name`` is registered at an address other than ``old`` (its
+    nanny restarted it); returns the new address."""
+    return wait_until(lambda: (new := addresses(client).get(name)) not in (None, old) and new, timeout_s, f"worker {name} replaced")

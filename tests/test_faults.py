@@ -20,7 +20,6 @@ import time
 import dask
 import numpy as np
 import pytest
-from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from pipeline.finalize import Finalizer
 from pipeline.store import StagingStore
@@ -30,6 +29,7 @@ from tasks import reasons
 from tasks.keys import unit_for_key
 from tasks.packed import pack_rows
 from tasks.schema import STAGING_FIELDS
+from support import named_nanny_cluster, wait_for_names, wait_replaced
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
@@ -38,47 +38,15 @@ VOCAB, L, K, E = 64, 2, 2, 8
 
 @pytest.fixture(scope="module")
 def fault_cluster():
-    # Dask retries a refused connection until `timeouts.connect` (30 s by default), so each
-    # call to a lost unit costs that long before it fails; loopback connects to live
-    # workers take milliseconds, so 3 s keeps the test short without risking them.
-    with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
-        common = {"nthreads": 1, "host": "127.0.0.1"}
-        workers = {
-            "store": {"cls": Nanny, "options": dict(common)},
-            "v0": {"cls": Nanny, "options": dict(common, resources={"finalize": 2})},
-            "v1": {"cls": Nanny, "options": dict(common, resources={"finalize": 2})},
-        }
-        scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", "host": "127.0.0.1"}}
-        with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
-            client.wait_for_workers(3)
-            yield client
+    workers = {"store": {}, "v0": {"resources": {"finalize": 2}}, "v1": {"resources": {"finalize": 2}}}
+    with named_nanny_cluster(workers) as client:
+        yield client
 
 
-def addresses(client: Client) -> dict[str, str]:
-    """Worker name -> current address (a restarted worker keeps its name, not its port)."""
-    return {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
 
 
-def wait_for_names(client: Client, names, timeout: float = 60.0) -> dict[str, str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = addresses(client)
-        if set(names) <= set(got):
-            return got
-        assert time.monotonic() < deadline, f"workers {set(names) - set(got)} did not come back"
-        time.sleep(0.1)
 
 
-def wait_replaced(client: Client, name: str, old: str, timeout: float = 60.0) -> str:
-    """Wait until the scheduler dropped worker ``name`` at ``old`` and its nanny's new
-    worker registered; returns the new address."""
-    deadline = time.monotonic() + timeout
-    while True:
-        new = addresses(client).get(name)
-        if new is not None and new != old:
-            return new
-        assert time.monotonic() < deadline, f"worker {name} was not replaced"
-        time.sleep(0.1)
 
 
 # ---- fault injection (runs inside worker processes via client.run) ----------------------

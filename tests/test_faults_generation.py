@@ -27,10 +27,8 @@ import signal
 import threading
 import time
 
-import dask
 import pytest
 import torch
-from distributed import Client, Nanny, Scheduler, SpecCluster
 
 from pipeline.cluster import finalize_resources
 from pipeline.capture import policy_from_config, stage_rollouts
@@ -39,6 +37,7 @@ from pipeline.rollout_driver import CUT_PARTITION, RolloutDriver, cut_round, ref
 from pipeline.store.client import StagingStore
 from tasks.cut_receipt import DURABLE_FAILURE, DURABLE_PREFIX, GENERATION_LOST
 from tasks.rollouts import generate_rollouts, make_step_specs
+from support import named_nanny_cluster, wait_for_names, wait_replaced
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -48,38 +47,15 @@ CUT_BATCH = 2  # rows per cut put on the victim: several puts per cut
 
 @pytest.fixture(scope="module")
 def gen_cluster():
-    # A call to a dead worker's address is retried until `timeouts.connect` (30 s by
-    # default); loopback connects to live workers take milliseconds, 3 s is plenty.
-    with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
-        common = {"nthreads": 1, "host": "127.0.0.1", "resources": finalize_resources()}
-        workers = {"store": {"cls": Nanny, "options": dict(common)}, "gen": {"cls": Nanny, "options": dict(common)}}
-        scheduler = {"cls": Scheduler, "options": {"dashboard_address": ":0", "host": "127.0.0.1"}}
-        with SpecCluster(workers=workers, scheduler=scheduler) as cluster, Client(cluster) as client:
-            client.wait_for_workers(2)
-            yield client
+    workers = {"store": {"resources": finalize_resources()}, "gen": {"resources": finalize_resources()}}
+    with named_nanny_cluster(workers) as client:
+        yield client
 
 
-def addresses(client: Client) -> dict[str, str]:
-    """Worker name -> current address (a restarted worker keeps its name, not its port)."""
-    return {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
 
 
-def wait_for_names(client: Client, names, timeout: float = 60.0) -> dict[str, str]:
-    deadline = time.monotonic() + timeout
-    while not set(names) <= set(got := addresses(client)):
-        assert time.monotonic() < deadline, f"workers {set(names) - set(got)} did not come back"
-        time.sleep(0.1)
-    return got
 
 
-def wait_replaced(client: Client, name: str, old: str, timeout: float = 60.0) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        new = addresses(client).get(name)
-        if new is not None and new != old:
-            return new
-        assert time.monotonic() < deadline, f"worker {name} was not replaced"
-        time.sleep(0.1)
 
 
 # ---- fault injection (runs inside the victim's process via client.run) ------------------

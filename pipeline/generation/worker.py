@@ -90,12 +90,7 @@ class GenerationWorker:
     @property
     def name(self) -> str:
         if self._name is None:
-            try:
-                from distributed import get_worker
-
-                self._name = get_worker().address
-            except ValueError:
-                self._name = f"local-{uuid.uuid4().hex[:6]}"
+            self._name = events.host_name(f"local-{uuid.uuid4().hex[:6]}")
         return self._name
 
     # ---- lifecycle -------------------------------------------------------------------

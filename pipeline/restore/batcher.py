@@ -80,12 +80,7 @@ class PrefixReadBatcher:
     @property
     def name(self) -> str:
         if self._name is None:
-            try:
-                from distributed import get_worker
-
-                self._name = get_worker().address
-            except ValueError:
-                self._name = "local"
+            self._name = events.host_name("local")
         return self._name
 
     def _co(self) -> PrefixReadCoalescer:
