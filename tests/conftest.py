@@ -13,3 +13,13 @@ def cluster_client():
     with local_cluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
         with Client(cluster) as client:
             yield client
+
+
+@pytest.fixture
+def store_factory(cluster_client, tmp_path):
+    """``make(**StagingStore.start kwargs)`` on ``cluster_client``, spilling under tmp_path;
+    every store made is closed after the test."""
+    from support import store_maker
+
+    with store_maker(cluster_client, tmp_path / "spill") as make:
+        yield make

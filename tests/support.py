@@ -77,3 +77,29 @@ def wait_replaced(client: Any, name: str, old: str, timeout_s: float = 60.0) -> 
     """Wait until worker ``name`` is registered at an address other than ``old`` (its
     nanny restarted it); returns the new address."""
     return wait_until(lambda: (new := addresses(client).get(name)) not in (None, old) and new, timeout_s, f"worker {name} replaced")
+
+
+def store_maker(client: Any, spill_directory: Any):
+    """Context manager yielding ``make(**start_kwargs) -> StagingStore`` on ``client``,
+    spilling under ``spill_directory`` by default; every store made is closed on exit."""
+    import contextlib
+
+    from pipeline.store.client import StagingStore
+
+    @contextlib.contextmanager
+    def _maker():
+        made = []
+
+        def make(**kw):
+            kw.setdefault("spill_directory", str(spill_directory))
+            store = StagingStore.start(client, **kw)
+            made.append(store)
+            return store
+
+        try:
+            yield make
+        finally:
+            for store in made:
+                store.close()
+
+    return _maker()

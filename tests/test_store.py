@@ -1,7 +1,6 @@
 """StagingStore over real StorageUnit actors on a LocalCluster, spilling to tmp_path."""
 from __future__ import annotations
 
-import asyncio
 import os
 
 import numpy as np
@@ -12,6 +11,7 @@ from tasks.gate import CaptureGate
 from tasks.keys import unit_for_key
 from tasks.packed import PackedBatch, PackedField, pack_rows, unpack_rows
 from tasks.schema import StagedRow
+from support import store_maker
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -49,19 +49,6 @@ def spill_files(root) -> list[str]:
     return [os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs]
 
 
-@pytest.fixture
-def store_factory(cluster_client, tmp_path):
-    stores = []
-
-    def make(**kw):
-        kw.setdefault("spill_directory", str(tmp_path / "spill"))
-        s = StagingStore.start(cluster_client, **kw)
-        stores.append(s)
-        return s
-
-    yield make
-    for s in stores:
-        s.close()
 
 
 def test_roundtrip_bit_exact_after_spill(store_factory, tmp_path):
@@ -515,17 +502,8 @@ def inproc_client():
 
 @pytest.fixture
 def inproc_store(inproc_client, tmp_path):
-    stores = []
-
-    def make(**kw):
-        kw.setdefault("spill_directory", str(tmp_path / "spill-inproc"))
-        s = StagingStore.start(inproc_client, **kw)
-        stores.append(s)
-        return s
-
-    yield make
-    for s in stores:
-        s.close()
+    with store_maker(inproc_client, tmp_path / "spill-inproc") as make:
+        yield make
 
 
 def _scribble(batch: PackedBatch, names) -> None:

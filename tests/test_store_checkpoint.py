@@ -16,19 +16,6 @@ from test_store import make_rows  # noqa: E402  (tests/ is on sys.path under pyt
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture
-def stores(cluster_client, tmp_path):
-    made = []
-
-    def make(**kw):
-        kw.setdefault("spill_directory", str(tmp_path / "spill"))
-        s = StagingStore.start(cluster_client, **kw)
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
 
 
 def read_all(store, rows, partition="staging"):
@@ -47,8 +34,8 @@ def total_rows(store):
     return sum(s["rows"] for s in store.stats())
 
 
-def test_roundtrip_onto_a_different_unit_count(stores, tmp_path):
-    src = stores(n_units=2, memory_limit="32KiB")  # some rows are spilled when saved
+def test_roundtrip_onto_a_different_unit_count(store_factory, tmp_path):
+    src = store_factory(n_units=2, memory_limit="32KiB")  # some rows are spilled when saved
     staged = make_rows(6, calls=2, tokens=80)
     cut = make_rows(3, calls=1, tokens=40, routes=False, prefix="k", seed=9)
     assert not src.put_many(pack_rows(staged)).failed
@@ -60,7 +47,7 @@ def test_roundtrip_onto_a_different_unit_count(stores, tmp_path):
     assert len(manifest["files"]) > 2  # chunked: several files per unit
     assert os.path.exists(tmp_path / "ckpt" / ck.MANIFEST)
 
-    dst = stores(n_units=3)
+    dst = store_factory(n_units=3)
     out = dst.restore(str(tmp_path / "ckpt"))
     assert out["rows"] == len(staged) + len(cut) and not out["failed"]
     assert_rows(dst, staged)
@@ -70,8 +57,8 @@ def test_roundtrip_onto_a_different_unit_count(stores, tmp_path):
     assert sum(1 for s in dst.stats() if s["rows"]) >= 2
 
 
-def test_from_checkpoint_and_restore_is_idempotent(cluster_client, stores, tmp_path):
-    src = stores()
+def test_from_checkpoint_and_restore_is_idempotent(cluster_client, store_factory, tmp_path):
+    src = store_factory()
     rows = make_rows(4)
     src.put_many(pack_rows(rows))
     src.checkpoint(str(tmp_path / "c"))
@@ -107,9 +94,9 @@ def _heal_writes() -> None:
     mod.write_atomic = getattr(mod, "_real_write_atomic", mod.write_atomic)
 
 
-def test_crash_mid_save_keeps_previous_checkpoint(cluster_client, stores, tmp_path, monkeypatch):
+def test_crash_mid_save_keeps_previous_checkpoint(cluster_client, store_factory, tmp_path, monkeypatch):
     path = str(tmp_path / "ckpt")
-    store = stores()
+    store = store_factory()
     first = make_rows(4, seed=1)
     store.put_many(pack_rows(first))
     m1 = store.checkpoint(path, chunk_bytes=10_000)
@@ -134,7 +121,7 @@ def test_crash_mid_save_keeps_previous_checkpoint(cluster_client, stores, tmp_pa
     monkeypatch.undo()
     assert ck.read_manifest(path)["generation"] == m1["generation"]
 
-    fresh = stores(n_units=2)
+    fresh = store_factory(n_units=2)
     out = fresh.restore(path)
     assert out["rows"] == len(first) and total_rows(fresh) == len(first)
     assert_rows(fresh, first)
@@ -143,14 +130,14 @@ def test_crash_mid_save_keeps_previous_checkpoint(cluster_client, stores, tmp_pa
     # The next good save becomes current and clears the half-written generations.
     m3 = store.checkpoint(path)
     assert [d for d in os.listdir(path) if d.startswith("gen-")] == [m3["generation"]]
-    newest = stores(n_units=1)
+    newest = store_factory(n_units=1)
     newest.restore(path)
     assert_rows(newest, first + later)
 
 
-def test_corrupt_checkpoint_refused(stores, tmp_path):
+def test_corrupt_checkpoint_refused(store_factory, tmp_path):
     path = tmp_path / "ckpt"
-    store = stores()
+    store = store_factory()
     rows = make_rows(4)
     store.put_many(pack_rows(rows))
     manifest = store.checkpoint(str(path))
@@ -161,7 +148,7 @@ def test_corrupt_checkpoint_refused(stores, tmp_path):
         fh.seek(-1, os.SEEK_CUR)
         fh.write(bytes([b[0] ^ 0xFF]))
 
-    fresh = stores()
+    fresh = store_factory()
     with pytest.raises(CheckpointCorrupt, match=os.path.basename(victim)):
         fresh.restore(str(path))
     assert total_rows(fresh) == 0, "nothing is loaded from a refused checkpoint"

@@ -16,7 +16,6 @@ bytes stop being UTF-8); a receipt-compared scalar or hash -> ``wrong_<f>``; ver
 """
 from __future__ import annotations
 
-import copy
 import os
 import struct
 from dataclasses import replace
@@ -30,10 +29,9 @@ from pipeline.store import StagingStore
 from pipeline.store.spill import load_row
 from rollout_factory import fetch, flip_byte, make_rollout, resign, set_tokens
 from tasks import reasons as R
-from tasks.gate import record_of
 from tasks.packed import PackedBatch, pack_rows
 from tasks.plan import plan_step
-from tasks.schema import HASH_FIELDS, ID_FIELDS, ROUTES_FIELD, SCALAR_FIELDS, STAGING_FIELDS
+from tasks.schema import HASH_FIELDS, ID_FIELDS, ROUTES_FIELD, STAGING_FIELDS
 from tasks.verify import verify_many
 
 pytestmark = pytest.mark.timeout(120)

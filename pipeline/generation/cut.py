@@ -68,7 +68,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from tasks import hashing
-from tasks.cut_batching import BatchLimits, BatchPlanner, PlannedBatch, PrefixChunk, pack_chunks
+from tasks.cut_batching import BatchLimits, BatchPlanner, PrefixChunk, pack_chunks
 from tasks.cut_receipt import (
     COMPLETED,
     CONTROL_DEADLINE,
