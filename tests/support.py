@@ -103,3 +103,28 @@ def store_maker(client: Any, spill_directory: Any):
                 store.close()
 
     return _maker()
+
+
+def resume_and_compare(client: Any, store: Any, gen: Any, specs, verdicts, acks, *, policy, worker: str, max_new_tokens: int, rounds: int) -> None:
+    """Resume every call of ``specs`` from its restored prefix (``verdicts``) on a fresh
+    GenerationWorker, finish both workers, and assert the resumed outputs equal the
+    uninterrupted ``gen``'s bit for bit (ids, mask, logprobs, routes)."""
+    import numpy as np
+
+    from pipeline.generation.worker import GenerationWorker
+
+    assert all(v.usable for v in verdicts), [(v.reason, v.detail) for v in verdicts]
+    fresh = client.submit(GenerationWorker, store, policy=policy, actor=True, workers=[worker]).result()
+    for spec, v in zip(specs, verdicts):
+        fresh.resume_call(
+            spec["rollout_id"], spec["model_call_id"], history=np.zeros(0, np.int64), max_new_tokens=max_new_tokens, **v.prefix.resume_kwargs()
+        ).result()
+    for _ in range(rounds):
+        gen.step(4).result()
+        fresh.step(4).result()
+    original = {(o["rollout_id"], o["model_call_id"]): o for o in gen.take_completed().result()}
+    resumed = {(o["rollout_id"], o["model_call_id"]): o for o in fresh.take_completed().result()}
+    assert set(original) == set(resumed) == set(acks)
+    for k in original:
+        for field in ("token_ids", "token_mask", "logprobs", "routed_experts"):
+            np.testing.assert_array_equal(original[k][field], resumed[k][field])

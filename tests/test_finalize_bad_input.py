@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from pipeline.finalize import Finalizer
-from pipeline.store import StagingStore
 from rollout_factory import (
     make_rollout,
     receipt_dict,
@@ -33,10 +32,9 @@ VOCAB, L, K, E = 64, 2, 2, 8
 
 
 @pytest.fixture
-def store(cluster_client, tmp_path):
-    s = StagingStore.start(cluster_client, n_units=2, memory_limit="16KiB", spill_directory=str(tmp_path))
-    yield s
-    s.close()
+def store(store_factory):
+    # A small memory limit so rows really spill through zict to tmp_path.
+    return store_factory(n_units=2, memory_limit="16KiB")
 
 
 def put(store, rows, keys=None):

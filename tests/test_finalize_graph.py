@@ -10,7 +10,6 @@ from distributed import Client, LocalCluster, wait
 
 from pipeline import events
 from pipeline.finalize import FinalizeError, Finalizer
-from pipeline.store import StagingStore
 from rollout_factory import make_group
 from tasks.packed import pack_rows
 from tasks.schema import ALL_FIELDS, ROUTES_FIELD
@@ -21,11 +20,9 @@ VOCAB, L, K, E = 64, 2, 2, 8
 
 
 @pytest.fixture
-def store(cluster_client, tmp_path):
+def store(store_factory):
     # A small memory limit so rows really spill through zict to tmp_path.
-    s = StagingStore.start(cluster_client, n_units=2, memory_limit="16KiB", spill_directory=str(tmp_path))
-    yield s
-    s.close()
+    return store_factory(n_units=2, memory_limit="16KiB")
 
 
 def stage(store, builts):

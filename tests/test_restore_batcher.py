@@ -16,6 +16,7 @@ from pipeline.restore.batcher import start_batchers
 from pipeline.store.client import StagingStore
 from tasks.cut_receipt import prefix_digest
 from tasks.packed import pack_rows
+from support import resume_and_compare
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -137,18 +138,4 @@ def test_cut_then_restore_resumes_bit_identically(cluster):
     acks = {a.call: a for a in receipt.durable}
     assert len(acks) == 3 and all(len(a.staging_keys) == 2 for a in acks.values())
     verdicts = batchers[addr].restore_many(list(acks.values()), vocab_size=64, num_experts=4).result()
-    assert all(v.usable for v in verdicts), [(v.reason, v.detail) for v in verdicts]
-
-    fresh = client.submit(GenerationWorker, store, policy=policy, actor=True, workers=[addr]).result()
-    for spec, v in zip(specs, verdicts):
-        kw = v.prefix.resume_kwargs()
-        fresh.resume_call(spec["rollout_id"], "c0", history=np.zeros(0, np.int64), max_new_tokens=24, **kw).result()
-    for _ in range(30):
-        gen.step(4).result()
-        fresh.step(4).result()
-    original = {(o["rollout_id"], o["model_call_id"]): o for o in gen.take_completed().result()}
-    resumed = {(o["rollout_id"], o["model_call_id"]): o for o in fresh.take_completed().result()}
-    assert set(original) == set(resumed) == set(acks)
-    for k in original:
-        for field in ("token_ids", "token_mask", "logprobs", "routed_experts"):
-            np.testing.assert_array_equal(original[k][field], resumed[k][field])
+    resume_and_compare(client, store, gen, specs, verdicts, acks, policy=policy, worker=addr, max_new_tokens=24, rounds=30)

@@ -28,6 +28,7 @@ from pipeline.store import StagingStore
 from rollout_factory import make_group
 from tasks import reasons as R
 from tasks.packed import pack_rows
+from support import resume_and_compare
 
 pytestmark = [
     pytest.mark.timeout(180),
@@ -132,19 +133,7 @@ def test_pipeline_runs_over_tls(tls_cluster, tmp_path):
         acks = {a.call: a for a in receipt.durable}
         assert len(acks) == 2
         verdicts = batchers[addr].restore_many(list(acks.values()), vocab_size=64, num_experts=4).result()
-        assert all(v.usable for v in verdicts), [(v.reason, v.detail) for v in verdicts]
-        fresh = client.submit(GenerationWorker, store, policy=policy, actor=True, workers=[addr]).result()
-        for spec, v in zip(specs, verdicts):
-            fresh.resume_call(spec["rollout_id"], "c0", history=np.zeros(0, np.int64), max_new_tokens=16, **v.prefix.resume_kwargs()).result()
-        for _ in range(20):
-            gen.step(4).result()
-            fresh.step(4).result()
-        original = {(o["rollout_id"], o["model_call_id"]): o for o in gen.take_completed().result()}
-        resumed = {(o["rollout_id"], o["model_call_id"]): o for o in fresh.take_completed().result()}
-        assert set(original) == set(resumed) == set(acks)
-        for k in original:
-            for field in ("token_ids", "token_mask", "logprobs", "routed_experts"):
-                np.testing.assert_array_equal(original[k][field], resumed[k][field])
+        resume_and_compare(client, store, gen, specs, verdicts, acks, policy=policy, worker=addr, max_new_tokens=16, rounds=20)
     finally:
         store.close()
 
