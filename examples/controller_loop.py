@@ -21,7 +21,7 @@ from pipeline.capture import submit_generation
 from pipeline.cluster import connect, dashboard_url
 from pipeline.finalize.controller import Finalizer
 from pipeline.store.client import StagingStore
-from tasks.rollouts import make_step_specs
+from tasks.toy.rollouts import make_step_specs
 
 
 def train_on(group) -> float:

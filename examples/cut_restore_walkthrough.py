@@ -35,7 +35,7 @@ from pipeline.finalize.controller import Finalizer  # noqa: E402
 from pipeline.generation.cut import FaultRules, FaultyStore  # noqa: E402
 from pipeline.rollout_driver import RolloutDriver, cut_round, reference_mismatches  # noqa: E402
 from pipeline.store.client import StagingStore  # noqa: E402
-from tasks.rollouts import generate_rollouts, make_step_specs  # noqa: E402
+from tasks.toy.rollouts import generate_rollouts, make_step_specs  # noqa: E402
 
 
 def main() -> int:

@@ -10,14 +10,14 @@ from __future__ import annotations
 import functools
 from typing import Any, Mapping, Sequence
 
+from tasks.keys import STAGING_PARTITION
 from tasks.packed import PackedBatch, pack_rows
-from tasks.policy import MoEPolicy, PolicyConfig
+from tasks.toy.policy import MoEPolicy, PolicyConfig
 from tasks.receipts import Receipt
-from tasks.rollouts import GeneratedRollout, RolloutSpec, generate_rollouts
+from tasks.toy.rollouts import GeneratedRollout, RolloutSpec, generate_rollouts
 
 from . import config
 
-STAGING_PARTITION = "staging"
 
 
 @functools.lru_cache(maxsize=4)

@@ -1,6 +1,7 @@
 """Project configuration: the ``token-capture`` namespace of ``dask.config``.
 
-``dask-config.yaml`` at the repository root holds the defaults. They are merged into
+``dask-config.yaml`` holds the defaults; it ships inside this package (in the repository,
+``pipeline/dask-config.yaml`` links to the one file at the root). They are merged into
 ``dask.config`` once at import (``update_defaults``), so user settings, environment
 variables (``DASK_TOKEN_CAPTURE__STORE__UNITS=4``) and ``dask.config.set`` win. Every
 knob is read at call time through :func:`get`, never cached in module globals.
@@ -15,7 +16,7 @@ import dask.config
 import yaml
 
 NAMESPACE = "token-capture"
-DEFAULTS_PATH = Path(__file__).resolve().parent.parent / "dask-config.yaml"
+DEFAULTS_PATH = Path(__file__).resolve().parent / "dask-config.yaml"
 
 
 def _load_defaults() -> None:
@@ -25,17 +26,23 @@ def _load_defaults() -> None:
     dask.config.update_defaults(defaults)
 
 
-def get(key: str, default: Any = ...) -> Any:
-    """``dask.config.get("token-capture.<key>")``, read now (not cached)."""
-    full = f"{NAMESPACE}.{key}"
-    if default is ...:
-        return dask.config.get(full)
-    return dask.config.get(full, default=default)
+def get(key: str) -> Any:
+    """``dask.config.get("token-capture.<key>")``, read now (not cached).
+
+    No fallback argument: every key has its default in ``dask-config.yaml``, the one place
+    defaults live. A missing key is a ``KeyError`` naming it.
+    """
+    return dask.config.get(f"{NAMESPACE}.{key}")
+
+
+def parse_bytes(value: int | str) -> int:
+    """A size (``"256MiB"``, ``"64 KiB"`` or an int) as bytes."""
+    return int(dask.utils.parse_bytes(value))
 
 
 def get_bytes(key: str) -> int:
     """A size knob (``"256MiB"`` or an int) as bytes."""
-    return int(dask.utils.parse_bytes(get(key)))
+    return parse_bytes(get(key))
 
 
 if os.environ.get("TOKEN_CAPTURE_SKIP_DEFAULTS") != "1":

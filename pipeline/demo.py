@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Any, Iterable, Optional
 
+from tasks.keys import STAGING_PARTITION
+
 from . import config
 from .capture import submit_generation
 from .cluster import adapt, connect, dashboard_url
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
 
 def run_steps(client: Any, store: Any, finalizer: Any, args: argparse.Namespace, steps: Iterable[int], out, progress: Optional[Progress] = None) -> list[dict[str, Any]]:
     """Generate, stage and finalize ``steps``, keeping ``args.in_flight`` steps in flight."""
-    from tasks.rollouts import make_step_specs
+    from tasks.toy.rollouts import make_step_specs
 
     steps = list(steps)
     pending: list[Any] = []
@@ -121,11 +123,11 @@ def resume_phase(client: Any, store: Any, args: argparse.Namespace, out) -> dict
 
     One step of ``args.groups`` x ``args.rollouts`` rollouts (ids ``rs-p*``) on
     :class:`~pipeline.rollout_driver.RolloutDriver`; compared with
-    :func:`tasks.rollouts.generate_rollouts` (same seeds, never interrupted).
+    :func:`tasks.toy.rollouts.generate_rollouts` (same seeds, never interrupted).
     """
     import tempfile
 
-    from tasks.rollouts import generate_rollouts, make_step_specs
+    from tasks.toy.rollouts import generate_rollouts, make_step_specs
 
     from .capture import policy_from_config
     from .finalize.controller import Finalizer
@@ -211,7 +213,7 @@ def _print_step(step: Any, out) -> dict[str, Any]:
 
 def _store_summary(stats: list[dict]) -> dict[str, Any]:
     return {
-        "rows_staged": sum(s.get("partitions", {}).get("staging", 0) for s in stats),
+        "rows_staged": sum(s.get("partitions", {}).get(STAGING_PARTITION, 0) for s in stats),
         "bytes_staged": sum(s["used_bytes"] for s in stats),
         "spilled_bytes": sum(s["spilled_bytes"] for s in stats),
         "units": len(stats),

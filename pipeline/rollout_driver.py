@@ -12,7 +12,7 @@ more tokens for all its calls (one ``step`` per actor, all actors at once); comp
 calls are taken (one ``take_completed`` per actor that has some), passed through their
 rollout's gate, and staged in ONE ``put_many`` for the whole round; each finished call's
 rollout then opens its next turn (one ``start_calls`` per actor; the context is the
-prompt at turn 0, :class:`~tasks.environment.ToolEnvironment` tool tokens afterwards).
+prompt at turn 0, :class:`~tasks.toy.environment.ToolEnvironment` tool tokens afterwards).
 
 Checkpoint and resume::
 
@@ -41,35 +41,30 @@ from __future__ import annotations
 
 import math
 import time
-import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
-from tasks.cut_receipt import DURABLE_FAILURE, GENERATION_LOST, CallAck, CutReceipt, inventory_digest
-from tasks.environment import ToolEnvironment
-from tasks.errors import InvalidRecord
+from tasks.cut.receipt import DURABLE_FAILURE, GENERATION_LOST, CallAck, CutReceipt, inventory_digest
+from tasks.toy.environment import ToolEnvironment
+from tasks.errors import DriverError, InvalidRecord
 from tasks.gate import CaptureGate
-from tasks.keys import CUT_PREFIX
+from tasks.keys import CUT_PARTITION, CUT_PREFIX
 from tasks.packed import pack_rows, unpack_rows
 from tasks.receipts import Receipt
-from tasks.rollouts import GeneratedRollout, RolloutSpec, call_id, parent_call_id, toy_reward
+from tasks.toy.rollouts import GeneratedRollout, RolloutSpec, call_id, parent_call_id, toy_reward
 from tasks.schema import ALL_FIELDS, STAGING_FIELDS
 
 from . import config
+from .actors import current_workers, start_pinned_actors
 from .capture import STAGING_PARTITION, policy_from_config
 
 # Why a call regenerated from scratch instead of resuming (RecoveryStats.regenerated).
-CUT_PARTITION = "cut"  # where generation actors write cut prefixes (pipeline.generation.cut)
 NOT_CUT = "not_cut"  # started after the cut (or the cut never listed it)
 RESUME_FAILED = "resume_failed"  # the worker refused the verified prefix
 CONTEXT_MISMATCH = "context_mismatch"  # the prefix's carried context is not this call's
-
-
-class DriverError(RuntimeError):
-    """Misuse of the driver (no actors, unknown rollout, duplicate ids...)."""
 
 
 @dataclass
@@ -213,30 +208,18 @@ class RolloutDriver:
     def _start_actors(self, n_workers: Optional[int], workers: Optional[Sequence[str]]) -> None:
         from .generation.worker import GenerationWorker
 
-        if workers is None:
-            workers = sorted(self.client.scheduler_info(n_workers=-1)["workers"])
-        workers = list(workers)
+        workers = current_workers(self.client) if workers is None else list(workers)
         if n_workers is not None:
             workers = workers[: int(n_workers)]
         if not workers:
             raise DriverError("no workers to host generation actors")
         settings = dict(config.get("policy"))
         settings.update(self.policy_overrides)
-        tag = uuid.uuid4().hex[:8]
-        self._futures = [
-            self.client.submit(
-                GenerationWorker, self.cut_store, policy=settings, with_routes=self.with_routes, actor=True,
-                workers=[addr], allow_other_workers=False, key=f"GenerationWorker-{tag}-{i}",
-            )
-            for i, addr in enumerate(workers)
-        ]
-        actors = self.client.gather(self._futures)
-        if config.get("store.direct-to-workers", True):
-            # Completed calls carry their tokens: talk to the hosting worker directly rather
-            # than through the scheduler (the store and batchers do the same).
-            from .store.client import DirectActor
-
-            actors = [DirectActor(a._cls, a._address, a.key) for a in actors]
+        # Completed calls carry their tokens: the handles talk to their worker directly.
+        actors, self._futures = start_pinned_actors(
+            self.client, GenerationWorker, workers, args=[(self.cut_store,)] * len(workers),
+            policy=settings, with_routes=self.with_routes,
+        )
         self.actors = list(actors)
         self.workers = workers
 
@@ -660,7 +643,7 @@ TENSOR_FIELDS = ("input_ids", "logprobs", "token_mask", "routed_experts", "input
 
 
 def reference_mismatches(groups: Mapping[str, Any], reference: Sequence[GeneratedRollout]) -> dict[str, list[str]]:
-    """Compare finalized groups with uninterrupted rollouts (:func:`tasks.rollouts.generate_rollouts`).
+    """Compare finalized groups with uninterrupted rollouts (:func:`tasks.toy.rollouts.generate_rollouts`).
 
     For every rollout of ``groups`` (``{group_id: FinalizedGroup}``), the finalized row
     must be ``ok`` and equal, bit for bit, the linearized reference chain: ids, logprobs

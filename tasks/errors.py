@@ -1,13 +1,31 @@
-"""Typed errors shared by the pure tasks."""
+"""Every error the project raises, in one hierarchy whose bases say what went wrong.
+
+- :class:`InvalidInput` (a ``ValueError``): the caller passed something unusable; the
+  message names what and why. Fix the input and retry.
+- :class:`StoreUnavailable` (not a ``ValueError``): a store or unit is closed or lost. A
+  caller's ``except ValueError`` must not swallow it.
+- :class:`CheckpointError` (an ``OSError``): a checkpoint cannot be written or read.
+
+Per-row and per-rollout problems are not raised: they travel as reason words
+(:mod:`tasks.reasons`, the store's per-key results) so one bad row never fails its batch.
+Pure classes only (no Dask import): ``pipeline`` raises them too.
+"""
 from __future__ import annotations
 
 
-class TokenCaptureError(ValueError):
-    """Base class: bad input named precisely enough to fix it."""
+class TokenCaptureError(Exception):
+    """Root of every error raised by this project."""
 
 
-class InvalidRecord(TokenCaptureError):
-    """A staged record failed validation; ``reason`` is a SPEC section 4 vocabulary word."""
+# ---- bad input ---------------------------------------------------------------------------
+
+
+class InvalidInput(TokenCaptureError, ValueError):
+    """Bad input, named precisely enough to fix it."""
+
+
+class InvalidRecord(InvalidInput):
+    """A staged record failed validation; ``reason`` is a verification vocabulary word."""
 
     def __init__(self, reason: str, detail: str):
         super().__init__(f"{reason}: {detail}")
@@ -15,5 +33,117 @@ class InvalidRecord(TokenCaptureError):
         self.detail = detail
 
 
-class InvalidKey(TokenCaptureError):
+class InvalidKey(InvalidInput):
     """An id or key that cannot be used to derive a staging or cut key."""
+
+
+class InvalidCall(InvalidInput):
+    """A model call could not be started, appended to, advanced or resumed.
+
+    ``reason`` says why: ``invalid_token``, ``invalid_prefix`` (shapes, dtypes, mask order,
+    logprobs, routes of a saved prefix), ``short_history`` (fewer history tokens than the
+    policy needs), ``prefix_mismatch`` (the prefix is not what this policy generates, or
+    not the one cut), ``policy_mismatch``, ``invalid_argument``, ``not_active`` (the call
+    is completed or failed).
+    """
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class UnknownCall(InvalidInput):
+    """A generation worker holds no call with this (rollout_id, model_call_id)."""
+
+
+class DuplicateCall(InvalidInput):
+    """A call with this (rollout_id, model_call_id) is already held by the worker."""
+
+
+class InvalidChunk(InvalidInput):
+    """A cut prefix chunk whose pieces do not fit its row (names the chunk and piece)."""
+
+
+class BatchLimitError(InvalidInput):
+    """A batch limit that is not a positive integer."""
+
+
+class InvalidInventory(InvalidInput):
+    """A cut inventory entry that names no call: not ``(rollout_id, model_call_id)``."""
+
+
+class InvalidPolicyConfig(InvalidInput):
+    """A policy configuration value is missing, unknown or out of range."""
+
+
+class InvalidEvent(InvalidInput):
+    """A token-capture event that does not follow ``pipeline.events``.
+
+    ``topic`` and ``field`` name what was wrong; the message says how.
+    """
+
+    def __init__(self, topic: str, field: str, detail: str) -> None:
+        super().__init__(f"{topic}: field {field!r}: {detail}")
+        self.topic = topic
+        self.field = field
+        self.detail = detail
+
+    def __reduce__(self):
+        return (type(self), (self.topic, self.field, self.detail))
+
+
+class FinalizeError(InvalidInput):
+    """A step that cannot be submitted (empty group, no finalize slots, bad arguments)."""
+
+
+class DriverError(InvalidInput):
+    """Misuse of the rollout driver (no actors, unknown rollout, duplicate ids...)."""
+
+
+# ---- the store ---------------------------------------------------------------------------
+
+
+class StoreError(TokenCaptureError):
+    """Base of store failures that concern a whole call (per-key ones are results)."""
+
+
+class InvalidStoreRequest(StoreError, InvalidInput):
+    """A whole store call was unusable (wrong argument type, unknown partition, ...)."""
+
+
+class StoreUnavailable(StoreError, RuntimeError):
+    """A store or storage unit is closed, lost or unreachable."""
+
+
+# ---- checkpoints -------------------------------------------------------------------------
+
+
+class CheckpointError(TokenCaptureError, OSError):
+    """A checkpoint cannot be written or read (missing, unreadable, wrong format)."""
+
+
+class CheckpointCorrupt(CheckpointError):
+    """A checkpoint's manifest or data files fail their digests or do not parse."""
+
+
+# ---- restore reads -----------------------------------------------------------------------
+
+
+class PrefixReadError(TokenCaptureError):
+    """Some keys of a read could not be served; ``failed`` maps key -> (reason, detail).
+
+    Reasons are the store's (``missing_key``, ...) or the coalescer's own:
+    ``read_failed`` (the key's solo get raised), ``read_timeout`` (it ran past
+    ``get-timeout-s``), ``incomplete_get`` (the store answered neither row nor failure),
+    ``closed`` (the coalescer was closed while the key was pending).
+    """
+
+    def __init__(self, failed: dict[str, tuple[str, str]]):
+        self.failed = dict(failed)
+        first = next(iter(self.failed.items()), ("?", ("?", "")))
+        more = f" (+{len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
+        super().__init__(f"{len(self.failed)} key(s) unreadable: {first[0]!r}: {first[1][0]}: {first[1][1]}{more}")
+
+    def __reduce__(self):  # crosses actor boundaries: rebuild from ``failed``, not the message
+        return (type(self), (self.failed,))

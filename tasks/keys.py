@@ -9,6 +9,10 @@ import zlib
 
 from .errors import InvalidKey
 
+STAGING_PARTITION = "staging"
+"""Store partition of staged call deltas (keys from :func:`staging_key`)."""
+CUT_PARTITION = "cut"
+"""Store partition of checkpoint-cut prefix chunks (keys from :func:`cut_key`)."""
 CUT_PREFIX = "__cut__"
 MAX_ID_BYTES = 512
 

@@ -7,14 +7,14 @@ so a typo is an ``AttributeError`` rather than a silently unmatched reason.
 Check order (the vectorized verifier and the per-token reference both follow it, so the
 first failing rule decides the reason):
 
-receipt (``tasks.plan``), per receipt
+receipt (``tasks.finalize.plan``), per receipt
     invalid_receipt (top-level types) -> capture_poisoned -> empty_manifest ->
     invalid_receipt (per record) -> duplicate_call_id -> duplicate_staging_key ->
     invalid_receipt (staging_key not derived from the ids) -> missing_terminal ->
     missing_parent (any record) -> lineage_cycle (any record);
     then across the step: duplicate_staging_key for every receipt sharing a rollout_id.
 
-rows (``tasks.verify``), call by call from the root to the terminal
+rows (``tasks.finalize.verify``), call by call from the root to the terminal
     missing_staging_row -> invalid_staging_row (fields present, dtypes, ids decode,
     one value per scalar, 32-byte hashes, supported versions) -> identity_mismatch ->
     wrong_<field> in :data:`RECEIPT_COMPARED_FIELDS` order -> invalid_staging_row

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from tasks import reasons as R
-from tasks.assemble import assemble_group
-from tasks.linearize import Linearized
-from tasks.plan import plan_group
-from tasks.verify import RolloutResult, rejected_result, verify_many
+from tasks.finalize.assemble import assemble_group
+from tasks.finalize.linearize import Linearized
+from tasks.finalize.plan import plan_group
+from tasks.finalize.verify import RolloutResult, rejected_result, verify_many
 from rollout_factory import VOCAB, fetch, make_group
 
 

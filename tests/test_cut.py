@@ -17,8 +17,8 @@ from distributed import Client, Event, LocalCluster
 
 from pipeline.generation import CallBuffer, FaultRules, FaultyStore, GenerationWorker, ManualClock, run_cut
 from pipeline.store import StagingStore
-from tasks.cut_batching import BatchLimits
-from tasks.cut_receipt import (
+from tasks.cut.batching import BatchLimits
+from tasks.cut.receipt import (
     COMPLETED,
     CONTROL_DEADLINE,
     CUT_ERROR,
@@ -30,9 +30,9 @@ from tasks.cut_receipt import (
     prefix_digest,
 )
 from tasks.packed import unpack_rows
-from tasks.prefix import verify_prefix
-from tasks.policy import MoEPolicy, PolicyConfig
-from tasks.rollouts import advance, start_calls
+from tasks.cut.prefix import verify_prefix
+from tasks.toy.policy import MoEPolicy, PolicyConfig
+from tasks.toy.rollouts import advance, start_calls
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -514,7 +514,7 @@ def test_call_with_nothing_to_save_is_not_written():
     """No context and no generated token: no zero-token row is put and advertised; the call
     is acknowledged ``durable_failure``/``empty_prefix`` and regenerates after a restore."""
     from pipeline.generation.cut import CallBuffer
-    from tasks.cut_receipt import DURABLE_FAILURE, EMPTY_PREFIX
+    from tasks.cut.receipt import DURABLE_FAILURE, EMPTY_PREFIX
 
     buf = CallBuffer("r-empty", "call-0", np.zeros(0, np.int64))
     ack = buf.freeze("ck-empty")

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasks import hashing
-from tasks.cut_batching import (
+from tasks.cut.batching import (
     BatchLimitError,
     BatchLimits,
     BatchPlanner,
@@ -16,7 +16,7 @@ from tasks.cut_batching import (
     row_nbytes,
     row_signature,
 )
-from tasks.cut_receipt import (
+from tasks.cut.receipt import (
     COMPLETED,
     DURABLE_FAILURE,
     DURABLE_PREFIX,
@@ -201,7 +201,7 @@ def test_receipt_round_trip_and_lookup():
 # gives for the concatenated rows (keys aside), hash every digest over its own buffers,
 # and copy each token once (the output never aliases the caller's pieces).
 
-from tasks.cut_batching import InvalidChunk, PrefixChunk, pack_chunks  # noqa: E402
+from tasks.cut.batching import InvalidChunk, PrefixChunk, pack_chunks  # noqa: E402
 from tasks.packed import PackedBatch, pack_rows, unpack_rows  # noqa: E402
 from tasks.schema import HASH_BYTES, ROUTES_FIELD  # noqa: E402
 
@@ -429,7 +429,7 @@ def test_chunks_continue_chain_and_cumulative_hashes_across_cuts():
     resumed copy of the call: every packed chunk chains onto the previous one, and its
     cumulative hash covers the prefix through it."""
     from pipeline.generation.cut import CallBuffer  # plain Python; the module lives in pipeline/
-    from tasks.prefix import verify_prefix
+    from tasks.cut.prefix import verify_prefix
 
     rng = np.random.default_rng(11)
     rs = (2, 2)

@@ -35,8 +35,8 @@ from pipeline.capture import policy_from_config, stage_rollouts
 from pipeline.finalize.controller import Finalizer
 from pipeline.rollout_driver import CUT_PARTITION, RolloutDriver, cut_round, reference_mismatches
 from pipeline.store.client import StagingStore
-from tasks.cut_receipt import DURABLE_FAILURE, DURABLE_PREFIX, GENERATION_LOST
-from tasks.rollouts import generate_rollouts, make_step_specs
+from tasks.cut.receipt import DURABLE_FAILURE, DURABLE_PREFIX, GENERATION_LOST
+from tasks.toy.rollouts import generate_rollouts, make_step_specs
 from support import named_nanny_cluster, wait_for_names, wait_replaced
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]

@@ -27,9 +27,9 @@ from tasks.errors import TokenCaptureError
 from tasks.gate import CaptureGate
 from tasks.hashing import row_digest
 from tasks.packed import PackedBatch, PackedField, pack_rows
-from tasks.plan import plan_step
+from tasks.finalize.plan import plan_step
 from tasks.schema import STAGING_FIELDS
-from tasks.verify import verify_many
+from tasks.finalize.verify import verify_many
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -24,8 +24,8 @@ from pipeline.generation.cut import CUT_PARTITION, CallBuffer, run_cut
 from pipeline.restore.batcher import start_batchers
 from pipeline.store.client import StagingStore
 from tasks import hashing
-from tasks.cut_batching import BatchLimits
-from tasks.cut_receipt import inventory_digest, prefix_digest
+from tasks.cut.batching import BatchLimits
+from tasks.cut.receipt import inventory_digest, prefix_digest
 from tasks.gate import CaptureGate
 from tasks.packed import pack_rows, unpack_rows
 from tasks.schema import ALL_FIELDS

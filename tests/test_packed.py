@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from tasks.hashing import row_digest
 from tasks.packed import PackedBatch, PackedField, pack_rows, unpack_rows
-from tasks.policy import MoEPolicy, PolicyConfig
-from tasks.rollouts import generate_rollouts, make_step_specs
+from tasks.toy.policy import MoEPolicy, PolicyConfig
+from tasks.toy.rollouts import generate_rollouts, make_step_specs
 from tasks.schema import ALL_FIELDS, HASH_FIELDS, ID_FIELDS, ROUTES_FIELD, SCALAR_FIELDS, STAGING_FIELDS, TOKEN_FIELDS
 
 CFG = PolicyConfig(vocab_size=300, hidden=16, layers=3, experts=5, top_k=2, seed=3, window=4)

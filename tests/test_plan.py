@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from tasks import reasons as R
-from tasks.plan import pack_verify_tasks, plan_group, plan_step
+from tasks.finalize.plan import pack_verify_tasks, plan_group, plan_step
 from tasks.receipts import Receipt
 from rollout_factory import make_group, make_rollout, receipt_dict
 

@@ -1,4 +1,4 @@
-"""The generation engine: tasks.policy, tasks.sampling, tasks.environment, tasks.rollouts.
+"""The generation engine: tasks.toy.policy, tasks.toy.sampling, tasks.toy.environment, tasks.toy.rollouts.
 
 The properties cut/restore relies on: bit-identical regeneration from the same keys,
 independence from batch composition, and resume_state continuing a saved prefix exactly
@@ -9,11 +9,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tasks.environment import ToolEnvironment, synthetic_prompt
+from tasks.toy.environment import ToolEnvironment, synthetic_prompt
 from tasks.errors import TokenCaptureError
 from tasks.hashing import row_digest
-from tasks.policy import InvalidPolicyConfig, MoEPolicy, PolicyConfig
-from tasks.rollouts import (
+from tasks.toy.policy import InvalidPolicyConfig, MoEPolicy, PolicyConfig
+from tasks.toy.rollouts import (
     CallState,
     InvalidCall,
     RolloutSpec,
@@ -27,7 +27,7 @@ from tasks.rollouts import (
     start_turns,
     toy_reward,
 )
-from tasks.sampling import STREAM_SAMPLE, integers, rollout_key, uniforms
+from tasks.toy.sampling import STREAM_SAMPLE, integers, rollout_key, uniforms
 
 CFG = PolicyConfig(vocab_size=97, hidden=16, layers=3, experts=6, top_k=2, seed=11, window=5)
 
@@ -430,8 +430,8 @@ def test_spec_validation():
 
 
 def _digests_in_worker(cfg_dict, prefix):
-    from tasks.policy import MoEPolicy, PolicyConfig
-    from tasks.rollouts import generate_rollouts, make_step_specs
+    from tasks.toy.policy import MoEPolicy, PolicyConfig
+    from tasks.toy.rollouts import generate_rollouts, make_step_specs
 
     p = MoEPolicy(PolicyConfig(**cfg_dict))
     specs = [s for g in make_step_specs(prefix, 2, 2, turns=2, tokens_per_turn=6, tool_tokens=2, prompt_tokens=4, vocab_size=cfg_dict["vocab_size"]) for s in g]

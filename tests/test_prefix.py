@@ -13,9 +13,9 @@ import pytest
 
 from pipeline.generation.cut import CallBuffer
 from tasks import hashing
-from tasks.cut_receipt import prefix_digest
+from tasks.cut.receipt import prefix_digest
 from tasks.packed import PackedBatch, pack_rows
-from tasks.prefix import (
+from tasks.cut.prefix import (
     EMPTY_PREFIX,
     INVALID_CONTINUATION,
     PREFIX_DIGEST_MISMATCH,

@@ -14,7 +14,7 @@ from pipeline.generation.worker import GenerationWorker
 from pipeline.restore import PrefixReadError
 from pipeline.restore.batcher import start_batchers
 from pipeline.store.client import StagingStore
-from tasks.cut_receipt import prefix_digest
+from tasks.cut.receipt import prefix_digest
 from tasks.packed import pack_rows
 from support import resume_and_compare
 

@@ -22,7 +22,7 @@ from pipeline.rollout_driver import NOT_CUT, RolloutDriver, reference_mismatches
 from pipeline.store.client import StagingStore
 from tasks.errors import InvalidRecord
 from tasks.gate import CaptureGate
-from tasks.rollouts import generate_rollouts, make_step_specs
+from tasks.toy.rollouts import generate_rollouts, make_step_specs
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -30,9 +30,9 @@ from pipeline.store.spill import load_row
 from rollout_factory import fetch, flip_byte, make_rollout, resign, set_tokens
 from tasks import reasons as R
 from tasks.packed import PackedBatch, pack_rows
-from tasks.plan import plan_step
+from tasks.finalize.plan import plan_step
 from tasks.schema import HASH_FIELDS, ID_FIELDS, ROUTES_FIELD, STAGING_FIELDS
-from tasks.verify import verify_many
+from tasks.finalize.verify import verify_many
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from tasks import reasons as R
-from tasks.assemble import assemble_group
-from tasks.plan import plan_group
-from tasks.verify import merge_results, verify_many, verify_rollout
-from reference_verifier import reference_verify_rollout
+from tasks.finalize.assemble import assemble_group
+from tasks.finalize.plan import plan_group
+from tasks.finalize.verify import merge_results, verify_many, verify_rollout
+from tasks.finalize.reference import reference_verify_rollout
 from rollout_factory import (
     VOCAB,
     drop_key,

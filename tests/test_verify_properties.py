@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tasks import reasons as R
-from tasks.plan import plan_step
-from tasks.verify import verify_many
-from reference_verifier import reference_chain, reference_receipt_reason, reference_verify_rollout
+from tasks.finalize.plan import plan_step
+from tasks.finalize.verify import verify_many
+from tasks.finalize.reference import reference_chain, reference_receipt_reason, reference_verify_rollout
 from rollout_factory import (
     VOCAB,
     drop_key,

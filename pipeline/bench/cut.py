@@ -67,8 +67,8 @@ def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str) -> list:
 
 
 def _one_config(store, tokens: int, rows: int, rows_per_put: int, args, tag: str, client=None) -> dict[str, Any]:
-    from tasks.cut_batching import BatchLimits
-    from tasks.cut_receipt import inventory_digest
+    from tasks.cut.batching import BatchLimits
+    from tasks.cut.receipt import inventory_digest
 
     from .. import config
     from ..generation.cut import run_cut

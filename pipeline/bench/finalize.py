@@ -29,7 +29,6 @@ import hashlib
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -41,7 +40,6 @@ from tasks.schema import ALL_FIELDS, ROUTES_FIELD, STAGING_FIELDS
 
 from .common import add_cluster_arguments, bench_client, main, notes
 
-TESTS_DIR = str(Path(__file__).resolve().parents[2] / "tests")
 VOCAB, EXPERTS = 512, 8
 
 WORKLOADS = {
@@ -105,13 +103,11 @@ def stage_workload(store, name: str, n_groups: int, rng: np.random.Generator, pr
 
 def baseline_group(store, receipts: Sequence[Receipt], vocab_size: int, num_experts: Optional[int]) -> dict:
     """One group the reference way; runs as a Dask task. Returns tokens and fetch count."""
-    if TESTS_DIR not in sys.path:
-        sys.path.insert(0, TESTS_DIR)
-    from reference_verifier import reference_verify_rollout
+    from tasks.finalize.reference import reference_verify_rollout
 
-    from tasks.assemble import assemble_group
-    from tasks.plan import plan_step
-    from tasks.verify import rejected_result
+    from tasks.finalize.assemble import assemble_group
+    from tasks.finalize.plan import plan_step
+    from tasks.finalize.verify import rejected_result
 
     results, fetches = [], 0
     for receipt in receipts:
@@ -179,8 +175,8 @@ def verify_vs_hash(store, groups: list[list[Receipt]], repeats: int = 3) -> dict
     best of ``repeats`` each, so machine load hits both alike. Hashed: every field's
     packed buffer (ids, scalars, hashes, tokens, mask, logprobs, routes) once.
     """
-    from tasks.plan import plan_step
-    from tasks.verify import verify_many
+    from tasks.finalize.plan import plan_step
+    from tasks.finalize.verify import verify_many
 
     plan = plan_step([r for g in groups for r in g])
     rows = store.get_many(plan.staging_keys, list(STAGING_FIELDS)).batch
@@ -204,23 +200,14 @@ def verify_vs_hash(store, groups: list[list[Receipt]], repeats: int = 3) -> dict
 
 
 
-def _add_path(path: str) -> None:
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Stage both workloads, run baseline and graph on each, return the figures."""
     from pipeline.store import StagingStore
 
     say = notes("finalize", args.quiet)
-    # Workers import tests/reference_verifier.py: spawned LocalCluster workers inherit
-    # sys.path; an existing cluster gets it through client.run below.
-    _add_path(TESTS_DIR)
     rng = np.random.default_rng(args.seed)
     counts = {"short": args.short_groups, "agentic": args.agentic_groups}
     with bench_client(args, n_workers=args.workers) as client:
-        client.run(_add_path, TESTS_DIR)
         say(f"cluster up: {len(client.scheduler_info()['workers'])} workers")
         store = StagingStore.start(client)
         try:

@@ -16,7 +16,7 @@ light_10ms / light_50ms  8 workers, each starting a restore every 10 / 50 ms
 worker (W instances in the controller's event loop sharing the store, as the reference's
 tool ran its batchers), with the configured knobs (``token-capture.restore.*``) and the
 batcher's unit grouping (each get targets one storage unit).
-Both modes read the same fields (every field ``tasks.prefix.verify_prefix``
+Both modes read the same fields (every field ``tasks.cut.prefix.verify_prefix``
 checks) from the same store through the same ``get_many_async``.
 Every restore's latency runs from its scheduled start to its rows in hand. Each scenario
 runs ``--repeats`` times per mode (the light-load ones ``--light-repeats``), alternating
@@ -53,6 +53,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from tasks.keys import CUT_PARTITION
 
 from .common import add_cluster_arguments, bench_client, main, notes
 
@@ -157,7 +159,7 @@ def stage(store, scs: list[dict[str, Any]], tokens: int, args) -> dict[str, int]
         for i in range(0, len(keys), per_put):
             part = keys[i : i + per_put]
             batch = tmpl.take(np.arange(len(part)) % len(tmpl))
-            res = store.put_many(PackedBatch(part, batch.fields), partition="cut")
+            res = store.put_many(PackedBatch(part, batch.fields), partition=CUT_PARTITION)
             if res.failed:
                 raise RuntimeError(f"staging failed: {next(iter(res.failed.items()))}")
         staged[chunks] = chunk_tokens
@@ -181,7 +183,7 @@ async def _run_once(store, sc: dict[str, Any], mode: str, chunk_tokens: int) -> 
         # The one read path of both modes: same store, same fields.
         nonlocal gets
         gets += 1
-        return await store.get_many_async(ks, fields, partition="cut")
+        return await store.get_many_async(ks, fields, partition=CUT_PARTITION)
 
     group = unit_grouping(store)  # as the PrefixReadBatcher does: one unit per get
     coalescers = [PrefixReadCoalescer(get, group=group) for _ in range(W)] if mode == "coalesced" else None

@@ -168,8 +168,7 @@ def _stop_rss_sampler() -> int:
 
 
 def _memory_mode(client, args) -> dict[str, Any]:
-    from dask.utils import parse_bytes
-
+    from .. import config
     from ..store import StagingStore
 
     bs = args.batch_size
@@ -180,7 +179,7 @@ def _memory_mode(client, args) -> dict[str, Any]:
     per_call = max(1, min(bs, int(64e6 // row_bytes)))
     target = int(args.memory_gb * 1e9)
     n_rows = max(per_call, int(target // row_bytes) // per_call * per_call)
-    limit = int(parse_bytes(args.unit_memory_limit))
+    limit = config.parse_bytes(args.unit_memory_limit)
     store = StagingStore.start(client, memory_limit=limit)
     hosts = sorted(set(store.unit_workers))
     pids = client.run(_start_rss_sampler, workers=hosts)

@@ -50,6 +50,7 @@ from typing import Any, Mapping, Optional
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 
+from tasks.errors import InvalidEvent
 from .. import config
 from ..events import CUT, FINALIZE, RESTORE, SCALE, STORE, TOPICS
 
@@ -57,19 +58,6 @@ logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "token-capture-aggregator"
 SCALE_ACTIONS = ("up", "down", "hold")
-
-
-class InvalidEvent(ValueError):
-    """A token-capture event that does not follow ``pipeline.events``.
-
-    ``topic`` and ``field`` name what was wrong; the message says how.
-    """
-
-    def __init__(self, topic: str, field: str, detail: str) -> None:
-        super().__init__(f"{topic}: field {field!r}: {detail}")
-        self.topic = topic
-        self.field = field
-        self.detail = detail
 
 
 # --------------------------------------------------------------------------- parsing

@@ -33,24 +33,20 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from tasks.errors import FinalizeError
 from tasks import reasons
-from tasks.assemble import assemble_group
-from tasks.keys import unit_for_key
+from tasks.finalize.assemble import assemble_group
+from tasks.keys import STAGING_PARTITION, unit_for_key
 from tasks.packed import PackedBatch
-from tasks.plan import pack_verify_tasks, plan_step
+from tasks.finalize.plan import pack_verify_tasks, plan_step
 from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
-from tasks.verify import RolloutResult, rejected_result, verify_many
+from tasks.finalize.verify import RolloutResult, rejected_result, verify_many
 
 from .. import config, events
 from . import timing
 
 logger = logging.getLogger(__name__)
 
-STAGING_PARTITION = "staging"
-
-
-class FinalizeError(ValueError):
-    """A step that cannot be submitted (empty group, no finalize slots, bad arguments)."""
 
 
 # ---- what travels between tasks ---------------------------------------------------------

@@ -17,7 +17,7 @@ benchmark's 32 writer clients run exactly this code):
     The transaction over a list of calls against a store with ``put_many`` / ``delete``
     (:class:`~pipeline.store.client.StagingStore` or a wrapper such as
     :class:`FaultyStore`). Calls are frozen lazily in inventory order and fed to a
-    :class:`~tasks.cut_batching.BatchPlanner`; each batch it closes is put at once:
+    :class:`~tasks.cut.batching.BatchPlanner`; each batch it closes is put at once:
 
     1. one ``put_many`` per batch into the ``cut`` partition;
     2. a failed batch put (exception, or any key refused) deletes every key of the batch
@@ -34,7 +34,7 @@ benchmark's 32 writer clients run exactly this code):
        exception propagates: no unsealed key is ever advertised.
 
 Cut row format (documented choice): a prefix chunk is a :class:`~tasks.schema.StagedRow`
-(packed by :func:`~tasks.cut_batching.pack_chunks`, byte-identical to
+(packed by :func:`~tasks.cut.batching.pack_chunks`, byte-identical to
 :func:`~tasks.packed.pack_rows`) keyed by
 ``tasks.keys.cut_key(checkpoint_id, rollout_id, model_call_id, seq)``. Reusing the staged
 row keeps one wire format, one store registry and the finalizer's row decoder. Within a
@@ -52,7 +52,7 @@ caller gives no deadline) and ``cut.cpu-slots`` (cuts of one process freezing/pa
 once; a cut waiting on the store holds no slot).
 
 Cost per row on the batched path: one copy of its tokens (pieces -> the batch buffer,
-:func:`~tasks.cut_batching.pack_chunks`), one SHA-256 pass for its digest over that buffer;
+:func:`~tasks.cut.batching.pack_chunks`), one SHA-256 pass for its digest over that buffer;
 the batch goes out in rows ordered by storage unit (each unit gets a view of its run) with
 ``adopt=True`` (units keep views of the received buffers rather than copying each row).
 """
@@ -68,8 +68,8 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 import numpy as np
 
 from tasks import hashing
-from tasks.cut_batching import BatchLimits, BatchPlanner, PrefixChunk, pack_chunks
-from tasks.cut_receipt import (
+from tasks.cut.batching import BatchLimits, BatchPlanner, PrefixChunk, pack_chunks
+from tasks.cut.receipt import (
     COMPLETED,
     CONTROL_DEADLINE,
     CUT_ERROR,
@@ -83,24 +83,19 @@ from tasks.cut_receipt import (
     extend_prefix_digest,
     prefix_state,
 )
-from tasks.errors import TokenCaptureError
-from tasks.keys import CUT_PREFIX, check_id, unit_for_rollout
+from tasks.errors import InvalidCall
+from tasks.keys import CUT_PARTITION, CUT_PREFIX, STAGING_PARTITION, check_id, unit_for_rollout
 from tasks.packed import PackedBatch
 from tasks.schema import StagedRow
 
 from .. import config
 
-CUT_PARTITION = "cut"
 
 ACTIVE = "active"
 COMPLETED_STATE = "completed"
 FAILED = "failed"
 
 Clock = Callable[[], float]
-
-
-class InvalidCall(TokenCaptureError):
-    """A call's tokens, logprobs or routes do not fit its buffer (named in the message)."""
 
 
 def limits_from_config() -> BatchLimits:
@@ -119,8 +114,8 @@ class FrozenChunk:
     """What a cut froze of one call: the chunk to write and what sealing it will commit.
 
     ``parts`` are the generated pieces moved out of the call's active list (not copied);
-    ``chunk`` describes the row (:class:`~tasks.cut_batching.PrefixChunk`), packed with
-    its batch by :func:`~tasks.cut_batching.pack_chunks` (one copy, digest over the batch
+    ``chunk`` describes the row (:class:`~tasks.cut.batching.PrefixChunk`), packed with
+    its batch by :func:`~tasks.cut.batching.pack_chunks` (one copy, digest over the batch
     buffer). ``row`` builds the :class:`StagedRow` on demand (tools, not the cut path).
     """
 
@@ -189,7 +184,7 @@ class CallBuffer:
         self.parent_call_id = None if parent_call_id is None else check_id(parent_call_id, "parent_call_id")
         ctx = np.asarray(context_ids)
         if ctx.ndim != 1 or not (ctx.size == 0 or np.issubdtype(ctx.dtype, np.integer)):
-            raise InvalidCall(f"context_ids of {self.key}: need a 1-D integer array, got {ctx.dtype}{ctx.shape}")
+            raise InvalidCall("invalid_argument", f"context_ids of {self.key}: need a 1-D integer array, got {ctx.dtype}{ctx.shape}")
         self.context_ids = np.ascontiguousarray(ctx, dtype="<i8")
         self.weight_version = int(weight_version)
         self.routes_shape = None if routes_shape is None else tuple(int(x) for x in routes_shape)
@@ -197,7 +192,7 @@ class CallBuffer:
             want = (len(self.context_ids),) + self.routes_shape
             if context_routes is None or tuple(np.shape(context_routes)) != want:
                 got = None if context_routes is None else tuple(np.shape(context_routes))
-                raise InvalidCall(f"context_routes of {self.key}: expected shape {want}, got {got}")
+                raise InvalidCall("invalid_argument", f"context_routes of {self.key}: expected shape {want}, got {got}")
             self.context_routes = np.ascontiguousarray(context_routes, dtype="<i2")
         else:
             self.context_routes = None
@@ -241,17 +236,17 @@ class CallBuffer:
         ids = np.ascontiguousarray(ids, dtype="<i8")
         logprobs = np.ascontiguousarray(logprobs, dtype="<f4")
         if ids.ndim != 1 or logprobs.shape != ids.shape:
-            raise InvalidCall(f"{self.key}: ids {ids.shape} and logprobs {logprobs.shape} must be equal 1-D")
+            raise InvalidCall("invalid_argument", f"{self.key}: ids {ids.shape} and logprobs {logprobs.shape} must be equal 1-D")
         if self.routes_shape is not None:
             if routes is None or tuple(np.shape(routes)) != (len(ids),) + self.routes_shape:
-                raise InvalidCall(f"{self.key}: routes must be int16{(len(ids),) + self.routes_shape}, got "
+                raise InvalidCall("invalid_argument", f"{self.key}: routes must be int16{(len(ids),) + self.routes_shape}, got "
                                   f"{None if routes is None else np.shape(routes)}")
             routes = np.ascontiguousarray(routes, dtype="<i2")
         else:
             routes = None
         with self.lock:
             if self.state != ACTIVE:
-                raise InvalidCall(f"{self.key} is {self.state}, cannot append")
+                raise InvalidCall("not_active", f"{self.key} is {self.state}, cannot append")
             if self.max_new_tokens is not None:
                 room = self.max_new_tokens - self.generated
                 if len(ids) > room:
@@ -335,7 +330,7 @@ class CallBuffer:
         ids = np.concatenate([self.context_ids, np.ascontiguousarray(gen_ids, dtype="<i8")])
         lengths = [int(n) for n in chunk_lengths]
         if len(keys) != len(lengths) or sum(lengths) != len(ids) or any(n <= 0 for n in lengths):
-            raise InvalidCall(f"{self.key}: {len(keys)} keys with chunk lengths {lengths[:8]} do not cover "
+            raise InvalidCall("invalid_prefix", f"{self.key}: {len(keys)} keys with chunk lengths {lengths[:8]} do not cover "
                               f"the {len(ids)}-token prefix")
         chain, start = None, 0
         cum, pdig = hashing.prefix_state(), prefix_state()
@@ -347,7 +342,7 @@ class CallBuffer:
             pdigest = extend_prefix_digest(pdig, chunk)
             start += n
         if expected_digest is not None and expected_digest != pdigest:
-            raise InvalidCall(f"{self.key}: prefix digest mismatch (the saved prefix is not the one cut)")
+            raise InvalidCall("prefix_mismatch", f"{self.key}: prefix digest mismatch (the saved prefix is not the one cut)")
         with self.lock:
             if len(gen_ids):
                 self._sealed.append((np.ascontiguousarray(gen_ids, dtype="<i8"),
@@ -833,7 +828,7 @@ class FaultyStore:
         self.puts: list[list[str]] = []
         self.deletes: list[list[str]] = []
 
-    def put_many(self, batch: PackedBatch, partition: str = "staging", adopt: bool = False):
+    def put_many(self, batch: PackedBatch, partition: str = STAGING_PARTITION, adopt: bool = False):
         r = self.rules
         self.puts.append(list(batch.keys))
         n = len(self.puts)
@@ -868,7 +863,7 @@ class FaultyStore:
             raise asyncio.CancelledError(f"cut interrupted after put {n}")
         return result
 
-    def delete(self, keys: Sequence[str], partition: str = "staging"):
+    def delete(self, keys: Sequence[str], partition: str = STAGING_PARTITION):
         self.deletes.append(list(keys))
         return self.store.delete(keys, partition=partition)
 

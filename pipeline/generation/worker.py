@@ -1,6 +1,6 @@
 """GenerationWorker: a Dask actor decoding many concurrent calls, cut at checkpoints.
 
-Each in-flight call is a :class:`~tasks.rollouts.CallState` (the toy MoE policy's decode
+Each in-flight call is a :class:`~tasks.toy.rollouts.CallState` (the toy MoE policy's decode
 state) plus a :class:`~pipeline.generation.cut.CallBuffer` (its captured tokens and
 lifecycle lock). Decoding proceeds in steps: :meth:`GenerationWorker.step` advances every
 active call by ``n_tokens`` in ONE batched policy pass, then appends each call's new
@@ -31,21 +31,13 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from tasks.cut_receipt import CallId, CutReceipt, inventory_digest, normalize_inventory
-from tasks.errors import TokenCaptureError
-from tasks.policy import MoEPolicy, PolicyConfig
-from tasks.rollouts import CallState, advance, resume_state, start_calls
+from tasks.cut.receipt import CallId, CutReceipt, inventory_digest, normalize_inventory
+from tasks.errors import DuplicateCall, UnknownCall
+from tasks.toy.policy import MoEPolicy, PolicyConfig
+from tasks.toy.rollouts import CallState, advance, resume_state, start_calls
 
 from .. import config, events
 from .cut import ACTIVE, COMPLETED_STATE, CallBuffer, Clock, InvalidCall, run_cut
-
-
-class UnknownCall(TokenCaptureError):
-    """The worker holds no call with this (rollout_id, model_call_id)."""
-
-
-class DuplicateCall(TokenCaptureError):
-    """A call with this (rollout_id, model_call_id) is already held by the worker."""
 
 
 class _Call:

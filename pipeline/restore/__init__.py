@@ -4,7 +4,7 @@
   merges concurrent prefix reads into bounded, deduplicated gets;
 * :class:`~pipeline.restore.batcher.PrefixReadBatcher`: the Dask actor (one per generation
   worker) wrapping a coalescer over a StagingStore's ``cut`` partition, which also
-  verifies a restored prefix (:mod:`tasks.prefix`) before a call resumes from it.
+  verifies a restored prefix (:mod:`tasks.cut.prefix`) before a call resumes from it.
 """
 from .coalescer import PrefixReadCoalescer, PrefixReadError
 

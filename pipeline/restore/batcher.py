@@ -18,7 +18,7 @@ partition (``StagingStore.get_many_async``).
 
 :meth:`PrefixReadBatcher.restore_many` answers many continuations in one actor round
 trip (their reads coalesce exactly as concurrent ``restore`` calls do). Verification
-(:func:`tasks.prefix.verify_prefix`, hashing over whole buffers) runs in a thread, off
+(:func:`tasks.cut.prefix.verify_prefix`, hashing over whole buffers) runs in a thread, off
 the event loop. Statistics go to the ``token-capture-restore`` event topic at most every
 ``restore.publish-interval-s`` seconds.
 """
@@ -29,14 +29,14 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from tasks import reasons
-from tasks.keys import unit_for_key
+from tasks.keys import CUT_PARTITION, unit_for_key
 from tasks.packed import PackedBatch
-from tasks.prefix import Continuation, PrefixVerdict, verify_prefix
+from tasks.cut.prefix import Continuation, PrefixVerdict, verify_prefix
 
 from .. import config, events
+from ..actors import current_workers, start_pinned_actors
 from .coalescer import PrefixReadCoalescer, PrefixReadError
 
-CUT_PARTITION = "cut"
 
 
 class PrefixReadBatcher:
@@ -105,7 +105,7 @@ class PrefixReadBatcher:
             self._maybe_publish()
 
     async def restore(self, continuation: Any, **verify_kw: Any) -> PrefixVerdict:
-        """Read and verify one call's prefix; a :class:`~tasks.prefix.PrefixVerdict`.
+        """Read and verify one call's prefix; a :class:`~tasks.cut.prefix.PrefixVerdict`.
 
         ``continuation`` is the cut receipt's ``CallAck`` (or a dict with ``staging_keys``,
         ``prefix_tokens``, ``prefix_digest``). Never raises for bad data: an unreadable or
@@ -196,20 +196,8 @@ def start_batchers(client: Any, store: Any, workers: Optional[Sequence[str]] = N
 
     Returns ``{worker address: actor handle}``; ``kwargs`` go to the constructor.
     """
-    if workers is None:
-        workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-    futures = {
-        addr: client.submit(
-            PrefixReadBatcher, store, actor=True, workers=[addr], allow_other_workers=False,
-            key=f"PrefixReadBatcher-{addr}-{id(store):x}", **kwargs,
-        )
-        for addr in workers
-    }
-    actors = dict(zip(futures, client.gather(list(futures.values()))))
-    if config.get("store.direct-to-workers", True):
-        # Verdicts carry prefix arrays: from the controller, talk to the hosting worker
-        # directly rather than through the scheduler (the store's handles do the same).
-        from pipeline.store.client import DirectActor
-
-        actors = {addr: DirectActor(a._cls, a._address, a.key) for addr, a in actors.items()}
-    return actors
+    workers = current_workers(client) if workers is None else list(workers)
+    keys = [f"PrefixReadBatcher-{addr}-{id(store):x}" for addr in workers]
+    # Verdicts carry prefix arrays: the handles talk to their worker directly.
+    actors, _ = start_pinned_actors(client, PrefixReadBatcher, workers, args=[(store,)] * len(workers), keys=keys, **kwargs)
+    return dict(zip(workers, actors))

@@ -40,6 +40,7 @@ from typing import Any, Awaitable, Callable, Hashable, Optional, Sequence, Union
 
 import numpy as np
 
+from tasks.errors import PrefixReadError
 from tasks.packed import PackedBatch, PackedField
 
 from .. import config
@@ -52,25 +53,6 @@ Timer = Callable[[float, Callable[[], None]], Any]  # (delay seconds, callback) 
 # Store reasons for which the row is still served (e.g. a row without routed_experts):
 # the prefix verifier decides whether the missing field matters.
 SERVED_REASONS = frozenset({"absent_field"})
-
-
-class PrefixReadError(Exception):
-    """Some keys of a read could not be served; ``failed`` maps key -> (reason, detail).
-
-    Reasons are the store's (``missing_key``, ...) or the coalescer's own:
-    ``read_failed`` (the key's solo get raised), ``read_timeout`` (it ran past
-    ``get-timeout-s``), ``incomplete_get`` (the store answered neither row nor failure),
-    ``closed`` (the coalescer was closed while the key was pending).
-    """
-
-    def __init__(self, failed: dict[str, tuple[str, str]]):
-        self.failed = dict(failed)
-        first = next(iter(self.failed.items()), ("?", ("?", "")))
-        more = f" (+{len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
-        super().__init__(f"{len(self.failed)} key(s) unreadable: {first[0]!r}: {first[1][0]}: {first[1][1]}{more}")
-
-    def __reduce__(self):  # crosses actor boundaries: rebuild from ``failed``, not the message
-        return (type(self), (self.failed,))
 
 
 class _KeyFailure(Exception):

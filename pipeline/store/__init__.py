@@ -4,16 +4,19 @@
 ``SpillMapping`` (spill.py) its zict storage; ``registry.py`` pins field dtypes per
 partition; ``checkpoint.py`` writes and restores atomic checkpoints.
 """
-from .checkpoint import CheckpointCorrupt, CheckpointError
+from tasks.errors import CheckpointCorrupt, CheckpointError, InvalidStoreRequest, StoreError, StoreUnavailable
+
 from .client import StagingStore
-from .unit import GetResult, StorageUnit, StoreError, StoreResult
+from .unit import GetResult, StorageUnit, StoreResult
 
 __all__ = [
     "CheckpointCorrupt",
     "CheckpointError",
     "GetResult",
+    "InvalidStoreRequest",
     "StagingStore",
     "StorageUnit",
     "StoreError",
     "StoreResult",
+    "StoreUnavailable",
 ]

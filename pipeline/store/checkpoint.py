@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Optional
 import msgpack
 import numpy as np
 
-from tasks.errors import TokenCaptureError
+from tasks.errors import CheckpointCorrupt, CheckpointError
 from tasks.packed import PackedBatch, PackedField
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -49,14 +49,6 @@ MANIFEST_FORMAT = "dask-token-capture/store-checkpoint"
 DATA_SUFFIX = ".tcb"
 _PRELUDE = struct.Struct("<4sHI")
 _ALIGN = 8
-
-
-class CheckpointError(TokenCaptureError):
-    """A checkpoint cannot be written or read (missing, unreadable, wrong format)."""
-
-
-class CheckpointCorrupt(CheckpointError):
-    """A checkpoint's manifest or data files fail their digests or do not parse."""
 
 
 # ---- packed batch <-> bytes ---------------------------------------------------------

@@ -12,17 +12,16 @@ async actor use the ``*_async`` twins, which ``await`` the same actor futures.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Any, Optional, Sequence
 
 import numpy as np
-from distributed.actor import Actor
 
-from tasks.errors import InvalidKey
-from tasks.keys import unit_for_key
+from tasks.errors import InvalidKey, InvalidStoreRequest, StoreError, StoreUnavailable
+from tasks.keys import STAGING_PARTITION as DEFAULT_PARTITION, unit_for_key
 from tasks.packed import PackedBatch, PackedField
 
 from .. import config
+from ..actors import current_workers, start_pinned_actors
 from . import checkpoint as _checkpoint
 from .unit import (
     DTYPE_MISMATCH,
@@ -30,65 +29,18 @@ from .unit import (
     INVALID_KEY,
     GetResult,
     StorageUnit,
-    StoreError,
     StoreResult,
     check_partition,
     field_problem,
     pack_names,
 )
 
-DEFAULT_PARTITION = "staging"
 # Per-key reason when the unit holding a key cannot be reached (its worker died, the unit
 # was closed): the keys of that unit fail, the other units' keys are served as usual.
 UNIT_UNAVAILABLE = "unit_unavailable"
 # Fields whose rows average more elements than this are gathered by row slices (one
 # memcpy per row); smaller ones by numpy's element gather, which is cheaper for them.
 _SLICE_GATHER_MIN_ELEMENTS = 64
-
-
-class PinnedActor(Actor):
-    """An actor handle that fails fast when its worker is gone.
-
-    Storage units never move (they are pinned to their worker; a recreated unit would be
-    empty), so when the hosting worker is unreachable there is nothing to wait for. A plain
-    ``Actor`` handle that holds its task's future awaits that future on a connection
-    error, i.e. forever for a pinned task whose worker died. This handle keeps that future
-    only to keep the actor alive (as a plain handle does), out of the retry path, so the
-    call fails with ``OSError`` after the connect timeout and the store reports the unit's
-    keys ``unit_unavailable``.
-    """
-
-    def _try_bind_worker_client(self):
-        super()._try_bind_worker_client()
-        if self._future is not None:
-            self._keepalive, self._future = self._future, None
-
-    def __reduce__(self):
-        return (type(self), (self._cls, self._address, self.key))
-
-
-class DirectActor(PinnedActor):
-    """An actor handle whose calls from a client go straight to the hosting worker.
-
-    Dask's default (``distributed.client.direct-to-workers: null``) routes a client's
-    actor calls through the scheduler, which copies every batch twice more; staged
-    batches are megabytes, so the store talks to its units directly (config
-    ``token-capture.store.direct-to-workers``; calls from workers are direct anyway).
-    """
-
-    @property
-    def _worker_rpc(self):
-        if self._worker is None and self._client is None:
-            self._try_bind_worker_client()
-        if self._worker is None and self._client is not None:
-            return self._client.rpc(self._address)
-        return super()._worker_rpc
-
-
-def _parse_bytes(value: Any) -> int:
-    from dask.utils import parse_bytes
-
-    return int(parse_bytes(value))
 
 
 class StagingStore:
@@ -123,39 +75,22 @@ class StagingStore:
         """
         n_units = int(config.get("store.units") if n_units is None else n_units)
         if n_units <= 0:
-            raise StoreError(f"n_units must be positive, got {n_units}")
-        memory_limit = _parse_bytes(config.get("store.memory-limit") if memory_limit is None else memory_limit)
-        capacity = _parse_bytes(config.get("store.capacity") if capacity is None else capacity)
+            raise InvalidStoreRequest(f"n_units must be positive, got {n_units}")
+        memory_limit = config.parse_bytes(config.get("store.memory-limit") if memory_limit is None else memory_limit)
+        capacity = config.parse_bytes(config.get("store.capacity") if capacity is None else capacity)
         if spill_directory is None:
             spill_directory = config.get("store.spill-directory")
         partitions = list(config.get("store.partitions"))
         for p in partitions:
             check_partition(p)
-        if workers is None:
-            workers = sorted(client.scheduler_info(n_workers=-1)["workers"])
-        workers = list(workers)
+        workers = current_workers(client) if workers is None else list(workers)
         if not workers:
-            raise StoreError("no workers to host storage units")
-        tag = uuid.uuid4().hex[:8]
+            raise StoreUnavailable("no workers to host storage units")
         placed = [workers[i % len(workers)] for i in range(n_units)]
-        futures = [
-            client.submit(
-                StorageUnit,
-                i,
-                memory_limit,
-                capacity,
-                None if spill_directory is None else str(spill_directory),
-                partitions,
-                actor=True,
-                workers=[addr],
-                allow_other_workers=False,
-                key=f"StorageUnit-{tag}-{i}",
-            )
-            for i, addr in enumerate(placed)
-        ]
-        units = client.gather(futures)
-        handle = DirectActor if config.get("store.direct-to-workers", True) else PinnedActor
-        units = [handle(u._cls, u._address, u.key) for u in units]
+        spill = None if spill_directory is None else str(spill_directory)
+        units, futures = start_pinned_actors(
+            client, StorageUnit, placed, args=[(i, memory_limit, capacity, spill, partitions) for i in range(n_units)],
+        )
         store = cls(units, placed, partitions)
         store._futures = futures
         return store
@@ -182,7 +117,7 @@ class StagingStore:
 
     def _check_partition(self, partition: str) -> str:
         if self.__dict__.get("_closed") is not None:
-            raise StoreError("this store is closed")
+            raise StoreUnavailable("this store is closed")
         return check_partition(partition, self.partitions)
 
     def _route(self, keys: Sequence[str]) -> tuple[np.ndarray, dict[str, tuple[str, str]]]:
@@ -202,7 +137,7 @@ class StagingStore:
 
     def _plan_put(self, batch: PackedBatch) -> tuple[list[tuple[int, PackedBatch]], dict]:
         if not isinstance(batch, PackedBatch):
-            raise StoreError(f"put_many needs a PackedBatch, got {type(batch).__name__}")
+            raise InvalidStoreRequest(f"put_many needs a PackedBatch, got {type(batch).__name__}")
         for name, f in batch.fields.items():
             # A field that cannot be cut into rows fails the batch per key (the unit would
             # refuse it the same way), before row sizes are computed from its offsets.
@@ -210,7 +145,7 @@ class StagingStore:
             if problem:
                 return [], {k if isinstance(k, str) else repr(k): (INVALID_BATCH, problem) for k in batch.keys}
         where, failed = self._route(batch.keys)
-        max_bytes = _parse_bytes(config.get("store.max-call-bytes", "64MiB"))
+        max_bytes = config.get_bytes("store.max-call-bytes")
         row_bytes = _row_bytes(batch)
         parts = []
         for u in range(len(self.units)):
@@ -291,7 +226,7 @@ class StagingStore:
             try:
                 ks = f.result()
             except (OSError, RuntimeError, StoreError) as e:
-                raise StoreError(f"storage unit {i} cannot list its keys: {type(e).__name__}: {e}") from e
+                raise StoreUnavailable(f"storage unit {i} cannot list its keys: {type(e).__name__}: {e}") from e
             out.extend(ks if prefix is None else (k for k in ks if k.startswith(prefix)))
         return out
 
@@ -373,8 +308,8 @@ class StagingStore:
         each data file; it is a runtime knob, not part of the checkpoint's identity.
         """
         if chunk_bytes is None:
-            chunk_bytes = config.get("store.checkpoint-chunk-bytes", "64MiB")
-        return _checkpoint.save(self, path, _parse_bytes(chunk_bytes))
+            chunk_bytes = config.get("store.checkpoint-chunk-bytes")
+        return _checkpoint.save(self, path, config.parse_bytes(chunk_bytes))
 
     def restore(self, path: str, client=None) -> dict:
         """Load the checkpoint at ``path`` into this store (rows placed by ``unit_for_key``
@@ -410,7 +345,7 @@ class StagingStore:
         if fields is None:
             return None
         if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
-            raise StoreError(f"fields must be a list of field names, got {fields!r}")
+            raise InvalidStoreRequest(f"fields must be a list of field names, got {fields!r}")
         return list(dict.fromkeys(fields))
 
 

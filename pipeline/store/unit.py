@@ -28,7 +28,7 @@ from typing import Callable, Iterable, Optional, Sequence
 import msgpack
 import numpy as np
 
-from tasks.errors import InvalidKey, TokenCaptureError
+from tasks.errors import InvalidKey, InvalidStoreRequest, StoreUnavailable
 from tasks.keys import rollout_of_key
 from tasks.packed import PackedBatch, PackedField
 
@@ -59,10 +59,6 @@ class _Group:
     held: int  # bytes of the shared buffers (all of them, until the group ends)
     live: int  # bytes of them still covered by a member row in memory
     fields: tuple[str, ...] = ()
-
-
-class StoreError(TokenCaptureError):
-    """A whole store call was unusable (wrong argument type, unknown partition, ...)."""
 
 
 @dataclass
@@ -96,9 +92,9 @@ class GetResult:
 def check_partition(partition: object, allowed: Optional[Sequence[str]] = None) -> str:
     """Return ``partition`` if usable, else raise :class:`StoreError` naming it."""
     if not isinstance(partition, str) or not PARTITION_RE.match(partition):
-        raise StoreError(f"partition must match {PARTITION_RE.pattern}, got {partition!r}")
+        raise InvalidStoreRequest(f"partition must match {PARTITION_RE.pattern}, got {partition!r}")
     if allowed is not None and partition not in allowed:
-        raise StoreError(f"unknown partition {partition!r}; configured: {list(allowed)}")
+        raise InvalidStoreRequest(f"unknown partition {partition!r}; configured: {list(allowed)}")
     return partition
 
 
@@ -312,29 +308,23 @@ def unpack_names(value: object, what: str) -> list:
         try:
             value = msgpack.unpackb(value, raw=False)
         except Exception as e:  # msgpack raises several types for bad input
-            raise StoreError(f"{what}: undecodable packed names: {type(e).__name__}: {e}") from None
+            raise InvalidStoreRequest(f"{what}: undecodable packed names: {type(e).__name__}: {e}") from None
         if not isinstance(value, list):
-            raise StoreError(f"{what}: packed names must hold a list, got {type(value).__name__}")
+            raise InvalidStoreRequest(f"{what}: packed names must hold a list, got {type(value).__name__}")
         return value
     if isinstance(value, str):
-        raise StoreError(f"{what} must be a list of names, got a single str {value[:80]!r}")
+        raise InvalidStoreRequest(f"{what} must be a list of names, got a single str {value[:80]!r}")
     try:
         return list(value)
     except TypeError:
-        raise StoreError(f"{what} must be a list of names, got {type(value).__name__}") from None
+        raise InvalidStoreRequest(f"{what} must be a list of names, got {type(value).__name__}") from None
 
 
 def _answer_buffer_bytes() -> int:
     # Read at call time (the knob may change between calls); bytes.
     from .. import config
 
-    return int(_parse_size(config.get("store.answer-buffer-bytes", "64MiB")))
-
-
-def _parse_size(value: object) -> int:
-    from dask.utils import parse_bytes
-
-    return int(parse_bytes(value))
+    return config.get_bytes("store.answer-buffer-bytes")
 
 
 def same_row(a: Row, b: Row) -> bool:
@@ -413,7 +403,7 @@ class StorageUnit:
         self._check_open()
         check_partition(partition, self.partitions)
         if not isinstance(batch, PackedBatch):
-            raise StoreError(f"put_many needs a PackedBatch, got {type(batch).__name__}")
+            raise InvalidStoreRequest(f"put_many needs a PackedBatch, got {type(batch).__name__}")
         self.counters["puts"] += 1
         n = len(batch)
         result = StoreResult()
@@ -743,4 +733,4 @@ class StorageUnit:
 
     def _check_open(self) -> None:
         if self.closed:
-            raise StoreError(f"storage unit {self.unit_index} is closed")
+            raise StoreUnavailable(f"storage unit {self.unit_index} is closed")

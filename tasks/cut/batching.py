@@ -30,10 +30,10 @@ from typing import Hashable, Iterable, Optional, Sequence
 
 import numpy as np
 
-from . import hashing
-from .errors import TokenCaptureError
-from .packed import PackedBatch, PackedField
-from .schema import (
+from .. import hashing
+from ..errors import BatchLimitError, InvalidChunk
+from ..packed import PackedBatch, PackedField
+from ..schema import (
     HASH_BYTES,
     HASH_FIELDS,
     ID_FIELDS,
@@ -52,14 +52,6 @@ from .schema import (
 ROW_FIXED_BYTES = len(SCALAR_FIELDS) * 8 + len(HASH_FIELDS) * HASH_BYTES + (len(ID_FIELDS) + len(SCALAR_FIELDS) + len(HASH_FIELDS) + len(TOKEN_FIELDS) + 1) * 8
 
 Signature = Hashable
-
-
-class BatchLimitError(TokenCaptureError):
-    """A batch limit that is not a positive integer."""
-
-
-class InvalidChunk(TokenCaptureError):
-    """A :class:`PrefixChunk` whose pieces do not fit its row (names the chunk and piece)."""
 
 
 @dataclass(frozen=True)
@@ -302,7 +294,7 @@ class PrefixChunk:
 
     def to_row(self) -> StagedRow:
         """The chunk as a :class:`StagedRow` (concatenated, digest set): what a put stores."""
-        from .packed import unpack_rows
+        from ..packed import unpack_rows
 
         return unpack_rows(pack_chunks([self]))[0]
 

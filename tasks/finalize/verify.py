@@ -18,12 +18,12 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from . import hashing
-from . import reasons as R
+from .. import hashing
+from .. import reasons as R
 from .linearize import Alloc, Linearized, OutputArena, linearize_ranges, row_bytes
-from .packed import PackedBatch, PackedField
+from ..packed import PackedBatch, PackedField
 from .plan import RolloutPlan, StepPlan
-from .schema import (
+from ..schema import (
     HASH_BYTES,
     HASH_FIELDS,
     ID_FIELDS,
@@ -35,7 +35,7 @@ from .schema import (
     SCHEMA_VERSION,
     TOKEN_FIELDS,
 )
-from .validation import check_lengths, check_logprobs, check_mask, check_routes, check_token_arrays, check_tokens
+from ..validation import check_lengths, check_logprobs, check_mask, check_routes, check_token_arrays, check_tokens
 
 _U8 = np.dtype("u1")
 # A batch whose needed rows hold under this share of its tokens is not pre-scanned whole:

@@ -1,6 +1,6 @@
 """A deliberately simple, per-token reference of the verification rules.
 
-Written independently of ``tasks.verify`` / ``tasks.hashing``: every array goes through
+Written independently of ``tasks.finalize.verify`` / ``tasks.hashing``: every array goes through
 ``.tolist()``, every rule is a Python loop over elements, and each hash input is a
 ``bytes`` object built by hand from the layout in ``tasks/hashing.py``'s docstring.
 This is also the baseline of the finalize benchmark: it is the per-token path the
@@ -16,8 +16,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from tasks.linearize import Linearized
-from tasks.verify import RolloutResult
+from tasks.finalize.linearize import Linearized
+from tasks.finalize.verify import RolloutResult
 
 TAG_CHAIN = b"token-capture/chain/v1\x00"
 TAG_PREFIX = b"token-capture/prefix/v1\x00"
@@ -314,7 +314,7 @@ def _verify(plan, rows, routes, vocab_size: int, num_experts: Optional[int]) -> 
 
 
 def reference_verify_rollout(plan, rows, routes, *, vocab_size: int, num_experts: Optional[int]) -> RolloutResult:
-    """Same signature and verdicts as :func:`tasks.verify.verify_rollout`, per token."""
+    """Same signature and verdicts as :func:`tasks.finalize.verify.verify_rollout`, per token."""
     try:
         lin = _verify(plan, rows, routes, vocab_size, num_experts)
     except Reject as e:

@@ -32,7 +32,7 @@ Low level (the generation actors that cut and restore in-flight calls)
     taken under the call's lock is a frozen snapshot: no copy is needed to cut.
 
 Every token depends only on (policy weights and seed, rollout_id, absolute position, the
-``window`` tokens before it); see :mod:`tasks.policy`.
+``window`` tokens before it); see :mod:`tasks.toy.policy`.
 """
 from __future__ import annotations
 
@@ -42,32 +42,17 @@ from typing import Optional, Sequence, Union
 import numpy as np
 
 from .environment import ToolEnvironment, synthetic_prompt
-from .errors import InvalidRecord, TokenCaptureError
-from .gate import CaptureGate
-from .keys import check_id
+from ..errors import InvalidCall, InvalidRecord, TokenCaptureError
+from ..gate import CaptureGate
+from ..keys import check_id
 from .policy import MoEPolicy
-from .receipts import Receipt
+from ..receipts import Receipt
 from .sampling import rollout_key
-from .schema import StagedRow
+from ..schema import StagedRow
 
 _I64 = np.dtype(np.int64)
 _F32 = np.dtype(np.float32)
 _I16 = np.dtype(np.int16)
-
-
-class InvalidCall(TokenCaptureError):
-    """A call could not be started, advanced or resumed; ``reason`` says why.
-
-    Reasons: ``invalid_token``, ``invalid_prefix`` (shapes, dtypes, mask order, logprobs,
-    routes of a saved prefix), ``short_history`` (fewer history tokens than the policy
-    needs), ``prefix_mismatch`` (``resume_state(verify=True)``: the prefix is not what this
-    policy generates), ``policy_mismatch``, ``invalid_argument``.
-    """
-
-    def __init__(self, reason: str, detail: str):
-        super().__init__(f"{reason}: {detail}")
-        self.reason = reason
-        self.detail = detail
 
 
 def call_id(turn: int) -> str:

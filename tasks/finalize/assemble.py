@@ -14,8 +14,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from . import reasons as R
-from .schema import ROUTES_DTYPE
+from .. import reasons as R
+from ..schema import ROUTES_DTYPE
 from .verify import RolloutResult
 
 

@@ -16,7 +16,7 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
-from .schema import ROUTES_DTYPE, TOKEN_FIELDS
+from ..schema import ROUTES_DTYPE, TOKEN_FIELDS
 
 
 @dataclass

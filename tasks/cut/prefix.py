@@ -1,7 +1,7 @@
 """Verify a restored cut prefix against its continuation, and build what to resume from. Pure.
 
 A call cut at a checkpoint resumes with a *continuation* (the cut receipt's
-:class:`~tasks.cut_receipt.CallAck`): its cut keys in chain order, the prefix token count
+:class:`~tasks.cut.receipt.CallAck`): its cut keys in chain order, the prefix token count
 and the prefix digest. The rows read back for those keys are verified here before the call
 continues from them; an unusable prefix makes the call regenerate (SPEC section 8).
 
@@ -13,7 +13,7 @@ carries the call's context (mask 0, logprob 0) then generated tokens (mask 1); l
 chunks only generated tokens. ``chain_hash`` chains the chunks from a root marker,
 ``cumulative_hash`` covers the prefix through the chunk, ``digest`` is
 :func:`tasks.hashing.row_digest`. The prefix digest is
-:func:`tasks.cut_receipt.prefix_digest` over all the prefix's token ids.
+:func:`tasks.cut.receipt.prefix_digest` over all the prefix's token ids.
 
 Checks, first failure wins (every digest recomputed, none trusted):
 
@@ -43,12 +43,12 @@ from typing import Any, Mapping, Optional
 
 import numpy as np
 
-from . import hashing, reasons, validation
-from .cut_receipt import prefix_digest as _prefix_digest
-from .errors import InvalidKey
-from .keys import CUT_PREFIX
-from .packed import PackedBatch, row_from_fields
-from .schema import HASH_BYTES, ROUTES_FIELD, ROUTES_INT16, ROUTES_NONE, STAGING_FIELDS
+from .. import hashing, reasons, validation
+from .receipt import prefix_digest as _prefix_digest
+from ..errors import InvalidKey
+from ..keys import CUT_PREFIX
+from ..packed import PackedBatch, row_from_fields
+from ..schema import HASH_BYTES, ROUTES_FIELD, ROUTES_INT16, ROUTES_NONE, STAGING_FIELDS
 
 # Reasons of this module beyond the finalizer's vocabulary (tasks.reasons).
 EMPTY_PREFIX = "empty_prefix"

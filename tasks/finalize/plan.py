@@ -16,11 +16,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from . import reasons as R
-from .errors import InvalidKey
-from .keys import check_id, staging_key
-from .receipts import RECEIPT_VERSION, CallRecord, Receipt
-from .schema import HASH_BYTES, HASH_FIELDS, ROUTES_INT16, ROUTES_NONE
+from .. import reasons as R
+from ..errors import InvalidKey
+from ..keys import check_id, staging_key
+from ..receipts import RECEIPT_VERSION, CallRecord, Receipt
+from ..schema import HASH_BYTES, HASH_FIELDS, ROUTES_INT16, ROUTES_NONE
 
 ReceiptLike = Union[Receipt, Mapping[str, Any]]
 Rejection = tuple[str, str]

@@ -35,8 +35,8 @@ from typing import Any, Iterable, Optional, Union
 
 import numpy as np
 
-from .errors import TokenCaptureError
-from .keys import check_id
+from ..errors import InvalidInventory
+from ..keys import check_id
 
 CUT_RECEIPT_VERSION = 1
 TAG_CUT_PREFIX = b"token-capture/cut-prefix/v1\x00"
@@ -56,10 +56,6 @@ FAILURE_REASONS = (CUT_ERROR, CONTROL_DEADLINE, GENERATION_LOST, UNKNOWN_CALL, E
 
 CallId = tuple[str, str]
 InventoryEntry = Union[CallId, list, str]
-
-
-class InvalidInventory(TokenCaptureError):
-    """A cut inventory entry that names no call: not ``(rollout_id, model_call_id)``."""
 
 
 # ---- digests ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Tool tokens are carried context in the next call's delta (token_mask 0, logprob 0). They
 are a pure function of (seed, rollout_id, turn), drawn from the counter-based streams of
-:mod:`tasks.sampling`, so a restarted rollout sees the same tool output again.
+:mod:`tasks.toy.sampling`, so a restarted rollout sees the same tool output again.
 """
 from __future__ import annotations
 

@@ -14,14 +14,14 @@ Why integers
     result of a row cannot depend on which kernel, blocking, thread count or batch
     computed it. Only the last step is floating point, and it is row-local: logits
     become weights through a lookup table, a sequential per-row ``cumsum`` gives the
-    CDF, and a counter-based uniform (:mod:`tasks.sampling`) keyed by (seed, rollout,
+    CDF, and a counter-based uniform (:mod:`tasks.toy.sampling`) keyed by (seed, rollout,
     absolute position) picks the token by inverse CDF.
 
 What a token depends on
     The token at absolute position ``p`` of a rollout, its logprob and its routed experts
     are a pure function of (weights, the ``window`` tokens before ``p``, ``p``, the
     rollout key). So the state needed to continue a call is its last ``window`` tokens
-    and its length (see :mod:`tasks.rollouts`).
+    and its length (see :mod:`tasks.toy.rollouts`).
 
 Routes
     ``routes[p]`` (int16 ``[layers, top_k]``) are the experts of the forward pass at
@@ -41,7 +41,7 @@ from typing import Any, Iterator, Mapping
 import numpy as np
 import torch
 
-from .errors import TokenCaptureError
+from ..errors import InvalidPolicyConfig
 from .sampling import STREAM_SAMPLE, uniforms
 
 # Fixed architecture constants (not tuning knobs: changing any changes every token).
@@ -67,10 +67,6 @@ def _torch_threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
-
-
-class InvalidPolicyConfig(TokenCaptureError):
-    """A policy configuration value is missing, unknown or out of range."""
 
 
 @dataclass(frozen=True)
@@ -249,7 +245,7 @@ class MoEPolicy:
     def step(self, windows: np.ndarray, positions: np.ndarray, keys: np.ndarray) -> Step:
         """Sample one token per row; row ``i`` depends only on row ``i`` of the inputs.
 
-        ``keys`` are uint64[B] rollout keys (:func:`tasks.sampling.rollout_key`).
+        ``keys`` are uint64[B] rollout keys (:func:`tasks.toy.sampling.rollout_key`).
         """
         logits, routes = self.forward(windows, positions)
         z = logits.numpy()

@@ -1,0 +1,97 @@
+"""Actors pinned to one worker each: start them, and handles that fail fast.
+
+Storage units, generation workers and prefix-read batchers hold state that lives on their
+worker and nowhere else: a recreated actor would be empty, so they never move. This module
+starts such actors (:func:`start_pinned_actors`) and provides the handles to call them:
+:class:`PinnedActor` (fails fast when the worker is gone) and :class:`DirectActor` (a
+client's calls go straight to the worker, not through the scheduler).
+"""
+from __future__ import annotations
+
+import uuid
+from typing import Any, Optional, Sequence
+
+from distributed import Actor
+
+from . import config
+
+
+class PinnedActor(Actor):
+    """An actor handle that fails fast when its worker is gone.
+
+    A plain ``Actor`` handle that holds its task's future awaits that future on a connection
+    error, i.e. forever for a pinned task whose worker died. This handle keeps that future
+    only to keep the actor alive (as a plain handle does), out of the retry path, so the
+    call fails with ``OSError`` after the connect timeout and the caller reports the
+    actor's work as unavailable (the store: its keys ``unit_unavailable``).
+    """
+
+    def _try_bind_worker_client(self):
+        super()._try_bind_worker_client()
+        if self._future is not None:
+            self._keepalive, self._future = self._future, None
+
+    def __reduce__(self):
+        return (type(self), (self._cls, self._address, self.key))
+
+
+class DirectActor(PinnedActor):
+    """A pinned actor handle whose calls from a client go straight to the hosting worker.
+
+    Dask's default (``distributed.client.direct-to-workers: null``) routes a client's actor
+    calls through the scheduler, which copies every argument and answer twice more; staged
+    batches are megabytes, so handles talk to their worker directly (config
+    ``token-capture.store.direct-to-workers``; calls from workers are direct anyway).
+    """
+
+    @property
+    def _worker_rpc(self):
+        if self._worker is None and self._client is None:
+            self._try_bind_worker_client()
+        if self._worker is None and self._client is not None:
+            return self._client.rpc(self._address)
+        return super()._worker_rpc
+
+
+def current_workers(client: Any) -> list[str]:
+    """Addresses of every worker connected now, sorted (a stable placement order)."""
+    return sorted(client.scheduler_info(n_workers=-1)["workers"])
+
+
+def pinned_handle(actor: Actor) -> PinnedActor:
+    """The handle to use for ``actor``: direct to its worker or through the scheduler,
+    as ``token-capture.store.direct-to-workers`` says; fails fast either way."""
+    handle = DirectActor if config.get("store.direct-to-workers") else PinnedActor
+    return handle(actor._cls, actor._address, actor.key)
+
+
+def start_pinned_actors(
+    client: Any,
+    cls: type,
+    workers: Sequence[str],
+    args: Sequence[tuple] = (),
+    keys: Optional[Sequence[str]] = None,
+    **kwargs: Any,
+) -> tuple[list[PinnedActor], list[Any]]:
+    """Start one ``cls`` actor on each of ``workers`` (an address may repeat), pinned there.
+
+    ``args[i]`` are actor ``i``'s positional arguments (none when ``args`` is empty);
+    ``kwargs`` go to every constructor. Keys default to ``"{cls name}-{random tag}-{i}"``.
+    Returns the handles (see :func:`pinned_handle`) and the actor futures; keep the futures
+    for as long as the actors must live.
+    """
+    workers = list(workers)
+    if args and len(args) != len(workers):
+        raise ValueError(f"{len(args)} argument tuples for {len(workers)} actors")
+    if keys is None:
+        tag = uuid.uuid4().hex[:8]
+        keys = [f"{cls.__name__}-{tag}-{i}" for i in range(len(workers))]
+    futures = [
+        client.submit(
+            cls, *(args[i] if args else ()), actor=True, workers=[addr], allow_other_workers=False,
+            key=keys[i], **kwargs,
+        )
+        for i, addr in enumerate(workers)
+    ]
+    actors = client.gather(futures)
+    return [pinned_handle(a) for a in actors], futures

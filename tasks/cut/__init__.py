@@ -1,0 +1,1 @@
+"""Checkpoint cuts, pure: batching prefix chunks, cut receipts, restored-prefix checks."""
