@@ -34,7 +34,7 @@ COMPARED = ["parent_call_id", "prev_len", "delta_len", "cum_len", "weight_versio
             "routes_encoding", "digest", "chain_hash", "cumulative_hash"]
 
 
-class Reject(Exception):
+class _Reject(Exception):
     def __init__(self, reason: str):
         super().__init__(reason)
         self.reason = reason
@@ -112,31 +112,31 @@ def read_row(batch, i: int) -> dict:
     specs = {**{k: "u1" for k in ID_NAMES + HASH_NAMES}, **SCALAR_NAMES, **TOKEN_NAMES}
     for name, dt in specs.items():
         if not field_ok(batch, name, dt, n):
-            raise Reject("invalid_staging_row")
+            raise _Reject("invalid_staging_row")
     cells = {}
     for name in specs:
         c = cell(batch, name, i)
         if c is None:
-            raise Reject("invalid_staging_row")
+            raise _Reject("invalid_staging_row")
         cells[name] = c
     row: dict[str, Any] = {}
     for name in ID_NAMES:
         try:
             row[name] = bytes([int(x) for x in cells[name].tolist()]).decode("utf-8")
         except UnicodeDecodeError:
-            raise Reject("invalid_staging_row") from None
+            raise _Reject("invalid_staging_row") from None
     for name in SCALAR_NAMES:
         vals = cells[name].tolist()
         if len(vals) != 1:
-            raise Reject("invalid_staging_row")
+            raise _Reject("invalid_staging_row")
         row[name] = int(vals[0])
     for name in HASH_NAMES:
         b = bytes([int(x) for x in cells[name].tolist()])
         if len(b) != 32:
-            raise Reject("invalid_staging_row")
+            raise _Reject("invalid_staging_row")
         row[name] = b
     if row["schema_version"] != 1 or row["digest_version"] != 1:
-        raise Reject("invalid_staging_row")
+        raise _Reject("invalid_staging_row")
     for name in TOKEN_NAMES:
         row[name] = cells[name]
     if row["parent_call_id"] == "":
@@ -241,50 +241,50 @@ def _verify(plan, rows, routes, vocab_size: int, num_experts: Optional[int]) -> 
                 i = j
                 break
         if i < 0:
-            raise Reject("missing_staging_row")
+            raise _Reject("missing_staging_row")
         row = read_row(rows, i)
         if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
-            raise Reject("identity_mismatch")
+            raise _Reject("identity_mismatch")
         for name in COMPARED:
             if row[name] != getattr(rec, name):
-                raise Reject("wrong_" + name)
+                raise _Reject("wrong_" + name)
         if row["delta_len"] <= 0 or row["prev_len"] < 0 or row["cum_len"] != row["prev_len"] + row["delta_len"]:
-            raise Reject("invalid_staging_row")
+            raise _Reject("invalid_staging_row")
         for name in TOKEN_NAMES:
             if len(row[name].tolist()) != row["delta_len"]:
-                raise Reject("invalid_staging_row")
+                raise _Reject("invalid_staging_row")
         experts = None
         if row["routes_encoding"] != root_enc:
-            raise Reject("invalid_routes")
+            raise _Reject("invalid_routes")
         if row["routes_encoding"] == 1:
             experts = routes_cell(routes, rec.staging_key)
             if experts is None:
-                raise Reject("missing_routes")
+                raise _Reject("missing_routes")
             if experts.dtype != np.dtype("<i2") or experts.ndim != 3 or experts.shape[0] != row["delta_len"]:
-                raise Reject("invalid_routes")
+                raise _Reject("invalid_routes")
             if lk is not None and (experts.shape[1], experts.shape[2]) != lk:
-                raise Reject("invalid_routes")
+                raise _Reject("invalid_routes")
             lk = (experts.shape[1], experts.shape[2])
         if call_digest(rid, row, experts) != row["digest"]:
-            raise Reject("corrupt_digest")
+            raise _Reject("corrupt_digest")
         if row["prev_len"] != prev_end:
-            raise Reject("parent_length_mismatch")
+            raise _Reject("parent_length_mismatch")
         ids = [int(t) for t in row["token_ids"].tolist()]
         marker = b"\x00" if parent_chain is None else b"\x01" + parent_chain
         parent_chain = hashlib.sha256(TAG_CHAIN + marker + ids_bytes(ids)).digest()
         if parent_chain != row["chain_hash"]:
-            raise Reject("chain_hash_mismatch")
+            raise _Reject("chain_hash_mismatch")
         mask = [float(m) for m in row["token_mask"].tolist()]
         lps = [float(p) for p in row["logprobs"].tolist()]
         reason = content_reason(ids, mask, lps, vocab_size)
         if reason:
-            raise Reject(reason)
+            raise _Reject(reason)
         if experts is not None:
             ex = experts.tolist()
             if num_experts is not None:
                 for e in flat(ex):
                     if e < 0 or e >= num_experts:
-                        raise Reject("invalid_routes")
+                        raise _Reject("invalid_routes")
             all_routes.extend(ex)
         if pos == 0:
             for m in mask:
@@ -297,9 +297,9 @@ def _verify(plan, rows, routes, vocab_size: int, num_experts: Optional[int]) -> 
         all_lps.extend(lps)
         prev_end = row["cum_len"]
     if hashlib.sha256(TAG_PREFIX + ids_bytes(all_ids)).digest() != row["cumulative_hash"]:
-        raise Reject("cumulative_hash_mismatch")
+        raise _Reject("cumulative_hash_mismatch")
     if not all_ids or all(m == 0.0 for m in all_mask):
-        raise Reject("empty_training_row")
+        raise _Reject("empty_training_row")
     routed = None
     if root_enc == 1:
         routed = np.array(all_routes, dtype=np.int16).reshape(len(all_ids), lk[0], lk[1])
@@ -317,7 +317,7 @@ def reference_verify_rollout(plan, rows, routes, *, vocab_size: int, num_experts
     """Same signature and verdicts as :func:`tasks.finalize.verify.verify_rollout`, per token."""
     try:
         lin = _verify(plan, rows, routes, vocab_size, num_experts)
-    except Reject as e:
+    except _Reject as e:
         return RolloutResult(plan.rollout_id, e.reason, "", None, len(plan.chain))
     return RolloutResult(plan.rollout_id, "ok", "", lin, len(plan.chain))
 
