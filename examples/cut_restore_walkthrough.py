@@ -32,9 +32,10 @@ from pipeline import config  # noqa: E402  (loads dask-config.yaml into dask.con
 from pipeline.capture import policy_from_config  # noqa: E402
 from pipeline.cluster import connect  # noqa: E402
 from pipeline.finalize.controller import Finalizer  # noqa: E402
-from pipeline.generation.cut import FaultRules, FaultyStore  # noqa: E402
-from pipeline.rollout_driver import RolloutDriver, cut_round, reference_mismatches  # noqa: E402
+from pipeline.testing.faults import FaultRules, FaultyStore  # noqa: E402
+from pipeline.driver import RolloutDriver, cut_round  # noqa: E402
 from pipeline.store.client import StagingStore  # noqa: E402
+from pipeline.testing.oracle import reference_mismatches  # noqa: E402
 from tasks.toy.rollouts import generate_rollouts, make_step_specs  # noqa: E402
 
 

@@ -122,7 +122,7 @@ def resume_phase(client: Any, store: Any, args: argparse.Namespace, out) -> dict
     """Cut -> checkpoint -> kill/recreate -> restore -> resume -> finish -> finalize.
 
     One step of ``args.groups`` x ``args.rollouts`` rollouts (ids ``rs-p*``) on
-    :class:`~pipeline.rollout_driver.RolloutDriver`; compared with
+    :class:`~pipeline.driver.RolloutDriver`; compared with
     :func:`tasks.toy.rollouts.generate_rollouts` (same seeds, never interrupted).
     """
     import tempfile
@@ -131,8 +131,9 @@ def resume_phase(client: Any, store: Any, args: argparse.Namespace, out) -> dict
 
     from .capture import policy_from_config
     from .finalize.controller import Finalizer
-    from .rollout_driver import RolloutDriver, cut_round, reference_mismatches
+    from .driver import RolloutDriver, cut_round
     from .store.client import StagingStore
+    from .testing.oracle import reference_mismatches
 
     groups = make_step_specs(
         "rs-", args.groups, args.rollouts, turns=args.turns, tokens_per_turn=args.tokens_per_turn,

@@ -13,8 +13,14 @@ from typing import Any, Mapping
 
 FINALIZE = "token-capture-finalize"
 """One per finalized group. Keys: step_id, group_id, rollouts, accepted, rejected (dict
-reason -> count), fetch_ms, verify_ms, assemble_ms, queue_wait_ms, queue_depth,
-calls_per_rollout, fetch_calls, bytes_fetched, tokens."""
+reason -> count), internal_errors (rollouts the verifier failed on: bugs, not bad data,
+never in ``rejected``; optional, see :data:`FINALIZE_OPTIONAL`), fetch_ms, verify_ms,
+assemble_ms, queue_wait_ms, queue_depth, calls_per_rollout, fetch_calls, bytes_fetched,
+tokens; ``kind`` is ``"group"``. The controller's ``kind: "step"`` events on this topic
+carry the same counts summed over the step (count each rollout from one kind only)."""
+
+FINALIZE_OPTIONAL: Mapping[str, Any] = {"internal_errors": 0}
+"""Finalize event keys an event may lack (older producers), with the value to read then."""
 
 CUT = "token-capture-cut"
 """One per checkpoint cut per generation worker. Keys: checkpoint_id, worker, calls,

@@ -8,6 +8,7 @@ chain_hash v1
     TAG_CHAIN
     parent marker: b"\\x00" for a root, or b"\\x01" + parent's chain_hash (32 bytes)
     token_ids as <i8 bytes
+    (:func:`chain_state` is the running form: writers feed ids as they are generated.)
 
 cumulative_hash v1
     TAG_PREFIX
@@ -58,9 +59,19 @@ def chain_hash(parent_chain: Optional[bytes], token_ids: np.ndarray) -> bytes:
 
 def chain_hash_raw(parent_chain: Optional[bytes], ids_bytes) -> bytes:
     """:func:`chain_hash` over ids already given as their ``<i8`` bytes (any buffer)."""
-    h = hashlib.sha256(TAG_CHAIN + (ROOT_MARKER if parent_chain is None else b"\x01" + parent_chain))
+    h = chain_state(parent_chain)
     h.update(ids_bytes)
     return h.digest()
+
+
+def chain_state(parent_chain: bytes | None) -> "hashlib._Hash":
+    """A running chain-hash state: TAG_CHAIN and the parent marker, awaiting the ids.
+
+    Feeding it a chunk's ids as ``<i8`` bytes (in any number of updates) and taking
+    ``digest()`` gives ``chain_hash(parent_chain, ids)``. The only place the chain
+    layout is written; writers keep one per open chunk instead of re-hashing at a cut.
+    """
+    return hashlib.sha256(TAG_CHAIN + (ROOT_MARKER if parent_chain is None else b"\x01" + parent_chain))
 
 
 def prefix_state(parent_state: Optional["hashlib._Hash"] = None) -> "hashlib._Hash":

@@ -1,32 +1,30 @@
-"""The fixed rejection vocabulary (SPEC section 4) as constants.
+"""The fixed rejection vocabulary as constants, and the one status outside it.
 
 Every rejected rollout carries exactly one of these words as its ``status``; a good one
 carries :data:`OK`. Code compares against the constants, never against string literals,
-so a typo is an ``AttributeError`` rather than a silently unmatched reason.
-
-Check order (the vectorized verifier and the per-token reference both follow it, so the
-first failing rule decides the reason):
-
-receipt (``tasks.finalize.plan``), per receipt
-    invalid_receipt (top-level types) -> capture_poisoned -> empty_manifest ->
-    invalid_receipt (per record) -> duplicate_call_id -> duplicate_staging_key ->
-    invalid_receipt (staging_key not derived from the ids) -> missing_terminal ->
-    missing_parent (any record) -> lineage_cycle (any record);
-    then across the step: duplicate_staging_key for every receipt sharing a rollout_id.
-
-rows (``tasks.finalize.verify``), call by call from the root to the terminal
-    missing_staging_row -> invalid_staging_row (fields present, dtypes, ids decode,
-    one value per scalar, 32-byte hashes, supported versions) -> identity_mismatch ->
-    wrong_<field> in :data:`RECEIPT_COMPARED_FIELDS` order -> invalid_staging_row
-    (token arrays not ``delta_len`` long) -> routes readiness
-    (invalid_routes for a chain mixing routed and unrouted calls, missing_routes,
-    invalid_routes for dtype/shape) -> corrupt_digest -> parent_length_mismatch ->
-    chain_hash_mismatch -> content (invalid_mask_order / empty_generation /
-    invalid_token / invalid_logprob, as ``tasks.validation.check_delta`` orders them) ->
-    invalid_routes (expert id range);
-    then once per rollout: cumulative_hash_mismatch -> empty_training_row.
+so a typo is an ``AttributeError`` rather than a silently unmatched reason. The rules
+run in a fixed order (the vectorized verifier and the per-token reference agree), so the
+first failing rule decides the reason.
 """
 from __future__ import annotations
+
+# Check order (first failing rule decides):
+# receipt (tasks.finalize.plan), per receipt
+#     invalid_receipt (top-level types) -> capture_poisoned -> empty_manifest ->
+#     invalid_receipt (per record) -> duplicate_call_id -> duplicate_staging_key ->
+#     invalid_receipt (staging_key not derived from the ids) -> missing_terminal ->
+#     missing_parent (any record) -> lineage_cycle (any record);
+#     then across the step: duplicate_staging_key for every receipt sharing a rollout_id.
+# rows (tasks.finalize.chain / verify), call by call from the root to the terminal
+#     missing_staging_row -> invalid_staging_row (fields present, dtypes, ids decode,
+#     one value per scalar, 32-byte hashes, supported versions) -> identity_mismatch ->
+#     wrong_<field> in RECEIPT_COMPARED_FIELDS order -> invalid_staging_row (token arrays
+#     not delta_len long) -> routes readiness (invalid_routes for a chain mixing routed
+#     and unrouted calls, missing_routes, invalid_routes for dtype/shape) ->
+#     corrupt_digest -> parent_length_mismatch -> chain_hash_mismatch -> content
+#     (invalid_mask_order / empty_generation / invalid_token / invalid_logprob, as
+#     tasks.validation.check_delta orders them) -> invalid_routes (expert id range);
+#     then once per rollout: cumulative_hash_mismatch -> empty_training_row.
 
 OK = "ok"
 
@@ -103,6 +101,12 @@ CONTENT_REASONS = frozenset(
     }
 )
 ALL_REASONS = RECEIPT_REASONS | ROW_REASONS | LINEAGE_REASONS | CONTENT_REASONS
+
+
+# Not a rejection: the verifier itself failed on the rollout (a bug, logged), so nothing
+# is known about its data. Deliberately outside ALL_REASONS (metrics pre-create one label
+# per reason there); finalization counts it apart as ``internal_errors``.
+INTERNAL_ERROR = "internal_error"
 
 
 def is_reason(status: str) -> bool:

@@ -1,4 +1,4 @@
-"""The staged row: one model call's delta, as captured (SPEC section 3).
+"""The staged row: one model call's delta, as captured.
 
 A row is the unit of staging. Token fields are ragged (``delta_len`` long); the rest
 are scalars or 32-byte hashes. :data:`FIELD_SPECS` is the single description of every

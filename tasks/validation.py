@@ -1,4 +1,4 @@
-"""Content rules for one call's delta (SPEC sections 3 and 4), vectorized.
+"""Content rules for one call's delta, vectorized.
 
 Shared by the capture gate (refuse before staging) and the verifier (reject after
 fetching): one implementation, so a row the gate accepts is a row the verifier accepts.

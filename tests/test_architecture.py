@@ -164,12 +164,18 @@ def test_defaults_file_is_one_file():
     assert packaged.resolve() == (ROOT / "dask-config.yaml").resolve()
 
 
+# The one exception: the hash byte layout is specified where it is implemented.
+DOCSTRING_EXCEPTIONS = {"tasks/hashing.py"}
+MAX_DOCSTRING_LINES = 20
+
+
 @pytest.mark.parametrize("pkg", PACKAGES)
 def test_module_docstrings_are_short(pkg):
     # Long design text lives in docs/design.md; a module says what it is for.
     long = {}
     for path in sorted((ROOT / pkg).rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
         doc = ast.get_docstring(ast.parse(path.read_text())) or ""
-        if len(doc.splitlines()) > 25:
-            long[str(path.relative_to(ROOT))] = len(doc.splitlines())
-    assert not long, f"module docstrings over 25 lines (move the design text to docs/design.md): {long}"
+        if len(doc.splitlines()) > MAX_DOCSTRING_LINES and rel not in DOCSTRING_EXCEPTIONS:
+            long[rel] = len(doc.splitlines())
+    assert not long, f"module docstrings over {MAX_DOCSTRING_LINES} lines (move the design text to docs/design.md): {long}"

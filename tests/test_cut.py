@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 from distributed import Client, Event, LocalCluster
 
-from pipeline.generation import CallBuffer, FaultRules, FaultyStore, GenerationWorker, ManualClock, run_cut
+from pipeline.generation import CallBuffer, GenerationWorker, run_cut
+from pipeline.testing.faults import FaultRules, FaultyStore, ManualClock
 from pipeline.store import StagingStore
 from tasks.cut.batching import BatchLimits
 from tasks.cut.receipt import (
@@ -513,7 +514,7 @@ def test_a_cut_waiting_on_the_store_holds_no_cpu_slot(store, monkeypatch):
 def test_call_with_nothing_to_save_is_not_written():
     """No context and no generated token: no zero-token row is put and advertised; the call
     is acknowledged ``durable_failure``/``empty_prefix`` and regenerates after a restore."""
-    from pipeline.generation.cut import CallBuffer
+    from pipeline.generation.call_buffer import CallBuffer
     from tasks.cut.receipt import DURABLE_FAILURE, EMPTY_PREFIX
 
     buf = CallBuffer("r-empty", "call-0", np.zeros(0, np.int64))

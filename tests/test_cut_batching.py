@@ -428,7 +428,7 @@ def test_chunks_continue_chain_and_cumulative_hashes_across_cuts():
     """Three cuts of one call (multi-piece chunks, a rolled-back freeze in between), then a
     resumed copy of the call: every packed chunk chains onto the previous one, and its
     cumulative hash covers the prefix through it."""
-    from pipeline.generation.cut import CallBuffer  # plain Python; the module lives in pipeline/
+    from pipeline.generation.call_buffer import CallBuffer  # plain Python; the module lives in pipeline/
     from tasks.cut.prefix import verify_prefix
 
     rng = np.random.default_rng(11)

@@ -6,6 +6,7 @@ screenshot is kept as ``artifacts/dashboard-token-capture.png``.
 """
 from __future__ import annotations
 
+import ast
 import re
 import time
 import urllib.error
@@ -128,7 +129,8 @@ def test_aggregator_state_carries_the_run(run):
     assert all(st["final"] and st["dominant"] == "verify" for st in s["steps"])
     assert s["histograms"]["verify_ms"]["count"] == 3  # per step
     assert s["histograms"]["queue_wait_ms"]["count"] == 6  # per group
-    assert len(s["depths"]) == 9  # 6 group points + 3 step points    assert s["cut_failures"] == {"durable_failure": 1}
+    assert len(s["depths"]) == 9  # 6 group points + 3 step points
+    assert s["cut_failures"] == {"durable_failure": 1}
     assert s["store_units"]["0"]["spilled_bytes"] == 5 << 20
     assert s["decisions"][0]["reason_code"] == "verify-bound"
     assert s["malformed"] == {f"{FINALIZE}:fetch_ms": 1}
@@ -269,3 +271,46 @@ def test_dask_scheduler_cli_preload_serves_the_page(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def _imported_modules(module_file: Path, package: str) -> set[str]:
+    """Every module ``module_file`` imports (relative imports resolved against ``package``,
+    ``from x import y`` also yields ``x.y``, since ``y`` may be a submodule)."""
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(module_file.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            parts = package.split(".")
+            base = ".".join(parts[: len(parts) - node.level + 1]) if node.level else ""
+            mod = ".".join(p for p in (base, node.module or "") if p)
+            out.add(mod)
+            out.update(f"{mod}.{alias.name}" for alias in node.names)
+    return out
+
+
+def _imported_names(module_file: Path) -> set[str]:
+    return {alias.name for node in ast.walk(ast.parse(module_file.read_text()))
+            if isinstance(node, (ast.Import, ast.ImportFrom)) for alias in node.names}
+
+
+def _hits(imported: set[str], forbidden: tuple[str, ...]) -> set[str]:
+    return {m for m in imported if any(m == f or m.startswith(f + ".") for f in forbidden)}
+
+
+def test_dashboard_dependencies_run_one_way():
+    """state <- views (page, /metrics collector) <- plugin <- preload: nothing imports back."""
+    repo = Path(__file__).resolve().parent.parent
+    dashboard = repo / "pipeline" / "dashboard"
+    state = _imported_modules(dashboard / "state.py", "pipeline.dashboard")
+    assert not _hits(state, (
+        "pipeline.dashboard.plugin", "pipeline.dashboard.page", "pipeline.dashboard.preload",
+        "pipeline.metrics", "distributed", "bokeh", "prometheus_client",
+    ))
+    assert "pipeline.dashboard" not in state  # the package's __init__ imports the plugin
+    assert not {n for n in _imported_names(dashboard / "state.py") if n.endswith("Plugin")}
+    plugin_side = ("pipeline.dashboard.plugin", "pipeline.dashboard.preload")
+    assert not _hits(_imported_modules(dashboard / "page.py", "pipeline.dashboard"), plugin_side)
+    assert not _hits(_imported_modules(repo / "pipeline" / "metrics" / "prometheus.py", "pipeline.metrics"),
+                     plugin_side + ("pipeline.dashboard.page",))
+    assert not _hits(_imported_modules(dashboard / "plugin.py", "pipeline.dashboard"), ("pipeline.dashboard.preload",))

@@ -33,8 +33,10 @@ import torch
 from pipeline.cluster import finalize_resources
 from pipeline.capture import policy_from_config, stage_rollouts
 from pipeline.finalize.controller import Finalizer
-from pipeline.rollout_driver import CUT_PARTITION, RolloutDriver, cut_round, reference_mismatches
+from pipeline.driver import RolloutDriver, cut_round
 from pipeline.store.client import StagingStore
+from pipeline.testing.oracle import reference_mismatches
+from tasks.keys import CUT_PARTITION
 from tasks.cut.receipt import DURABLE_FAILURE, DURABLE_PREFIX, GENERATION_LOST
 from tasks.toy.rollouts import generate_rollouts, make_step_specs
 from support import named_nanny_cluster, wait_for_names, wait_replaced

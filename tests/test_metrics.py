@@ -11,10 +11,12 @@ from typing import Any
 
 import pytest
 from distributed import Client, LocalCluster
+from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline.dashboard import InvalidEvent, parse_event
+from pipeline.dashboard import InvalidEvent, TokenCaptureState, parse_event
 from pipeline.dashboard.preload import PRELOAD
+from pipeline.metrics import TokenCaptureCollector
 from pipeline.events import CUT, FINALIZE, RESTORE, SCALE, STORE, publish
 from support import wait_until
 
@@ -220,3 +222,18 @@ def test_parse_event_fills_optional_fields():
     assert ev["accepted"] == 3 and ev["queue_depth"] == 0.0 and ev["extra"] == "kept"
     ev = parse_event(RESTORE, {"worker": "w", "gets": 4, "keys": 10})
     assert ev["keys_per_get"] == 2.5
+
+
+def test_verifier_internal_errors_are_counted_apart_from_rejections():
+    """A group event's optional ``internal_errors`` reaches its own counter (no cluster)."""
+    state = TokenCaptureState(history=10)
+    registry = CollectorRegistry()
+    registry.register(TokenCaptureCollector(state))
+    name = "token_capture_verifier_internal_errors_total"
+    assert registry.get_sample_value(name) == 0  # served before any event
+    event = dict(finalize_event(0), internal_errors=2)
+    assert state.ingest(FINALIZE, event)
+    state.ingest(FINALIZE, finalize_event(1))  # no internal_errors field: counts as 0
+    assert registry.get_sample_value(name) == 2
+    # rejections are unchanged by it
+    assert registry.get_sample_value("token_capture_rollouts_total", {"status": "rejected"}) == 1

@@ -11,7 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pipeline.generation.cut import CallBuffer
+from pipeline.generation.call_buffer import CallBuffer
 from tasks import hashing
 from tasks.cut.receipt import prefix_digest
 from tasks.packed import PackedBatch, pack_rows

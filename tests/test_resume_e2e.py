@@ -17,9 +17,11 @@ import torch
 
 from pipeline.capture import policy_from_config, stage_rollouts
 from pipeline.finalize.controller import Finalizer
-from pipeline.generation.cut import FaultRules, FaultyStore
-from pipeline.rollout_driver import NOT_CUT, RolloutDriver, reference_mismatches
+from pipeline.testing.faults import FaultRules, FaultyStore
+from pipeline.driver import RolloutDriver
 from pipeline.store.client import StagingStore
+from pipeline.testing.oracle import reference_mismatches
+from tasks.cut.resume import NOT_CUT
 from tasks.errors import InvalidRecord
 from tasks.gate import CaptureGate
 from tasks.toy.rollouts import generate_rollouts, make_step_specs

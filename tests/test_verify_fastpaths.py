@@ -13,11 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasks import reasons as R
-from tasks.finalize import verify
+from tasks.finalize import tables as verify
 from tasks.finalize.linearize import OutputArena, row_bytes
 from tasks.finalize.plan import plan_step
 from tasks.validation import check_logprobs, check_mask, check_tokens
-from tasks.finalize.verify import _scan_all_valid, _zeros_then_ones, verify_many
+from tasks.finalize.tables import _scan_all_valid, _zeros_then_ones
+from tasks.finalize.verify import verify_many
 from tasks.finalize.reference import reference_verify_rollout
 from rollout_factory import VOCAB, fetch, make_rollout
 from test_verify import same_rows

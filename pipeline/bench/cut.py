@@ -1,22 +1,9 @@
-"""Checkpoint-cut writes: one put per call vs batched puts, side by side (SPEC section 11).
+"""Checkpoint-cut writes: one put per call vs batched puts, side by side.
 
-The reference's cut table: N prefix rows from 32 writer clients, prefix tokens 1,024 and
-16,384, ``rows_per_put`` 1 (one put per call, the baseline) vs 256. Each client is a
-"generation worker" in the controller (a thread) holding its share of in-flight calls as
-:class:`~pipeline.generation.cut.CallBuffer` objects and cutting them through the real
-cut transaction (:func:`~pipeline.generation.cut.run_cut`: freeze, batch, put_many,
-validate acks, seal) against the real :class:`~pipeline.store.client.StagingStore` on a
-LocalCluster (2 worker processes, one storage unit each). All clients start together on a
-barrier; ``wall_s`` is until the last cut returns its receipt.
-
-Per table row: ``prefix_tokens``, ``rows_per_put``, ``rows``, ``put_calls``, ``wall_s``,
-``rows_per_s``, ``mean_row_wait_ms`` (a row's time from its freeze to its put's ack), and
-``cpu_s`` (user + system CPU seconds spent meanwhile by the controller and by each worker
-process: where the time goes when the machine, not the round trips, is the limit).
-Top level: ``speedup_1024`` and ``speedup_16384`` (batch-1 wall / batch-256 wall).
-Rows are synthetic (16 context tokens then generated ones, no routed experts, like the
-reference). At 16,384 tokens the default is 2,048 rows (512 MB of prefixes; 8,192 would be
-2 GB on a 2-core machine); ``--rows-16384 8192`` runs the full size.
+32 writer clients (threads) cut their in-flight calls through the real cut transaction
+against a real StagingStore, at 1,024- and 16,384-token prefixes, one row per put vs 256.
+``wall_s`` runs until the last cut returns its receipt; ``cpu_s`` is the CPU seconds of the
+controller and each worker meanwhile. Figures: docs/design.md, "Benchmarks".
 
     python -m pipeline bench cut --json
     python -m pipeline.bench.cut --json --rows 2048 --rows-16384 512
@@ -53,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str) -> list:
     """One writer client's in-flight calls: ``tokens``-token prefixes (context + generated)."""
-    from ..generation.cut import CallBuffer
+    from ..generation.call_buffer import CallBuffer
 
     rng = np.random.default_rng(client_idx)
     gen_n = tokens - CONTEXT_TOKENS

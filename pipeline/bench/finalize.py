@@ -1,23 +1,10 @@
 """Finalization: per-rollout fetch + per-token reference verify vs the one-union-fetch graph.
 
-Two workloads staged once (capture gate over random numpy data) and finalized by both
-modes, side by side in one run on the same cluster and the same staged rows:
-
-    short    groups of 8 rollouts x 1 call x 256 tokens, no routes
-    agentic  groups of 8 rollouts x 16 calls x 1,024-token deltas, routed experts L=4, K=2
-
-Modes:
-    baseline  what the reference texts describe: one Dask task per group (a finalizer
-              pool of the cluster's workers) doing ONE store fetch PER ROLLOUT and the
-              per-token Python reference verifier (tests/reference_verifier.py), then
-              the same assembly;
-    graph     pipeline.finalize: ONE union fetch (+ one routes fetch) per step, packed
-              vectorized verify tasks on `finalize` slots, one assemble task per group.
-
-``verify_vs_hash`` = the vectorized verify time of every rollout divided by the time to
-SHA-256 the same fetched bytes once (every field's packed buffer); both measured on the
-controller in the same run, interleaved, best of 3. ``graph_verify_vs_hash`` divides the
-graph's own verify-task time (measured inside the tasks, two busy workers) instead.
+Two workloads (short: 8 x 1 call x 256 tokens; agentic: 8 x 16 calls x 1,024 tokens with
+routes) are staged once and finalized by both modes side by side on the same cluster.
+``baseline`` is one task per group fetching per rollout and verifying with
+:mod:`tasks.finalize.reference`; ``graph`` is :mod:`pipeline.finalize`. Figures and their
+definitions: docs/design.md, "Benchmarks".
 
     python -m pipeline bench finalize --json
     python -m pipeline.bench.finalize --json --agentic-groups 4

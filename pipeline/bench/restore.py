@@ -1,44 +1,9 @@
-"""Restore reads: per-request gets vs the coalescing PrefixReadBatcher core, side by side.
+"""Restore reads: per-request gets vs coalescing PrefixReadBatcher cores, side by side.
 
-The reference's restore scenarios (SPEC section 11, ``batched-prefix-io-pr.txt``) against
-a real :class:`~pipeline.store.client.StagingStore` (2 storage units, one per worker of a
-2-process LocalCluster) holding pre-staged cut rows in its ``cut`` partition:
-
-=====================  ===========================================================
-mass_resume            W workers x R restores, all at once, one chunk of T tokens
-mass_resume_4chunks    the same, each prefix cut in 4 chunks of T/4 tokens
-every_5ms / every_20ms W workers, each starting a restore every 5 / 20 ms
-light_10ms / light_50ms  8 workers, each starting a restore every 10 / 50 ms
-=====================  ===========================================================
-
-``per-request``: each restore does its own ``get_many_async`` (the old path).
-``coalesced``: one :class:`~pipeline.restore.coalescer.PrefixReadCoalescer` per simulated
-worker (W instances in the controller's event loop sharing the store, as the reference's
-tool ran its batchers), with the configured knobs (``token-capture.restore.*``) and the
-batcher's unit grouping (each get targets one storage unit).
-Both modes read the same fields (every field ``tasks.cut.prefix.verify_prefix``
-checks) from the same store through the same ``get_many_async``.
-Every restore's latency runs from its scheduled start to its rows in hand. Each scenario
-runs ``--repeats`` times per mode (the light-load ones ``--light-repeats``), alternating
-which mode goes first; ``wall_s`` is the slowest run (as the reference reported),
-``p50_ms``/``p99_ms`` pool every run's restores.
-
-The controller also hosts the LocalCluster's scheduler: ~280,000 long-lived objects, so a
-full garbage collection costs ~160 ms. Python starts one when enough objects have survived
-since the last, so left alone a run may pay for its predecessor's survivors. ``--gc``:
-``collect`` (default) collects before every run, outside the timed part, so each run pays
-the collections its own allocations trigger and no more; ``freeze`` also moves the setup's
-objects out of every later collection (``gc.freeze()``, cheaper full collections for both
-modes); ``none`` leaves the collector alone. Each row reports the collector's time during
-its slowest run (``gc_ms``).
-
-Per row: ``scenario``, ``mode``, ``restores``, ``gets``, ``keys_per_get``, ``wall_s``,
-``wall_s_runs``, ``p50_ms``, ``p99_ms``, ``errors``, ``gc_ms``. Top level:
-``mass_resume_speedup`` (per-request wall / coalesced wall) and ``light_50ms_p50_ratio``
-(coalesced p50 / per-request p50), with the scale run.
-Default scale on a 2-core machine: 16 workers x 64 restores of 16,384-token prefixes
-(the reference: 128 x 64; W is scaled down, R and T kept, so a coalesced get carries as
-many keys as the reference's); ``--workers 128`` runs the full size (2 GB of prefixes).
+Scenarios (mass resume, 4-chunk mass resume, arrivals every 5/20 ms, light load every
+10/50 ms) run against a real StagingStore of 2 units holding pre-staged cut rows; both
+modes read the same fields through the same ``get_many_async``. Latency runs from a
+restore's scheduled start to its rows in hand (ms). See docs/design.md, "Benchmarks".
 
     python -m pipeline bench restore --json
     python -m pipeline.bench.restore --json --workers 64 --restores 32 --tokens 4096
@@ -117,7 +82,7 @@ def _templates(tokens: int, seed: int = 0):
     """Real cut rows (CallBuffer freeze) of ``tokens`` tokens: the payload to replicate."""
     from tasks.packed import pack_rows
 
-    from ..generation.cut import CallBuffer
+    from ..generation.call_buffer import CallBuffer
 
     rng = np.random.default_rng(seed)
     ctx = min(CONTEXT_TOKENS, tokens - 1)

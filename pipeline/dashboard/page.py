@@ -1,30 +1,23 @@
 """The token-capture page of the Dask dashboard (Bokeh, live).
 
-Served by the scheduler's own dashboard server at ``/<dashboard.page>`` (default
-``/token-capture``) and listed in the dashboard's top menu. Registration mirrors
-``distributed.dashboard.scheduler.connect``: a Bokeh application wrapped by distributed's
-``BokehApplication`` is added to the scheduler's ``RoutingApplication``
-(``scheduler.http_application.add_application``), which is how the scheduler itself
-mounts its Bokeh pages; our page name is added to the dashboard template's ``pages`` (the
-menu). This works whenever the aggregator plugin starts: from a preload
-(``dask scheduler --preload pipeline.dashboard.preload``), from
-``LocalCluster(scheduler_kwargs={"preload": [...]})`` or from ``client.register_plugin``
-on a running scheduler.
-
-The page reads the :class:`~pipeline.dashboard.aggregator.TokenCaptureAggregator` state
-every ``dashboard.update-ms`` (a Bokeh periodic callback on the scheduler's event loop,
-the loop the aggregator runs on, so no locking) and redraws only when it changed.
-The header's figures are also rendered into the served HTML (server-side), so a plain
-HTTP fetch shows the totals.
+Served by the scheduler's own dashboard at ``/<dashboard.page>`` (default
+``/token-capture``) and listed in its top menu. The page is a view: it reads a
+:class:`~pipeline.dashboard.state.TokenCaptureState`, found through the lookup function
+given to :func:`register_page`, and redraws only when the state changed.
 """
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from functools import partial
+from typing import Any
 
 from .. import config
-from .aggregator import TokenCaptureAggregator, get_aggregator
+from .state import TokenCaptureState
+
+StateLookup = Callable[[Any], TokenCaptureState | None]
+"""Finds the state kept on a scheduler (``None`` when the aggregator is not installed)."""
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +48,7 @@ def page_path() -> str:
     return str(config.get("dashboard.page")).strip("/")
 
 
-def summary(agg: Optional[TokenCaptureAggregator]) -> dict[str, int]:
+def summary(agg: TokenCaptureState | None) -> dict[str, int]:
     """Headline counts shown in the page header (all counts)."""
     if agg is None:
         return dict(rollouts=0, accepted=0, rejected=0, groups=0, cuts=0, gets=0, decisions=0)
@@ -73,7 +66,7 @@ def summary(agg: Optional[TokenCaptureAggregator]) -> dict[str, int]:
 class TokenCapturePage:
     """The Bokeh models of one browser session, and how they are refreshed from the state."""
 
-    def __init__(self, scheduler: Any) -> None:
+    def __init__(self, scheduler: Any, state_for: StateLookup) -> None:
         from bokeh.layouts import column, row
         from bokeh.models import (
             ColumnDataSource,
@@ -89,6 +82,7 @@ class TokenCapturePage:
         from bokeh.plotting import figure
 
         self.scheduler = scheduler
+        self.state_for = state_for
         self._version = -1
         w = dict(sizing_mode="stretch_width", height=230, tools="pan,wheel_zoom,box_zoom,reset,save")
 
@@ -206,12 +200,12 @@ class TokenCapturePage:
         )
 
     def update(self) -> None:
-        """Refresh every source from the aggregator (whole columns; skipped when unchanged)."""
-        agg = get_aggregator(self.scheduler)
+        """Refresh every source from the state (whole columns; skipped when unchanged)."""
+        agg = self.state_for(self.scheduler)
         if agg is None:
             self.header.text = "<i>token-capture aggregator not installed on this scheduler</i>"
             return
-        agg.sample_workers()  # the worker line keeps moving even without events
+        agg.sample_workers(len(self.scheduler.workers))  # the worker line keeps moving even without events
         self.workers.data = dict(
             t=[t * 1000 for t, _ in agg.worker_counts], workers=[n for _, n in agg.worker_counts])
         if agg.version == self._version:
@@ -292,19 +286,22 @@ class TokenCapturePage:
         )
 
 
-def token_capture_doc(scheduler: Any, extra: dict[str, Any], doc: Any) -> None:
-    """Bokeh application function (distributed's ``(scheduler, extra, doc)`` convention)."""
+def token_capture_doc(scheduler: Any, extra: dict[str, Any], doc: Any, *, state_for: StateLookup) -> None:
+    """Bokeh application function (distributed's ``(scheduler, extra, doc)`` convention).
+
+    ``state_for`` is bound by :func:`register_page`.
+    """
     from bokeh.themes import Theme  # noqa: F401  (bokeh is present whenever the dashboard is)
     from distributed.dashboard.components.scheduler import BOKEH_THEME, env
 
-    page = TokenCapturePage(scheduler)
+    page = TokenCapturePage(scheduler, state_for)
     page.update()
     doc.title = "Dask: Token capture"
     doc.add_root(page.root)
     doc.add_periodic_callback(page.update, int(config.get("dashboard.update-ms")))
     doc.template = env.from_string(_TEMPLATE)
     doc.template_variables.update(extra)
-    doc.template_variables["tc"] = summary(get_aggregator(scheduler))
+    doc.template_variables["tc"] = summary(state_for(scheduler))
     doc.theme = BOKEH_THEME
 
 
@@ -315,9 +312,13 @@ def _bokeh_apps(scheduler: Any) -> list[Any]:
     return [a for a in getattr(app, "applications", []) if isinstance(a, BokehTornado)]
 
 
-def register_page(scheduler: Any, doc_function: Callable[..., None] = token_capture_doc) -> bool:
+def register_page(
+    scheduler: Any, state_for: StateLookup, doc_function: Callable[..., None] | None = None
+) -> bool:
     """Serve the page on ``scheduler``'s dashboard and add it to the menu.
 
+    ``state_for(scheduler)`` finds the state the page shows; ``doc_function`` (default
+    :func:`token_capture_doc` bound to ``state_for``) builds each browser's document.
     Returns True if the page is served (now or already), False if the scheduler has no
     Bokeh dashboard (``dashboard=False`` or bokeh missing). Idempotent.
     """
@@ -327,6 +328,9 @@ def register_page(scheduler: Any, doc_function: Callable[..., None] = token_capt
     path = "/" + page_path()
     if any(path in a.app_paths for a in apps):
         return True
+    if doc_function is None:
+        doc_function = partial(token_capture_doc, state_for=state_for)
+    # Mounted the way distributed mounts its own Bokeh pages (see the design notes).
     from tornado.ioloop import IOLoop
 
     from distributed.dashboard.core import BokehApplication

@@ -1,5 +1,5 @@
-"""Scheduler preload: the token-capture aggregator, dashboard page, ``/metrics`` series and
-downscaling protection, in one line.
+"""Scheduler preload: the token-capture aggregator (with its dashboard page and ``/metrics``
+series) and downscaling protection, in one line.
 
 Command line::
 
@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .plugin import TokenCaptureAggregator
+
 PRELOAD = "pipeline.dashboard.preload"
 
 
 def _plugins() -> list[Any]:
     from ..scaling.protect import ProtectActorHosts
-    from .aggregator import TokenCaptureAggregator
 
     return [TokenCaptureAggregator(), ProtectActorHosts()]
 

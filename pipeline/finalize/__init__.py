@@ -1,12 +1,9 @@
 """Finalization as a Dask task graph: one union fetch, per-rollout verify, per-group assembly.
 
-    from pipeline.finalize import Finalizer
     fin = Finalizer(client, store)
-    handle = fin.submit_step({"g0": receipts})    # Dask futures, several steps may be in flight
-    step = handle.result()                        # StepResult(step_id, groups, metrics)
+    step = fin.submit_step({"g0": receipts}).result()   # StepResult(step_id, groups, metrics)
 
-See :mod:`pipeline.finalize.graph` for the graph and :mod:`pipeline.finalize.timing`
-for the split timing and the ``token-capture-finalize`` event schema.
+Several steps may be in flight; events are listed at :data:`pipeline.events.FINALIZE`.
 """
 from .controller import Finalizer, StepHandle, StepResult, clear_rows
 from .graph import FinalizeError, Piece, StepGraph, VerifyOut, submit_graph

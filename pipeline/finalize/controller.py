@@ -1,29 +1,24 @@
-"""The finalization controller: submit steps, keep several in flight, track queue depth.
+"""The finalization controller: submit steps, keep several in flight, collect results.
 
-    fin = Finalizer(client, store)
-    h1 = fin.submit_step({"g0": receipts0, "g1": receipts1})   # returns at once (futures)
-    h2 = fin.submit_step([receipts2, receipts3])                # group ids "g0", "g1"
-    fin.queue_depth                                             # groups not finished yet
-    step = h1.result()                                          # StepResult: groups + metrics
-
-``queue_depth`` is read from the futures' client-side status (no round trip). A step's
-metrics event (``kind: "step"``, see :mod:`pipeline.finalize.timing`) is published when
-its result is collected; each group's event is published by its assemble task.
+:class:`Finalizer` submits each step as a Dask graph (:mod:`pipeline.finalize.graph`) and
+tracks queue depth from the futures' client-side status; :meth:`StepHandle.result`
+gathers the groups, computes the step's metrics and publishes its finalize event.
 """
 from __future__ import annotations
 
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Sequence
 
 from tasks import reasons
+from tasks.keys import STAGING_PARTITION
 
 from .. import config, events
 from . import timing
-from .graph import FinalizeError, StepGraph, STAGING_PARTITION, _affinity, submit_graph
+from .graph import FinalizeError, StepGraph, affinity, submit_graph
 
-Groups = Union[Mapping[str, Sequence[Any]], Sequence[Sequence[Any]]]
+Groups = Mapping[str, Sequence[Any]] | Sequence[Sequence[Any]]
 
 
 @dataclass
@@ -37,7 +32,13 @@ class StepResult:
 
     @property
     def rejected(self) -> dict[str, int]:
+        """Rejected rollouts per reason (internal errors not included)."""
         return dict(self.metrics.get("rejected", {}))
+
+    @property
+    def internal_errors(self) -> int:
+        """Rollouts the verifier failed on (bugs, logged on the workers; not rejections)."""
+        return int(self.metrics.get("internal_errors", 0))
 
 
 def clear_rows(store: Any, keys: list[str], partition: str = STAGING_PARTITION) -> dict[str, Any]:
@@ -49,14 +50,14 @@ def clear_rows(store: Any, keys: list[str], partition: str = STAGING_PARTITION) 
 class StepHandle:
     """One submitted step: Dask futures per group; :meth:`result` collects a StepResult."""
 
-    def __init__(self, finalizer: "Finalizer", graph: StepGraph):
+    def __init__(self, finalizer: Finalizer, graph: StepGraph) -> None:
         self._finalizer = finalizer
         self.graph = graph
         self.step_id = graph.step_id
         self.group_ids = list(graph.group_ids)
         self.group_futures: dict[str, Any] = dict(graph.group_futures)
-        self.clear_future: Optional[Any] = None
-        self._result: Optional[StepResult] = None
+        self.clear_future: Any | None = None
+        self._result: StepResult | None = None
         self._lock = threading.Lock()
 
     @property
@@ -75,7 +76,7 @@ class StepHandle:
         g = self.graph
         self._finalizer.client.cancel(self.futures + g.verify_futures + g.piece_futures + g.fetch_futures)
 
-    def result(self, timeout: Optional[float] = None) -> StepResult:
+    def result(self, timeout: float | None = None) -> StepResult:
         """Wait for every group, compute and publish the step metrics (once) and return them.
 
         Raises the task's exception if a group failed for a non-data reason (e.g. the store
@@ -110,7 +111,7 @@ class StepHandle:
             self._finalizer._forget(self)
             return self._result
 
-    def _submit_clear(self, groups: Mapping[str, Any]) -> Optional[Any]:
+    def _submit_clear(self, groups: Mapping[str, Any]) -> Any | None:
         """Delete the rows of accepted rollouts (rejected ones stay for inspection)."""
         plan = self.graph.plan
         keys: list[str] = []
@@ -124,7 +125,7 @@ class StepHandle:
         store = self._finalizer.store
         return self._finalizer.client.submit(
             clear_rows, store, keys, key=f"tc-clear-{self.graph.token}", pure=False,
-            workers=_affinity(store, keys) or None, allow_other_workers=True,
+            workers=affinity(store, keys) or None, allow_other_workers=True,
             retries=int(config.get("finalize.retries")),
         )
 
@@ -151,11 +152,11 @@ class Finalizer:
         client: Any,
         store: Any,
         *,
-        vocab_size: Optional[int] = None,
-        num_experts: Optional[int] = None,
+        vocab_size: int | None = None,
+        num_experts: int | None = None,
         check_resources: bool = True,
         keep_intermediates: bool = False,
-    ):
+    ) -> None:
         self.client = client
         self.store = store
         self.keep_intermediates = keep_intermediates
@@ -191,7 +192,7 @@ class Finalizer:
         with self._lock:
             return list(self._in_flight)
 
-    def submit_step(self, groups: Groups, *, step_id: Optional[str] = None) -> StepHandle:
+    def submit_step(self, groups: Groups, *, step_id: str | None = None) -> StepHandle:
         """Plan and submit one training step (one or many groups); returns immediately.
 
         ``groups``: group id -> receipts, or a list of receipt lists (ids ``"g0"``, ...).
@@ -225,7 +226,7 @@ class Finalizer:
             self._in_flight.append(handle)
         return handle
 
-    def drain(self, timeout: Optional[float] = None) -> list[StepResult]:
+    def drain(self, timeout: float | None = None) -> list[StepResult]:
         """Collect every in-flight step, oldest first."""
         return [h.result(timeout) for h in self.in_flight]
 

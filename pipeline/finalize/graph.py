@@ -1,27 +1,10 @@
-"""Finalization of one training step as ONE Dask task graph (SPEC section 5).
+"""Finalization of one training step as ONE Dask task graph.
 
-Per submission (one or many groups):
-
-    plan_step(receipts)                       controller, pure, no I/O
-    tc-fetch-staging   1 task                 store.get_many(union keys, STAGING_FIELDS),
-                                              soft-affine to the storage workers; cuts the
-                                              rows into one piece per verify task
-    tc-fetch-routes    0 or 1 task            get_many(routes keys, ["routed_experts"])
-    tc-piece-*         1 per verify task      getitem of its piece (only when > 1 piece), so
-                                              each verify task receives ONLY its rows
-    tc-verify          1 per packed task      verify + linearize, `finalize` resource slot
-    tc-assemble        1 per group            -> FinalizedGroup (+ its metrics and event)
-
-The fetch tasks run where the storage units live (``workers=`` + ``allow_other_workers``,
-never together with ``resources=``: a known Dask bug), the piece getters run next to the
-fetched rows (Dask locality), and only a verify task's own rows cross to its worker.
-Both fetches read disjoint fields and start at once: rows are write-once and staged
-before their receipt exists, so there is no readiness race to order them against.
-
-Every task measures its work and returns it next to its result (see
-:mod:`pipeline.finalize.timing`). One bad row rejects only its rollout: missing keys are
-simply absent from a piece (the verifier says ``missing_staging_row``), and a verifier
-exception on one rollout becomes that rollout's ``invalid_staging_row``.
+Per submission: one union fetch of the staging rows (and at most one of routes) next to
+the storage units, cut into one piece per verify task; one verify task per packed set of
+rollouts (``finalize`` resource slot); one assemble task per group, which publishes the
+group's finalize event. One bad row rejects only its rollout; a verifier failure marks
+its rollouts ``internal_error`` and is counted apart (``internal_errors``).
 """
 from __future__ import annotations
 
@@ -29,24 +12,23 @@ import logging
 import operator
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
 from tasks.errors import FinalizeError
 from tasks import reasons
-from tasks.finalize.assemble import assemble_group
+from tasks.finalize.assemble import FinalizedGroup, assemble_group
 from tasks.keys import STAGING_PARTITION, unit_for_key
 from tasks.packed import PackedBatch
 from tasks.finalize.plan import pack_verify_tasks, plan_step
 from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
-from tasks.finalize.verify import RolloutResult, rejected_result, verify_many
+from tasks.finalize.verify import RolloutResult, internal_error_result, rejected_result, verify_many
 
 from .. import config, events
 from . import timing
 
 logger = logging.getLogger(__name__)
-
 
 
 # ---- what travels between tasks ---------------------------------------------------------
@@ -98,7 +80,7 @@ def fetch_pieces(
     layout: list[list[tuple[int, list[str]]]],
     kind: str,
     partition: str = STAGING_PARTITION,
-):
+) -> Piece | tuple[Piece, ...]:
     """ONE ``store.get_many`` over ``keys``, cut into one :class:`Piece` per verify task.
 
     ``layout[t]`` lists ``(rollout index, that rollout's keys)`` for verify task ``t``.
@@ -143,7 +125,7 @@ def fetch_pieces(
     return pieces[0] if len(pieces) == 1 else tuple(pieces)
 
 
-def _rollout_bytes(piece: Optional[Piece], r: int) -> int:
+def _rollout_bytes(piece: Piece | None, r: int) -> int:
     if piece is None or r not in piece.bounds:
         return 0
     start, end = piece.bounds[r]
@@ -153,10 +135,10 @@ def _rollout_bytes(piece: Optional[Piece], r: int) -> int:
 def verify_piece(
     task: int,
     plans: list[tuple[int, Any]],
-    staging: Optional[Piece],
-    routes: Optional[Piece],
+    staging: Piece | None,
+    routes: Piece | None,
     vocab_size: int,
-    num_experts: Optional[int],
+    num_experts: int | None,
 ) -> VerifyOut:
     """Verify + linearize the rollouts of one packed task, each judged on its own.
 
@@ -171,12 +153,9 @@ def verify_piece(
                 [p for _, p in plans], rows, None if routes is None else routes.batch,
                 vocab_size=vocab_size, num_experts=num_experts,
             )
-        except Exception as e:  # verify_many never raises on data; a bug rejects, not crashes
-            logger.exception("verify_many raised in verify task %d", task)
-            results = [
-                rejected_result(p.rollout_id, reasons.INVALID_STAGING_ROW, f"verifier raised {type(e).__name__}: {e}")
-                for _, p in plans
-            ]
+        except Exception as e:  # verify_many never raises on data: a bug, not a rejection
+            logger.error("verify_many raised in verify task %d (internal error)", task, exc_info=True)
+            results = [internal_error_result(p.rollout_id, e, len(p.chain)) for _, p in plans]
     if staging is not None and staging.failed:
         results = [_with_store_reason(res, p, staging.failed) for (_, p), res in zip(plans, results)]
     tokens = np.array([max(int(p.n_tokens), 1) for _, p in plans], dtype=np.float64)
@@ -210,8 +189,8 @@ class Slot:
 
     rollout_id: str
     reward: float
-    index: Optional[int] = None
-    reason: Optional[str] = None
+    index: int | None = None
+    reason: str | None = None
     detail: str = ""
     calls: int = 0
 
@@ -224,7 +203,7 @@ def assemble_piece(
     queue_depth: int,
     fetch_calls: int,
     *verify_outs: VerifyOut,
-):
+) -> FinalizedGroup:
     """Assemble one group (keeps its shape: rejected rows get ``sample_mask`` 0) and attach
     the group's split timing; publishes the group's finalize event."""
     results: dict[int, RolloutResult] = {}
@@ -250,7 +229,7 @@ def assemble_piece(
         group = assemble_group(rows, [s.reward for s in slots])
     mine = [s.index for s in slots if s.index is not None]
     statuses = [r.status for r in rows]
-    accepted, rejected = timing.status_counts(statuses)
+    accepted, rejected, internal_errors = timing.status_counts(statuses)
     tokens = int(sum(int(r.linearized.input_ids.shape[0]) for r in rows if r.status == reasons.OK and r.linearized is not None))
     tasks_used = {task_of[r]["task"]: task_of[r] for r in mine}
     calls = sum(s.calls for s in slots if s.index is not None)
@@ -261,6 +240,7 @@ def assemble_piece(
         "rollouts": len(slots),
         "accepted": accepted,
         "rejected": rejected,
+        "internal_errors": internal_errors,
         "tokens": tokens,
         "fetch_ms": sum(t["fetch_ms"] for t in fetch_timings.values()),
         "verify_ms": sum(verify_ms[r] for r in mine),
@@ -302,7 +282,7 @@ def slots_for(plan: Any) -> list[Slot]:
     return slots
 
 
-def _affinity(store: Any, keys: Sequence[str]) -> list[str]:
+def affinity(store: Any, keys: Sequence[str]) -> list[str]:
     """Workers hosting the units that hold ``keys`` (soft affinity for the fetch task)."""
     workers = list(store.unit_workers)
     if not workers:
@@ -341,11 +321,11 @@ def submit_graph(
     *,
     step_id: str,
     vocab_size: int,
-    num_experts: Optional[int],
+    num_experts: int | None,
     queue_depth: int = 0,
     priority: int = 0,
-    token_budget: Optional[int] = None,
-    retries: Optional[int] = None,
+    token_budget: int | None = None,
+    retries: int | None = None,
     keep_intermediates: bool = False,
 ) -> StepGraph:
     """Plan ``groups`` (group id -> receipts) and submit the step's graph; returns futures.
@@ -397,7 +377,7 @@ def submit_graph(
             keys = list(plan.staging_keys)
             staging_f = client.submit(
                 fetch_pieces, store, keys, list(STAGING_FIELDS), staging_layout, "staging",
-                key=f"tc-fetch-staging-{token}", workers=_affinity(store, keys) or None,
+                key=f"tc-fetch-staging-{token}", workers=affinity(store, keys) or None,
                 allow_other_workers=True, **common,
             )
             fetch_futures.append(staging_f)
@@ -405,7 +385,7 @@ def submit_graph(
                 rkeys = list(plan.routes_keys)
                 routes_f = client.submit(
                     fetch_pieces, store, rkeys, [ROUTES_FIELD], routes_layout, "routes",
-                    key=f"tc-fetch-routes-{token}", workers=_affinity(store, rkeys) or None,
+                    key=f"tc-fetch-routes-{token}", workers=affinity(store, rkeys) or None,
                     allow_other_workers=True, **common,
                 )
                 fetch_futures.append(routes_f)

@@ -1,65 +1,19 @@
-"""Split timing and queue signals of finalization, and the events that publish them.
+"""Split timing of finalization and the figures its finalize events carry.
 
-Every finalize task measures its own work (``time.perf_counter`` around it) and returns
-the figures next to its result, so the numbers describe the work, not the scheduler.
-Task start stamps are wall-clock seconds (``time.time()``) because they are compared with
-the controller's submission stamp: on one machine they share a clock; across machines
-``queue_wait_ms`` is only as good as the hosts' clock sync.
-
-Units: ``_ms`` milliseconds, ``_s`` seconds since the epoch, ``bytes`` bytes, ``tokens``
-tokens, everything else a count.
-
-Event schema (topic :data:`pipeline.events.FINALIZE`, ``"token-capture-finalize"``)
-------------------------------------------------------------------------------------
-Two kinds of flat dicts share the topic; ``kind`` tells them apart.
-
-``kind: "group"`` -- published by the assemble task (on the worker) as each group is
-assembled, so a dashboard sees groups finish before anyone collects them:
-
-    step_id, group_id       str
-    rollouts                rows in the group (rejected rows included)
-    accepted                rows with status "ok"
-    rejected                {reason: count}
-    tokens                  training tokens of the accepted rows
-    fetch_ms                work time of the union fetches that served the group (shared
-                            by every group of the step: one fetch serves them all)
-    verify_ms               verify + linearize time of the group's rollouts (summed)
-    assemble_ms             the group's assemble task
-    queue_wait_ms           step submission -> first verify start of the group's rollouts
-    queue_depth             groups submitted and not finished when the step was submitted
-    calls_per_rollout       staged calls per rollout of the group (mean over planned rows)
-    fetch_calls             store reads that served the group (1, or 2 with routes)
-    bytes_fetched           payload bytes of the group's rows (staging + routes fields)
-
-``kind: "step"`` -- published by the controller (``Client.log_event``) when a step's
-result is collected (:meth:`pipeline.finalize.controller.StepHandle.result`):
-
-    step_id                 str
-    groups, rollouts, accepted, rejected ({reason: count}), tokens
-    fetch_ms                work time of the step's fetch tasks (staging + routes)
-    split_ms                cutting fetched rows into per-verify-task pieces
-    verify_ms               sum of the verify tasks' work time
-    verify_tasks            number of verify tasks
-    assemble_ms             sum of the assemble tasks' work time
-    queue_wait_ms           submission -> first verify start in the step
-    queue_depth             groups in flight when the step was submitted (itself included)
-    queue_depth_after       groups still in flight when the step was collected
-    calls_per_rollout, fetch_calls, bytes_fetched
-    wall_ms                 submission -> collection on the controller
-    tokens_per_s            tokens / wall
-    dominant                "fetch" or "verify": which side to scale (see :func:`sizing_hint`)
-
-Inside tasks the same phases are also charged to Dask's fine performance metrics
-(``context_meter`` labels ``tc-fetch``, ``tc-verify``, ``tc-assemble``) under the step's
-span ``("token-capture", "finalize", step_id)``, so the dashboard's Fine Performance
-Metrics page splits them without any code of ours.
+Every finalize task times its own work and returns the figures next to its result, so
+the numbers describe the work, not the scheduler. :func:`step_metrics` folds the
+per-group figures into the step's; the event schema is listed at
+:data:`pipeline.events.FINALIZE`. Units: ``_ms`` milliseconds, ``_s`` wall-clock seconds
+since the epoch, ``bytes`` bytes, ``tokens`` tokens, everything else a count.
 """
 from __future__ import annotations
 
 import contextlib
 import time
 from collections import Counter
-from typing import Any, Iterable, Iterator, Mapping, Optional
+from typing import Any, Iterable, Iterator, Mapping
+
+from tasks import reasons
 
 EVENT_KIND_GROUP = "group"
 EVENT_KIND_STEP = "step"
@@ -105,27 +59,32 @@ class Stopwatch:
         self.ms = (time.perf_counter() - self._t0) * 1e3
 
 
-def _min_or_none(values: Iterable[Optional[float]]) -> Optional[float]:
+def _min_or_none(values: Iterable[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return min(vals) if vals else None
 
 
-def queue_wait_ms(submitted_s: float, first_start_s: Optional[float]) -> float:
+def queue_wait_ms(submitted_s: float, first_start_s: float | None) -> float:
     """Submission -> first verify start, in ms; 0.0 when nothing had to be verified."""
     if first_start_s is None:
         return 0.0
     return max(0.0, (first_start_s - submitted_s) * 1e3)
 
 
-def status_counts(statuses: Iterable[str]) -> tuple[int, dict[str, int]]:
-    """(accepted, {reason: count}) of a list of per-row statuses."""
+def status_counts(statuses: Iterable[str]) -> tuple[int, dict[str, int], int]:
+    """(accepted, {reason: count}, internal errors) of a list of per-row statuses.
+
+    Internal errors (the verifier failed, not the data) are counted apart, never as a
+    rejection reason.
+    """
     c = Counter(statuses)
-    accepted = c.pop("ok", 0)
-    return accepted, dict(sorted(c.items()))
+    accepted = c.pop(reasons.OK, 0)
+    internal_errors = c.pop(reasons.INTERNAL_ERROR, 0)
+    return accepted, dict(sorted(c.items())), internal_errors
 
 
 def sizing_hint(fetch_ms: float, verify_ms: float) -> str:
-    """SPEC section 5's sizing rule: ``"fetch"``-dominant -> batch more (bigger steps), do
+    """The sizing rule: ``"fetch"``-dominant -> batch more (bigger steps), do
     not add workers; ``"verify"``-dominant -> add finalize workers up to free CPUs."""
     return "fetch" if fetch_ms >= verify_ms else "verify"
 
@@ -146,7 +105,7 @@ def step_metrics(
     """
     fetch_by_kind: dict[str, Mapping[str, Any]] = {}
     verify_tasks: dict[Any, Mapping[str, Any]] = {}
-    rollouts = accepted = tokens = 0
+    rollouts = accepted = tokens = internal_errors = 0
     rejected: Counter = Counter()
     calls = planned = 0
     assemble_ms = 0.0
@@ -160,6 +119,7 @@ def step_metrics(
         accepted += m["accepted"]
         tokens += m["tokens"]
         rejected.update(m["rejected"])
+        internal_errors += m.get("internal_errors", 0)
         calls += m["_calls"]
         planned += m["_planned"]
         assemble_ms += m["assemble_ms"]
@@ -175,6 +135,7 @@ def step_metrics(
         "rollouts": rollouts,
         "accepted": accepted,
         "rejected": dict(sorted(rejected.items())),
+        "internal_errors": internal_errors,
         "tokens": tokens,
         "fetch_ms": fetch_ms,
         "split_ms": sum(t.get("split_ms", 0.0) for t in fetch_timings),

@@ -1,12 +1,13 @@
-"""Generation side: the GenerationWorker actor and the batched checkpoint cut (SPEC section 7).
+"""Generation side: decoding actors whose in-flight calls are cut at checkpoints.
 
-- :mod:`pipeline.generation.worker`: :class:`GenerationWorker`, a Dask actor decoding many
-  concurrent calls of the toy policy in steps, with ``checkpoint_cut``.
-- :mod:`pipeline.generation.cut`: :class:`CallBuffer` (a call's tokens + lifecycle lock),
-  :func:`run_cut` (the cut transaction) and failure injection (:class:`FaultyStore`,
-  :class:`ManualClock`) for tests and benchmarks.
+- :mod:`~pipeline.generation.worker`: :class:`GenerationWorker`, the Dask actor.
+- :mod:`~pipeline.generation.call_buffer`: :class:`CallBuffer`, one call's tokens and lock.
+- :mod:`~pipeline.generation.cut`: :func:`run_cut`, the checkpoint-cut transaction.
+- :mod:`~pipeline.generation.cpu_gate`: the process-wide gate on cuts' CPU-bound steps.
+Test doubles (``FaultyStore``, ``ManualClock``) are in :mod:`pipeline.testing.faults`.
 """
-from .cut import CallBuffer, FaultRules, FaultyStore, ManualClock, run_cut
+from .call_buffer import CallBuffer
+from .cut import run_cut
 from .worker import GenerationWorker
 
-__all__ = ["CallBuffer", "FaultRules", "FaultyStore", "GenerationWorker", "ManualClock", "run_cut"]
+__all__ = ["CallBuffer", "GenerationWorker", "run_cut"]

@@ -1,24 +1,9 @@
 """GenerationWorker: a Dask actor decoding many concurrent calls, cut at checkpoints.
 
-Each in-flight call is a :class:`~tasks.toy.rollouts.CallState` (the toy MoE policy's decode
-state) plus a :class:`~pipeline.generation.cut.CallBuffer` (its captured tokens and
-lifecycle lock). Decoding proceeds in steps: :meth:`GenerationWorker.step` advances every
-active call by ``n_tokens`` in ONE batched policy pass, then appends each call's new
-tokens to its buffer under that call's lock. A checkpoint cut can therefore land between
-any two steps, and steps keep running while a cut's puts are in flight.
-
-Threads: sync actor methods (``start_calls``, ``step``, ``finish_call``, ...) run on the
-worker's single actor thread. ``checkpoint_cut`` is an ``async`` method: it runs the cut
-transaction in a separate thread (``asyncio.to_thread``), so store I/O never occupies the
-actor thread and decoding continues during the cut; the per-call locks order the two.
-
-Typical use (controller)::
-
-    gen = client.submit(GenerationWorker, store, actor=True).result()
-    gen.start_calls([{"rollout_id": "r0", "model_call_id": "call-0",
-                      "context": prompt, "max_new_tokens": 64}]).result()
-    gen.step(8).result()
-    receipt = gen.checkpoint_cut("ckpt-1").result()     # CutReceipt
+Each call is a toy-policy decode state plus a :class:`~pipeline.generation.call_buffer.CallBuffer`.
+:meth:`~GenerationWorker.step` decodes every active call in one batched policy pass on the
+actor thread; :meth:`~GenerationWorker.checkpoint_cut` runs the cut transaction in another
+thread, so decoding continues while a cut's puts are in flight (per-call locks order the two).
 """
 from __future__ import annotations
 
@@ -27,17 +12,19 @@ import threading
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Iterable, Mapping, Optional, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
-from tasks.cut.receipt import CallId, CutReceipt, inventory_digest, normalize_inventory
-from tasks.errors import DuplicateCall, UnknownCall
+from tasks.cut.receipt import CallId, CutReceipt, InventoryEntry, inventory_digest, normalize_inventory
+from tasks.errors import DuplicateCall, InvalidCall, UnknownCall
 from tasks.toy.policy import MoEPolicy, PolicyConfig
 from tasks.toy.rollouts import CallState, advance, resume_state, start_calls
 
 from .. import config, events
-from .cut import ACTIVE, COMPLETED_STATE, CallBuffer, Clock, InvalidCall, run_cut
+from .call_buffer import ACTIVE, COMPLETED_STATE, CallBuffer
+from .cut import Clock, CutStore, run_cut
 
 
 class _Call:
@@ -52,22 +39,33 @@ class GenerationWorker:
     """Dask actor: many concurrent calls of the toy policy, stepwise decoding, cuts.
 
     store: a :class:`~pipeline.store.client.StagingStore` (or a wrapper with
-        ``put_many``/``delete``, e.g. :class:`~pipeline.generation.cut.FaultyStore`).
+        ``put_many``/``delete``, e.g. :class:`~pipeline.testing.faults.FaultyStore`).
     name: reported in receipts and events (default: the hosting worker's address).
     policy: policy settings (default: config section ``token-capture.policy``).
     with_routes: capture routed experts (router replay).
     clock: seconds callable for cut deadlines; default the store's ``clock`` attribute
         when it has one (test wrappers), else ``time.time``.
+
+    Threads: sync methods (``start_calls``, ``step``, ``finish_call``, ...) run on the
+    worker's single actor thread. ``checkpoint_cut`` is ``async``: it runs the cut in a
+    separate thread (``asyncio.to_thread``), so store I/O never occupies the actor thread.
+    A cut can land between any two steps. Typical use (controller)::
+
+        gen = client.submit(GenerationWorker, store, actor=True).result()
+        gen.start_calls([{"rollout_id": "r0", "model_call_id": "call-0",
+                          "context": prompt, "max_new_tokens": 64}]).result()
+        gen.step(8).result()
+        receipt = gen.checkpoint_cut("ckpt-1").result()     # CutReceipt
     """
 
     def __init__(
         self,
-        store: Any,
+        store: CutStore,
         *,
-        name: Optional[str] = None,
-        policy: Optional[Mapping[str, Any]] = None,
+        name: str | None = None,
+        policy: Mapping[str, Any] | None = None,
         with_routes: bool = True,
-        clock: Optional[Clock] = None,
+        clock: Clock | None = None,
     ):
         self.store = store
         self.policy = MoEPolicy(PolicyConfig.from_mapping(policy if policy is not None else config.get("policy")))
@@ -123,7 +121,7 @@ class GenerationWorker:
                 self._calls[call.buffer.call] = call
         return [c.buffer.info() for c in opened]
 
-    def start_call(self, rollout_id: str, model_call_id: str, context: Any, *, max_new_tokens: int, **kw: Any) -> dict:
+    def start_call(self, rollout_id: str, model_call_id: str, context: npt.ArrayLike, *, max_new_tokens: int, **kw: Any) -> dict:
         """One call; see :meth:`start_calls` for the keyword arguments."""
         return self.start_calls([dict(kw, rollout_id=rollout_id, model_call_id=model_call_id, context=context,
                                       max_new_tokens=max_new_tokens)])[0]
@@ -133,15 +131,15 @@ class GenerationWorker:
         rollout_id: str,
         model_call_id: str,
         *,
-        history: Any,
+        history: npt.ArrayLike,
         prefix: Mapping[str, np.ndarray],
         prefix_keys: Sequence[str],
         chunk_lengths: Sequence[int],
         max_new_tokens: int,
-        prev_len: Optional[int] = None,
-        parent_call_id: Optional[str] = None,
+        prev_len: int | None = None,
+        parent_call_id: str | None = None,
         weight_version: int = 0,
-        expected_digest: Optional[bytes] = None,
+        expected_digest: bytes | None = None,
     ) -> dict:
         """Reopen a call from its cut prefix (chunks concatenated in chain order).
 
@@ -149,7 +147,7 @@ class GenerationWorker:
         ``routed_experts``; ``prefix_keys``/``chunk_lengths`` are its chunks' cut keys and
         lengths (tokens). The prefix counts as already cut: the next cut writes only new
         tokens, continuing the chain. ``expected_digest`` (the receipt's prefix digest)
-        is checked; a mismatch raises :class:`~pipeline.generation.cut.InvalidCall`.
+        is checked; a mismatch raises :class:`~tasks.errors.InvalidCall`.
         """
         call_key = (rollout_id, model_call_id)
         with self._calls_lock:
@@ -170,7 +168,7 @@ class GenerationWorker:
             self._calls[call_key] = _Call(st, buf)
         return buf.info()
 
-    def step(self, n_tokens: int = 1, calls: Optional[Iterable[Sequence[str]]] = None) -> dict:
+    def step(self, n_tokens: int = 1, calls: Iterable[Sequence[str]] | None = None) -> dict:
         """Decode up to ``n_tokens`` more tokens for every active call (or ``calls``).
 
         One batched policy pass; each call's new tokens are appended under its lock.
@@ -242,7 +240,7 @@ class GenerationWorker:
     # ---- checkpoint cut --------------------------------------------------------------
 
     async def checkpoint_cut(
-        self, checkpoint_id: str, inventory: Optional[Iterable[Any]] = None, deadline: Optional[float] = None
+        self, checkpoint_id: str, inventory: Iterable[InventoryEntry] | None = None, deadline: float | None = None
     ) -> CutReceipt:
         """Cut the inventory's calls (default: every held call); returns the :class:`CutReceipt`.
 
@@ -251,7 +249,7 @@ class GenerationWorker:
         """
         return await asyncio.to_thread(self.cut, checkpoint_id, inventory, deadline)
 
-    def cut(self, checkpoint_id: str, inventory: Optional[Iterable[Any]] = None, deadline: Optional[float] = None) -> CutReceipt:
+    def cut(self, checkpoint_id: str, inventory: Iterable[InventoryEntry] | None = None, deadline: float | None = None) -> CutReceipt:
         """The cut, synchronously (in-process use; the actor entry point is :meth:`checkpoint_cut`).
 
         Receipts are cached by (checkpoint_id, inventory digest): a retry answers the same.

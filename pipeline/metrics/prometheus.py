@@ -1,58 +1,16 @@
 """``token_capture_*`` series on the scheduler's ``/metrics`` endpoint.
 
-distributed serves ``/metrics`` from ``prometheus_client.REGISTRY`` (the global registry),
-so one custom collector registered there, reading the scheduler's
-:class:`~pipeline.dashboard.aggregator.TokenCaptureAggregator` at scrape time, puts our
-figures next to the ``dask_scheduler_*`` ones. Nothing is computed twice: the aggregator
-already keeps the running totals and fixed-bucket histograms; the collector only formats
-them.
-
-One collector per process. Several schedulers in one process (tests) share it: it reads
-the aggregator attached last (the way distributed's own collectors follow the newest
-scheduler), and a closing aggregator detaches only itself.
-
-Series (``_ms`` milliseconds, ``_bytes`` bytes; histograms carry ``_bucket``/``_sum``/
-``_count``):
-
-==============================================  =========  ==========================
-name                                            type       labels
-==============================================  =========  ==========================
-token_capture_groups_finalized_total            counter
-token_capture_steps_finalized_total             counter
-token_capture_rollouts_total                    counter    status (accepted|rejected)
-token_capture_rollouts_rejected_total           counter    reason
-token_capture_fetch_calls_total                 counter
-token_capture_fetched_bytes_total               counter
-token_capture_finalized_tokens_total            counter
-token_capture_finalize_phase_ms                 histogram  phase (fetch|verify|assemble)
-token_capture_step_wall_ms                      histogram
-token_capture_queue_wait_ms                     histogram
-token_capture_calls_per_rollout                 histogram
-token_capture_queue_depth                       gauge
-token_capture_cuts_total                        counter
-token_capture_cut_rows_total                    counter
-token_capture_cut_puts_total                    counter
-token_capture_cut_durable_total                 counter
-token_capture_cut_failures_total                counter    reason
-token_capture_cut_wall_ms                       histogram
-token_capture_restore_requests_total            counter
-token_capture_restore_gets_total                counter
-token_capture_restore_keys_total                counter
-token_capture_restore_failures_total            counter
-token_capture_restore_keys_per_get              gauge      worker
-token_capture_restore_latency_ms                gauge      worker, quantile (0.5|0.99)
-token_capture_store_rows                        gauge      unit, worker
-token_capture_store_memory_bytes                gauge      unit, worker
-token_capture_store_spilled_bytes               gauge      unit, worker
-token_capture_scaling_decisions_total           counter    action, reason
-token_capture_malformed_events_total            counter    topic, field
-==============================================  =========  ==========================
+One :class:`TokenCaptureCollector` per process, registered in ``prometheus_client.REGISTRY``
+(which distributed serves on ``/metrics``), formats the attached
+:class:`~pipeline.dashboard.state.TokenCaptureState` at scrape time; it computes nothing
+itself. The aggregator plugin attaches its state on start and detaches it on close.
 """
 from __future__ import annotations
 
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import prometheus_client
 from prometheus_client.core import (
@@ -62,13 +20,13 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from ..dashboard.aggregator import Histogram, TokenCaptureAggregator
+if TYPE_CHECKING:  # types only: importing pipeline.dashboard at run time would import the plugin, a cycle
+    from ..dashboard.state import Histogram, TokenCaptureState
 
 PREFIX = "token_capture"
 
 
-def _hist(name: str, doc: str, hists: list[tuple[list[str], "Histogram"]], labels: list[str]) -> HistogramMetricFamily:
+def _hist(name: str, doc: str, hists: list[tuple[list[str], Histogram]], labels: list[str]) -> HistogramMetricFamily:
     fam = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
     for values, h in hists:
         fam.add_metric(values, h.cumulative(), sum_value=h.total)
@@ -81,17 +39,20 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class TokenCaptureCollector(Collector):
-    """Formats the attached aggregator's state as Prometheus metric families."""
+    """Formats the attached state as Prometheus metric families (nothing when none)."""
 
-    def __init__(self) -> None:
-        self._ref: Optional[weakref.ReferenceType[TokenCaptureAggregator]] = None
+    def __init__(self, state: TokenCaptureState | None = None) -> None:
+        self._ref: weakref.ReferenceType[TokenCaptureState] | None = None
+        if state is not None:
+            self._ref = weakref.ref(state)
 
     @property
-    def aggregator(self) -> Optional["TokenCaptureAggregator"]:
+    def state(self) -> TokenCaptureState | None:
+        """The attached state (held weakly), if any."""
         return self._ref() if self._ref is not None else None
 
     def collect(self) -> Iterator[Any]:
-        agg = self.aggregator
+        agg = self.state
         if agg is None:
             return
         t = agg.totals
@@ -102,11 +63,16 @@ class TokenCaptureCollector(Collector):
         fam.add_metric(["rejected"], t["rejected"])
         yield fam
         fam = CounterMetricFamily(
-            f"{PREFIX}_rollouts_rejected", "Rejected rollouts by reason (SPEC section 4)", labels=["reason"]
+            f"{PREFIX}_rollouts_rejected", "Rejected rollouts by reason (the verification vocabulary)", labels=["reason"]
         )
         for reason, n in sorted(agg.rejected.items()):
             fam.add_metric([reason], n)
         yield fam
+        yield _counter(
+            "verifier_internal_errors",
+            "Rollouts whose verification hit an internal error, counted apart from rejections",
+            t["internal_errors"],
+        )
         yield _counter("fetch_calls", "Store fetch calls made by finalization", t["fetch_calls"])
         yield _counter("fetched_bytes", "Bytes fetched from the store by finalization", t["bytes_fetched"])
         yield _counter("finalized_tokens", "Tokens in finalized training rows", t["tokens"])
@@ -175,7 +141,7 @@ class TokenCaptureCollector(Collector):
 
 
 _lock = threading.Lock()
-_collector: Optional[TokenCaptureCollector] = None
+_collector: TokenCaptureCollector | None = None
 
 
 def collector() -> TokenCaptureCollector:
@@ -188,13 +154,13 @@ def collector() -> TokenCaptureCollector:
         return _collector
 
 
-def attach(aggregator: "TokenCaptureAggregator") -> None:
-    """Serve ``aggregator``'s state on ``/metrics`` from now on."""
-    collector()._ref = weakref.ref(aggregator)
+def attach(state: TokenCaptureState) -> None:
+    """Serve ``state`` on ``/metrics`` from now on (the last attached one wins)."""
+    collector()._ref = weakref.ref(state)
 
 
-def detach(aggregator: "TokenCaptureAggregator") -> None:
-    """Stop serving ``aggregator`` (no-op if another one was attached since)."""
+def detach(state: TokenCaptureState) -> None:
+    """Stop serving ``state`` (no-op if another one was attached since)."""
     c = collector()
-    if c.aggregator is aggregator:
+    if c.state is state:
         c._ref = None

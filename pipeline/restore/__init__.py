@@ -1,4 +1,4 @@
-"""Restore side of checkpoint cuts (SPEC section 8): coalesced prefix reads.
+"""Restore side of checkpoint cuts: coalesced prefix reads.
 
 * :class:`~pipeline.restore.coalescer.PrefixReadCoalescer`: the pure-asyncio core that
   merges concurrent prefix reads into bounded, deduplicated gets;

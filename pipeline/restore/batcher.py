@@ -1,26 +1,13 @@
 """PrefixReadBatcher: the Dask actor that serves restore reads on one generation worker.
 
-One batcher per generation worker (:func:`start_batchers` places one on each worker).
-Its methods are ``async``, so they run on the worker's event loop, never on the actor
-thread that sync actor methods (the generation worker's decoding) share: concurrent
-calls from any number of resumed calls are merged by one
-:class:`~pipeline.restore.coalescer.PrefixReadCoalescer` over the store's ``cut``
-partition (``StagingStore.get_many_async``).
+Its methods are ``async`` (the worker's event loop, not the actor thread the generation
+worker's decoding uses); concurrent reads merge in one PrefixReadCoalescer over the
+store's ``cut`` partition, and verification runs in a thread off the loop.
 
-    batchers = start_batchers(client, store)                  # {worker address: actor}
-    b = batchers[addr]
-    verdict = b.restore(ack).result()                        # PrefixVerdict
-    if verdict.usable:
-        gen.resume_call(rid, cid, history=..., max_new_tokens=...,
-                        **verdict.prefix.resume_kwargs()).result()
-    else:                                                     # verdict.reason says why
-        gen.start_call(rid, cid, context, max_new_tokens=...).result()   # regenerate
+    batchers = start_batchers(client, store)        # {worker address: actor}
+    verdict = batchers[addr].restore(ack).result()   # PrefixVerdict: usable, or a reason
 
-:meth:`PrefixReadBatcher.restore_many` answers many continuations in one actor round
-trip (their reads coalesce exactly as concurrent ``restore`` calls do). Verification
-(:func:`tasks.cut.prefix.verify_prefix`, hashing over whole buffers) runs in a thread, off
-the event loop. Statistics go to the ``token-capture-restore`` event topic at most every
-``restore.publish-interval-s`` seconds.
+Usage and statistics: docs/design.md, "Restore".
 """
 from __future__ import annotations
 

@@ -1,40 +1,12 @@
-"""Adaptive scaling driven by the finalize split timing (SPEC section 5's sizing rule).
+"""Adaptive scaling of the finalize pool, driven by the finalize split timing.
 
-Use it through the cluster's own ``adapt``::
+A pure :func:`decide` turns one aggregator signal (verify/fetch shares, queue depth and
+trend, idle time) into a frozen :class:`Decision`; :class:`TokenCaptureAdaptive` is the thin
+``distributed.deploy.Adaptive`` shell around it. Use it through the cluster's own ``adapt``::
 
-    cluster = LocalCluster(resources={"finalize": 2},
-                           scheduler_kwargs={"preload": ["pipeline.dashboard.preload"]})
     cluster.adapt(Adaptive=TokenCaptureAdaptive, minimum=2, maximum=8)
 
-``distributed.deploy.Adaptive`` runs ``target()`` every ``interval`` and turns the answer
-into scale-up / retire calls (retiring only after ``wait_count`` agreeing rounds). Here
-``target()`` asks the scheduler's aggregator for one :meth:`signal
-<pipeline.dashboard.aggregator.TokenCaptureAggregator.signal>` (one RPC round trip) and
-applies :func:`decide`:
-
-* **idle** (no finalize event for ``scaling.idle-s`` and no tasks): down to ``minimum``,
-  but never below the number of workers hosting actors (those cannot be retired);
-* **verify-bound** (verify share of fetch+verify+assemble >= ``verify-dominant-share``) with
-  queue pressure (depth rising over the window, or at least ``queue-depth-high``): up by
-  ``step-up`` workers, to ``maximum``;
-* **fetch-bound** (fetch share >= ``fetch-dominant-share``): hold: more workers would wait
-  on the same store; batch more instead;
-* otherwise hold.
-
-Every decision is recorded as a ``pipeline.events.SCALE`` event with its reason (sent over
-the scheduler RPC, since this object lives on the cluster's event loop where the
-synchronous ``pipeline.events.publish`` cannot be used): every up/down, and a hold
-whenever its reason changes. The aggregator shows them on the page and on ``/metrics``.
-
-Retirement goes through ``Scheduler.workers_to_close``, which consults
-:class:`~pipeline.scaling.protect.ProtectActorHosts`; :meth:`TokenCaptureAdaptive.scale_down`
-re-checks protection right before retiring.
-
-New workers carry the ``finalize`` resource: on a ``SpecCluster`` (``LocalCluster``,
-dask-jobqueue, dask-kubernetes' operator clusters use their own specs) whose worker
-template lacks it, the template gains ``resources={"finalize": finalize.slots-per-worker}``
-(``scaling.ensure-finalize-resource``). With ``dask worker`` started by hand, pass
-``--resources "finalize=2"``.
+Policy, event reporting and retirement rules: docs/design.md, "Scaling".
 """
 from __future__ import annotations
 

@@ -1,27 +1,10 @@
-"""Batch planning for checkpoint-cut prefix puts (SPEC section 7, step 2). Pure.
+"""Batch planning and packing for checkpoint-cut prefix puts. Pure.
 
-A cut freezes many in-flight calls and writes one prefix row per call. Rows travel in
-batches, one ``put_many`` per batch, each bounded by three limits:
-
-* ``max_rows``   rows per put (``cut.generation-prefix-batch-size``; 1 = one put per call),
-* ``max_tokens`` tokens per put (``cut.generation-prefix-batch-max-tokens``),
-* ``max_bytes``  payload bytes per put (``cut.generation-prefix-batch-max-bytes``), counting
-  routed experts: with router replay each token also carries ``L * K`` int16 expert ids,
-  which a token limit alone does not see (48 layers x top-8 is 768 bytes per token).
-
-Rows are grouped by *signature* (each token field's dtype and trailing shape): the store
-pins a field's dtype/shape per partition, and a batch must pack into one buffer per field.
-A row above the token or byte limit on its own is *oversized*: it is written alone, never
-split (a prefix chunk is the unit the restore side verifies).
-
-Planning is incremental (:class:`BatchPlanner`) so a cut can freeze calls lazily, one
-batch at a time, and put each batch as soon as it is full; :func:`plan_batches` plans a
-whole list at once. Per-row Python only (one loop over rows), never per token.
-
-A frozen call is described by a :class:`PrefixChunk` (its context and generated parts,
-not concatenated). :func:`pack_chunks` writes a batch of them straight into ONE buffer per
-field (the only copy of the tokens on the writer side) and computes each row's digest
-over its slices of those buffers (:func:`tasks.hashing.digest_raw`, no further copy).
+A cut writes one prefix row per in-flight call, in batches of one ``put_many`` each,
+bounded by rows, tokens and payload bytes (routes included) per put. :class:`BatchPlanner`
+plans incrementally (a batch is put as soon as it is full); :func:`pack_chunks` writes a
+batch of :class:`PrefixChunk` straight into one buffer per field and digests each row over
+its slices. Per-row Python only, never per token. docs/design.md, "Checkpoint cuts".
 """
 from __future__ import annotations
 

@@ -1,40 +1,10 @@
 """Verify a restored cut prefix against its continuation, and build what to resume from. Pure.
 
-A call cut at a checkpoint resumes with a *continuation* (the cut receipt's
-:class:`~tasks.cut.receipt.CallAck`): its cut keys in chain order, the prefix token count
-and the prefix digest. The rows read back for those keys are verified here before the call
-continues from them; an unusable prefix makes the call regenerate (SPEC section 8).
-
-Cut row format (``pipeline.generation.cut``): each chunk is a staged row under
-``__cut__/{checkpoint_id}/{rollout_id}/{model_call_id}/{seq}``, ``seq`` = its index in the
-chain (chunks of earlier checkpoints first, so keys of one prefix may name different
-checkpoints). Lengths are relative to the prefix (chunk 0 has ``prev_len`` 0). Chunk 0
-carries the call's context (mask 0, logprob 0) then generated tokens (mask 1); later
-chunks only generated tokens. ``chain_hash`` chains the chunks from a root marker,
-``cumulative_hash`` covers the prefix through the chunk, ``digest`` is
-:func:`tasks.hashing.row_digest`. The prefix digest is
-:func:`tasks.cut.receipt.prefix_digest` over all the prefix's token ids.
-
-Checks, first failure wins (every digest recomputed, none trusted):
-
-1. continuation: keys present and well formed (``empty_prefix``, ``invalid_continuation``),
-   key ``i`` names the same call as key 0 and has ``seq == i`` (``prefix_out_of_order``);
-2. rows: one per key, in the key order (``missing_staging_row``, ``prefix_out_of_order``),
-   every staging field present and decodable (``invalid_staging_row``), the row's ids
-   match its key and the call (``identity_mismatch``);
-3. per chunk, in chain order: lengths (``invalid_staging_row``), ``prev_len`` equals the
-   tokens before it (``parent_length_mismatch``), digest (``corrupt_digest``),
-   ``chain_hash`` (``chain_hash_mismatch``), ``cumulative_hash``
-   (``cumulative_hash_mismatch``);
-4. content over the whole prefix, vectorized: mask zeros-then-ones (``invalid_mask_order``;
-   a prefix may hold no generated token yet), token range (``invalid_token``), logprobs
-   (``invalid_logprob``), routes present in every chunk or none, shape and expert range
-   (``missing_routes``, ``invalid_routes``);
-5. token count (``prefix_length_mismatch``: a short or long prefix) and prefix digest
-   (``prefix_digest_mismatch``).
-
-Per-chunk Python only (a prefix has a handful of chunks); hashes run over contiguous
-buffers, content scans over the whole prefix at once.
+Every digest is recomputed, none trusted; the first failing check names the reason
+(continuation, rows, per-chunk lengths and hashes, vectorized content, token count and
+prefix digest). Per-chunk Python only (a prefix has a handful of chunks); content scans
+run over the whole prefix at once. Cut row format and check order: docs/design.md,
+"Checkpoint cuts".
 """
 from __future__ import annotations
 

@@ -1,30 +1,9 @@
 """The checkpoint-cut receipt: one acknowledgement per call of the inventory. Pure.
 
-A cut answers, per call the controller listed (its *inventory*):
-
-* ``durable_prefix``: the call's prefix is in the store, sealed. ``staging_keys`` are its
-  cut keys in chain order (earlier checkpoints' chunks first), ``prefix_tokens`` their
-  total length and ``prefix_digest`` :func:`prefix_digest` over the prefix's token ids.
-  A resumed call reads those keys, recomputes the digest and continues.
-* ``durable_failure`` with a ``reason``: nothing of this cut is advertised for the call;
-  it regenerates after a restore. Reasons (:data:`FAILURE_REASONS`): ``cut_error`` (put,
-  ack or seal failed; ``detail`` says which), ``control_deadline`` (the cut deadline
-  passed before the call's row was written), ``generation_lost`` (the call failed or was
-  aborted while its cut was in flight), ``unknown_call`` (the worker holds no such call),
-  ``empty_prefix`` (no context and no generated token yet: nothing worth a put).
-* ``completed``: the call reached its terminal completion before its prefix was sealed;
-  its output is delivered by the normal finish path (``total_tokens`` long), so no
-  prefix is kept for it: reported once, never lost and never doubled.
-
-Receipts are cached by ``(checkpoint_id, inventory_digest)``: a retried cut answers the
-same receipt. Digests are SHA-256 with their own domain tags (layout below, version 1).
-
-prefix digest v1
-    TAG_CUT_PREFIX, then the prefix's token ids as <i8 bytes, chunk after chunk.
-inventory digest v1
-    TAG_INVENTORY, then for each (rollout_id, model_call_id) in sorted, deduplicated order:
-    <I len> rollout_id utf-8 <I len> model_call_id utf-8.  ``inventory=None`` ("every call
-    the worker holds") hashes TAG_INVENTORY + b"*".
+Each call listed is ``durable_prefix`` (sealed in the store: keys, token count, prefix
+digest), ``durable_failure`` with a reason (it regenerates after a restore) or
+``completed``. Receipts are cached by (checkpoint_id, inventory digest) so a retried cut
+answers the same receipt. Digest byte layouts (version 1): docs/design.md, "Checkpoint cuts".
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -36,7 +36,7 @@ class FinalizedGroup:
     token_mask: torch.Tensor  # float32 [n, max_len]
     sample_mask: torch.Tensor  # float32 [n]
     rewards: torch.Tensor  # float32 [n]
-    routed_experts: Optional[torch.Tensor]  # int16 [n, max_len, L, K]
+    routed_experts: torch.Tensor | None  # int16 [n, max_len, L, K]
     has_routes: torch.Tensor  # bool [n]
     status: list[str]
     metrics: dict[str, Any] = field(default_factory=dict)
@@ -55,8 +55,9 @@ def assemble_group(
 
     An accepted row whose routes' ``[L, K]`` differs from the group's first routed row is
     rejected ``invalid_routes`` here rather than failing the whole group.
-    ``metrics``: accepted, rejected, rejected_by_reason, tokens (accepted tokens),
-    calls_per_rollout (mean chain calls over accepted rows), max_len.
+    ``metrics``: accepted, rejected (rows rejected for their data), rejected_by_reason,
+    internal_errors (rows the verifier failed on: counted apart, never a reason), tokens
+    (accepted tokens), calls_per_rollout (mean chain calls over accepted rows), max_len.
     """
     n = len(results)
     if len(rewards) != n:
@@ -93,11 +94,13 @@ def assemble_group(
             has_routes[i] = True
     sample_mask = np.zeros(n, dtype=np.float32)
     sample_mask[accepted] = 1.0
-    rejected = Counter(s for s in status if s != R.OK)
+    rejected = Counter(s for s in status if s != R.OK and s != R.INTERNAL_ERROR)
+    internal_errors = status.count(R.INTERNAL_ERROR)
     metrics = {
         "accepted": len(accepted),
-        "rejected": n - len(accepted),
+        "rejected": n - len(accepted) - internal_errors,
         "rejected_by_reason": dict(rejected),
+        "internal_errors": internal_errors,
         "tokens": int(lengths.sum()),
         "calls_per_rollout": float(np.mean([results[i].n_calls for i in accepted])) if accepted else 0.0,
         "max_len": max_len,

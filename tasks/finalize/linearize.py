@@ -1,18 +1,15 @@
 """Linearization: a verified root -> terminal chain of deltas becomes one training row.
 
 Each call's delta holds only the tokens new since its parent, so the training row is
-the concatenation of the chain's deltas in order: one output buffer per field, filled
-by slice assignment (numpy only, no per-token Python). The verifier hands the deltas as
-``[start, end)`` ranges of the fetched batch's whole-field buffers
-(:func:`linearize_ranges`); when a rollout's rows sit back to back in the batch (the
-usual case: the fetch keeps each rollout's keys together, in chain order) a field is
-ONE slice copy.
+the concatenation of the chain's deltas in order: one output buffer per field, filled by
+slice assignment (numpy only, no per-token Python), carved from an :class:`OutputArena`
+when the verifier hands one.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -31,7 +28,7 @@ class Linearized:
     input_ids: np.ndarray  # int64[T]
     token_mask: np.ndarray  # float32[T]
     logprobs: np.ndarray  # float32[T]
-    routed_experts: Optional[np.ndarray]  # int16[T, L, K] or None
+    routed_experts: np.ndarray | None  # int16[T, L, K] or None
     prompt_length: int
     spans: list[tuple[str, int, int]]
 
@@ -69,7 +66,7 @@ class OutputArena:
     has size 0) falls back to ``np.empty``.
     """
 
-    def __init__(self, slot_bytes: Sequence[int]):
+    def __init__(self, slot_bytes: Sequence[int]) -> None:
         self._starts = [0] * len(slot_bytes)
         at = 0
         for k, n in enumerate(slot_bytes):
@@ -143,7 +140,7 @@ def linearize_ranges(
     token_ids: Ranges,
     token_mask: Ranges,
     logprobs: Ranges,
-    routed_experts: Optional[Ranges],
+    routed_experts: Ranges | None,
     alloc: Alloc = _empty,
 ) -> Linearized:
     """:func:`linearize` over deltas given as ranges of whole-batch buffers (verified).
@@ -170,7 +167,7 @@ def linearize(
     token_ids: Sequence[np.ndarray],
     token_mask: Sequence[np.ndarray],
     logprobs: Sequence[np.ndarray],
-    routed_experts: Optional[Sequence[np.ndarray]],
+    routed_experts: Sequence[np.ndarray] | None,
 ) -> Linearized:
     """Concatenate the chain's deltas (root first); the inputs are already verified.
 

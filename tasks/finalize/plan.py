@@ -1,20 +1,15 @@
 """Receipt parsing: receipts -> staging keys and a per-rollout verification plan (no I/O).
 
-Phase 1 of finalization (SPEC section 5): every key a step needs is known from the
-receipts alone, so the graph can issue ONE union fetch of the staging fields and at most
-ONE fetch of ``routed_experts`` (only for keys whose ``routes_encoding != 0``).
-
-A receipt that cannot be used is rejected here with a reason from :mod:`tasks.reasons`
-(never an exception): the rest of the step plans as usual. Check order is documented in
-:mod:`tasks.reasons`. Only the chain from the root to the terminal call is fetched and
-verified; calls off that chain (abandoned branches) are listed in :attr:`RolloutPlan.all_keys`
-so a caller can clear them, but they never reach the training row.
+Every key a step needs is known from the receipts alone, so the graph can fetch them in
+one union read. A receipt that cannot be used is rejected here with a reason from
+:mod:`tasks.reasons` (never an exception) and the rest of the step plans as usual; only
+the root -> terminal chain of a usable receipt is fetched and verified.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Mapping, Sequence
 
 from .. import reasons as R
 from ..errors import InvalidKey
@@ -22,7 +17,7 @@ from ..keys import check_id, staging_key
 from ..receipts import RECEIPT_VERSION, CallRecord, Receipt
 from ..schema import HASH_BYTES, HASH_FIELDS, ROUTES_INT16, ROUTES_NONE
 
-ReceiptLike = Union[Receipt, Mapping[str, Any]]
+ReceiptLike = Receipt | Mapping[str, Any]
 Rejection = tuple[str, str]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
@@ -35,7 +30,7 @@ _INT_FIELDS = ("prev_len", "delta_len", "cum_len", "weight_version")
 class _Bad(Exception):
     """Internal: a receipt rejection (reason, detail) raised out of the parsing helpers."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str) -> None:
         super().__init__(reason, detail)
         self.reason, self.detail = reason, detail
 
@@ -63,7 +58,7 @@ class RolloutPlan:
         return self.receipt.reward
 
     @property
-    def group_id(self) -> Optional[str]:
+    def group_id(self) -> str | None:
         return self.receipt.group_id
 
     @property
@@ -84,14 +79,14 @@ class StepPlan:
     rollouts: list[RolloutPlan]
     rejected: dict[str, Rejection]
     order: list[str]
-    group_ids: list[Optional[str]]
+    group_ids: list[str | None]
     rewards: list[float]
     staging_keys: list[str]
     routes_keys: list[str]
 
-    def groups(self) -> dict[Optional[str], list[int]]:
+    def groups(self) -> dict[str | None, list[int]]:
         """Submission indices per group id, in first-seen order."""
-        out: dict[Optional[str], list[int]] = {}
+        out: dict[str | None, list[int]] = {}
         for i, g in enumerate(self.group_ids):
             out.setdefault(g, []).append(i)
         return out
@@ -116,7 +111,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _id(v: Any, what: str, *, optional: bool = False) -> Optional[str]:
+def _id(v: Any, what: str, *, optional: bool = False) -> str | None:
     if v is None and optional:
         return None
     try:
@@ -217,7 +212,7 @@ def _chain(records: Sequence[CallRecord], terminal: str) -> list[CallRecord]:
     for r in records:
         path: list[str] = []
         on_path: set[str] = set()
-        cur: Optional[CallRecord] = r
+        cur: CallRecord | None = r
         while cur is not None and cur.model_call_id not in settled:
             if cur.model_call_id in on_path:
                 raise _Bad(R.LINEAGE_CYCLE, f"calls {' -> '.join(path)} -> {cur.model_call_id} form a cycle")
@@ -290,10 +285,10 @@ def plan_step(receipts: Sequence[ReceiptLike]) -> StepPlan:
     sharing a rollout_id collide on every staging key, so all of them are rejected with
     ``duplicate_staging_key`` (no way to tell which one the store holds).
     """
-    plans: list[Optional[RolloutPlan]] = []
+    plans: list[RolloutPlan | None] = []
     rejected: dict[str, Rejection] = {}
     order: list[str] = []
-    group_ids: list[Optional[str]] = []
+    group_ids: list[str | None] = []
     rewards: list[float] = []
     for i, raw in enumerate(receipts):
         rid = _peek(raw, "rollout_id")

@@ -1,35 +1,10 @@
-"""A small mixture-of-experts policy that decodes reproducibly, whatever the batch.
+"""A small integer mixture-of-experts policy that decodes reproducibly, whatever the batch.
 
-What it is
-    Embedding of the last ``window`` tokens plus a position embedding, ``layers`` MoE
-    layers (router logits -> top-``top_k`` of ``experts`` small MLPs, residual), and
-    vocabulary logits. Weights are drawn from ``seed`` with a ``torch.Generator``.
-
-Why integers
-    A resumed call must regenerate bit for bit, in another batch and another process.
-    Float matmuls on CPU are not batch-invariant: measured here with torch 2.13, a row of
-    ``X[:B] @ W`` differed bitwise from the same row of ``X @ W`` in 12 of 24 shape/batch
-    cases, in float32 AND float64 (different kernels and blockings per batch size). So
-    every weight and activation is an ``int64`` tensor: integer sums are exact, so the
-    result of a row cannot depend on which kernel, blocking, thread count or batch
-    computed it. Only the last step is floating point, and it is row-local: logits
-    become weights through a lookup table, a sequential per-row ``cumsum`` gives the
-    CDF, and a counter-based uniform (:mod:`tasks.toy.sampling`) keyed by (seed, rollout,
-    absolute position) picks the token by inverse CDF.
-
-What a token depends on
-    The token at absolute position ``p`` of a rollout, its logprob and its routed experts
-    are a pure function of (weights, the ``window`` tokens before ``p``, ``p``, the
-    rollout key). So the state needed to continue a call is its last ``window`` tokens
-    and its length (see :mod:`tasks.toy.rollouts`).
-
-Routes
-    ``routes[p]`` (int16 ``[layers, top_k]``) are the experts of the forward pass at
-    position ``p``: the pass whose distribution gave token ``p`` its logprob. That is
-    what router replay must reuse to recompute that logprob. Context tokens (prompt,
-    tool tokens) get their routes from the same pass, run as a prefill
-    (:meth:`MoEPolicy.route`). Experts are listed by decreasing router score; ties go
-    to the lower expert id.
+Weights and activations are int64 (integer sums are exact, so no kernel, blocking or batch
+size can change a row); only the row-local sampling step is floating point. A token, its
+logprob and its routed experts depend only on (weights, the ``window`` tokens before it,
+its absolute position, the rollout key). Why integers, and the routes convention:
+docs/design.md, "The toy engine".
 """
 from __future__ import annotations
 

@@ -1,38 +1,10 @@
-"""Multi-turn rollouts, call by call, through the capture gate (SPEC section 9).
+"""Multi-turn rollouts of the toy policy, call by call, through the capture gate.
 
-Two levels of API.
-
-High level (examples, tests, benchmarks)
-    ``make_group_specs`` / ``make_step_specs`` build GRPO groups of :class:`RolloutSpec`;
-    :func:`generate_rollouts` runs MANY rollouts at once, turn by turn, and returns per
-    rollout its :class:`~tasks.schema.StagedRow` list (one per call, via
-    :class:`~tasks.gate.CaptureGate`) and its :class:`~tasks.receipts.Receipt`.
-
-    A rollout of ``turns`` calls: call ``call_id(t)`` has parent ``call_id(t - 1)`` (none
-    for t = 0). Its delta is ``prompt`` (t = 0) or the environment's tool tokens (t > 0),
-    with token_mask 0 and logprob 0, then ``tokens_per_turn`` generated tokens (mask 1).
-    Reward: the fraction of even ids among the rollout's generated tokens.
-
-Low level (the generation actors that cut and restore in-flight calls)
-    A :class:`CallState` is one in-flight call: its delta's carried context, the tokens
-    generated so far with their logprobs and routes, and the little it needs to continue
-    (the last ``policy.window`` tokens before the delta and the delta's absolute start).
-
-    - :func:`start_calls` opens calls (prefills the routes of their context tokens, one
-      vectorized pass for all of them);
-    - :func:`advance` decodes up to ``n`` more tokens for every call of a list, as ONE
-      batch (the batch's composition never changes any call's tokens, logprobs or routes);
-    - :meth:`CallState.delta` gives the arrays to stage or to write as a cut prefix, from
-      any offset (first cut: ``delta(0)``; a later cut: ``delta(previous_length)``);
-    - :func:`resume_state` rebuilds a CallState from a saved prefix, so continuing it
-      yields exactly what the uninterrupted call would have, bit for bit.
-
-    Arrays a CallState hands out are read-only views that later :func:`advance` calls
-    never overwrite (new tokens go past the end, or into a new buffer), so a reference
-    taken under the call's lock is a frozen snapshot: no copy is needed to cut.
-
-Every token depends only on (policy weights and seed, rollout_id, absolute position, the
-``window`` tokens before it); see :mod:`tasks.toy.policy`.
+High level (examples, tests, benchmarks): build GRPO groups of :class:`RolloutSpec` and
+:func:`generate_rollouts` turn by turn, returning each rollout's staged rows and receipt.
+Low level (generation actors that cut and restore in-flight calls): :class:`CallState`,
+:func:`start_calls`, :func:`advance` (one batch for many calls, batch-invariant) and
+:func:`resume_state` (continue a saved prefix bit for bit). docs/design.md, "The toy engine".
 """
 from __future__ import annotations
 

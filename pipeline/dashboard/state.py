@@ -1,42 +1,9 @@
-"""Scheduler-side rolling state of the token-capture events (``pipeline.events``).
+"""Rolling state of the token-capture events (``pipeline.events``), free of Dask.
 
-:class:`TokenCaptureAggregator` is a ``SchedulerPlugin``: every ``log_event`` on the
-scheduler reaches its :meth:`~TokenCaptureAggregator.log_event` hook, which validates the
-event (:func:`parse_event`) and folds it into bounded state:
-
-* finalize events come in two kinds (``kind``, see ``pipeline.finalize.timing``):
-  ``"group"`` (one per assembled group, published by the assemble task; an event without
-  ``kind`` counts as a group) and ``"step"`` (one per collected step, published by the
-  controller). Group events feed the running totals (rollouts accepted, rejected by
-  reason, tokens, bytes, fetch calls), the per-group ring (queue wait, calls per
-  rollout) and a provisional per-step split, so the page moves while a step runs. A
-  group's ``fetch_ms`` is the step's shared union fetch, so the provisional split takes
-  its maximum, not its sum; the step event then replaces the provisional figures with
-  the controller's deduplicated ones (and adds wall time and the dominant side);
-* queue depth over time: each group event's ``queue_depth`` and each step event's
-  ``queue_depth_after``;
-* histograms (fixed buckets from ``metrics.buckets-*``): split timing per step (from
-  step events), step wall time, queue wait and calls per rollout per group, cut wall
-  time, for Prometheus;
-* cut events (ring) and totals, failures by reason;
-* restore reports: ``PrefixReadBatcher`` publishes counters cumulative since it
-  started, so totals are the sum over batchers of their latest report; a report lower
-  than the previous one from the same worker means a new batcher, and the old one's
-  counts are carried forward (Prometheus counter semantics);
-* store reports: the latest report per storage unit;
-* scaling decisions (ring) and counts by action.
-
-A malformed event is counted under ``malformed[(topic, field)]`` and dropped; it never
-raises into the scheduler (the event broker would only log it) and never corrupts the
-state of well-formed events.
-
-The plugin also serves two scheduler RPC handlers, so remote callers need no pickled
-access to the plugin: ``token_capture_state()`` (a JSON-able :meth:`snapshot`) and
-``token_capture_signal(window_s=None)`` (the :meth:`signal` the adaptive policy reads).
-On start it registers the dashboard page and the Prometheus collector.
-
-Units follow the event schema: ``_ms`` milliseconds, ``_bytes`` bytes, counts otherwise;
-times ``t`` are scheduler wall-clock seconds (``time.time()``).
+:func:`parse_event` validates one event; :class:`TokenCaptureState` folds valid events
+into bounded aggregates (totals, rings, fixed-bucket :class:`Histogram` s) and answers the
+queries the page, the Prometheus collector and the adaptive policy make. It holds no
+scheduler reference: whatever it needs from the scheduler is passed in as plain values.
 """
 from __future__ import annotations
 
@@ -45,18 +12,17 @@ import math
 import time
 from bisect import bisect_left
 from collections import Counter, OrderedDict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
-
-from distributed.diagnostics.plugin import SchedulerPlugin
+from typing import Any
 
 from tasks.errors import InvalidEvent
+
 from .. import config
 from ..events import CUT, FINALIZE, RESTORE, SCALE, STORE, TOPICS
 
 logger = logging.getLogger(__name__)
 
-PLUGIN_NAME = "token-capture-aggregator"
 SCALE_ACTIONS = ("up", "down", "hold")
 
 
@@ -89,6 +55,7 @@ def _counts(topic: str, msg: Mapping[str, Any], key: str) -> dict[str, int]:
 
 
 def _label(topic: str, msg: Mapping[str, Any], key: str, required: bool) -> str:
+    """A string label from ``msg[key]`` (str or int; ``""`` when optional and absent)."""
     value = msg.get(key)
     if value is None:
         if required:
@@ -113,6 +80,7 @@ _FINALIZE_NUMBERS = {
     "fetch_calls": False,
     "bytes_fetched": False,
     "tokens": False,
+    "internal_errors": False,  # group events: verifier bugs, counted apart from rejections
     "groups": False,  # step events
     "wall_ms": False,  # step events
     "queue_depth_after": False,  # step events
@@ -210,7 +178,8 @@ class Histogram:
 
     def cumulative(self) -> list[tuple[str, int]]:
         """``[(le, cumulative count), ...]`` ending with ``("+Inf", n)``."""
-        out, running = [], 0
+        out: list[tuple[str, int]] = []
+        running = 0
         for bound, count in zip(self.bounds, self.counts):
             running += count
             out.append((_le(bound), running))
@@ -222,22 +191,18 @@ def _le(bound: float) -> str:
     return str(int(bound)) if float(bound).is_integer() else repr(bound)
 
 
-# --------------------------------------------------------------------------- plugin
-class TokenCaptureAggregator(SchedulerPlugin):
-    """Bounded rolling state of token-capture events, kept on the scheduler.
+# --------------------------------------------------------------------------- state
+class TokenCaptureState:
+    """Bounded rolling aggregates of token-capture events.
 
-    ``history`` (events per ring, default ``dashboard.history``) bounds memory: the
-    plugin holds O(history + units + restore workers) small dicts whatever the run length.
+    ``history`` (events per ring, default ``dashboard.history``) bounds memory: the state
+    holds O(history + units + restore workers) small dicts whatever the run length.
     """
 
-    name = PLUGIN_NAME
-    idempotent = True
-
-    def __init__(self, history: Optional[int] = None) -> None:
+    def __init__(self, history: int | None = None) -> None:
         self.history = int(history if history is not None else config.get("dashboard.history"))
         ms_bounds = tuple(config.get("metrics.buckets-ms"))
         call_bounds = tuple(config.get("metrics.buckets-calls"))
-        self.scheduler: Any = None
         self.started = time.time()
         self.version = 0  # bumped on every accepted event; the page redraws on change
 
@@ -278,38 +243,21 @@ class TokenCaptureAggregator(SchedulerPlugin):
         self.malformed: Counter[tuple[str, str]] = Counter()
         self.last_error: str = ""
 
-    # ------------------------------------------------------------------ lifecycle
-    async def start(self, scheduler: Any) -> None:
-        self.scheduler = scheduler
-        scheduler.handlers["token_capture_state"] = self._handle_state
-        scheduler.handlers["token_capture_signal"] = self._handle_signal
-        from ..metrics.prometheus import attach
-
-        attach(self)
-        try:
-            from .page import register_page
-
-            register_page(scheduler)
-        except Exception:  # a missing dashboard must not stop the scheduler
-            logger.warning("token-capture dashboard page not registered", exc_info=True)
-
-    async def close(self) -> None:
-        from ..metrics.prometheus import detach
-
-        detach(self)
-
     # ------------------------------------------------------------------ events
-    def log_event(self, topic: str, msg: Any) -> None:
-        """Fold one event into the state; ignore other topics, count malformed ones."""
+    def ingest(self, topic: str, msg: Any) -> bool:
+        """Fold one event into the state; ignore other topics, count malformed ones.
+
+        Returns True when the event was folded in, False when ignored or dropped.
+        """
         if topic not in TOPICS:
-            return
+            return False
         try:
             ev = parse_event(topic, msg)
         except InvalidEvent as e:
             self.malformed[(e.topic, e.field)] += 1
             self.last_error = str(e)
             logger.warning("dropped malformed token-capture event: %s", e)
-            return
+            return False
         ev["t"] = time.time()
         {
             FINALIZE: self._finalize,
@@ -319,6 +267,7 @@ class TokenCaptureAggregator(SchedulerPlugin):
             SCALE: self._scale,
         }[topic](ev)
         self.version += 1
+        return True
 
     def _finalize(self, ev: dict[str, Any]) -> None:
         if ev["kind"] == "step":
@@ -347,6 +296,8 @@ class TokenCaptureAggregator(SchedulerPlugin):
         t["rollouts"] += int(ev["rollouts"])
         t["accepted"] += int(ev["accepted"])
         t["rejected"] += sum(ev["rejected"].values())
+        if ev.get("internal_errors", 0):  # optional; absent on events from older publishers
+            t["internal_errors"] += int(ev["internal_errors"])
         for k in ("fetch_calls", "bytes_fetched", "tokens"):
             t[k] += ev[k]
         self.rejected.update(ev["rejected"])
@@ -420,6 +371,7 @@ class TokenCaptureAggregator(SchedulerPlugin):
         return out
 
     def restore_failures_by_reason(self) -> Counter[str]:
+        """Restore failures by verdict over all batchers, past and present."""
         out: Counter[str] = Counter(self.restore_failures)
         for ev in self.restore_latest.values():
             out.update(ev["failures_by_reason"])
@@ -433,26 +385,23 @@ class TokenCaptureAggregator(SchedulerPlugin):
     def _scale(self, ev: dict[str, Any]) -> None:
         self.decisions.append(ev)
         self.decision_counts[(ev["action"], ev["reason_code"])] += 1
-        self.sample_workers()
 
-    def sample_workers(self) -> None:
-        """Record the scheduler's current worker count (for the page's scaling plot).
+    def sample_workers(self, n_workers: int) -> None:
+        """Record the current worker count ``n_workers`` (for the page's scaling plot).
 
-        Called by every open page on each refresh: a sample is kept only when the count
-        changed or the last one is older than ``dashboard.update-ms``, so the ring covers
-        the same span however many browsers watch.
+        A sample is kept only when the count changed or the last one is older than
+        ``dashboard.update-ms``, so the ring covers the same span however often it is
+        called (every open page calls it on each refresh).
         """
-        if self.scheduler is None:
-            return
-        now, n = time.time(), len(self.scheduler.workers)
+        now, n = time.time(), int(n_workers)
         if self.worker_counts:
             last_t, last_n = self.worker_counts[-1]
             if n == last_n and (now - last_t) * 1000 < float(config.get("dashboard.update-ms")):
                 return
         self.worker_counts.append((now, n))
 
-    # ------------------------------------------------------------------ views
-    def signal(self, window_s: Optional[float] = None) -> dict[str, Any]:
+    # ------------------------------------------------------------------ queries
+    def signal(self, window_s: float | None = None, load: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The adaptive policy's input: recent split timing, queue trend and load.
 
         Over the last ``window_s`` seconds (default ``scaling.window-s``): ``events``
@@ -460,9 +409,8 @@ class TokenCaptureAggregator(SchedulerPlugin):
         ``assemble_ms`` summed over those steps (per step: the step event's figures, or
         the provisional split of its groups so far), ``queue_depth_first``/``_last``/
         ``_max``; ``last_event_age_s`` (seconds since the newest finalize event, ``inf``
-        if none); scheduler load ``tasks``
-        (processing + queued + unrunnable), ``workers``, ``finalize_slots``,
-        ``actor_hosts`` (workers hosting actors, which cannot be retired).
+        if none). The scheduler load ``tasks``, ``workers``, ``finalize_slots`` and
+        ``actor_hosts`` come from ``load`` (0 when not given).
         """
         window = float(window_s if window_s is not None else config.get("scaling.window-s"))
         now = time.time()
@@ -486,16 +434,8 @@ class TokenCaptureAggregator(SchedulerPlugin):
             "finalize_slots": 0.0,
             "actor_hosts": 0,
         }
-        s = self.scheduler
-        if s is not None:
-            out["tasks"] = (
-                sum(len(ws.processing) for ws in s.workers.values())
-                + len(s.queued)
-                + len(s.unrunnable)
-            )
-            out["workers"] = len(s.workers)
-            out["finalize_slots"] = sum(ws.resources.get("finalize", 0) for ws in s.workers.values())
-            out["actor_hosts"] = sum(1 for ws in s.workers.values() if ws.actors)
+        if load is not None:
+            out.update(load)
         return out
 
     def snapshot(self) -> dict[str, Any]:
@@ -523,15 +463,3 @@ class TokenCaptureAggregator(SchedulerPlugin):
                 k: {"buckets": h.cumulative(), "sum": h.total, "count": h.n} for k, h in self.hist.items()
             },
         }
-
-    def _handle_state(self) -> dict[str, Any]:
-        return self.snapshot()
-
-    def _handle_signal(self, window_s: Optional[float] = None) -> dict[str, Any]:
-        return self.signal(window_s)
-
-
-def get_aggregator(scheduler: Any) -> Optional[TokenCaptureAggregator]:
-    """The aggregator plugin registered on ``scheduler``, if any."""
-    plugin = scheduler.plugins.get(PLUGIN_NAME)
-    return plugin if isinstance(plugin, TokenCaptureAggregator) else None

@@ -1,0 +1,412 @@
+"""One in-flight model call's captured tokens: :class:`CallBuffer` and :class:`FrozenChunk`.
+
+A buffer holds a call's context and generated tokens (sealed, frozen, active parts) under
+a lifecycle lock, plus running hash states fed on every append, so a checkpoint cut
+freezes a chunk in O(1) under the lock and describes its row outside it. The cut
+transaction that writes frozen chunks is :func:`pipeline.generation.cut.run_cut`.
+Lengths are in tokens; hashes are SHA-256 digests (32 bytes).
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from typing import Any, Literal, Sequence
+
+import numpy as np
+
+from tasks import hashing
+from tasks.cut.batching import Part, PrefixChunk, Signature
+from tasks.cut.receipt import (
+    COMPLETED,
+    CUT_ERROR,
+    DURABLE_PREFIX,
+    EMPTY_PREFIX,
+    GENERATION_LOST,
+    CallAck,
+    CallId,
+    extend_prefix_digest,
+    prefix_state,
+)
+from tasks.errors import InvalidCall
+from tasks.keys import CUT_PREFIX, check_id
+from tasks.schema import StagedRow
+
+# A call's lifecycle state: plain strings (they appear as such in ``info()``/``output()``).
+CallLifecycle = Literal["active", "completed", "failed"]
+ACTIVE: CallLifecycle = "active"
+COMPLETED_STATE: CallLifecycle = "completed"  # not COMPLETED: that is the ack status
+FAILED: CallLifecycle = "failed"
+
+
+class FrozenChunk:
+    """What a cut froze of one call: the chunk to write and what sealing it will commit.
+
+    ``parts`` are the generated pieces moved out of the call's active list (not copied);
+    ``chunk`` describes the row (:class:`~tasks.cut.batching.PrefixChunk`), packed with
+    its batch by :func:`~tasks.cut.batching.pack_chunks` (one copy, digest over the batch
+    buffer). ``row`` builds the :class:`StagedRow` on demand (tools, not the cut path).
+    """
+
+    __slots__ = ("buffer", "seq", "key", "parts", "chunk", "prefix_tokens", "prefix_digest", "_chain_state",
+                 "frozen_at", "tokens", "nbytes", "signature", "unit", "_row")
+
+    def __init__(self, buffer: CallBuffer, seq: int, parts: list[Part], chain_state: "hashlib._Hash"):
+        self.buffer = buffer
+        self.seq = seq
+        self.key = ""
+        self.parts = parts  # generated (ids, logprobs, routes) pieces of this chunk, in order
+        self.chunk: PrefixChunk | None = None
+        self.prefix_tokens = 0  # prefix length once sealed (tokens)
+        self.prefix_digest = b""  # prefix digest through this chunk (committed on seal)
+        self._chain_state = chain_state  # the chunk's running chain state (for rollback)
+        self.frozen_at = 0.0  # time.perf_counter() when frozen (s), for row-wait stats
+        self.tokens = 0  # tokens in this chunk
+        self.nbytes = 0  # packed row size (bytes), for batch limits
+        self.signature: Signature = None
+        self.unit = 0  # storage unit of the row (orders a batch so the store splits it without copies)
+        self._row: StagedRow | None = None
+
+    @property
+    def row(self) -> StagedRow:
+        """The prefix row as a :class:`StagedRow` (concatenated, digest set; built once)."""
+        if self._row is None:
+            self._row = self.chunk.to_row()
+        return self._row
+
+    @property
+    def gen_ids(self) -> np.ndarray:
+        return _concat_parts(self.parts, self.buffer.routes_shape)[0]
+
+    @property
+    def gen_logprobs(self) -> np.ndarray:
+        return _concat_parts(self.parts, self.buffer.routes_shape)[1]
+
+    @property
+    def gen_routes(self) -> np.ndarray | None:
+        return _concat_parts(self.parts, self.buffer.routes_shape)[2]
+
+
+class CallBuffer:
+    """One in-flight model call's tokens, cut state and lifecycle lock.
+
+    ``context_ids`` are the call's carried tokens (mask 0), generated tokens are appended
+    with :meth:`append` (mask 1). ``routes_shape=(L, K)`` turns on routed experts: then
+    ``context_routes`` (int16[len(context), L, K]) is required and every append carries
+    routes. ``max_new_tokens`` (tokens, optional) completes the call when reached.
+    """
+
+    def __init__(
+        self,
+        rollout_id: str,
+        model_call_id: str,
+        context_ids: np.ndarray,
+        *,
+        parent_call_id: str | None = None,
+        weight_version: int = 0,
+        routes_shape: tuple[int, int] | None = None,
+        context_routes: np.ndarray | None = None,
+        max_new_tokens: int | None = None,
+    ):
+        self.rollout_id = check_id(rollout_id, "rollout_id")
+        self.model_call_id = check_id(model_call_id, "model_call_id")
+        self.parent_call_id = None if parent_call_id is None else check_id(parent_call_id, "parent_call_id")
+        ctx = np.asarray(context_ids)
+        if ctx.ndim != 1 or not (ctx.size == 0 or np.issubdtype(ctx.dtype, np.integer)):
+            raise InvalidCall("invalid_argument", f"context_ids of {self.key}: need a 1-D integer array, got {ctx.dtype}{ctx.shape}")
+        self.context_ids = np.ascontiguousarray(ctx, dtype="<i8")
+        self.weight_version = int(weight_version)
+        self.routes_shape = None if routes_shape is None else tuple(int(x) for x in routes_shape)
+        if self.routes_shape is not None:
+            want = (len(self.context_ids),) + self.routes_shape
+            if context_routes is None or tuple(np.shape(context_routes)) != want:
+                got = None if context_routes is None else tuple(np.shape(context_routes))
+                raise InvalidCall("invalid_argument", f"context_routes of {self.key}: expected shape {want}, got {got}")
+            self.context_routes = np.ascontiguousarray(context_routes, dtype="<i2")
+        else:
+            self.context_routes = None
+        self.max_new_tokens = max_new_tokens
+        self.lock = threading.Lock()
+        self.state: CallLifecycle = ACTIVE
+        self.failure: str | None = None
+        self.generated = 0  # tokens generated so far (all parts)
+        # Generated tokens in three parts; each part a list of (ids, logprobs, routes).
+        self._sealed: list[Part] = []
+        self._frozen: FrozenChunk | None = None
+        self._active: list[Part] = []
+        # Cut state: committed only on seal.
+        self.cut_keys: list[str] = []
+        self.cut_tokens = 0
+        # Running hash states, fed on every append (so a freeze only reads them out):
+        # the cumulative hash and prefix digest over every token so far, and the chain
+        # hash of the chunk not yet sealed (chunk 0 starts with the context).
+        self._prefix_digest = prefix_state().digest()  # of the sealed prefix
+        self._run_cum = hashing.prefix_state()
+        self._run_pdig = prefix_state()
+        self._run_chain = hashing.chain_state(None)
+        self._feed(self.context_ids)
+
+    @property
+    def key(self) -> str:
+        return f"{self.rollout_id}/{self.model_call_id}"
+
+    @property
+    def call(self) -> CallId:
+        return (self.rollout_id, self.model_call_id)
+
+    # ---- decoding side ----
+
+    def append(self, ids: np.ndarray, logprobs: np.ndarray, routes: np.ndarray | None = None) -> bool:
+        """Append generated tokens under the lock; returns True if the call is now complete.
+
+        Tokens past ``max_new_tokens`` are dropped. Raises :class:`InvalidCall` on shape or
+        dtype mismatch, or if the call is no longer active.
+        """
+        ids = np.ascontiguousarray(ids, dtype="<i8")
+        logprobs = np.ascontiguousarray(logprobs, dtype="<f4")
+        if ids.ndim != 1 or logprobs.shape != ids.shape:
+            raise InvalidCall("invalid_argument", f"{self.key}: ids {ids.shape} and logprobs {logprobs.shape} must be equal 1-D")
+        if self.routes_shape is not None:
+            if routes is None or tuple(np.shape(routes)) != (len(ids),) + self.routes_shape:
+                raise InvalidCall("invalid_argument", f"{self.key}: routes must be int16{(len(ids),) + self.routes_shape}, got "
+                                  f"{None if routes is None else np.shape(routes)}")
+            routes = np.ascontiguousarray(routes, dtype="<i2")
+        else:
+            routes = None
+        with self.lock:
+            if self.state != ACTIVE:
+                raise InvalidCall("not_active", f"{self.key} is {self.state}, cannot append")
+            if self.max_new_tokens is not None:
+                room = self.max_new_tokens - self.generated
+                if len(ids) > room:
+                    ids, logprobs = ids[:room], logprobs[:room]
+                    routes = None if routes is None else routes[:room]
+            if len(ids):
+                self._active.append((ids, logprobs, routes))
+                self.generated += len(ids)
+                self._feed(ids)
+            if self.max_new_tokens is not None and self.generated >= self.max_new_tokens:
+                self.state = COMPLETED_STATE
+            return self.state == COMPLETED_STATE
+
+    def complete(self) -> None:
+        """Terminal completion (e.g. end of sequence): no more tokens."""
+        with self.lock:
+            if self.state == ACTIVE:
+                self.state = COMPLETED_STATE
+
+    def fail(self, reason: str) -> None:
+        """Terminal failure (generation error, abort): a cut in flight reports it lost."""
+        with self.lock:
+            if self.state == ACTIVE:
+                self.state = FAILED
+                self.failure = reason
+
+    def output(self) -> dict[str, Any]:
+        """The whole call: ``token_ids``, ``token_mask``, ``logprobs`` (and ``routed_experts``).
+
+        Context first (mask 0, logprob 0), then sealed, frozen and active generated parts,
+        each exactly once.
+        """
+        with self.lock:
+            parts = list(self._sealed)
+            if self._frozen is not None:
+                parts += self._frozen.parts
+            parts += self._active
+            state = self.state
+        n_ctx = len(self.context_ids)
+        ids = np.concatenate([self.context_ids] + [p[0] for p in parts])
+        mask = np.zeros(len(ids), dtype="<f4")
+        mask[n_ctx:] = 1.0
+        lps = np.concatenate([np.zeros(n_ctx, dtype="<f4")] + [p[1] for p in parts])
+        out = {"rollout_id": self.rollout_id, "model_call_id": self.model_call_id, "state": state,
+               "token_ids": ids, "token_mask": mask, "logprobs": lps, "context_tokens": n_ctx}
+        if self.routes_shape is not None:
+            out["routed_experts"] = np.concatenate([self.context_routes] + [p[2] for p in parts])
+        return out
+
+    def info(self) -> dict[str, Any]:
+        """A token-free summary (for listing)."""
+        with self.lock:
+            return {
+                "rollout_id": self.rollout_id,
+                "model_call_id": self.model_call_id,
+                "parent_call_id": self.parent_call_id,
+                "state": self.state,
+                "failure": self.failure,
+                "context_tokens": len(self.context_ids),
+                "generated": self.generated,
+                "cut_tokens": self.cut_tokens,
+                "cut_keys": list(self.cut_keys),
+                "cutting": self._frozen is not None,
+            }
+
+    def restore_prefix(
+        self,
+        gen_ids: np.ndarray,
+        gen_logprobs: np.ndarray,
+        gen_routes: np.ndarray | None,
+        keys: Sequence[str],
+        chunk_lengths: Sequence[int],
+        expected_digest: bytes | None = None,
+    ) -> None:
+        """Mark ``context + gen_*`` as an already-sealed prefix (a resumed call).
+
+        ``keys``/``chunk_lengths`` (tokens) are the prefix's chunks in chain order; the
+        chain and digest states are rebuilt from them (one pass), so the next cut
+        continues the chain at ``seq = len(keys)``. Call before the buffer is shared.
+        """
+        ids = np.concatenate([self.context_ids, np.ascontiguousarray(gen_ids, dtype="<i8")])
+        lengths = [int(n) for n in chunk_lengths]
+        if len(keys) != len(lengths) or sum(lengths) != len(ids) or any(n <= 0 for n in lengths):
+            raise InvalidCall("invalid_prefix", f"{self.key}: {len(keys)} keys with chunk lengths {lengths[:8]} do not cover "
+                              f"the {len(ids)}-token prefix")
+        chain, start = None, 0
+        cum, pdig = hashing.prefix_state(), prefix_state()
+        pdigest = pdig.digest()
+        for n in lengths:
+            chunk = ids[start : start + n]
+            chain = hashing.chain_hash(chain, chunk)
+            hashing.extend_prefix(cum, chunk)
+            pdigest = extend_prefix_digest(pdig, chunk)
+            start += n
+        if expected_digest is not None and expected_digest != pdigest:
+            raise InvalidCall("prefix_mismatch", f"{self.key}: prefix digest mismatch (the saved prefix is not the one cut)")
+        with self.lock:
+            if len(gen_ids):
+                self._sealed.append((np.ascontiguousarray(gen_ids, dtype="<i8"),
+                                     np.ascontiguousarray(gen_logprobs, dtype="<f4"),
+                                     None if self.routes_shape is None else np.ascontiguousarray(gen_routes, dtype="<i2")))
+            self.generated = len(gen_ids)
+            self._prefix_digest = pdigest
+            self._run_cum, self._run_pdig, self._run_chain = cum, pdig, hashing.chain_state(chain)
+            self.cut_keys = list(keys)
+            self.cut_tokens = len(ids)
+            if self.max_new_tokens is not None and self.generated >= self.max_new_tokens:
+                self.state = COMPLETED_STATE
+
+    # ---- cut side ----
+
+    def freeze(self, checkpoint_id: str) -> FrozenChunk | CallAck:
+        """Swap the active buffer out under the lock; build the prefix row outside it.
+
+        Returns the :class:`FrozenChunk` to write, or an immediate :class:`CallAck` when
+        there is nothing to write: the call already completed or failed, or nothing is new
+        since its last sealed cut (its existing prefix is durable as is).
+        """
+        with self.lock:
+            if self.state == COMPLETED_STATE:
+                return self._completed_ack_locked()
+            if self.state == FAILED:
+                return CallAck.failure(self.call, GENERATION_LOST, f"call failed: {self.failure}")
+            if self._frozen is not None:
+                return CallAck.failure(self.call, CUT_ERROR, "another cut of this call is in flight")
+            first = not self.cut_keys
+            if not first and not self._active:
+                return self._durable_ack_locked()
+            if first and not len(self.context_ids) and not any(len(p[0]) for p in self._active):
+                # A zero-token row would be advertised, then refused on restore: skip the put.
+                return CallAck.failure(self.call, EMPTY_PREFIX, "no context and no generated token yet")
+            parts, self._active = self._active, []
+            seq = len(self.cut_keys)
+            prev = self.cut_tokens
+            # The running states already cover every token: reading them is O(1).
+            chain = self._run_chain.digest()
+            cumulative = self._run_cum.digest()
+            pdigest = self._run_pdig.digest()
+            chain_state, self._run_chain = self._run_chain, hashing.chain_state(chain)  # next chunk extends this one
+            frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state)
+        # Outside the lock: describe the row (no copy, no hashing: pack_chunks does both once).
+        first_ctx = first and len(self.context_ids)
+        # == cut_key(...): the ids were checked when the buffer was made, the checkpoint id here.
+        frozen.key = f"{CUT_PREFIX}/{check_id(checkpoint_id, 'checkpoint_id')}/{self.rollout_id}/{self.model_call_id}/{seq}"
+        frozen.chunk = PrefixChunk(
+            key=frozen.key,
+            rollout_id=self.rollout_id,
+            model_call_id=self.model_call_id,
+            parent_call_id=self.parent_call_id,
+            prev_len=prev,
+            weight_version=self.weight_version,
+            context_ids=self.context_ids if first_ctx else None,
+            context_routes=self.context_routes if first_ctx else None,
+            parts=parts,
+            routes_shape=self.routes_shape,
+            chain_hash=chain,
+            cumulative_hash=cumulative,
+        )
+        frozen.tokens = frozen.chunk.delta_len
+        frozen.prefix_tokens = prev + frozen.tokens
+        frozen.prefix_digest = pdigest
+        frozen.nbytes = frozen.chunk.nbytes
+        frozen.signature = frozen.chunk.signature
+        frozen.frozen_at = time.perf_counter()
+        return frozen
+
+    def seal(self, frozen: FrozenChunk) -> CallAck:
+        """Commit a written chunk: the call's prefix now ends with it.
+
+        If the call completed or failed while its cut was in flight, nothing is committed
+        (the chunk's tokens go back to the active part, so the output keeps them once) and
+        the ack says so; the caller then clears the written row.
+        """
+        with self.lock:
+            if self._frozen is not frozen:
+                raise RuntimeError(f"{self.key}: sealing a chunk that is not the frozen one")
+            if self.state != ACTIVE:
+                self._rollback_locked(frozen)
+                if self.state == COMPLETED_STATE:
+                    return self._completed_ack_locked()
+                return CallAck.failure(self.call, GENERATION_LOST, f"call failed during the cut: {self.failure}")
+            self._sealed += frozen.parts
+            self._frozen = None
+            self.cut_keys.append(frozen.key)
+            self.cut_tokens = frozen.prefix_tokens
+            self._prefix_digest = frozen.prefix_digest
+            return self._durable_ack_locked()
+
+    def rollback(self, frozen: FrozenChunk) -> None:
+        """Undo a freeze: the chunk's tokens rejoin the active part, before newer ones."""
+        with self.lock:
+            self._rollback_locked(frozen)
+
+    def _rollback_locked(self, frozen: FrozenChunk) -> None:
+        if self._frozen is frozen:
+            # The unsealed chunk is again frozen + newer tokens: its chain state resumes
+            # from the freeze and re-reads only the tokens appended since (failure path).
+            state = frozen._chain_state.copy()
+            for ids, _, _ in self._active:
+                state.update(_bytes(ids))
+            self._run_chain = state
+            self._active[0:0] = frozen.parts
+            self._frozen = None
+
+    def _feed(self, ids: np.ndarray) -> None:
+        b = _bytes(ids)
+        self._run_cum.update(b)
+        self._run_pdig.update(b)
+        self._run_chain.update(b)
+
+    def _durable_ack_locked(self) -> CallAck:
+        return CallAck(self.rollout_id, self.model_call_id, DURABLE_PREFIX, tuple(self.cut_keys),
+                       self.cut_tokens, self._prefix_digest)
+
+    def _completed_ack_locked(self) -> CallAck:
+        return CallAck(self.rollout_id, self.model_call_id, COMPLETED,
+                       total_tokens=len(self.context_ids) + self.generated)
+
+
+def _bytes(ids: np.ndarray) -> memoryview:
+    """The ids' ``<i8`` bytes (a view; copies only if not already contiguous ``<i8``)."""
+    return memoryview(np.ascontiguousarray(ids, dtype="<i8")).cast("B")
+
+
+def _concat_parts(parts: Sequence[Part], routes_shape: tuple[int, int] | None) -> Part:
+    """The parts as one (ids, logprobs, routes) triple (the part itself when only one)."""
+    if not parts:
+        empty_routes = None if routes_shape is None else np.zeros((0,) + tuple(routes_shape), "<i2")
+        return np.zeros(0, "<i8"), np.zeros(0, "<f4"), empty_routes
+    if len(parts) == 1:
+        return parts[0]
+    routes = None if routes_shape is None else np.concatenate([p[2] for p in parts])
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), routes
+

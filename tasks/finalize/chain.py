@@ -1,0 +1,297 @@
+"""The per-call rules of verification, walked along one rollout's root -> terminal chain.
+
+:class:`CallRules` checks one call against a fetched batch (a lean path for rows the
+batch pre-scans cleared, the named checks of :mod:`tasks.validation` for the rest);
+:class:`ChainCheck` walks a rollout's calls in order, carrying what one call hands the
+next (parent chain hash, parent length, routes shape). A failed rule raises
+:class:`Reject` with its reason; the caller turns it into a verdict.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .. import hashing
+from .. import reasons as R
+from ..receipts import CallRecord
+from ..schema import HASH_FIELDS, ID_FIELDS, ROUTES_INT16, ROUTES_NONE, SCALAR_FIELDS, SCHEMA_VERSION, TOKEN_FIELDS
+from ..validation import check_lengths, check_logprobs, check_mask, check_routes, check_token_arrays, check_tokens
+from .plan import RolloutPlan
+from .tables import RoutesTable, RowTable
+
+# ``lean(rec, i, state, rollout_id_utf8)``: the call's routes row (-1: none), or None to
+# hand the call to the named checks (no state changed yet).
+LeanCall = Callable[[CallRecord, int, "ChainCheck", "bytes | None"], "int | None"]
+
+
+class Reject(Exception):
+    """A failed rule: ``reason`` (a :mod:`tasks.reasons` word) and a human ``detail``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
+
+
+def _utf8(text: str) -> bytes | None:
+    """UTF-8 of a receipt's id; None (equal to no row's bytes) if it has none (a lone
+    surrogate): the named checks then decide."""
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:
+        return None
+
+
+class ChainCheck:
+    """One rollout's walk from the root call to the terminal, and the state it carries.
+
+    ``root_enc``: the root's routes encoding (every call must share it);
+    ``parent_chain``: the previous call's recomputed chain hash (None before the root);
+    ``prev_cum``: where the previous call's tokens end; ``routes_shape``: the ``(L, K)``
+    of the first routed call. After :meth:`run`, ``rows_i`` / ``rows_j`` hold each
+    call's row in the staging / routes table (-1: no routes).
+    """
+
+    __slots__ = ("plan", "root_enc", "parent_chain", "prev_cum", "routes_shape", "rows_i", "rows_j")
+
+    def __init__(self, plan: RolloutPlan) -> None:
+        self.plan = plan
+        self.root_enc: int = plan.chain[0].routes_encoding
+        self.parent_chain: bytes | None = None
+        self.prev_cum = 0
+        self.routes_shape: tuple[int, ...] | None = None
+        self.rows_i: list[int] = []
+        self.rows_j: list[int] = []
+
+    @property
+    def routed(self) -> bool:
+        """The chain carries routed experts."""
+        return self.root_enc != ROUTES_NONE
+
+    def run(self, rules: "CallRules") -> None:
+        """Every call's rules, root first; raises :class:`Reject` at the first failure."""
+        index, good = rules.rows.index, rules.rows.good
+        lean, checked = rules.lean, rules.checked
+        rid = self.plan.rollout_id
+        rid_utf8 = _utf8(rid)
+        rows_i, rows_j = self.rows_i, self.rows_j
+        for rec in self.plan.chain:
+            i = index.get(rec.staging_key, -1)
+            if i < 0:
+                raise Reject(R.MISSING_STAGING_ROW, f"call {rec.model_call_id!r}: no staged row for {rec.staging_key!r}")
+            j = lean(rec, i, self, rid_utf8) if good[i] else None
+            if j is None:  # not cleared by the pre-checks: the named checks decide
+                j = checked(rec, rid, i, self)
+            rows_i.append(i)
+            rows_j.append(j)
+
+
+class CallRules:
+    """The rules of one call against one fetched batch (built once per verify task).
+
+    :attr:`lean` is the path of a row the batch pre-checks cleared (:attr:`RowTable.good`,
+    :attr:`RoutesTable.sound`): ids compared as bytes, receipt fields compared, digest and
+    chain hash recomputed over byte views of the batch buffers, content and expert ranges
+    read off the pre-scans. :meth:`checked` runs every rule through its named check.
+    Reasons and details are the same either way.
+    """
+
+    def __init__(self, rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts: int | None) -> None:
+        self.rows = rows
+        self.routes = routes
+        self.vocab_size = vocab_size
+        self.num_experts = num_experts
+        self.lean: LeanCall = _lean_path(rows, routes, vocab_size, num_experts)
+
+    def checked(self, rec: CallRecord, rid: str, i: int, st: ChainCheck) -> int:
+        """Every rule for one call, each through its named check (the path for a row the
+        batch pre-checks did not clear). Returns the call's routes row (-1: none)."""
+        rows, routes, num_experts = self.rows, self.routes, self.num_experts
+        where = f"call {rec.model_call_id!r}"
+        row = _row_structure(rows, i)
+        if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
+            raise Reject(
+                R.IDENTITY_MISMATCH,
+                f"row under {rec.staging_key!r} is {row['rollout_id']!r}/{row['model_call_id']!r}",
+            )
+        for name in R.RECEIPT_COMPARED_FIELDS:
+            if row[name] != getattr(rec, name):
+                raise Reject(R.wrong(name), f"{where}: row {name} differs from the receipt")
+        # Lengths now equal the (validated) receipt's; the arrays must match them.
+        problem = check_lengths(row["prev_len"], row["delta_len"], row["cum_len"]) or check_token_arrays(
+            row["token_ids"], row["token_mask"], row["logprobs"], row["delta_len"]
+        )
+        if problem:
+            raise Reject(problem[0], f"{where}: {problem[1]}")
+        enc = row["routes_encoding"]
+        experts, j = None, -1
+        if enc != st.root_enc:
+            raise Reject(R.INVALID_ROUTES, f"{where}: routes_encoding {enc} differs from the root's {st.root_enc}")
+        if enc != ROUTES_NONE:
+            experts, j = routes.get(rec.staging_key)
+            problem = check_routes(enc, experts, row["delta_len"], None, st.routes_shape)
+            if problem:
+                raise Reject(problem[0], f"{where}: {problem[1]}")
+            st.routes_shape = st.routes_shape or tuple(experts.shape[1:])
+        recomputed = hashing.digest(
+            rollout_id=rid,
+            model_call_id=rec.model_call_id,
+            parent_call_id=row["parent_call_id"],
+            prev_len=row["prev_len"],
+            delta_len=row["delta_len"],
+            cum_len=row["cum_len"],
+            weight_version=row["weight_version"],
+            token_ids=row["token_ids"],
+            token_mask=row["token_mask"],
+            logprobs=row["logprobs"],
+            routes_encoding=enc,
+            routed_experts=experts,
+            chain_hash=row["chain_hash"],
+            cumulative_hash=row["cumulative_hash"],
+            schema_version=row["schema_version"],
+            digest_version=row["digest_version"],
+        )
+        if recomputed != row["digest"]:
+            raise Reject(R.CORRUPT_DIGEST, f"{where}: recomputed digest differs from the stored one")
+        if row["prev_len"] != st.prev_cum:
+            raise Reject(R.PARENT_LENGTH_MISMATCH, f"{where}: prev_len {row['prev_len']}, parent ends at {st.prev_cum}")
+        st.parent_chain = hashing.chain_hash(st.parent_chain, row["token_ids"])
+        if st.parent_chain != row["chain_hash"]:
+            raise Reject(R.CHAIN_HASH_MISMATCH, f"{where}: recomputed chain hash differs")
+        check_content(rec, rows, i, row["token_ids"], row["token_mask"], row["logprobs"], self.vocab_size)
+        if experts is not None and num_experts is not None and (routes.in_range is None or not routes.in_range[j]):
+            problem = check_routes(enc, experts, row["delta_len"], num_experts, st.routes_shape)
+            if problem:
+                raise Reject(problem[0], f"{where}: {problem[1]}")
+        st.prev_cum = row["cum_len"]
+        return j
+
+
+def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts: int | None) -> LeanCall:
+    """The lean path's function, with the batch's tables bound as locals once.
+
+    The closure reads every table through a local name (no attribute look-ups per row):
+    this is the verifier's hot loop. It returns None, before changing any state, when a
+    row differs from its receipt or its routes are not pre-cleared: the named checks
+    then find the exact reason.
+    """
+    offs, raw, scal = rows.offsets, rows.raw_bytes, rows.scalars
+    o_rid, o_cid, o_par = offs.get("rollout_id"), offs.get("model_call_id"), offs.get("parent_call_id")
+    o_ids, o_mask, o_lps = offs.get("token_ids"), offs.get("token_mask"), offs.get("logprobs")
+    o_dig, o_ch, o_cu = offs.get("digest"), offs.get("chain_hash"), offs.get("cumulative_hash")
+    b_rid, b_cid, b_par = raw.get("rollout_id"), raw.get("model_call_id"), raw.get("parent_call_id")
+    b_dig, b_ch, b_cu = raw.get("digest"), raw.get("chain_hash"), raw.get("cumulative_hash")
+    mv_ids, mv_mask, mv_lps = rows.mv.get("token_ids"), rows.mv.get("token_mask"), rows.mv.get("logprobs")
+    s_prev, s_delta, s_cum = scal.get("prev_len"), scal.get("delta_len"), scal.get("cum_len")
+    s_wv, s_enc, s_sv = scal.get("weight_version"), scal.get("routes_encoding"), scal.get("schema_version")
+    content_ok = rows.content_ok
+    ids_v = rows.values.get("token_ids")
+    mask_v = rows.values.get("token_mask")
+    lps_v = rows.values.get("logprobs")
+
+    def lean(rec: CallRecord, i: int, st: ChainCheck, rids: bytes | None) -> int | None:
+        row_rid = b_rid[o_rid[i] : o_rid[i + 1]]
+        row_cid = b_cid[o_cid[i] : o_cid[i + 1]]
+        row_par = b_par[o_par[i] : o_par[i + 1]]
+        # Ids equal to the UTF-8 of the receipt's strings decode to them (UTF-8 is
+        # canonical), so byte equality covers decoding, identity and wrong_parent_call_id.
+        rec_par = rec.parent_call_id
+        prev, delta, cum, enc = s_prev[i], s_delta[i], s_cum[i], s_enc[i]
+        dig, chh, cuh = b_dig[o_dig[i] : o_dig[i + 1]], b_ch[o_ch[i] : o_ch[i + 1]], b_cu[o_cu[i] : o_cu[i + 1]]
+        if (
+            row_rid != rids
+            or row_cid != _utf8(rec.model_call_id)
+            or row_par != (b"" if rec_par is None else _utf8(rec_par))
+            or (rec_par is not None and not rec_par)  # a receipt's "" parent: the checks decide
+            or prev != rec.prev_len
+            or delta != rec.delta_len
+            or cum != rec.cum_len
+            or s_wv[i] != rec.weight_version
+            or enc != rec.routes_encoding
+            or dig != rec.digest
+            or chh != rec.chain_hash
+            or cuh != rec.cumulative_hash
+            or enc != st.root_enc
+        ):
+            return None
+        j = -1
+        route_buf = None
+        if enc != ROUTES_NONE:
+            j = routes.index.get(rec.staging_key, -1)
+            if not (
+                enc == ROUTES_INT16
+                and routes.sound
+                and j >= 0
+                and routes.present[j]
+                and routes.offsets[j + 1] - routes.offsets[j] == delta
+            ):
+                return None
+            rb = routes.bytes_per_token
+            lk = routes.route_shape
+            route_buf = (lk[0], lk[1], routes.mv[routes.offsets[j] * rb : routes.offsets[j + 1] * rb])
+        # From here on a failing rule rejects directly: the named checks would find the
+        # same first failure, everything before it having passed.
+        a_ids, a_mask, a_lps = o_ids[i], o_mask[i], o_lps[i]
+        ids_b = mv_ids[a_ids * 8 : (a_ids + delta) * 8]
+        header = hashing.digest_header(
+            s_sv[i], hashing.DIGEST_VERSION, row_rid, row_cid, row_par or None, prev, delta, cum, s_wv[i], enc
+        )
+        mask_b = mv_mask[a_mask * 4 : (a_mask + delta) * 4]
+        lps_b = mv_lps[a_lps * 4 : (a_lps + delta) * 4]
+        if hashing.digest_raw(header, ids_b, mask_b, lps_b, route_buf, chh, cuh) != dig:
+            raise Reject(R.CORRUPT_DIGEST, f"call {rec.model_call_id!r}: recomputed digest differs from the stored one")
+        if prev != st.prev_cum:
+            raise Reject(
+                R.PARENT_LENGTH_MISMATCH, f"call {rec.model_call_id!r}: prev_len {prev}, parent ends at {st.prev_cum}"
+            )
+        st.parent_chain = hashing.chain_hash_raw(st.parent_chain, ids_b)
+        if st.parent_chain != chh:
+            raise Reject(R.CHAIN_HASH_MISMATCH, f"call {rec.model_call_id!r}: recomputed chain hash differs")
+        if content_ok is None or not content_ok[i]:
+            ids_a, mask_a = ids_v[a_ids : a_ids + delta], mask_v[a_mask : a_mask + delta]
+            check_content(rec, rows, i, ids_a, mask_a, lps_v[a_lps : a_lps + delta], vocab_size)
+        if j >= 0:
+            st.routes_shape = st.routes_shape or routes.route_shape
+            if num_experts is not None and (routes.in_range is None or not routes.in_range[j]):
+                problem = check_routes(enc, routes.field.row(j), delta, num_experts, st.routes_shape)
+                if problem:
+                    raise Reject(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")
+        st.prev_cum = cum
+        return j
+
+    return lean
+
+
+def check_content(rec: CallRecord, rows: RowTable, i: int, ids: Any, mask: Any, lps: Any, vocab_size: int) -> None:
+    """The mask, token and logprob rules of one delta, unless the pre-scan cleared row ``i``."""
+    if rows.content_ok is not None and rows.content_ok[i]:
+        return
+    problem = check_mask(mask) or check_tokens(ids, vocab_size) or check_logprobs(lps, mask)
+    if problem:
+        raise Reject(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")
+
+
+def _row_structure(t: RowTable, i: int) -> dict[str, Any]:
+    """Decode row ``i`` into python scalars/bytes and array views (lengths not yet checked),
+    or raise invalid_staging_row."""
+    if t.batch_problem is not None:
+        raise Reject(R.INVALID_STAGING_ROW, t.batch_problem)
+    if not t.struct_ok[i]:
+        raise Reject(R.INVALID_STAGING_ROW, t.row_problem(i))
+    row: dict[str, Any] = {}
+    for name in ID_FIELDS:
+        try:
+            row[name] = t.raw(name, i).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise Reject(R.INVALID_STAGING_ROW, f"{name} is not UTF-8: {e}") from None
+    for name in SCALAR_FIELDS:
+        row[name] = t.scalars[name][i]
+    for name in HASH_FIELDS:
+        row[name] = t.raw(name, i)
+    if row["schema_version"] != SCHEMA_VERSION or row["digest_version"] != hashing.DIGEST_VERSION:
+        raise Reject(
+            R.INVALID_STAGING_ROW,
+            f"schema/digest version {row['schema_version']}/{row['digest_version']} unsupported",
+        )
+    for name in TOKEN_FIELDS:
+        row[name] = t.view(name, i)
+    row["parent_call_id"] = row["parent_call_id"] or None
+    return row
