@@ -101,6 +101,18 @@ class DriverError(InvalidInput):
     """Misuse of the rollout driver (no actors, unknown rollout, duplicate ids...)."""
 
 
+class RuleFailed(TokenCaptureError):
+    """A verification rule failed: ``reason`` (a :mod:`tasks.reasons` word) and ``detail``.
+
+    Control flow inside the verifier only: it becomes the rollout's rejection verdict and
+    never escapes ``verify_rollout``/``verify_many``.
+    """
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(reason, detail)
+        self.reason, self.detail = reason, detail
+
+
 # ---- the store ---------------------------------------------------------------------------
 
 

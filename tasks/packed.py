@@ -1,19 +1,15 @@
 """Columnar batches: many rows as ONE contiguous buffer per field, plus offsets.
 
-Serializing a dict of 256 small arrays costs per-array overhead that dominates the
-payload (SPEC section 6: ~20 MB/s vs ~500 MB/s for one big array), so every round trip
-in this project moves a :class:`PackedBatch`.
-
-Every field is ragged along axis 0: row ``i`` of field ``f`` is
-``values[offsets[i]:offsets[i + 1]]``, with a fixed trailing shape per field (``()`` for
-tokens, ``(L, K)`` for routed experts). Scalars are one element per row, hashes 32
-``uint8`` per row, ids their UTF-8 bytes. A row may lack a field (``present[i]`` false,
-zero length), as a row without routed experts does.
+Row ``i`` of field ``f`` is ``values[offsets[i]:offsets[i + 1]]`` (offsets count
+elements along axis 0; the trailing shape is fixed per field). A row may lack a field
+(``present[i]`` false, zero length). Besides the two classes: row-range views
+(:func:`slice_rows`), field alignment and gathers across batches (:func:`align_fields`,
+:func:`concat_aligned`, :func:`take_rows`), and StagedRow packing. Pure numpy, no Dask.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -30,6 +26,13 @@ from .schema import (
 )
 
 Row = Mapping[str, np.ndarray]
+# ``out(dtype, shape)`` -> an empty array to pack a field's values into (e.g. a view of a
+# pooled slab); see :meth:`PackedField.from_arrays`.
+Allocator = Callable[[np.dtype, tuple], np.ndarray]
+# Fields whose rows average more elements than this are gathered by row slices (one
+# memcpy per row) in :func:`take_rows`; smaller ones by numpy's element gather, which is
+# cheaper for them.
+SLICE_GATHER_MIN_ELEMENTS = 64
 
 
 @dataclass
@@ -38,12 +41,12 @@ class PackedField:
 
     values: np.ndarray  # [total, *trailing]
     offsets: np.ndarray  # int64[n + 1]
-    present: Optional[np.ndarray] = None  # bool[n]; None means every row has the field
+    present: np.ndarray | None = None  # bool[n]; None means every row has the field
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
-    def row(self, i: int) -> Optional[np.ndarray]:
+    def row(self, i: int) -> np.ndarray | None:
         if self.present is not None and not self.present[i]:
             return None
         return self.values[self.offsets[i] : self.offsets[i + 1]]
@@ -60,20 +63,56 @@ class PackedField:
         return np.diff(self.offsets)
 
     @classmethod
-    def from_arrays(cls, arrays: Sequence[Optional[np.ndarray]], *, dtype=None, trailing=None) -> "PackedField":
-        """Concatenate per-row arrays (``None`` = absent) into one buffer: one copy."""
-        present = np.fromiter((a is not None for a in arrays), dtype=bool, count=len(arrays))
+    def from_arrays(
+        cls,
+        arrays: Sequence[np.ndarray | None],
+        *,
+        dtype=None,
+        trailing=None,
+        copy: bool = False,
+        out: Allocator | None = None,
+    ) -> "PackedField":
+        """Concatenate per-row arrays (``None`` = absent) into one buffer: one copy.
+
+        ``dtype``: the values' dtype (rows of another dtype are cast); with ``trailing``,
+        also the (empty) buffer's spec when no row has the field (default ``uint8``, ``()``).
+        A lone contiguous row is used as is unless ``copy`` (always a NEW buffer, so the
+        caller never holds a view of the rows). ``out(dtype, shape)`` supplies that new
+        buffer (e.g. a view of a pooled slab) instead of a fresh allocation; implies ``copy``.
+        """
+        n = len(arrays)
         real = [a for a in arrays if a is not None]
-        lengths = np.fromiter((0 if a is None else len(a) for a in arrays), dtype=np.int64, count=len(arrays))
-        offsets = np.zeros(len(arrays) + 1, dtype=np.int64)
+        lengths = np.fromiter((0 if a is None else len(a) for a in arrays), dtype=np.int64, count=n)
+        offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
-        if real:
+        present = None if len(real) == n else np.fromiter((a is not None for a in arrays), dtype=bool, count=n)
+        if copy or out is not None:
+            if real:
+                dt, shape = real[0].dtype if dtype is None else np.dtype(dtype), real[0].shape[1:]
+            else:
+                dt, shape = np.dtype(np.uint8 if dtype is None else dtype), tuple(trailing or ())
+            shape = (int(offsets[-1]),) + tuple(shape)
+            values = np.empty(shape, dtype=dt) if out is None else out(dt, shape)
+            if len(real) > 1:
+                np.concatenate(real, out=values, casting="unsafe")
+            elif real:
+                values[...] = real[0]
+        elif real:
             values = np.concatenate(real) if len(real) > 1 else np.ascontiguousarray(real[0])
             if dtype is not None and values.dtype != dtype:
                 values = values.astype(dtype)
         else:
             values = np.zeros((0,) + tuple(trailing or ()), dtype=dtype or np.uint8)
-        return cls(values, offsets, None if present.all() else present)
+        return cls(values, offsets, present)
+
+    @classmethod
+    def absent(cls, n: int, dtype, trailing: tuple = ()) -> "PackedField":
+        """A field that none of ``n`` rows has (empty values of ``dtype``/``trailing``)."""
+        return cls(np.zeros((0, *trailing), dtype=dtype), np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=bool))
+
+    def any_present(self) -> bool:
+        """Whether some row has the field (``True`` whenever ``present`` is ``None``)."""
+        return self.present is None or bool(self.present.any())
 
     def take(self, index: np.ndarray) -> "PackedField":
         """Rows ``index`` (in that order) as a new packed field."""
@@ -125,7 +164,7 @@ class PackedBatch:
         return PackedBatch(list(self.keys), {n: self.fields[n] for n in names if n in self.fields})
 
     @classmethod
-    def from_rows(cls, keys: Sequence[str], rows: Sequence[Row], names: Optional[Iterable[str]] = None) -> "PackedBatch":
+    def from_rows(cls, keys: Sequence[str], rows: Sequence[Row], names: Iterable[str] | None = None) -> "PackedBatch":
         """Pack generic rows ({field: array}); a field missing from a row is marked absent."""
         if len(keys) != len(rows):
             raise ValueError(f"{len(keys)} keys for {len(rows)} rows")
@@ -170,10 +209,116 @@ class PackedBatch:
         return cls(keys, fields)
 
 
+# ---- operations on batches: row ranges, alignment, gathers ----------------------------
+
+
+def row_nbytes(batch: PackedBatch) -> np.ndarray:
+    """Payload bytes of each row of ``batch`` (all fields, offsets excluded), vectorized."""
+    total = np.zeros(len(batch), dtype=np.int64)
+    for f in batch.fields.values():
+        per_element = f.values.itemsize * int(np.prod(f.values.shape[1:], dtype=np.int64))
+        total += np.diff(f.offsets) * per_element
+    return total
+
+
+def slice_rows(batch: PackedBatch, lo: int, hi: int) -> PackedBatch:
+    """Rows ``lo:hi`` of ``batch`` as views of its buffers (offsets rebased, no copy);
+    ``batch`` itself for the whole range."""
+    if lo == 0 and hi == len(batch):
+        return batch
+    fields = {}
+    for name, f in batch.fields.items():
+        start, end = int(f.offsets[lo]), int(f.offsets[hi])
+        present = None if f.present is None else f.present[lo:hi]
+        if present is not None and present.all():
+            present = None
+        fields[name] = PackedField(f.values[start:end], f.offsets[lo : hi + 1] - start, present)
+    return PackedBatch(list(batch.keys[lo:hi]), fields)
+
+
+def align_fields(batches: Sequence[PackedBatch]) -> list[PackedBatch]:
+    """Give every batch the union of the batches' fields (missing ones all-absent, with
+    the spec of the first batch that has the field).
+
+    A get of rows without routed experts may carry no ``routed_experts`` field at all;
+    rows of several batches can only be gathered into one once the fields agree.
+    """
+    names: dict[str, PackedField] = {}
+    for b in batches:
+        for name, f in b.fields.items():
+            names.setdefault(name, f)
+    aligned = []
+    for b in batches:
+        if len(b.fields) == len(names):
+            aligned.append(b)
+            continue
+        fields = {}
+        for name, proto in names.items():
+            f = b.fields.get(name)
+            if f is None:
+                f = PackedField.absent(len(b), proto.values.dtype, proto.values.shape[1:])
+            fields[name] = f
+        aligned.append(PackedBatch(list(b.keys), fields))
+    return aligned
+
+
+def concat_aligned(batches: Sequence[PackedBatch]) -> PackedBatch:
+    """:meth:`PackedBatch.concat` for batches whose field sets differ."""
+    return PackedBatch.concat(align_fields(batches))
+
+
+def take_rows(batches: Sequence[PackedBatch], src: np.ndarray, rows: np.ndarray) -> PackedBatch:
+    """Row ``rows[i]`` of ``batches[src[i]]`` for every ``i``, as ONE new packed batch.
+
+    The batches must carry the same fields (see :func:`align_fields`). Does the work of
+    ``PackedBatch.concat`` + ``take`` in one copy per field. Long rows (token fields) are
+    copied as row slices (a memcpy each) instead of building an element index as large
+    as the data, which is what makes ``take`` slow on them.
+    """
+    keys = [batches[b].keys[j] for b, j in zip(src.tolist(), rows.tolist())]
+    fields = {}
+    for name in batches[0].fields:
+        parts = [b.fields[name] for b in batches]
+        if len(parts) == 1:
+            field, index = parts[0], rows
+        else:
+            base = np.cumsum([0] + [len(p) for p in parts[:-1]])
+            index = base[src] + rows
+            field = None
+        total = sum(len(p.values) for p in parts)
+        n_rows = max(1, sum(len(p) for p in parts))
+        if total / n_rows < SLICE_GATHER_MIN_ELEMENTS:
+            if field is None:
+                field = PackedBatch.concat([PackedBatch(b.keys, {name: b.fields[name]}) for b in batches]).fields[name]
+            fields[name] = field.take(index)
+            continue
+        slices = []
+        lengths = np.empty(len(src), dtype=np.int64)
+        for i, (b, j) in enumerate(zip(src.tolist(), rows.tolist())):
+            p = parts[b]
+            lo, hi = int(p.offsets[j]), int(p.offsets[j + 1])
+            slices.append(p.values[lo:hi])
+            lengths[i] = hi - lo
+        offsets = np.zeros(len(src) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        proto = parts[0].values
+        values = np.empty((int(offsets[-1]),) + proto.shape[1:], dtype=proto.dtype)
+        if slices:
+            np.concatenate(slices, out=values)
+        if all(p.present is None for p in parts):
+            present = None
+        else:
+            present = np.fromiter((parts[b].has(j) for b, j in zip(src.tolist(), rows.tolist())), dtype=bool, count=len(src))
+            if present.all():
+                present = None
+        fields[name] = PackedField(values, offsets, present)
+    return PackedBatch(keys, fields)
+
+
 # ---- StagedRow <-> PackedBatch -------------------------------------------------------
 
 
-def _id_bytes(s: Optional[str]) -> np.ndarray:
+def _id_bytes(s: str | None) -> np.ndarray:
     return np.frombuffer((s or "").encode("utf-8"), dtype=np.uint8)
 
 

@@ -23,7 +23,7 @@ import pytest
 
 from pipeline.finalize import Finalizer
 from pipeline.store import StagingStore
-from pipeline.store.client import UNIT_UNAVAILABLE
+from pipeline.store.protocol import UNIT_UNAVAILABLE
 from rollout_factory import make_group
 from tasks import reasons
 from tasks.keys import unit_for_key

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from pipeline.finalize import Finalizer
 from pipeline.store import StagingStore, StorageUnit, StoreError
-from pipeline.store.unit import ABSENT_FIELD, DTYPE_MISMATCH, INVALID_BATCH, INVALID_KEY, KEY_CONFLICT, MISSING_KEY, STORE_ERROR, STORE_FULL
+from pipeline.store.protocol import ABSENT_FIELD, DTYPE_MISMATCH, INVALID_BATCH, INVALID_KEY, KEY_CONFLICT, MISSING_KEY, STORE_ERROR, STORE_FULL
 from rollout_factory import fetch, make_rollout, receipt_dict
 from tasks import reasons as R
 from tasks.errors import TokenCaptureError

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 from pipeline.finalize.controller import Finalizer
-from pipeline.generation.cut import CUT_PARTITION, CallBuffer, run_cut
+from pipeline.generation.call_buffer import CallBuffer
+from pipeline.generation.cut import CUT_PARTITION, run_cut
 from pipeline.restore.batcher import start_batchers
 from pipeline.store.client import StagingStore
 from tasks import hashing

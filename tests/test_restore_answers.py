@@ -1,6 +1,6 @@
 """Restore-side copies: pooled get-answer buffers on the unit, sliced answers in the coalescer.
 
-* ``AnswerBuffers`` (pipeline/store/unit.py): a slab is never handed out again while any
+* ``AnswerBuffers`` (pipeline/store/answer_buffers.py): a slab is never handed out again while any
   view of an earlier answer lives (that would overwrite rows a caller still reads), is
   reused once released, and the pool keeps at most ``max_bytes`` of slabs.
 * A real in-process cluster (answers reach the caller by reference, the case where reuse
@@ -19,11 +19,13 @@ import pytest
 from distributed import Client
 
 from pipeline.cluster import local_cluster
-from pipeline.restore.coalescer import PrefixReadCoalescer, slice_rows
+from pipeline.restore.coalescer import PrefixReadCoalescer
 from pipeline.store import StagingStore
-from pipeline.store.unit import AnswerBuffers, GetResult, pack_stored_rows
+from pipeline.store.answer_buffers import AnswerBuffers
+from pipeline.store.protocol import GetResult
+from pipeline.store.unit import pack_stored_rows
 from tasks.keys import cut_key
-from tasks.packed import PackedBatch
+from tasks.packed import PackedBatch, slice_rows
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -210,7 +212,7 @@ def test_unit_reads_keys_and_fields_packed_or_as_lists(inproc_store):
     """The client sends keys/fields as one msgpack buffer each (a list argument costs Dask
     ~11 us per element per call); the unit answers the same either way and names a bad one."""
     from pipeline.store import StoreError
-    from pipeline.store.unit import pack_names
+    from pipeline.store.protocol import pack_names
 
     store = inproc_store
     rows = stored_rows(3, seed=2)

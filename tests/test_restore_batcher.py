@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
-from pipeline.generation.cut import CallBuffer
+from pipeline.generation.call_buffer import CallBuffer
 from pipeline.generation.worker import GenerationWorker
 from pipeline.restore import PrefixReadError
 from pipeline.restore.batcher import start_batchers

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from pipeline.restore.coalescer import PrefixReadCoalescer, PrefixReadError, concat_aligned
-from tasks.packed import PackedBatch
+from pipeline.restore.coalescer import PrefixReadCoalescer, PrefixReadError
+from tasks.packed import PackedBatch, concat_aligned
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import os
 
-import numpy as np
 import pytest
 
 from pipeline.store import CheckpointCorrupt, CheckpointError, StagingStore
@@ -73,7 +72,7 @@ def test_from_checkpoint_and_restore_is_idempotent(cluster_client, store_factory
 
 def _fail_writes_after(n: int) -> None:
     """Runs in each worker: the unit's (n+1)-th data file write raises (a crash mid-save)."""
-    import pipeline.store.checkpoint as mod
+    import pipeline.store.batch_file as mod
 
     real = getattr(mod, "_real_write_atomic", mod.write_atomic)
     count = {"n": 0}
@@ -89,7 +88,7 @@ def _fail_writes_after(n: int) -> None:
 
 
 def _heal_writes() -> None:
-    import pipeline.store.checkpoint as mod
+    import pipeline.store.batch_file as mod
 
     mod.write_atomic = getattr(mod, "_real_write_atomic", mod.write_atomic)
 
@@ -161,18 +160,3 @@ def test_corrupt_checkpoint_refused(store_factory, tmp_path):
         fresh.restore(str(path))
     with pytest.raises(CheckpointError, match="MANIFEST.json is missing"):
         fresh.restore(str(tmp_path / "nowhere"))
-
-
-def test_packed_batch_file_format_roundtrip_and_truncation():
-    batch = pack_rows(make_rows(3, routes=True) + make_rows(2, routes=False, prefix="n"))
-    buf = bytearray(b"".join(bytes(b) for b in ck.encode_batch(batch)))
-    back = ck.decode_batch(buf)
-    assert back.keys == batch.keys
-    for name, f in batch.fields.items():
-        g = back.fields[name]
-        assert g.values.tobytes() == f.values.tobytes() and np.array_equal(g.offsets, f.offsets)
-        assert (g.present is None) == (f.present is None)
-    with pytest.raises(CheckpointCorrupt, match="truncated"):
-        ck.decode_batch(buf[: len(buf) // 2])
-    with pytest.raises(CheckpointCorrupt, match="not a v1"):
-        ck.decode_batch(b"XXXX" + bytes(buf[4:]))

@@ -13,8 +13,16 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
-from tasks.cut.receipt import DURABLE_FAILURE, GENERATION_LOST, CallAck, CutReceipt, inventory_digest
+from tasks.cut.receipt import (
+    DURABLE_FAILURE,
+    GENERATION_LOST,
+    CallAck,
+    CutReceipt,
+    inventory_digest,
+)
 from tasks.keys import CUT_PARTITION, CUT_PREFIX
+
+from ..store.protocol import MISSING_KEY
 
 if TYPE_CHECKING:
     from .core import RolloutDriver
@@ -120,7 +128,7 @@ class CutMixin:
             orphans = [k for k in self.cut_store.keys(CUT_PARTITION) if k.startswith(prefixes)]
             if orphans:
                 res = self.cut_store.delete(orphans, partition=CUT_PARTITION)
-                bad = {k: v for k, v in res.failed.items() if v[0] != "missing_key"}
+                bad = {k: v for k, v in res.failed.items() if v[0] != MISSING_KEY}
                 cleared = len(orphans) - len(bad)
                 if bad:
                     problem = f"; {len(bad)} of its cut rows could not be deleted, e.g. {next(iter(bad.items()))}"

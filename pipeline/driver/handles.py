@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Iterable, Mapping, Protocol, Sequence, TypeVar
 
 if TYPE_CHECKING:
-    from pipeline.store.unit import StoreResult
+    from pipeline.store.protocol import StoreResult
     from tasks.cut.prefix import PrefixVerdict
     from tasks.cut.receipt import CallAck, CutReceipt
 

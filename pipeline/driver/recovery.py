@@ -24,6 +24,7 @@ from tasks.receipts import Receipt
 from tasks.schema import ALL_FIELDS, STAGING_FIELDS, StagedRow
 from tasks.toy.rollouts import RolloutSpec, call_id
 
+from ..store.protocol import MISSING_KEY
 from .state import RolloutState
 
 if TYPE_CHECKING:
@@ -176,7 +177,7 @@ class RecoveryMixin:
             bad = next((k for k in (c.staging_key for c in records) if k in failed or k not in rows), None)
             try:
                 if bad is not None:
-                    why = failed.get(bad, ("missing_key", "not returned"))
+                    why = failed.get(bad, (MISSING_KEY, "not returned"))
                     raise InvalidRecord("missing_staging_row", f"{bad!r}: {why[0]}: {why[1]}")
                 chain = [rows[c.staging_key] for c in records]
                 r.gate = CaptureGate.resume(rid, chain, vocab_size=self.policy.vocab_size,

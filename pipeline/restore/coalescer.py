@@ -1,34 +1,12 @@
-"""Coalesced prefix reads: the pure-asyncio core of the PrefixReadBatcher (SPEC section 8).
+"""Coalesced prefix reads: the pure-asyncio core of the PrefixReadBatcher.
 
-Many resumed calls on one generation worker each need a few cut rows. Read one by one,
-every restore pays a store round trip (~3 ms of Dask overhead here) and a mass resume
-queues thousands of them. :class:`PrefixReadCoalescer` merges the keys of concurrent
-requests into few ``get_many`` calls:
-
-* keys are deduplicated (across queued *and* in-flight gets) and each request gets its
-  rows back in its own (chain) order;
-* a get carries at most ``batch_size`` keys and ``max_tokens`` tokens (token counts are
-  the caller's hints; a key bigger than the limit goes alone, never split), and, given a
-  ``group(key)`` function (the batcher passes the key's storage unit), keys of one group
-  only: each get then hits one unit, whose answer needs no cross-unit merge copy;
-* **no light-load penalty**: a request that arrives when nothing is queued and no get is
-  in flight is issued on the next event-loop turn (same-tick arrivals still join it), not
-  after the window; the ``window_ms`` wait happens only when there is something to
-  coalesce with (requests queued or gets in flight);
-* **no head-of-line blocking**: up to ``max_concurrent`` gets run at once, each bounded by
-  ``timeout_s``, so one hung get holds one slot, not the worker's restores;
-* a failed multi-key get (exception or timeout) re-reads each of its keys alone, once, so
-  a bad row fails only the requests that asked for it; per-key failures the store reports
-  (``GetResult.failed``) fail only that key's requesters and are not retried;
-* cancelling a request never cancels a shared get: a request waits on its own private
-  future, completed when its last key resolves, never on the shared ones; a queued key
-  whose every requester was cancelled is dropped before it is read.
-
-``get_many`` is any ``async (keys) -> GetResult``-like callable: the result has ``batch``
-(a :class:`~tasks.packed.PackedBatch` of the found rows) and ``failed`` (key -> (reason,
-detail)). Nothing here talks to Dask (knobs come from ``dask.config``), so the core is
-testable with a fake store. Answers are views of the get's buffers where a request's rows
-sit together in it (the usual case), one gather copy otherwise.
+:class:`PrefixReadCoalescer` merges the keys of concurrent ``read(keys)`` requests into
+few deduplicated ``get_many`` calls, each at most ``batch_size`` keys and ``max_tokens``
+tokens (the callers' hints) within one ``group`` (storage unit), at most
+``max_concurrent`` at once, each bounded by ``timeout_s`` seconds. A failure fails only
+the keys (and requests) it concerns; answers are views of the get's buffers where a
+request's rows sit together. Nothing here talks to Dask (knobs come from
+``dask.config``): ``get_many`` is any async ``(keys) -> GetResult``-like callable.
 """
 from __future__ import annotations
 
@@ -41,9 +19,10 @@ from typing import Any, Awaitable, Callable, Hashable, Optional, Sequence, Union
 import numpy as np
 
 from tasks.errors import PrefixReadError
-from tasks.packed import PackedBatch, PackedField
+from tasks.packed import PackedBatch, PackedField, align_fields, take_rows
 
 from .. import config
+from ..store.protocol import ABSENT_FIELD
 
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
@@ -52,7 +31,7 @@ Timer = Callable[[float, Callable[[], None]], Any]  # (delay seconds, callback) 
 
 # Store reasons for which the row is still served (e.g. a row without routed_experts):
 # the prefix verifier decides whether the missing field matters.
-SERVED_REASONS = frozenset({"absent_field"})
+SERVED_REASONS = frozenset({ABSENT_FIELD})
 
 
 class _KeyFailure(Exception):
@@ -561,7 +540,7 @@ class PrefixReadCoalescer:
                 b = batches[id(answer)] = len(sources)
                 sources.append(answer.batch)
             src[pos], rows_idx[pos] = b, i
-        return _take_rows(align_fields(sources), src, rows_idx)
+        return take_rows(align_fields(sources), src, rows_idx)
 
     # ---- lifecycle ----------------------------------------------------------------------
 
@@ -680,56 +659,3 @@ class _Answer:
             out[name] = PackedField(values[start : offs[hi]], rebased, present)
         return PackedBatch(self.batch.keys[lo:hi], out)
 
-
-def slice_rows(batch: PackedBatch, lo: int, hi: int) -> PackedBatch:
-    """Rows ``lo:hi`` of ``batch`` as views of its buffers (offsets rebased, no copy)."""
-    if lo == 0 and hi == len(batch):
-        return batch
-    fields = {}
-    for name, f in batch.fields.items():
-        start, end = int(f.offsets[lo]), int(f.offsets[hi])
-        present = None if f.present is None else f.present[lo:hi]
-        if present is not None and present.all():
-            present = None
-        fields[name] = PackedField(f.values[start:end], f.offsets[lo : hi + 1] - start, present)
-    return PackedBatch(list(batch.keys[lo:hi]), fields)
-
-
-def align_fields(batches: Sequence[PackedBatch]) -> list[PackedBatch]:
-    """Give every batch the union of the batches' fields (missing ones all-absent).
-
-    A get of rows without routed experts may carry no ``routed_experts`` field at all;
-    rows of several gets can only be gathered into one batch once the fields agree.
-    """
-    names: dict[str, PackedField] = {}
-    for b in batches:
-        for name, f in b.fields.items():
-            names.setdefault(name, f)
-    aligned = []
-    for b in batches:
-        if len(b.fields) == len(names):
-            aligned.append(b)
-            continue
-        fields = {}
-        for name, proto in names.items():
-            f = b.fields.get(name)
-            if f is None:
-                f = PackedField(
-                    proto.values[:0].copy(), np.zeros(len(b) + 1, dtype=np.int64), np.zeros(len(b), dtype=bool)
-                )
-            fields[name] = f
-        aligned.append(PackedBatch(list(b.keys), fields))
-    return aligned
-
-
-def concat_aligned(batches: Sequence[PackedBatch]) -> PackedBatch:
-    """:meth:`PackedBatch.concat` for batches whose field sets differ."""
-    return PackedBatch.concat(align_fields(batches))
-
-
-def _take_rows(batches: Sequence[PackedBatch], src: np.ndarray, rows: np.ndarray) -> PackedBatch:
-    # The store's gather (row-slice memcpy for long token rows); imported here so that
-    # importing the coalescer pulls in no Dask.
-    from pipeline.store.client import take_rows
-
-    return take_rows(batches, src, rows)

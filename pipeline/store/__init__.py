@@ -1,13 +1,17 @@
 """The staging store: storage-unit actors holding rows in memory and spill files.
 
-``StagingStore`` (client.py) is the API; ``StorageUnit`` (unit.py) the Dask actor;
-``SpillMapping`` (spill.py) its zict storage; ``registry.py`` pins field dtypes per
-partition; ``checkpoint.py`` writes and restores atomic checkpoints.
+``client.py`` (:class:`StagingStore`, the API); ``unit.py`` (:class:`StorageUnit`, the
+Dask actor); ``protocol.py`` (per-key results and reasons, request checks,
+:class:`StoreLike`); ``answer_buffers.py`` (pooled slabs for get answers);
+``adopted.py`` (rows kept as views of adopted put buffers); ``spill.py`` (zict storage:
+memory up to a byte limit, then disk); ``registry.py`` (field dtypes pinned per
+partition); ``batch_file.py`` (the packed batch file format); ``checkpoint.py``
+(atomic checkpoints); ``report.py`` (stats events). The client and the unit load on
+first use, so importing :mod:`pipeline.store.protocol` pulls in no ``distributed``.
 """
 from tasks.errors import CheckpointCorrupt, CheckpointError, InvalidStoreRequest, StoreError, StoreUnavailable
 
-from .client import StagingStore
-from .unit import GetResult, StorageUnit, StoreResult
+from .protocol import GetResult, StoreLike, StoreResult
 
 __all__ = [
     "CheckpointCorrupt",
@@ -17,6 +21,19 @@ __all__ = [
     "StagingStore",
     "StorageUnit",
     "StoreError",
+    "StoreLike",
     "StoreResult",
     "StoreUnavailable",
 ]
+
+
+def __getattr__(name):  # the client and the unit pull in distributed: import them when asked for
+    if name == "StagingStore":
+        from .client import StagingStore
+
+        return StagingStore
+    if name == "StorageUnit":
+        from .unit import StorageUnit
+
+        return StorageUnit
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

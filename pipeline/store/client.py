@@ -1,46 +1,37 @@
-"""StagingStore: the client of the storage-unit actors (see docs/interfaces.md).
+"""StagingStore: the client of the storage-unit actors.
 
-Picklable (it holds only Dask actor handles and their addresses), so the same object
-works on the controller, inside Dask tasks and inside other actors. Every call is
-batched: a request is split by ``unit_for_key`` (one rollout's rows share a unit, no
-metadata hop), ONE actor call goes to each unit involved, all concurrently, and the
-per-unit answers are merged (gets back into request order as ONE packed batch).
-
-Sync methods block on actor futures (controller, task threads, sync actors); inside an
-async actor use the ``*_async`` twins, which ``await`` the same actor futures.
+Picklable (only actor handles and addresses), so one object works on the controller, in
+Dask tasks and in other actors. A request is split by ``unit_for_key``, ONE actor call
+goes to each unit involved (puts capped at ``store.max-call-bytes`` bytes per call), all
+concurrently, and the per-key answers are merged (gets back into request order as ONE
+packed batch). Sync methods block on actor futures; ``*_async`` twins await them.
 """
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
 from tasks.errors import InvalidKey, InvalidStoreRequest, StoreError, StoreUnavailable
 from tasks.keys import STAGING_PARTITION as DEFAULT_PARTITION, unit_for_key
-from tasks.packed import PackedBatch, PackedField
+from tasks.packed import PackedBatch, PackedField, row_nbytes, slice_rows, take_rows
 
 from .. import config
 from ..actors import current_workers, start_pinned_actors
 from . import checkpoint as _checkpoint
-from .unit import (
+from .protocol import (
     DTYPE_MISMATCH,
     INVALID_BATCH,
     INVALID_KEY,
+    UNIT_UNAVAILABLE,
     GetResult,
-    StorageUnit,
     StoreResult,
     check_partition,
     field_problem,
     pack_names,
 )
-
-# Per-key reason when the unit holding a key cannot be reached (its worker died, the unit
-# was closed): the keys of that unit fail, the other units' keys are served as usual.
-UNIT_UNAVAILABLE = "unit_unavailable"
-# Fields whose rows average more elements than this are gathered by row slices (one
-# memcpy per row); smaller ones by numpy's element gather, which is cheaper for them.
-_SLICE_GATHER_MIN_ELEMENTS = 64
+from .unit import StorageUnit
 
 
 class StagingStore:
@@ -50,7 +41,7 @@ class StagingStore:
     handle hosted on ``unit_workers[i]``.
     """
 
-    def __init__(self, units: Sequence[Any], unit_workers: Sequence[str], partitions: Optional[Sequence[str]] = None):
+    def __init__(self, units: Sequence[Any], unit_workers: Sequence[str], partitions: Sequence[str] | None = None):
         self.units = list(units)
         self.unit_workers = list(unit_workers)
         self.partitions = None if partitions is None else list(partitions)
@@ -61,11 +52,11 @@ class StagingStore:
     def start(
         cls,
         client,
-        n_units: Optional[int] = None,
-        memory_limit: Optional[int | str] = None,
-        capacity: Optional[int | str] = None,
-        spill_directory: Optional[str] = None,
-        workers: Optional[Sequence[str]] = None,
+        n_units: int | None = None,
+        memory_limit: int | str | None = None,
+        capacity: int | str | None = None,
+        spill_directory: str | None = None,
+        workers: Sequence[str] | None = None,
     ) -> "StagingStore":
         """Create ``n_units`` storage units spread round-robin over ``workers``.
 
@@ -146,7 +137,7 @@ class StagingStore:
                 return [], {k if isinstance(k, str) else repr(k): (INVALID_BATCH, problem) for k in batch.keys}
         where, failed = self._route(batch.keys)
         max_bytes = config.get_bytes("store.max-call-bytes")
-        row_bytes = _row_bytes(batch)
+        row_bytes = row_nbytes(batch)
         parts = []
         for u in range(len(self.units)):
             idx = np.flatnonzero(where == u)
@@ -156,7 +147,7 @@ class StagingStore:
                 if len(chunk) == len(batch):
                     parts.append((u, batch))  # one unit, one call: no copy
                 elif chunk[-1] - chunk[0] + 1 == len(chunk):
-                    parts.append((u, _slice_rows(batch, int(chunk[0]), int(chunk[-1]) + 1)))  # a run: views
+                    parts.append((u, slice_rows(batch, int(chunk[0]), int(chunk[-1]) + 1)))  # a run: views
                 else:
                     parts.append((u, take_rows([batch], np.zeros(len(chunk), np.int64), chunk)))
         return parts, failed
@@ -188,7 +179,7 @@ class StagingStore:
         return result
 
     def get_many(
-        self, keys: Sequence[str], fields: Optional[Sequence[str]] = None, partition: str = DEFAULT_PARTITION
+        self, keys: Sequence[str], fields: Sequence[str] | None = None, partition: str = DEFAULT_PARTITION
     ) -> GetResult:
         """Rows of ``keys`` as ONE packed batch in request order (duplicates repeated),
         with ``fields`` (``None``: every field the partition holds). Missing keys and
@@ -215,7 +206,7 @@ class StagingStore:
         futures = [u.stats() for u in self.units]
         return [f.result() for f in futures]
 
-    def keys(self, partition: str = DEFAULT_PARTITION, prefix: Optional[str] = None) -> list[str]:
+    def keys(self, partition: str = DEFAULT_PARTITION, prefix: str | None = None) -> list[str]:
         """Every key of ``partition`` (one call per unit, all at once), optionally only those
         starting with ``prefix``; unit order, then insertion order. Raises :class:`StoreError`
         naming the unit when one cannot be reached: a listing is never silently partial."""
@@ -266,7 +257,7 @@ class StagingStore:
         return result
 
     async def get_many_async(
-        self, keys: Sequence[str], fields: Optional[Sequence[str]] = None, partition: str = DEFAULT_PARTITION
+        self, keys: Sequence[str], fields: Sequence[str] | None = None, partition: str = DEFAULT_PARTITION
     ) -> GetResult:
         self._check_partition(partition)
         fields = self._check_fields(fields)
@@ -301,7 +292,7 @@ class StagingStore:
 
     # ---- checkpoint -----------------------------------------------------------------
 
-    def checkpoint(self, path: str, chunk_bytes: Optional[int | str] = None) -> dict:
+    def checkpoint(self, path: str, chunk_bytes: int | str | None = None) -> dict:
         """Atomically checkpoint every unit into directory ``path``; returns the manifest.
 
         ``chunk_bytes`` (default ``token-capture.store.checkpoint-chunk-bytes``) bounds
@@ -314,7 +305,7 @@ class StagingStore:
     def restore(self, path: str, client=None) -> dict:
         """Load the checkpoint at ``path`` into this store (rows placed by ``unit_for_key``
         over THIS store's units). Refuses a corrupt checkpoint with
-        :class:`~pipeline.store.checkpoint.CheckpointCorrupt` before loading anything."""
+        :class:`~tasks.errors.CheckpointCorrupt` before loading anything."""
         return _checkpoint.restore(self, path, client=client)
 
     def __repr__(self) -> str:
@@ -341,7 +332,7 @@ class StagingStore:
             out.failed.update({k: (UNIT_UNAVAILABLE, detail) for k in keys})
             return out
 
-    def _check_fields(self, fields: Optional[Sequence[str]]) -> Optional[list[str]]:
+    def _check_fields(self, fields: Sequence[str] | None) -> list[str] | None:
         if fields is None:
             return None
         if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
@@ -351,25 +342,6 @@ class StagingStore:
 
 def _empty_get() -> GetResult:
     return GetResult(PackedBatch([], {}), {})
-
-
-def _row_bytes(batch: PackedBatch) -> np.ndarray:
-    """Payload bytes of each row of ``batch`` (all fields), vectorized."""
-    total = np.zeros(len(batch), dtype=np.int64)
-    for f in batch.fields.values():
-        per_element = f.values.itemsize * int(np.prod(f.values.shape[1:], dtype=np.int64))
-        total += np.diff(f.offsets) * per_element
-    return total
-
-
-def _slice_rows(batch: PackedBatch, lo: int, hi: int) -> PackedBatch:
-    """Rows ``lo:hi`` of ``batch`` as views of its buffers (offsets rebased): no copy."""
-    fields = {}
-    for name, f in batch.fields.items():
-        off = f.offsets[lo : hi + 1]
-        present = None if f.present is None else f.present[lo:hi]
-        fields[name] = PackedField(f.values[int(off[0]) : int(off[-1])], off - off[0], present)
-    return PackedBatch(batch.keys[lo:hi], fields)
 
 
 def _chunks_by_bytes(idx: np.ndarray, row_bytes: np.ndarray, max_bytes: int) -> list[np.ndarray]:
@@ -389,15 +361,6 @@ def _chunks_by_bytes(idx: np.ndarray, row_bytes: np.ndarray, max_bytes: int) -> 
     return chunks
 
 
-def _absent_like(n: int, spec: tuple[np.dtype, tuple]) -> PackedField:
-    dtype, trailing = spec
-    return PackedField(np.zeros((0, *trailing), dtype=dtype), np.zeros(n + 1, dtype=np.int64), np.zeros(n, dtype=bool))
-
-
-def _has_rows(f: PackedField) -> bool:
-    return f.present is None or bool(f.present.any())
-
-
 def _merge_gets(keys: Sequence[str], results: list[GetResult], failed: dict) -> GetResult:
     """Per-unit answers -> ONE batch in request order (duplicate requests repeat rows).
 
@@ -413,7 +376,7 @@ def _merge_gets(keys: Sequence[str], results: list[GetResult], failed: dict) -> 
     names = list(dict.fromkeys(n for b in batches for n in b.fields))
     chosen: dict[str, tuple[np.dtype, tuple]] = {}
     for name in names:
-        with_rows = [b.fields[name] for b in batches if name in b.fields and _has_rows(b.fields[name])]
+        with_rows = [b.fields[name] for b in batches if name in b.fields and b.fields[name].any_present()]
         proto = with_rows[0] if with_rows else next(b.fields[name] for b in batches if name in b.fields)
         chosen[name] = (proto.values.dtype, proto.values.shape[1:])
     aligned = []
@@ -422,8 +385,8 @@ def _merge_gets(keys: Sequence[str], results: list[GetResult], failed: dict) -> 
         bad = None
         for name in names:
             f = b.fields.get(name)
-            if f is None or not _has_rows(f):
-                fields[name] = _absent_like(len(b), chosen[name])
+            if f is None or not f.any_present():
+                fields[name] = PackedField.absent(len(b), *chosen[name])
             elif (f.values.dtype, f.values.shape[1:]) != chosen[name]:
                 bad = (
                     f"field {name!r}: {f.values.dtype.str}{list(f.values.shape[1:])} on one unit, "
@@ -447,49 +410,3 @@ def _merge_gets(keys: Sequence[str], results: list[GetResult], failed: dict) -> 
         return GetResult(aligned[0], failed)  # already one batch in request order
     return GetResult(take_rows(aligned, src, rows), failed)
 
-
-def take_rows(batches: Sequence[PackedBatch], src: np.ndarray, rows: np.ndarray) -> PackedBatch:
-    """Row ``rows[i]`` of ``batches[src[i]]`` for every ``i``, as ONE new packed batch.
-
-    Does the work of ``PackedBatch.concat`` + ``take`` in one copy per field. Long rows
-    (token fields) are copied as row slices (a memcpy each) instead of building an
-    element index as large as the data, which is what makes ``take`` slow on them.
-    """
-    keys = [batches[b].keys[j] for b, j in zip(src.tolist(), rows.tolist())]
-    fields = {}
-    for name in batches[0].fields:
-        parts = [b.fields[name] for b in batches]
-        if len(parts) == 1:
-            field, index = parts[0], rows
-        else:
-            base = np.cumsum([0] + [len(p) for p in parts[:-1]])
-            index = base[src] + rows
-            field = None
-        total = sum(len(p.values) for p in parts)
-        n_rows = max(1, sum(len(p) for p in parts))
-        if total / n_rows < _SLICE_GATHER_MIN_ELEMENTS:
-            if field is None:
-                field = PackedBatch.concat([PackedBatch(b.keys, {name: b.fields[name]}) for b in batches]).fields[name]
-            fields[name] = field.take(index)
-            continue
-        slices = []
-        lengths = np.empty(len(src), dtype=np.int64)
-        for i, (b, j) in enumerate(zip(src.tolist(), rows.tolist())):
-            p = parts[b]
-            lo, hi = int(p.offsets[j]), int(p.offsets[j + 1])
-            slices.append(p.values[lo:hi])
-            lengths[i] = hi - lo
-        offsets = np.zeros(len(src) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=offsets[1:])
-        proto = parts[0].values
-        values = np.empty((int(offsets[-1]),) + proto.shape[1:], dtype=proto.dtype)
-        if slices:
-            np.concatenate(slices, out=values)
-        if all(p.present is None for p in parts):
-            present = None
-        else:
-            present = np.fromiter((parts[b].has(j) for b, j in zip(src.tolist(), rows.tolist())), dtype=bool, count=len(src))
-            if present.all():
-                present = None
-        fields[name] = PackedField(values, offsets, present)
-    return PackedBatch(keys, fields)

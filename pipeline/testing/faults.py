@@ -17,7 +17,7 @@ from tasks.packed import PackedBatch
 
 if TYPE_CHECKING:
     from ..generation.cut import CutStore
-    from ..store.unit import StoreResult
+    from ..store.protocol import StoreResult
 
 
 class ManualClock:
@@ -101,7 +101,7 @@ class FaultyStore:
             if len(keep):
                 result = self.store.put_many(batch.take(keep), partition=partition, adopt=True)
             else:
-                from ..store.unit import StoreResult
+                from ..store.protocol import StoreResult
 
                 result = StoreResult()
             for i in refused:

@@ -4,7 +4,7 @@
 batch pre-scans cleared, the named checks of :mod:`tasks.validation` for the rest);
 :class:`ChainCheck` walks a rollout's calls in order, carrying what one call hands the
 next (parent chain hash, parent length, routes shape). A failed rule raises
-:class:`Reject` with its reason; the caller turns it into a verdict.
+:class:`RuleFailed` with its reason; the caller turns it into a verdict.
 """
 from __future__ import annotations
 
@@ -12,23 +12,31 @@ from typing import Any, Callable
 
 from .. import hashing
 from .. import reasons as R
+from ..errors import RuleFailed
 from ..receipts import CallRecord
-from ..schema import HASH_FIELDS, ID_FIELDS, ROUTES_INT16, ROUTES_NONE, SCALAR_FIELDS, SCHEMA_VERSION, TOKEN_FIELDS
-from ..validation import check_lengths, check_logprobs, check_mask, check_routes, check_token_arrays, check_tokens
+from ..schema import (
+    HASH_FIELDS,
+    ID_FIELDS,
+    ROUTES_INT16,
+    ROUTES_NONE,
+    SCALAR_FIELDS,
+    SCHEMA_VERSION,
+    TOKEN_FIELDS,
+)
+from ..validation import (
+    check_lengths,
+    check_logprobs,
+    check_mask,
+    check_routes,
+    check_token_arrays,
+    check_tokens,
+)
 from .plan import RolloutPlan
 from .tables import RoutesTable, RowTable
 
 # ``lean(rec, i, state, rollout_id_utf8)``: the call's routes row (-1: none), or None to
 # hand the call to the named checks (no state changed yet).
 LeanCall = Callable[[CallRecord, int, "ChainCheck", "bytes | None"], "int | None"]
-
-
-class Reject(Exception):
-    """A failed rule: ``reason`` (a :mod:`tasks.reasons` word) and a human ``detail``."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(reason, detail)
-        self.reason, self.detail = reason, detail
 
 
 def _utf8(text: str) -> bytes | None:
@@ -67,7 +75,7 @@ class ChainCheck:
         return self.root_enc != ROUTES_NONE
 
     def run(self, rules: "CallRules") -> None:
-        """Every call's rules, root first; raises :class:`Reject` at the first failure."""
+        """Every call's rules, root first; raises :class:`RuleFailed` at the first failure."""
         index, good = rules.rows.index, rules.rows.good
         lean, checked = rules.lean, rules.checked
         rid = self.plan.rollout_id
@@ -76,7 +84,7 @@ class ChainCheck:
         for rec in self.plan.chain:
             i = index.get(rec.staging_key, -1)
             if i < 0:
-                raise Reject(R.MISSING_STAGING_ROW, f"call {rec.model_call_id!r}: no staged row for {rec.staging_key!r}")
+                raise RuleFailed(R.MISSING_STAGING_ROW, f"call {rec.model_call_id!r}: no staged row for {rec.staging_key!r}")
             j = lean(rec, i, self, rid_utf8) if good[i] else None
             if j is None:  # not cleared by the pre-checks: the named checks decide
                 j = checked(rec, rid, i, self)
@@ -108,28 +116,28 @@ class CallRules:
         where = f"call {rec.model_call_id!r}"
         row = _row_structure(rows, i)
         if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
-            raise Reject(
+            raise RuleFailed(
                 R.IDENTITY_MISMATCH,
                 f"row under {rec.staging_key!r} is {row['rollout_id']!r}/{row['model_call_id']!r}",
             )
         for name in R.RECEIPT_COMPARED_FIELDS:
             if row[name] != getattr(rec, name):
-                raise Reject(R.wrong(name), f"{where}: row {name} differs from the receipt")
+                raise RuleFailed(R.wrong(name), f"{where}: row {name} differs from the receipt")
         # Lengths now equal the (validated) receipt's; the arrays must match them.
         problem = check_lengths(row["prev_len"], row["delta_len"], row["cum_len"]) or check_token_arrays(
             row["token_ids"], row["token_mask"], row["logprobs"], row["delta_len"]
         )
         if problem:
-            raise Reject(problem[0], f"{where}: {problem[1]}")
+            raise RuleFailed(problem[0], f"{where}: {problem[1]}")
         enc = row["routes_encoding"]
         experts, j = None, -1
         if enc != st.root_enc:
-            raise Reject(R.INVALID_ROUTES, f"{where}: routes_encoding {enc} differs from the root's {st.root_enc}")
+            raise RuleFailed(R.INVALID_ROUTES, f"{where}: routes_encoding {enc} differs from the root's {st.root_enc}")
         if enc != ROUTES_NONE:
             experts, j = routes.get(rec.staging_key)
             problem = check_routes(enc, experts, row["delta_len"], None, st.routes_shape)
             if problem:
-                raise Reject(problem[0], f"{where}: {problem[1]}")
+                raise RuleFailed(problem[0], f"{where}: {problem[1]}")
             st.routes_shape = st.routes_shape or tuple(experts.shape[1:])
         recomputed = hashing.digest(
             rollout_id=rid,
@@ -150,17 +158,17 @@ class CallRules:
             digest_version=row["digest_version"],
         )
         if recomputed != row["digest"]:
-            raise Reject(R.CORRUPT_DIGEST, f"{where}: recomputed digest differs from the stored one")
+            raise RuleFailed(R.CORRUPT_DIGEST, f"{where}: recomputed digest differs from the stored one")
         if row["prev_len"] != st.prev_cum:
-            raise Reject(R.PARENT_LENGTH_MISMATCH, f"{where}: prev_len {row['prev_len']}, parent ends at {st.prev_cum}")
+            raise RuleFailed(R.PARENT_LENGTH_MISMATCH, f"{where}: prev_len {row['prev_len']}, parent ends at {st.prev_cum}")
         st.parent_chain = hashing.chain_hash(st.parent_chain, row["token_ids"])
         if st.parent_chain != row["chain_hash"]:
-            raise Reject(R.CHAIN_HASH_MISMATCH, f"{where}: recomputed chain hash differs")
+            raise RuleFailed(R.CHAIN_HASH_MISMATCH, f"{where}: recomputed chain hash differs")
         check_content(rec, rows, i, row["token_ids"], row["token_mask"], row["logprobs"], self.vocab_size)
         if experts is not None and num_experts is not None and (routes.in_range is None or not routes.in_range[j]):
             problem = check_routes(enc, experts, row["delta_len"], num_experts, st.routes_shape)
             if problem:
-                raise Reject(problem[0], f"{where}: {problem[1]}")
+                raise RuleFailed(problem[0], f"{where}: {problem[1]}")
         st.prev_cum = row["cum_len"]
         return j
 
@@ -237,14 +245,14 @@ def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts
         mask_b = mv_mask[a_mask * 4 : (a_mask + delta) * 4]
         lps_b = mv_lps[a_lps * 4 : (a_lps + delta) * 4]
         if hashing.digest_raw(header, ids_b, mask_b, lps_b, route_buf, chh, cuh) != dig:
-            raise Reject(R.CORRUPT_DIGEST, f"call {rec.model_call_id!r}: recomputed digest differs from the stored one")
+            raise RuleFailed(R.CORRUPT_DIGEST, f"call {rec.model_call_id!r}: recomputed digest differs from the stored one")
         if prev != st.prev_cum:
-            raise Reject(
+            raise RuleFailed(
                 R.PARENT_LENGTH_MISMATCH, f"call {rec.model_call_id!r}: prev_len {prev}, parent ends at {st.prev_cum}"
             )
         st.parent_chain = hashing.chain_hash_raw(st.parent_chain, ids_b)
         if st.parent_chain != chh:
-            raise Reject(R.CHAIN_HASH_MISMATCH, f"call {rec.model_call_id!r}: recomputed chain hash differs")
+            raise RuleFailed(R.CHAIN_HASH_MISMATCH, f"call {rec.model_call_id!r}: recomputed chain hash differs")
         if content_ok is None or not content_ok[i]:
             ids_a, mask_a = ids_v[a_ids : a_ids + delta], mask_v[a_mask : a_mask + delta]
             check_content(rec, rows, i, ids_a, mask_a, lps_v[a_lps : a_lps + delta], vocab_size)
@@ -253,7 +261,7 @@ def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts
             if num_experts is not None and (routes.in_range is None or not routes.in_range[j]):
                 problem = check_routes(enc, routes.field.row(j), delta, num_experts, st.routes_shape)
                 if problem:
-                    raise Reject(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")
+                    raise RuleFailed(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")
         st.prev_cum = cum
         return j
 
@@ -266,28 +274,28 @@ def check_content(rec: CallRecord, rows: RowTable, i: int, ids: Any, mask: Any, 
         return
     problem = check_mask(mask) or check_tokens(ids, vocab_size) or check_logprobs(lps, mask)
     if problem:
-        raise Reject(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")
+        raise RuleFailed(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")
 
 
 def _row_structure(t: RowTable, i: int) -> dict[str, Any]:
     """Decode row ``i`` into python scalars/bytes and array views (lengths not yet checked),
     or raise invalid_staging_row."""
     if t.batch_problem is not None:
-        raise Reject(R.INVALID_STAGING_ROW, t.batch_problem)
+        raise RuleFailed(R.INVALID_STAGING_ROW, t.batch_problem)
     if not t.struct_ok[i]:
-        raise Reject(R.INVALID_STAGING_ROW, t.row_problem(i))
+        raise RuleFailed(R.INVALID_STAGING_ROW, t.row_problem(i))
     row: dict[str, Any] = {}
     for name in ID_FIELDS:
         try:
             row[name] = t.raw(name, i).decode("utf-8")
         except UnicodeDecodeError as e:
-            raise Reject(R.INVALID_STAGING_ROW, f"{name} is not UTF-8: {e}") from None
+            raise RuleFailed(R.INVALID_STAGING_ROW, f"{name} is not UTF-8: {e}") from None
     for name in SCALAR_FIELDS:
         row[name] = t.scalars[name][i]
     for name in HASH_FIELDS:
         row[name] = t.raw(name, i)
     if row["schema_version"] != SCHEMA_VERSION or row["digest_version"] != hashing.DIGEST_VERSION:
-        raise Reject(
+        raise RuleFailed(
             R.INVALID_STAGING_ROW,
             f"schema/digest version {row['schema_version']}/{row['digest_version']} unsupported",
         )

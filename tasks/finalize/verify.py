@@ -14,9 +14,10 @@ from typing import Sequence
 
 from .. import hashing
 from .. import reasons as R
+from ..errors import RuleFailed
 from ..packed import PackedBatch
 from ..schema import ROUTES_NONE
-from .chain import CallRules, ChainCheck, Reject
+from .chain import CallRules, ChainCheck
 from .linearize import Alloc, Linearized, OutputArena, linearize_ranges, row_bytes
 from .plan import RolloutPlan, StepPlan
 from .tables import RoutesTable, RowTable
@@ -85,14 +86,14 @@ def check_training_row(lin: Linearized, rows: RowTable, terminal_row: int) -> No
     """The rules of the whole row: the terminal's cumulative hash, recomputed once over the
     linearized ids (covers every token from the root on), then at least one generated token."""
     if hashing.cumulative_hash(lin.input_ids) != rows.raw("cumulative_hash", terminal_row):
-        raise Reject(R.CUMULATIVE_HASH_MISMATCH, "cumulative hash of the linearized ids differs from the terminal's")
+        raise RuleFailed(R.CUMULATIVE_HASH_MISMATCH, "cumulative hash of the linearized ids differs from the terminal's")
     if lin.length == 0 or not lin.token_mask.any():
-        raise Reject(R.EMPTY_TRAINING_ROW, "no generated token in the training row")
+        raise RuleFailed(R.EMPTY_TRAINING_ROW, "no generated token in the training row")
 
 
 def _verify(plan: RolloutPlan, rules: CallRules, alloc: Alloc | None) -> RolloutResult:
     """The rules of :mod:`tasks.reasons` for one rollout, in their order; raises
-    :class:`Reject` at the first failure."""
+    :class:`RuleFailed` at the first failure."""
     walk = ChainCheck(plan)
     walk.run(rules)
     lin = linearize_chain(walk, rules.rows, rules.routes, alloc)
@@ -105,7 +106,7 @@ def _verdict(plan: RolloutPlan, rules: CallRules, alloc: Alloc | None = None) ->
     for anything else, so one rollout never takes down its task."""
     try:
         return _verify(plan, rules, alloc)
-    except Reject as e:
+    except RuleFailed as e:
         return RolloutResult(plan.rollout_id, e.reason, e.detail, None, len(plan.chain))
     except Exception as e:
         logger.error("verifier failed on rollout %r (internal error, not bad data)", plan.rollout_id, exc_info=True)

@@ -1,0 +1,125 @@
+"""Pooled buffers for the values of a storage unit's get answers.
+
+:class:`AnswerBuffers` keeps reusable ``uint8`` slabs (sizes in bytes, at most
+``max_bytes`` of them) and carves one slab per answer into the answer's big fields, so a
+get packs into memory already mapped instead of a fresh allocation per field. A slab is
+reused only once nothing refers to it any more (its reference count says so).
+"""
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+
+from tasks.packed import Allocator
+
+
+class AnswerBuffers:
+    """Reusable slabs (bytes) for the values of get answers, at most ``max_bytes`` of them.
+
+    A slab is handed out again only when nothing refers to it any more: every field
+    value is a numpy view whose ``base`` is the slab, and every later view, memoryview or
+    pickle buffer of it (Dask's send path) holds such a view, so the slab's reference
+    count tells when the answer has been sent and dropped (or, in-process, when the
+    caller let go of it). Slabs come in size classes; each class is scanned oldest-handed-
+    out first, so a free one is usually the first looked at (a get pays O(1), not a scan
+    of every slab). The pool tracks at most ``max_bytes`` (in use or idle; idle slabs of
+    other classes are released to make room); an answer beyond that is a plain allocation.
+    """
+
+    ALIGN = 64  # bytes; every field starts on a cache line (and on its dtype's alignment)
+    FIELD_MIN_BYTES = 1 << 14  # smaller fields (ids, scalars, hashes) are plain allocations:
+    # a caller keeping one of them must not pin a whole slab
+    SCAN = 64  # slabs of a class looked at per take (bounds a get's cost when all are in use)
+
+    def __init__(self, max_bytes: int, min_bytes: int = 1 << 17):
+        self.max_bytes = int(max_bytes)  # bytes of slabs the pool may keep (0: no pooling)
+        self.min_bytes = int(min_bytes)  # answers (big fields) smaller than this are plain allocations
+        self._classes: dict[int, list[np.ndarray]] = {}  # size -> slabs, least recently handed out first
+        self.held_bytes = 0  # bytes of every slab the pool keeps (in use or idle)
+        self.reused = 0  # answers packed into a reused slab
+        self.allocated = 0  # slabs allocated for the pool
+        self.unpooled = 0  # answers packed into a plain allocation (the pool was full)
+        # References a slab has when only this pool holds it, measured through the same
+        # code path as the check (robust to how the interpreter counts argument refs).
+        probe = [np.empty(0, np.uint8)]
+        self._free_refs = self._refs(probe, 0)
+
+    @staticmethod
+    def _refs(slabs: list, i: int) -> int:
+        return sys.getrefcount(slabs[i])
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        """Eight classes per power of two (at most 12.5% slack): similar answers share slabs."""
+        granule = 1 << max(0, (nbytes - 1).bit_length() - 4)
+        return -(-nbytes // granule) * granule
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A ``uint8`` buffer of at least ``nbytes`` that nothing else refers to."""
+        cap = self.size_class(max(self.min_bytes, int(nbytes)))
+        slabs = self._classes.setdefault(cap, [])
+        # The oldest handed out are the likeliest free; past SCAN of them, all are taken.
+        for i in range(min(len(slabs), self.SCAN)):
+            if self._refs(slabs, i) <= self._free_refs:
+                slab = slabs.pop(i)
+                slabs.append(slab)  # now the most recently handed out
+                self.reused += 1
+                return slab
+        slab = np.empty(cap, dtype=np.uint8)
+        if self.held_bytes + cap > self.max_bytes:
+            self._release_idle(self.held_bytes + cap - self.max_bytes, but=cap)
+        if self.held_bytes + cap <= self.max_bytes:
+            slabs.append(slab)
+            self.held_bytes += cap
+            self.allocated += 1
+        else:
+            self.unpooled += 1  # kept by nobody but its answer: freed with it
+        return slab
+
+    def _release_idle(self, need: int, but: int) -> None:
+        """Drop idle slabs of classes other than ``but`` (largest first) until ``need``
+        bytes are freed or none is idle."""
+        idle = []
+        for cap, slabs in self._classes.items():
+            if cap == but:
+                continue  # just scanned: none of them is free
+            for i in range(len(slabs)):
+                if self._refs(slabs, i) <= self._free_refs:
+                    idle.append((cap, i))
+        freed = 0
+        gone: dict[int, set] = {}
+        for cap, i in sorted(idle, reverse=True):
+            if freed >= need:
+                break
+            gone.setdefault(cap, set()).add(i)
+            freed += cap
+        for cap, ix in gone.items():
+            self._classes[cap] = [s for i, s in enumerate(self._classes[cap]) if i not in ix]
+        self.held_bytes -= freed
+
+    def carver(self, cols: dict[str, list]) -> Allocator | None:
+        """``out(dtype, shape)`` for :meth:`PackedField.from_arrays`, handing out consecutive views of
+        one slab sized for every big field of ``cols``; ``None`` for a small answer."""
+        if self.max_bytes <= 0:
+            return None  # pooling off: plain allocations
+        total = 0
+        for arrays in cols.values():
+            nb = sum(a.nbytes for a in arrays if a is not None)
+            if nb >= self.FIELD_MIN_BYTES:
+                total += -(-nb // self.ALIGN) * self.ALIGN
+        if total < self.min_bytes:
+            return None
+        slab = self.take(total)
+        pos = 0
+
+        def out(dtype: np.dtype, shape: tuple) -> np.ndarray:
+            nonlocal pos
+            nb = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+            if nb < self.FIELD_MIN_BYTES or pos + nb > slab.nbytes:  # small field (or, never, no room left)
+                return np.empty(shape, dtype=dtype)
+            view = slab[pos : pos + nb].view(dtype).reshape(shape)
+            pos += -(-nb // self.ALIGN) * self.ALIGN
+            return view
+
+        return out
