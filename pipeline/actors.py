@@ -9,7 +9,7 @@ client's calls go straight to the worker, not through the scheduler).
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 from distributed import Actor
 
@@ -70,7 +70,7 @@ def start_pinned_actors(
     cls: type,
     workers: Sequence[str],
     args: Sequence[tuple] = (),
-    keys: Optional[Sequence[str]] = None,
+    keys: Sequence[str] | None = None,
     **kwargs: Any,
 ) -> tuple[list[PinnedActor], list[Any]]:
     """Start one ``cls`` actor on each of ``workers`` (an address may repeat), pinned there.

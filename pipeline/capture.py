@@ -17,6 +17,7 @@ from tasks.receipts import Receipt
 from tasks.toy.rollouts import GeneratedRollout, RolloutSpec, generate_rollouts
 
 from . import config
+from .store.protocol import StoreLike
 
 
 
@@ -33,7 +34,7 @@ def policy_from_config(overrides: Mapping[str, Any] | None = None) -> MoEPolicy:
     return _policy(tuple(sorted(settings.items())))
 
 
-def stage_rollouts(store: Any, rollouts: Sequence[GeneratedRollout]) -> list[Receipt]:
+def stage_rollouts(store: StoreLike, rollouts: Sequence[GeneratedRollout]) -> list[Receipt]:
     """Stage every row of ``rollouts`` in ONE batched put; return their receipts.
 
     A row the store refuses (``key_conflict``, ``store_full``, ...) poisons its rollout's
@@ -55,14 +56,14 @@ def stage_rollouts(store: Any, rollouts: Sequence[GeneratedRollout]) -> list[Rec
     return receipts
 
 
-def generate_and_stage(store: Any, specs: Sequence[RolloutSpec], policy_overrides: Mapping[str, Any] | None = None, weight_version: int = 0) -> list[Receipt]:
+def generate_and_stage(store: StoreLike, specs: Sequence[RolloutSpec], policy_overrides: Mapping[str, Any] | None = None, weight_version: int = 0) -> list[Receipt]:
     """Task body: generate ``specs`` with the toy policy, stage their rows, return receipts."""
     policy = policy_from_config(policy_overrides)
     rollouts = generate_rollouts(policy, specs, weight_version=weight_version)
     return stage_rollouts(store, rollouts)
 
 
-def submit_generation(client: Any, store: Any, groups: Sequence[Sequence[RolloutSpec]], **kwargs: Any) -> list[Any]:
+def submit_generation(client: Any, store: StoreLike, groups: Sequence[Sequence[RolloutSpec]], **kwargs: Any) -> list[Any]:
     """One generation task per group on the cluster; futures of each group's receipts."""
     return [
         client.submit(generate_and_stage, store, list(specs), pure=False, **kwargs)

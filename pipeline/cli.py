@@ -5,7 +5,7 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
 BENCHMARKS = {
     "store": "put/get throughput, one row per call vs 256 rows per call",
@@ -61,6 +61,6 @@ def _run_bench(module, args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)

@@ -6,7 +6,7 @@ tests) binds to loopback and advertises the ``finalize`` resource the same way.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator
 
 from distributed import Client, LocalCluster
 
@@ -51,7 +51,7 @@ def local_cluster(**overrides: Any) -> LocalCluster:
     return LocalCluster(**kwargs)
 
 
-def adapt(cluster: LocalCluster, minimum: Optional[int] = None, maximum: Optional[int] = None, **kwargs: Any) -> Any:
+def adapt(cluster: LocalCluster, minimum: int | None = None, maximum: int | None = None, **kwargs: Any) -> Any:
     """Scale ``cluster`` with the split-timing policy (:class:`TokenCaptureAdaptive`)."""
     from .scaling.adaptive import TokenCaptureAdaptive
 
@@ -64,7 +64,7 @@ def adapt(cluster: LocalCluster, minimum: Optional[int] = None, maximum: Optiona
 
 
 @contextlib.contextmanager
-def connect(scheduler: Optional[str] = None, **cluster_kwargs: Any) -> Iterator[tuple[Client, Optional[LocalCluster]]]:
+def connect(scheduler: str | None = None, **cluster_kwargs: Any) -> Iterator[tuple[Client, LocalCluster | None]]:
     """Attach to ``scheduler`` if given, else start an embedded :func:`local_cluster`.
 
     Yields ``(client, cluster)``; ``cluster`` is ``None`` when attached to an existing one.
@@ -80,7 +80,7 @@ def connect(scheduler: Optional[str] = None, **cluster_kwargs: Any) -> Iterator[
         yield client, cluster
 
 
-def dashboard_url(client: Client, path: str = "status") -> Optional[str]:
+def dashboard_url(client: Client, path: str = "status") -> str | None:
     """The dashboard URL of the client's scheduler (``None`` if it serves none)."""
     link = client.dashboard_link
     if not link:

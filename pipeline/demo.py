@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable
 
 from tasks.keys import STAGING_PARTITION
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, out=sys.stdout) -> dict[str, Any]:
     return summary
 
 
-def run_steps(client: Any, store: Any, finalizer: Any, args: argparse.Namespace, steps: Iterable[int], out, progress: Optional[Progress] = None) -> list[dict[str, Any]]:
+def run_steps(client: Any, store: Any, finalizer: Any, args: argparse.Namespace, steps: Iterable[int], out, progress: Progress | None = None) -> list[dict[str, Any]]:
     """Generate, stage and finalize ``steps``, keeping ``args.in_flight`` steps in flight."""
     from tasks.toy.rollouts import make_step_specs
 

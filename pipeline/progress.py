@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import Optional
 
 
 class Progress:
     """``with Progress("staging", total=n) as p: p.advance(k)``."""
 
-    def __init__(self, label: str, total: Optional[int] = None, *, quiet: bool = False, min_interval_s: float = 0.5):
+    def __init__(self, label: str, total: int | None = None, *, quiet: bool = False, min_interval_s: float = 0.5):
         self.label = label
         self.total = total
         self.done = 0

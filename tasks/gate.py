@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
@@ -37,8 +37,8 @@ class CaptureGate:
         rollout_id: str,
         *,
         vocab_size: int,
-        num_experts: Optional[int] = None,
-        group_id: Optional[str] = None,
+        num_experts: int | None = None,
+        group_id: str | None = None,
     ):
         self.rollout_id = check_id(rollout_id, "rollout_id")
         self.vocab_size = vocab_size
@@ -46,18 +46,18 @@ class CaptureGate:
         self.group_id = group_id
         self._calls: dict[str, _CallState] = {}
         self._records: list[CallRecord] = []
-        self._poison: Optional[str] = None
-        self._routes_shape: Optional[tuple[int, int]] = None  # [L, K], fixed by the first routed call
+        self._poison: str | None = None
+        self._routes_shape: tuple[int, int] | None = None  # [L, K], fixed by the first routed call
 
     def stage_call(
         self,
         model_call_id: str,
-        parent_call_id: Optional[str],
+        parent_call_id: str | None,
         token_ids: np.ndarray,
         token_mask: np.ndarray,
         logprobs: np.ndarray,
         *,
-        routed_experts: Optional[np.ndarray] = None,
+        routed_experts: np.ndarray | None = None,
         weight_version: int = 0,
     ) -> StagedRow:
         """Validate and hash one call's delta; return the row to stage.
@@ -140,9 +140,9 @@ class CaptureGate:
         rows: Sequence[StagedRow],
         *,
         vocab_size: int,
-        num_experts: Optional[int] = None,
-        group_id: Optional[str] = None,
-        records: Optional[Sequence[CallRecord]] = None,
+        num_experts: int | None = None,
+        group_id: str | None = None,
+        records: Sequence[CallRecord] | None = None,
     ) -> "CaptureGate":
         """Rebuild a gate (after a crash) from the rows it already staged, in chain order.
 
@@ -179,7 +179,7 @@ class CaptureGate:
         """Mark the capture as unusable (e.g. a call failed mid-way); the receipt says so."""
         self._poison = reason
 
-    def receipt(self, reward: float, terminal_model_call_id: Optional[str] = None) -> Receipt:
+    def receipt(self, reward: float, terminal_model_call_id: str | None = None) -> Receipt:
         """The token-free receipt; terminal defaults to the last staged call."""
         if terminal_model_call_id is None and self._records:
             terminal_model_call_id = self._records[-1].model_call_id

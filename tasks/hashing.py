@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from typing import Optional
 
 import numpy as np
 
@@ -52,12 +51,12 @@ def _buf(a: np.ndarray, dtype: np.dtype) -> memoryview:
     return memoryview(a).cast("B")
 
 
-def chain_hash(parent_chain: Optional[bytes], token_ids: np.ndarray) -> bytes:
+def chain_hash(parent_chain: bytes | None, token_ids: np.ndarray) -> bytes:
     """H(TAG_CHAIN, parent marker, ids): links a call to its parent's chain."""
     return chain_hash_raw(parent_chain, _buf(token_ids, _I64))
 
 
-def chain_hash_raw(parent_chain: Optional[bytes], ids_bytes) -> bytes:
+def chain_hash_raw(parent_chain: bytes | None, ids_bytes) -> bytes:
     """:func:`chain_hash` over ids already given as their ``<i8`` bytes (any buffer)."""
     h = chain_state(parent_chain)
     h.update(ids_bytes)
@@ -74,7 +73,7 @@ def chain_state(parent_chain: bytes | None) -> "hashlib._Hash":
     return hashlib.sha256(TAG_CHAIN + (ROOT_MARKER if parent_chain is None else b"\x01" + parent_chain))
 
 
-def prefix_state(parent_state: Optional["hashlib._Hash"] = None) -> "hashlib._Hash":
+def prefix_state(parent_state: "hashlib._Hash" | None = None) -> "hashlib._Hash":
     """A running cumulative-hash state: a copy of the parent's, or a fresh tagged one."""
     return hashlib.sha256(TAG_PREFIX) if parent_state is None else parent_state.copy()
 
@@ -103,7 +102,7 @@ def digest_header(
     digest_version: int,
     rollout_id: bytes,
     model_call_id: bytes,
-    parent_call_id: Optional[bytes],
+    parent_call_id: bytes | None,
     prev_len: int,
     delta_len: int,
     cum_len: int,
@@ -138,7 +137,7 @@ def digest_raw(
     token_ids,
     token_mask,
     logprobs,
-    routes: Optional[tuple[int, int, object]],
+    routes: tuple[int, int, object] | None,
     chain_hash: bytes,
     cumulative_hash: bytes,
 ) -> bytes:
@@ -167,7 +166,7 @@ def digest(
     *,
     rollout_id: str,
     model_call_id: str,
-    parent_call_id: Optional[str],
+    parent_call_id: str | None,
     prev_len: int,
     delta_len: int,
     cum_len: int,
@@ -176,7 +175,7 @@ def digest(
     token_mask: np.ndarray,
     logprobs: np.ndarray,
     routes_encoding: int,
-    routed_experts: Optional[np.ndarray],
+    routed_experts: np.ndarray | None,
     chain_hash: bytes,
     cumulative_hash: bytes,
     schema_version: int = 1,

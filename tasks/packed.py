@@ -212,7 +212,7 @@ class PackedBatch:
 # ---- operations on batches: row ranges, alignment, gathers ----------------------------
 
 
-def row_nbytes(batch: PackedBatch) -> np.ndarray:
+def payload_bytes_per_row(batch: PackedBatch) -> np.ndarray:
     """Payload bytes of each row of ``batch`` (all fields, offsets excluded), vectorized."""
     total = np.zeros(len(batch), dtype=np.int64)
     for f in batch.fields.values():

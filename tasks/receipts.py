@@ -7,7 +7,7 @@ dicts (and so msgpack) with :meth:`Receipt.to_dict` / :meth:`Receipt.from_dict`.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import msgpack
 
@@ -19,7 +19,7 @@ class CallRecord:
     """One staged call as the receipt lists it."""
 
     model_call_id: str
-    parent_call_id: Optional[str]
+    parent_call_id: str | None
     prev_len: int
     delta_len: int
     cum_len: int
@@ -37,11 +37,11 @@ class Receipt:
 
     rollout_id: str
     reward: float
-    terminal_model_call_id: Optional[str]
+    terminal_model_call_id: str | None
     calls: list[CallRecord] = field(default_factory=list)
     poisoned: bool = False
-    failure_reason: Optional[str] = None
-    group_id: Optional[str] = None
+    failure_reason: str | None = None
+    group_id: str | None = None
     version: int = RECEIPT_VERSION
 
     @property

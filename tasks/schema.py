@@ -8,7 +8,6 @@ and validation alike.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import numpy as np
 
@@ -54,7 +53,7 @@ class StagedRow:
 
     rollout_id: str
     model_call_id: str
-    parent_call_id: Optional[str]
+    parent_call_id: str | None
     prev_len: int
     delta_len: int
     cum_len: int
@@ -66,7 +65,7 @@ class StagedRow:
     chain_hash: bytes
     cumulative_hash: bytes
     routes_encoding: int = ROUTES_NONE
-    routed_experts: Optional[np.ndarray] = None  # int16[delta_len, L, K]
+    routed_experts: np.ndarray | None = None  # int16[delta_len, L, K]
     schema_version: int = SCHEMA_VERSION
     digest_version: int = 1
     extra: dict = field(default_factory=dict, repr=False)

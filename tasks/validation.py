@@ -6,13 +6,12 @@ Each check returns ``None`` or ``(reason, detail)``; none loops over tokens in P
 """
 from __future__ import annotations
 
-from typing import Optional
 
 import numpy as np
 
 from .schema import ROUTES_DTYPE, ROUTES_INT16, ROUTES_NONE, TOKEN_FIELDS
 
-Problem = Optional[tuple[str, str]]
+Problem = tuple[str, str] | None
 
 
 def check_token_arrays(
@@ -76,10 +75,10 @@ def check_logprobs(logprobs: np.ndarray, token_mask: np.ndarray) -> Problem:
 
 def check_routes(
     routes_encoding: int,
-    routed_experts: Optional[np.ndarray],
+    routed_experts: np.ndarray | None,
     delta_len: int,
-    num_experts: Optional[int],
-    routes_shape: Optional[tuple[int, int]] = None,
+    num_experts: int | None,
+    routes_shape: tuple[int, int] | None = None,
 ) -> Problem:
     """Routes present iff encoding says so; shape ``[delta_len, L, K]``; ids in range."""
     if routes_encoding == ROUTES_NONE:
@@ -111,9 +110,9 @@ def check_delta(
     token_mask: np.ndarray,
     logprobs: np.ndarray,
     routes_encoding: int,
-    routed_experts: Optional[np.ndarray],
+    routed_experts: np.ndarray | None,
     vocab_size: int,
-    num_experts: Optional[int] = None,
+    num_experts: int | None = None,
 ) -> Problem:
     """All content rules for one delta, first failure wins (shape before content)."""
     return (

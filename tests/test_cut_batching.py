@@ -13,7 +13,7 @@ from tasks.cut.batching import (
     BatchPlanner,
     plan_batches,
     plan_rows,
-    row_nbytes,
+    put_nbytes,
     row_signature,
 )
 from tasks.cut.receipt import (
@@ -94,10 +94,10 @@ def test_byte_limit_counts_routed_experts():
     routed = [_row(i, 1000, routes=(48, 8)) for i in range(8)]  # 768 route bytes per token
     limits = BatchLimits(max_rows=256, max_tokens=1_000_000, max_bytes=4 * 1024 * 1024)
     assert len(plan_rows(plain, limits=limits)) == 1
-    assert row_nbytes(routed[0]) > 1000 * 768
+    assert put_nbytes(routed[0]) > 1000 * 768
     rb = plan_rows(routed, limits=limits)
     assert len(rb) == 2, "the same tokens with routes need two puts under a 4 MiB cap"
-    _check_invariants(rb, [r.delta_len for r in routed], [row_nbytes(r) for r in routed], limits)
+    _check_invariants(rb, [r.delta_len for r in routed], [put_nbytes(r) for r in routed], limits)
     # One routed row bigger than the byte cap alone is oversized (written alone).
     big = _row(99, 20_000, routes=(48, 8))
     ob = plan_rows([plain[0], big, plain[1]], limits=limits)
@@ -110,7 +110,7 @@ def test_rows_grouped_by_dtype_and_trailing_shape():
     assert len(set(sigs)) == 3
     batches = plan_rows(rows, limits=BatchLimits(256, 1 << 20, 1 << 30))
     assert sorted(b.rows for b in batches) == [[0, 2], [1, 4], [3]]
-    _check_invariants(batches, [5] * 5, [row_nbytes(r) for r in rows], BatchLimits(256, 1 << 20, 1 << 30), sigs)
+    _check_invariants(batches, [5] * 5, [put_nbytes(r) for r in rows], BatchLimits(256, 1 << 20, 1 << 30), sigs)
 
 
 def test_batch_size_one_is_one_batch_per_row():
@@ -284,7 +284,7 @@ def test_pack_chunks_byte_identical_to_pack_rows(routes_shape):
         assert back.same_content(row)
         assert back.delta_len == chunk.delta_len
         # The planner's cheap estimates are those of the row the chunk packs to.
-        assert chunk.nbytes == row_nbytes(back) and chunk.signature == row_signature(back)
+        assert chunk.nbytes == put_nbytes(back) and chunk.signature == row_signature(back)
     assert [c.to_row().digest for c in chunks] == [r.digest for r in rows]
 
 

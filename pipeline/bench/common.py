@@ -8,7 +8,7 @@ import json
 import sys
 import time
 from types import ModuleType
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -47,7 +47,7 @@ def notes(name: str, quiet: bool) -> Callable[[str], None]:
     return say
 
 
-def main(module: ModuleType, argv: Optional[Sequence[str]] = None) -> int:
+def main(module: ModuleType, argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry point of a benchmark module (same flags as the CLI)."""
     p = argparse.ArgumentParser(prog=f"python -m {module.__name__}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(p)

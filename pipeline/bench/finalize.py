@@ -16,7 +16,7 @@ import hashlib
 import statistics
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -88,7 +88,7 @@ def stage_workload(store, name: str, n_groups: int, rng: np.random.Generator, pr
 # ---- baseline: a fetch per rollout + per-token reference --------------------------------
 
 
-def baseline_group(store, receipts: Sequence[Receipt], vocab_size: int, num_experts: Optional[int]) -> dict:
+def baseline_group(store, receipts: Sequence[Receipt], vocab_size: int, num_experts: int | None) -> dict:
     """One group the reference way; runs as a Dask task. Returns tokens and fetch count."""
     from tasks.finalize.reference import reference_verify_rollout
 

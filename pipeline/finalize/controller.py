@@ -15,6 +15,7 @@ from tasks import reasons
 from tasks.keys import STAGING_PARTITION
 
 from .. import config, events
+from ..store.protocol import PlacedStoreLike, StoreLike
 from . import timing
 from .graph import FinalizeError, StepGraph, affinity, submit_graph
 
@@ -41,7 +42,7 @@ class StepResult:
         return int(self.metrics.get("internal_errors", 0))
 
 
-def clear_rows(store: Any, keys: list[str], partition: str = STAGING_PARTITION) -> dict[str, Any]:
+def clear_rows(store: StoreLike, keys: list[str], partition: str = STAGING_PARTITION) -> dict[str, Any]:
     """Delete staged rows (one batched call); returns counts, never raises on per-key failure."""
     res = store.delete(keys, partition=partition)
     return {"deleted": len(res.ok), "failed": dict(res.failed)}
@@ -150,7 +151,7 @@ class Finalizer:
     def __init__(
         self,
         client: Any,
-        store: Any,
+        store: PlacedStoreLike,
         *,
         vocab_size: int | None = None,
         num_experts: int | None = None,

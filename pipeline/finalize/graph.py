@@ -26,6 +26,7 @@ from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
 from tasks.finalize.verify import RolloutResult, internal_error_result, rejected_result, verify_many
 
 from .. import config, events
+from ..store.protocol import PlacedStoreLike, StoreLike
 from . import timing
 
 logger = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def _row_payload_bytes(batch: PackedBatch) -> np.ndarray:
 
 
 def fetch_pieces(
-    store: Any,
+    store: StoreLike,
     keys: list[str],
     fields: list[str],
     layout: list[list[tuple[int, list[str]]]],
@@ -282,7 +283,7 @@ def slots_for(plan: Any) -> list[Slot]:
     return slots
 
 
-def affinity(store: Any, keys: Sequence[str]) -> list[str]:
+def affinity(store: PlacedStoreLike, keys: Sequence[str]) -> list[str]:
     """Workers hosting the units that hold ``keys`` (soft affinity for the fetch task)."""
     workers = list(store.unit_workers)
     if not workers:
@@ -316,7 +317,7 @@ class StepGraph:
 
 def submit_graph(
     client: Any,
-    store: Any,
+    store: PlacedStoreLike,
     groups: Mapping[str, Sequence[Any]],
     *,
     step_id: str,

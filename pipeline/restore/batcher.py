@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 from tasks import reasons
 from tasks.keys import CUT_PARTITION, unit_for_key
@@ -22,6 +22,7 @@ from tasks.cut.prefix import Continuation, PrefixVerdict, verify_prefix
 
 from .. import config, events
 from ..actors import current_workers, start_pinned_actors
+from ..store.protocol import AsyncStoreLike
 from .coalescer import PrefixReadCoalescer, PrefixReadError
 
 
@@ -37,19 +38,19 @@ class PrefixReadBatcher:
 
     def __init__(
         self,
-        store: Any,
+        store: AsyncStoreLike,
         partition: str = CUT_PARTITION,
-        fields: Optional[Sequence[str]] = None,
+        fields: Sequence[str] | None = None,
         *,
-        batch_size: Optional[int] = None,
-        max_tokens: Optional[int] = None,
-        window_ms: Optional[float] = None,
-        max_concurrent: Optional[int] = None,
-        timeout_s: Optional[float] = None,
-        vocab_size: Optional[int] = None,
-        num_experts: Optional[int] = None,
-        routes_shape: Optional[tuple[int, int]] = None,
-        name: Optional[str] = None,
+        batch_size: int | None = None,
+        max_tokens: int | None = None,
+        window_ms: float | None = None,
+        max_concurrent: int | None = None,
+        timeout_s: float | None = None,
+        vocab_size: int | None = None,
+        num_experts: int | None = None,
+        routes_shape: tuple[int, int] | None = None,
+        name: str | None = None,
     ):
         self.store = store
         self.partition = partition
@@ -60,7 +61,7 @@ class PrefixReadBatcher:
         )
         self._verify_kw = dict(vocab_size=vocab_size, num_experts=num_experts, routes_shape=routes_shape)
         self._name = name
-        self._coalescer: Optional[PrefixReadCoalescer] = None
+        self._coalescer: PrefixReadCoalescer | None = None
         self._verdicts: dict[str, int] = {}  # "ok" or reason -> count
         self._last_publish = 0.0
 
@@ -165,7 +166,7 @@ class PrefixReadBatcher:
         )
 
 
-def unit_grouping(store: Any) -> Optional[Callable[[str], int]]:
+def unit_grouping(store: AsyncStoreLike) -> Callable[[str], int] | None:
     """``key -> storage unit`` for a store with ``units`` (placement by rollout), else None.
 
     Coalesced gets then stay within one unit: the store answers such a get with the
@@ -178,7 +179,7 @@ def unit_grouping(store: Any) -> Optional[Callable[[str], int]]:
     return lambda key: unit_for_key(key, n)
 
 
-def start_batchers(client: Any, store: Any, workers: Optional[Sequence[str]] = None, **kwargs: Any) -> dict[str, Any]:
+def start_batchers(client: Any, store: AsyncStoreLike, workers: Sequence[str] | None = None, **kwargs: Any) -> dict[str, Any]:
     """One :class:`PrefixReadBatcher` actor on each worker (default: every worker now).
 
     Returns ``{worker address: actor handle}``; ``kwargs`` go to the constructor.

@@ -2,11 +2,9 @@
 
 :class:`PrefixReadCoalescer` merges the keys of concurrent ``read(keys)`` requests into
 few deduplicated ``get_many`` calls, each at most ``batch_size`` keys and ``max_tokens``
-tokens (the callers' hints) within one ``group`` (storage unit), at most
-``max_concurrent`` at once, each bounded by ``timeout_s`` seconds. A failure fails only
-the keys (and requests) it concerns; answers are views of the get's buffers where a
-request's rows sit together. Nothing here talks to Dask (knobs come from
-``dask.config``): ``get_many`` is any async ``(keys) -> GetResult``-like callable.
+tokens within one group (storage unit), at most ``max_concurrent`` at once, each bounded
+by ``timeout_s`` seconds; a failure fails only the keys (and requests) it concerns. No
+Dask here (knobs come from ``dask.config``): ``get_many`` is any async ``(keys) -> GetResult``-like callable.
 """
 from __future__ import annotations
 
@@ -14,15 +12,17 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Hashable, Optional, Sequence, Union
+from typing import Any, Awaitable, Callable, Coroutine, Hashable, Sequence
 
 import numpy as np
 
 from tasks.errors import PrefixReadError
-from tasks.packed import PackedBatch, PackedField, align_fields, take_rows
+from tasks.packed import PackedBatch, align_fields, take_rows
 
 from .. import config
 from ..store.protocol import ABSENT_FIELD
+from .answer import GetAnswer
+from .pending import PendingKey, PendingQueue, ReadRequest, consume_exception, notify, token_hints
 
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
@@ -37,105 +37,10 @@ SERVED_REASONS = frozenset({ABSENT_FIELD})
 class _KeyFailure(Exception):
     """Internal: one key's failure, carried on its shared future."""
 
-    def __init__(self, reason: str, detail: str):
+    def __init__(self, reason: str, detail: str) -> None:
         super().__init__(reason, detail)
         self.reason = reason
         self.detail = detail
-
-
-@dataclass
-class _Entry:
-    """One distinct key pending or in flight, shared by every request that asked for it."""
-
-    future: asyncio.Future  # -> (_Answer of its get, row index) or _KeyFailure
-    tokens: int
-    group: Hashable = None
-    refs: int = 0
-    issued: bool = False
-    waiting: list = field(default_factory=list)  # _Request objects to tell when this resolves
-
-
-class _Request:
-    """One read's private waiter: completed (synchronously) when its last key resolves.
-
-    Requests never await the shared key futures: cancelling a request cancels only this
-    waiter, and a resolved get wakes its requesters in one loop turn.
-    """
-
-    __slots__ = ("waiter", "pending")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.waiter = loop.create_future()
-        self.pending = 0
-
-    def key_done(self) -> None:
-        self.pending -= 1
-        if self.pending <= 0 and not self.waiter.done():
-            self.waiter.set_result(None)
-
-
-class _Queue:
-    """Keys waiting for a get, per group, in arrival order; token totals kept up to date."""
-
-    def __init__(self) -> None:
-        # group -> {key: entry}; groups in the order they have waited (oldest first).
-        self.groups: "collections.OrderedDict[Hashable, collections.OrderedDict[str, _Entry]]" = collections.OrderedDict()
-        self.tokens: dict[Hashable, int] = {}
-        self.n = 0
-
-    def __len__(self) -> int:
-        return self.n
-
-    def add(self, key: str, e: _Entry) -> None:
-        self.groups.setdefault(e.group, collections.OrderedDict())[key] = e
-        self.tokens[e.group] = self.tokens.get(e.group, 0) + e.tokens
-        self.n += 1
-
-    def grow(self, e: _Entry, tokens: int) -> None:
-        """A later request hints more tokens for a queued key."""
-        self.tokens[e.group] += tokens - e.tokens
-        e.tokens = tokens
-
-    def remove(self, key: str, e: _Entry) -> None:
-        q = self.groups.get(e.group)
-        if q is None or q.pop(key, None) is None:
-            return
-        self.n -= 1
-        self.tokens[e.group] -= e.tokens
-        if not q:
-            del self.groups[e.group], self.tokens[e.group]
-
-    def full(self, batch_size: int, max_tokens: int) -> bool:
-        """Some group already fills a get."""
-        return any(len(q) >= batch_size or self.tokens[g] >= max_tokens for g, q in self.groups.items())
-
-    def pop_batch(self, batch_size: int, max_tokens: int) -> list[tuple[str, _Entry]]:
-        """From the longest-waiting group, its oldest keys up to the limits; an oversized
-        key goes alone. The group, if keys remain, waits behind the others (round robin)."""
-        g, q = next(iter(self.groups.items()))
-        out: list[tuple[str, _Entry]] = []
-        total = 0
-        while q and len(out) < batch_size:
-            k, e = next(iter(q.items()))
-            if out and total + e.tokens > max_tokens:
-                break
-            q.popitem(last=False)
-            out.append((k, e))
-            total += e.tokens
-        self.n -= len(out)
-        self.tokens[g] -= total
-        if q:
-            self.groups.move_to_end(g)
-        else:
-            del self.groups[g], self.tokens[g]
-        return out
-
-    def drain(self) -> list[tuple[str, _Entry]]:
-        out = [(k, e) for q in self.groups.values() for k, e in q.items()]
-        self.groups.clear()
-        self.tokens.clear()
-        self.n = 0
-        return out
 
 
 @dataclass
@@ -182,16 +87,16 @@ class PrefixReadCoalescer:
     def __init__(
         self,
         get_many: GetMany,
-        batch_size: Optional[int] = None,
-        max_tokens: Optional[int] = None,
-        window_ms: Optional[float] = None,
-        max_concurrent: Optional[int] = None,
-        timeout_s: Optional[float] = None,
+        batch_size: int | None = None,
+        max_tokens: int | None = None,
+        window_ms: float | None = None,
+        max_concurrent: int | None = None,
+        timeout_s: float | None = None,
         *,
-        timer: Optional[Timer] = None,
-        group: Optional[Callable[[str], Hashable]] = None,
+        timer: Timer | None = None,
+        group: Callable[[str], Hashable] | None = None,
         latency_samples: int = 4096,
-    ):
+    ) -> None:
         self._get_many = get_many
         self._group = group
         self._overrides = {
@@ -206,8 +111,8 @@ class PrefixReadCoalescer:
                 raise ValueError(f"restore {name} must be > 0, got {value!r}")
         self._loop = asyncio.get_running_loop()
         self._timer: Timer = timer or self._loop.call_later
-        self._entries: dict[str, _Entry] = {}  # every pending or in-flight key
-        self._queue = _Queue()  # keys not yet issued
+        self._entries: dict[str, PendingKey] = {}  # every pending or in-flight key
+        self._queue = PendingQueue()  # keys not yet issued
         self._inflight = 0
         self._window: Any = None  # timer handle while a window is open
         self._window_expired = False  # queued keys have waited their window: issue at the next free slot
@@ -254,7 +159,7 @@ class PrefixReadCoalescer:
 
     # ---- requests -----------------------------------------------------------------------
 
-    async def read(self, keys: Sequence[str], tokens: Union[None, int, Sequence[int]] = None) -> PackedBatch:
+    async def read(self, keys: Sequence[str], tokens: None | int | Sequence[int] = None) -> PackedBatch:
         """Rows for ``keys``, in that order (duplicates repeated), as one packed batch.
 
         ``tokens`` is a token-count hint for the ``max_tokens`` limit: one int per key, or
@@ -268,22 +173,22 @@ class PrefixReadCoalescer:
                 raise TypeError(f"prefix keys must be str, got {type(k).__name__}: {k!r}")
         if self._closed:
             raise PrefixReadError({k: ("closed", "the prefix read coalescer is closed") for k in keys})
-        hints = _token_hints(keys, tokens)
+        hints = token_hints(keys, tokens)
         self.stats.requests += 1
         if not keys:
             return PackedBatch([], {})
         t0 = time.perf_counter()
-        mine: dict[str, _Entry] = {}
-        req = _Request(self._loop)
+        mine: dict[str, PendingKey] = {}
+        req = ReadRequest(self._loop)
         added = False
         for k, t in zip(keys, hints):
             if k in mine:
                 continue
             e = self._entries.get(k)
             if e is None:
-                e = _Entry(self._loop.create_future(), t, self._group_of(k))
+                e = PendingKey(self._loop.create_future(), t, self._group_of(k))
                 # Nobody may be left to look at a failure (all requesters cancelled).
-                e.future.add_done_callback(_consume_exception)
+                e.future.add_done_callback(consume_exception)
                 self._entries[k] = e
                 self._queue.add(k, e)
                 added = True
@@ -328,7 +233,7 @@ class PrefixReadCoalescer:
         except Exception:  # noqa: BLE001 - a key the store cannot place fails in its get, not here
             return None
 
-    def _release(self, mine: dict[str, _Entry]) -> None:
+    def _release(self, mine: dict[str, PendingKey]) -> None:
         dropped = False
         for k, e in mine.items():
             e.refs -= 1
@@ -374,7 +279,7 @@ class PrefixReadCoalescer:
             self._window_expired = True  # slots are full: the rest goes at the next free slot
         await self._run_get(batch)
 
-    def _spawn(self, coro) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self._loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -412,7 +317,7 @@ class PrefixReadCoalescer:
         if not self._queue:
             self._close_window()
 
-    def _next_batch(self) -> list[tuple[str, _Entry]]:
+    def _next_batch(self) -> list[tuple[str, PendingKey]]:
         """Queued keys of one group in arrival order, up to batch_size keys and max_tokens."""
         batch = self._queue.pop_batch(self.batch_size, self.max_tokens)
         for _, e in batch:
@@ -433,7 +338,7 @@ class PrefixReadCoalescer:
             raise TypeError(f"get_many returned {type(result).__name__}, expected a GetResult (batch, failed)")
         return result
 
-    async def _run_get(self, batch: list[tuple[str, _Entry]]) -> None:
+    async def _run_get(self, batch: list[tuple[str, PendingKey]]) -> None:
         keys = [k for k, _ in batch]
         try:
             try:
@@ -459,7 +364,7 @@ class PrefixReadCoalescer:
             self._inflight -= 1
             self._pump()
 
-    async def _reread_alone(self, batch: list[tuple[str, _Entry]]) -> None:
+    async def _reread_alone(self, batch: list[tuple[str, PendingKey]]) -> None:
         """Each key of a failed batch once, on its own, so a bad row fails only its requesters.
 
         The solo gets run concurrently (each under ``get-timeout-s``) inside the failed
@@ -467,7 +372,7 @@ class PrefixReadCoalescer:
         """
         self.stats.solo_rereads += len(batch)
 
-        async def one(k: str, e: _Entry) -> None:
+        async def one(k: str, e: PendingKey) -> None:
             try:
                 result = await self._get([k])
             except asyncio.CancelledError:
@@ -482,8 +387,8 @@ class PrefixReadCoalescer:
 
         await asyncio.gather(*(one(k, e) for k, e in batch))
 
-    def _deliver(self, batch: list[tuple[str, _Entry]], result: Any) -> None:
-        rows = _Answer(result.batch)  # sliced by every request it serves: prepared once
+    def _deliver(self, batch: list[tuple[str, PendingKey]], result: Any) -> None:
+        rows = GetAnswer(result.batch)  # sliced by every request it serves: prepared once
         failed: dict = result.failed
         index = {k: i for i, k in enumerate(rows.batch.keys)}
         for k, e in batch:
@@ -497,18 +402,18 @@ class PrefixReadCoalescer:
                 self._fail([(k, e)], "incomplete_get", "the store returned neither the row nor a failure for it")
             else:
                 e.future.set_result((rows, i))
-                _notify(e)
+                notify(e)
 
-    def _fail(self, batch: list[tuple[str, _Entry]], reason: str, detail: str) -> None:
+    def _fail(self, batch: list[tuple[str, PendingKey]], reason: str, detail: str) -> None:
         for _, e in batch:
             if not e.future.done():
                 self.stats.failed_keys += 1
                 e.future.set_exception(_KeyFailure(reason, detail))
-                _notify(e)
+                notify(e)
 
     # ---- answers ------------------------------------------------------------------------
 
-    def _assemble(self, keys: list[str], mine: dict[str, _Entry]) -> PackedBatch:
+    def _assemble(self, keys: list[str], mine: dict[str, PendingKey]) -> PackedBatch:
         failed: dict[str, tuple[str, str]] = {}
         for k, e in mine.items():
             exc = e.future.exception()
@@ -559,103 +464,7 @@ class PrefixReadCoalescer:
             await asyncio.gather(*tasks, return_exceptions=True)
 
 
-def _token_hints(keys: list[str], tokens: Union[None, int, Sequence[int]]) -> list[int]:
-    n = len(keys)
-    if tokens is None:
-        return [0] * n
-    if isinstance(tokens, (int, np.integer)):
-        if tokens < 0:
-            raise ValueError(f"tokens must be >= 0, got {tokens}")
-        # Spread a request's total over its keys (chunks of one prefix are similar in size).
-        base, extra = divmod(int(tokens), max(n, 1))
-        return [base + (1 if i < extra else 0) for i in range(n)]
-    hints = [int(t) for t in tokens]
-    if len(hints) != n:
-        raise ValueError(f"{len(hints)} token counts for {n} keys")
-    if any(t < 0 for t in hints):
-        raise ValueError("token counts must be >= 0")
-    return hints
-
-
 def _failure_of(exc: BaseException, timeout_s: float) -> tuple[str, str]:
     if isinstance(exc, asyncio.TimeoutError):
         return "read_timeout", f"get ran past get-timeout-s ({timeout_s} s)"
     return "read_failed", f"{type(exc).__name__}: {exc}"
-
-
-def _notify(e: _Entry) -> None:
-    waiting, e.waiting = e.waiting, []
-    for req in waiting:
-        req.key_done()
-
-
-def _consume_exception(fut: asyncio.Future) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
-class _Answer:
-    """One get's rows, prepared once for the many requests that take slices of it.
-
-    A mass resume slices each get's answer once per request (32 requests of 16 fields
-    per get): the per-field offsets are read into Python lists once here, and fields
-    whose offsets are equal (the token fields, the scalars, the hashes) share one rebased
-    offsets array per slice, made read-only so no consumer can change one field's
-    layout through another.
-    """
-
-    __slots__ = ("batch", "_fields", "_single", "_offsets")
-
-    def __init__(self, batch: PackedBatch):
-        self.batch = batch
-        self._fields: Optional[list] = None  # (name, values, offsets list, present, group), built on first slice
-        self._single: list[np.ndarray] = []  # per group: read-only [n, 2] rows of [0, row length]
-        self._offsets: list[np.ndarray] = []  # per group: the answer's offsets (int64)
-
-    def _prepare(self) -> list:
-        fields = []
-        groups: list[np.ndarray] = []  # one offsets array per distinct layout
-        for name, f in self.batch.fields.items():
-            g = -1
-            for j, other in enumerate(groups):
-                if other is f.offsets or (other.shape == f.offsets.shape and np.array_equal(other, f.offsets)):
-                    g = j
-                    break
-            if g < 0:
-                g = len(groups)
-                groups.append(f.offsets)
-            fields.append((name, f.values, f.offsets.tolist(), f.present, g))
-        for offsets in groups:
-            self._offsets.append(np.asarray(offsets, dtype=np.int64))
-            # A one-row slice's offsets are a row of this table: a view, no arithmetic.
-            single = np.zeros((len(offsets) - 1, 2), dtype=np.int64)
-            np.subtract(offsets[1:], offsets[:-1], out=single[:, 1])
-            single.flags.writeable = False
-            self._single.append(single)
-        self._fields = fields
-        return fields
-
-    def slice(self, lo: int, hi: int) -> PackedBatch:
-        """Rows ``lo:hi`` as views of the answer's buffers (offsets rebased), no copy."""
-        if lo == 0 and hi == len(self.batch):
-            return self.batch
-        fields = self._fields if self._fields is not None else self._prepare()
-        shared: dict[int, np.ndarray] = {}
-        out = {}
-        for name, values, offs, present, g in fields:
-            start = offs[lo]
-            rebased = shared.get(g)
-            if rebased is None:
-                if hi == lo + 1:
-                    rebased = self._single[g][lo]
-                else:
-                    rebased = self._offsets[g][lo : hi + 1] - start
-                    rebased.flags.writeable = False
-                shared[g] = rebased
-            if present is not None:
-                present = present[lo:hi]
-                if present.all():
-                    present = None
-            out[name] = PackedField(values[start : offs[hi]], rebased, present)
-        return PackedBatch(self.batch.keys[lo:hi], out)
-

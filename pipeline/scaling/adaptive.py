@@ -15,7 +15,7 @@ import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 from distributed.deploy.adaptive import Adaptive
 
@@ -110,8 +110,8 @@ class TokenCaptureAdaptive(Adaptive):
     def __init__(self, cluster: Any = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(cluster, *args, **kwargs)
         self.decisions: deque[ScalingDecision] = deque(maxlen=int(config.get("dashboard.history")))
-        self.last_decision: Optional[ScalingDecision] = None
-        self._last_published: Optional[tuple[str, str, int]] = None
+        self.last_decision: ScalingDecision | None = None
+        self._last_published: tuple[str, str, int] | None = None
         self._probe_after = 0.0  # monotonic s; skip the signal RPC until then
         if cluster is not None and config.get("scaling.ensure-finalize-resource"):
             ensure_finalize_resource(cluster)

@@ -15,7 +15,7 @@ import numpy as np
 
 from tasks.errors import InvalidKey, InvalidStoreRequest, StoreError, StoreUnavailable
 from tasks.keys import STAGING_PARTITION as DEFAULT_PARTITION, unit_for_key
-from tasks.packed import PackedBatch, PackedField, row_nbytes, slice_rows, take_rows
+from tasks.packed import PackedBatch, PackedField, payload_bytes_per_row, slice_rows, take_rows
 
 from .. import config
 from ..actors import current_workers, start_pinned_actors
@@ -137,7 +137,7 @@ class StagingStore:
                 return [], {k if isinstance(k, str) else repr(k): (INVALID_BATCH, problem) for k in batch.keys}
         where, failed = self._route(batch.keys)
         max_bytes = config.get_bytes("store.max-call-bytes")
-        row_bytes = row_nbytes(batch)
+        row_bytes = payload_bytes_per_row(batch)
         parts = []
         for u in range(len(self.units)):
             idx = np.flatnonzero(where == u)

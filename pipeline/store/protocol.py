@@ -3,8 +3,9 @@
 What a storage unit and the client exchange besides the packed rows themselves:
 :class:`StoreResult` / :class:`GetResult` (per-key outcomes), the per-key reason words
 (defined here once), the checks both sides apply to partitions, keys and packed fields,
-key/field lists packed as one msgpack buffer, and :class:`StoreLike`, the duck type of
-a store. No Dask import: the restore coalescer uses the reason words too.
+key/field lists packed as one msgpack buffer, and the duck types of a store
+(:class:`StoreLike`, :class:`PlacedStoreLike`, :class:`AsyncStoreLike`). No Dask
+import: the restore coalescer uses the reason words too.
 """
 from __future__ import annotations
 
@@ -69,6 +70,27 @@ class StoreLike(Protocol):
     def get_many(self, keys: Sequence[str], fields: Sequence[str] | None = None, partition: str = ...) -> GetResult: ...
 
     def delete(self, keys: Sequence[str], partition: str = ...) -> StoreResult: ...
+
+
+class PlacedStoreLike(StoreLike, Protocol):
+    """A :class:`StoreLike` whose rows live on storage units: ``unit_workers[i]`` is the
+    address of the worker hosting unit ``i`` (rows are placed by rollout over the units)."""
+
+    @property
+    def unit_workers(self) -> Sequence[str]: ...
+
+
+class AsyncStoreLike(Protocol):
+    """The async twins of :class:`StoreLike`, for coroutines on a worker's event loop
+    (e.g. a :class:`StagingStore` inside an async actor)."""
+
+    async def put_many_async(self, batch: PackedBatch, partition: str = ..., adopt: bool = False) -> StoreResult: ...
+
+    async def get_many_async(
+        self, keys: Sequence[str], fields: Sequence[str] | None = None, partition: str = ...
+    ) -> GetResult: ...
+
+    async def delete_async(self, keys: Sequence[str], partition: str = ...) -> StoreResult: ...
 
 
 def check_partition(partition: object, allowed: Sequence[str] | None = None) -> str:

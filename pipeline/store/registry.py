@@ -13,7 +13,6 @@ two units may in principle pin different specs for one field. The client's merge
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 Spec = tuple[str, tuple[int, ...]]  # (numpy dtype string, trailing shape)
 
@@ -30,7 +29,7 @@ class FieldRegistry:
 
     specs: dict[str, Spec] = field(default_factory=dict)
 
-    def mismatch(self, name: str, spec: Spec) -> Optional[str]:
+    def mismatch(self, name: str, spec: Spec) -> str | None:
         """``None`` if ``spec`` agrees with the pinned one (or none is pinned), else a detail
         naming the field, the existing and the incoming dtype/trailing shape."""
         have = self.specs.get(name)
@@ -55,7 +54,7 @@ class PartitionRegistry:
             reg = self.partitions[partition] = FieldRegistry()
         return reg
 
-    def get(self, partition: str) -> Optional[FieldRegistry]:
+    def get(self, partition: str) -> FieldRegistry | None:
         return self.partitions.get(partition)
 
     def to_dict(self) -> dict[str, dict[str, list]]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import shutil
 import struct
-from typing import Iterator, Mapping, Optional
+from typing import Iterator, Mapping
 
 import msgpack
 import numpy as np
@@ -170,7 +170,7 @@ class SpillMapping(zict.Buffer):
     def spilled_rows(self) -> int:
         return len(self.slow)
 
-    def row_weight(self, key: str) -> Optional[int]:
+    def row_weight(self, key: str) -> int | None:
         """Stored weight of a key in memory, or ``None`` if it is on disk / absent."""
         return self.fast.weights.get(key)
 

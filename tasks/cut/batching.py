@@ -9,7 +9,7 @@ its slices. Per-row Python only, never per token. docs/design.md, "Checkpoint cu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Optional, Sequence
+from typing import Hashable, Iterable, Sequence
 
 import numpy as np
 
@@ -75,7 +75,7 @@ def row_signature(row: StagedRow) -> Signature:
     return sig
 
 
-def row_nbytes(row: StagedRow) -> int:
+def put_nbytes(row: StagedRow) -> int:
     """Bytes the row adds to a packed put: token payload + routed experts + fixed fields."""
     ids = sum(len((getattr(row, n) or "").encode("utf-8")) for n in ID_FIELDS)
     routes = row.routed_experts.nbytes if (row.routes_encoding and row.routed_experts is not None) else 0
@@ -139,7 +139,7 @@ class BatchPlanner:
 def plan_batches(
     tokens: Sequence[int],
     nbytes: Sequence[int],
-    signatures: Optional[Sequence[Signature]] = None,
+    signatures: Sequence[Signature] | None = None,
     *,
     limits: BatchLimits,
 ) -> list[PlannedBatch]:
@@ -157,17 +157,17 @@ def plan_batches(
 
 
 def plan_rows(rows: Iterable[StagedRow], *, limits: BatchLimits) -> list[PlannedBatch]:
-    """:func:`plan_batches` over staged (prefix) rows: delta_len tokens, :func:`row_nbytes` bytes."""
+    """:func:`plan_batches` over staged (prefix) rows: delta_len tokens, :func:`put_nbytes` bytes."""
     rows = list(rows)
     return plan_batches(
-        [r.delta_len for r in rows], [row_nbytes(r) for r in rows], [row_signature(r) for r in rows], limits=limits
+        [r.delta_len for r in rows], [put_nbytes(r) for r in rows], [row_signature(r) for r in rows], limits=limits
     )
 
 
 # ---- frozen chunks packed straight into batch buffers ----------------------------------
 
 # (ids <i8[n], logprobs <f4[n], routes <i2[n, L, K] or None): one piece of generated tokens.
-Part = tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]
+Part = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 _IDS = TOKEN_FIELDS["token_ids"]
 _LOGPROBS = TOKEN_FIELDS["logprobs"]
 _TOKEN_SIGNATURE = tuple((name, dt.str, ()) for name, dt in TOKEN_FIELDS.items())
@@ -187,13 +187,13 @@ class PrefixChunk:
     key: str
     rollout_id: str
     model_call_id: str
-    parent_call_id: Optional[str]
+    parent_call_id: str | None
     prev_len: int
     weight_version: int
-    context_ids: Optional[np.ndarray]
-    context_routes: Optional[np.ndarray]
+    context_ids: np.ndarray | None
+    context_routes: np.ndarray | None
     parts: Sequence[Part]
-    routes_shape: Optional[tuple[int, int]]
+    routes_shape: tuple[int, int] | None
     chain_hash: bytes
     cumulative_hash: bytes
     delta_len: int = 0  # tokens (filled by __post_init__)
@@ -242,7 +242,7 @@ class PrefixChunk:
                                    f"of length {len(h) if isinstance(h, (bytes, bytearray)) else '?'}")
         self.delta_len = n
 
-    def _check(self, what: str, a: object, dtype: np.dtype, length: Optional[int]) -> int:
+    def _check(self, what: str, a: object, dtype: np.dtype, length: int | None) -> int:
         """Length (tokens) of ``a`` if it is a 1-D ``dtype`` array of ``length``, else raise."""
         if not isinstance(a, np.ndarray) or a.ndim != 1 or a.dtype != dtype:
             got = f"{a.dtype.str}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
@@ -251,7 +251,7 @@ class PrefixChunk:
             raise InvalidChunk(f"{self.key}: {what} has {len(a)} tokens, its ids {length}")
         return len(a)
 
-    def _check_routes(self, what: str, a: object, n: int, rs: Optional[tuple]) -> None:
+    def _check_routes(self, what: str, a: object, n: int, rs: tuple | None) -> None:
         if rs is None:
             if a is not None:
                 raise InvalidChunk(f"{self.key}: {what} given but routes_shape is None")
@@ -269,7 +269,7 @@ class PrefixChunk:
 
     @property
     def nbytes(self) -> int:
-        """Same value as :func:`row_nbytes` of the row this chunk packs to (bytes)."""
+        """Same value as :func:`put_nbytes` of the row this chunk packs to (bytes)."""
         per_token = 16 + (0 if self.routes_shape is None else 2 * self.routes_shape[0] * self.routes_shape[1])
         ids = len(self.rollout_id.encode("utf-8")) + len(self.model_call_id.encode("utf-8"))
         ids += len((self.parent_call_id or "").encode("utf-8"))

@@ -9,7 +9,7 @@ run over the whole prefix at once. Cut row format and check order: docs/design.m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -67,14 +67,14 @@ class ResumePrefix:
 
     rollout_id: str
     model_call_id: str
-    parent_call_id: Optional[str]
+    parent_call_id: str | None
     weight_version: int
     keys: tuple[str, ...]
     chunk_lengths: tuple[int, ...]  # tokens per chunk, chain order
     token_ids: np.ndarray  # int64[T]
     token_mask: np.ndarray  # float32[T]
     logprobs: np.ndarray  # float32[T]
-    routed_experts: Optional[np.ndarray]  # int16[T, L, K] or None
+    routed_experts: np.ndarray | None  # int16[T, L, K] or None
     context_tokens: int  # leading mask-0 tokens (the call's carried context)
     prefix_digest: bytes
 
@@ -107,9 +107,9 @@ class PrefixVerdict:
     """``usable`` with the prefix to resume from, or not, with a reason and detail."""
 
     usable: bool
-    reason: Optional[str] = None
+    reason: str | None = None
     detail: str = ""
-    prefix: Optional[ResumePrefix] = field(default=None, repr=False)
+    prefix: ResumePrefix | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
@@ -140,9 +140,9 @@ def verify_prefix(
     rows: PackedBatch,
     continuation: Any,
     *,
-    vocab_size: Optional[int] = None,
-    num_experts: Optional[int] = None,
-    routes_shape: Optional[tuple[int, int]] = None,
+    vocab_size: int | None = None,
+    num_experts: int | None = None,
+    routes_shape: tuple[int, int] | None = None,
 ) -> PrefixVerdict:
     """Verify ``rows`` (the chunks read for ``continuation``'s keys, in chain order).
 
@@ -177,7 +177,7 @@ def verify_prefix(
             return PrefixVerdict.unusable(reasons.INVALID_STAGING_ROW, f"{rows.keys[i]!r} has no {name!r}")
 
     # ---- per chunk, chain order ----
-    chain: Optional[bytes] = None
+    chain: bytes | None = None
     cumulative = hashing.prefix_state()
     total = 0
     parent = weight_version = None
@@ -284,7 +284,7 @@ def _span(rows: PackedBatch, name: str) -> np.ndarray:
     return f.values[int(f.offsets[0]) : int(f.offsets[-1])]
 
 
-def _check_keys(keys: tuple[str, ...]) -> Optional[tuple[str, str]]:
+def _check_keys(keys: tuple[str, ...]) -> tuple[str, str] | None:
     call = None
     for i, key in enumerate(keys):
         try:
@@ -300,7 +300,7 @@ def _check_keys(keys: tuple[str, ...]) -> Optional[tuple[str, str]]:
     return None
 
 
-def _check_prefix_mask(mask: np.ndarray) -> Optional[tuple[str, str]]:
+def _check_prefix_mask(mask: np.ndarray) -> tuple[str, str] | None:
     """Zeros (context) then ones (generated); unlike a staged delta, no 1 is required."""
     is_one = mask == 1.0
     if not np.all(is_one | (mask == 0.0)):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable
 
 import numpy as np
 
@@ -34,7 +34,7 @@ EMPTY_PREFIX = "empty_prefix"
 FAILURE_REASONS = (CUT_ERROR, CONTROL_DEADLINE, GENERATION_LOST, UNKNOWN_CALL, EMPTY_PREFIX)
 
 CallId = tuple[str, str]
-InventoryEntry = Union[CallId, list, str]
+InventoryEntry = CallId | list | str
 
 
 # ---- digests ---------------------------------------------------------------------------
@@ -52,7 +52,7 @@ def extend_prefix_digest(state: "hashlib._Hash", token_ids: np.ndarray) -> bytes
     return state.digest()
 
 
-def prefix_digest(token_ids: Union[np.ndarray, Iterable[np.ndarray]]) -> bytes:
+def prefix_digest(token_ids: np.ndarray | Iterable[np.ndarray]) -> bytes:
     """Prefix digest of a whole prefix: one array, or its chunks in chain order."""
     h = prefix_state()
     chunks = [token_ids] if isinstance(token_ids, np.ndarray) else token_ids
@@ -62,7 +62,7 @@ def prefix_digest(token_ids: Union[np.ndarray, Iterable[np.ndarray]]) -> bytes:
     return out
 
 
-def normalize_inventory(inventory: Optional[Iterable[InventoryEntry]]) -> Optional[list[CallId]]:
+def normalize_inventory(inventory: Iterable[InventoryEntry] | None) -> list[CallId] | None:
     """``(rollout_id, model_call_id)`` pairs in first-seen order, duplicates dropped.
 
     Entries may be pairs or staging keys ``"rollout/call"``. ``None`` stays ``None``
@@ -89,7 +89,7 @@ def normalize_inventory(inventory: Optional[Iterable[InventoryEntry]]) -> Option
     return list(out)
 
 
-def inventory_digest(inventory: Optional[Iterable[InventoryEntry]]) -> bytes:
+def inventory_digest(inventory: Iterable[InventoryEntry] | None) -> bytes:
     """Order-free digest of an inventory (see module docstring); part of the cache key."""
     pairs = normalize_inventory(inventory)
     h = hashlib.sha256(TAG_INVENTORY)
@@ -114,8 +114,8 @@ class CallAck:
     status: str
     staging_keys: tuple[str, ...] = ()
     prefix_tokens: int = 0
-    prefix_digest: Optional[bytes] = None
-    reason: Optional[str] = None
+    prefix_digest: bytes | None = None
+    reason: str | None = None
     detail: str = ""
     total_tokens: int = 0  # for ``completed``: tokens the finished call holds (context + generated)
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -100,7 +100,7 @@ def field_ok(batch, name: str, dtype: str, n: int) -> bool:
     return True
 
 
-def cell(batch, name: str, i: int) -> Optional[np.ndarray]:
+def cell(batch, name: str, i: int) -> np.ndarray | None:
     f = batch.fields[name]
     if f.present is not None and not bool(f.present[i]):
         return None
@@ -144,7 +144,7 @@ def read_row(batch, i: int) -> dict:
     return row
 
 
-def routes_cell(routes, key: str) -> Optional[np.ndarray]:
+def routes_cell(routes, key: str) -> np.ndarray | None:
     if routes is None:
         return None
     idx = -1
@@ -169,7 +169,7 @@ def routes_cell(routes, key: str) -> Optional[np.ndarray]:
 # ---- the rules -----------------------------------------------------------------------------
 
 
-def call_digest(rid: str, row: dict, experts: Optional[np.ndarray]) -> bytes:
+def call_digest(rid: str, row: dict, experts: np.ndarray | None) -> bytes:
     data = TAG_CALL
     data += u(row["schema_version"] & 0xFFFF, 2) + u(row["digest_version"], 2)
     data += framed(rid) + framed(row["model_call_id"])
@@ -190,7 +190,7 @@ def call_digest(rid: str, row: dict, experts: Optional[np.ndarray]) -> bytes:
     return hashlib.sha256(data).digest()
 
 
-def content_reason(ids: list[int], mask: list[float], lps: list[float], vocab_size: int) -> Optional[str]:
+def content_reason(ids: list[int], mask: list[float], lps: list[float], vocab_size: int) -> str | None:
     for m in mask:
         if m != 0.0 and m != 1.0:
             return "invalid_mask_order"
@@ -221,7 +221,7 @@ def content_reason(ids: list[int], mask: list[float], lps: list[float], vocab_si
     return None
 
 
-def _verify(plan, rows, routes, vocab_size: int, num_experts: Optional[int]) -> Linearized:
+def _verify(plan, rows, routes, vocab_size: int, num_experts: int | None) -> Linearized:
     rid = plan.rollout_id
     chain = plan.chain
     root_enc = chain[0].routes_encoding
@@ -313,7 +313,7 @@ def _verify(plan, rows, routes, vocab_size: int, num_experts: Optional[int]) -> 
     )
 
 
-def reference_verify_rollout(plan, rows, routes, *, vocab_size: int, num_experts: Optional[int]) -> RolloutResult:
+def reference_verify_rollout(plan, rows, routes, *, vocab_size: int, num_experts: int | None) -> RolloutResult:
     """Same signature and verdicts as :func:`tasks.finalize.verify.verify_rollout`, per token."""
     try:
         lin = _verify(plan, rows, routes, vocab_size, num_experts)
@@ -345,7 +345,7 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
 
 
-def reference_receipt_reason(raw: Any) -> Optional[str]:
+def reference_receipt_reason(raw: Any) -> str | None:
     """The rejection reason of one receipt dict by itself (``None``: usable)."""
     if not isinstance(raw, dict):
         return "invalid_receipt"

@@ -9,7 +9,7 @@ Low level (generation actors that cut and restore in-flight calls): :class:`Call
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Sequence
 
 import numpy as np
 
@@ -32,7 +32,7 @@ def call_id(turn: int) -> str:
     return f"call-{turn}"
 
 
-def parent_call_id(turn: int) -> Optional[str]:
+def parent_call_id(turn: int) -> str | None:
     """The parent call id of turn ``turn``: the previous turn, none for turn 0."""
     return None if turn == 0 else call_id(turn - 1)
 
@@ -48,7 +48,7 @@ class CallDelta:
     token_ids: np.ndarray
     token_mask: np.ndarray
     logprobs: np.ndarray
-    routed_experts: Optional[np.ndarray]
+    routed_experts: np.ndarray | None
 
     def __len__(self) -> int:
         return len(self.token_ids)
@@ -84,7 +84,7 @@ class CallState:
         prev_len: int,
         history_tail: np.ndarray,
         context: np.ndarray,
-        context_routes: Optional[np.ndarray],
+        context_routes: np.ndarray | None,
         max_new_tokens: int,
         routes_shape: tuple[int, int],
         with_routes: bool,
@@ -145,7 +145,7 @@ class CallState:
         return _readonly(self._lp[: self._n])
 
     @property
-    def routes(self) -> Optional[np.ndarray]:
+    def routes(self) -> np.ndarray | None:
         """int16[n_generated, L, K] routed experts of the generated tokens, or None."""
         return None if self._rt is None else _readonly(self._rt[: self._n])
 
@@ -224,7 +224,7 @@ def _as_tokens(a, what: str, vocab_size: int) -> np.ndarray:
     return a
 
 
-def _tail(policy: MoEPolicy, history, prev_len: Optional[int], what: str) -> tuple[int, np.ndarray]:
+def _tail(policy: MoEPolicy, history, prev_len: int | None, what: str) -> tuple[int, np.ndarray]:
     """(prev_len, last min(window, prev_len) tokens) of a full history or a tail of it."""
     h = _as_tokens(history, what, policy.vocab_size)
     if prev_len is None:
@@ -237,7 +237,7 @@ def _tail(policy: MoEPolicy, history, prev_len: Optional[int], what: str) -> tup
     return int(prev_len), h[len(h) - need :].copy()
 
 
-def _per_call(value: Union[int, Sequence[int]], n: int, what: str) -> list[int]:
+def _per_call(value: int | Sequence[int], n: int, what: str) -> list[int]:
     vals = [int(value)] * n if np.isscalar(value) else [int(v) for v in value]
     if len(vals) != n:
         raise InvalidCall("invalid_argument", f"{what}: {len(vals)} values for {n} calls")
@@ -251,9 +251,9 @@ def start_calls(
     rollout_ids: Sequence[str],
     histories: Sequence[np.ndarray],
     contexts: Sequence[np.ndarray],
-    max_new_tokens: Union[int, Sequence[int]],
+    max_new_tokens: int | Sequence[int],
     *,
-    prev_lens: Optional[Sequence[int]] = None,
+    prev_lens: Sequence[int] | None = None,
     with_routes: bool = True,
 ) -> list[CallState]:
     """Open one call per rollout, prefilling the routes of the context tokens.
@@ -286,7 +286,7 @@ def start_calls(
         ctx = _as_tokens(contexts[i], f"context of call {i} ({rid!r})", policy.vocab_size)
         prepared.append((rid, plen, tail, ctx))
     # One prefill pass over every context token of every call.
-    routes_of: list[Optional[np.ndarray]] = [None] * n
+    routes_of: list[np.ndarray | None] = [None] * n
     if with_routes:
         windows, positions = [], []
         for rid, plen, tail, ctx in prepared:
@@ -358,10 +358,10 @@ def resume_state(
     prefix_ids: np.ndarray,
     prefix_mask: np.ndarray,
     prefix_logprobs: np.ndarray,
-    prefix_routes: Optional[np.ndarray],
+    prefix_routes: np.ndarray | None,
     max_new_tokens: int,
     *,
-    prev_len: Optional[int] = None,
+    prev_len: int | None = None,
     verify: bool = False,
 ) -> CallState:
     """Rebuild an in-flight call from its saved prefix; continuing it with :func:`advance`
@@ -499,7 +499,7 @@ def make_group_specs(
     turns: int,
     tokens_per_turn: int,
     tool_tokens: int,
-    prompt_tokens: Union[int, np.ndarray],
+    prompt_tokens: int | np.ndarray,
     vocab_size: int,
     seed: int = 0,
 ) -> list[RolloutSpec]:
@@ -533,7 +533,7 @@ def start_turns(
     turn: int,
     histories: Sequence[np.ndarray],
     *,
-    prev_lens: Optional[Sequence[int]] = None,
+    prev_lens: Sequence[int] | None = None,
     with_routes: bool = True,
 ) -> list[CallState]:
     """Open call ``turn`` of each rollout: context = prompt (turn 0) or tool tokens.
@@ -560,7 +560,7 @@ def generate_rollouts(
     policy: MoEPolicy,
     specs: Sequence[RolloutSpec],
     *,
-    env: Optional[ToolEnvironment] = None,
+    env: ToolEnvironment | None = None,
     weight_version: int = 0,
     with_routes: bool = True,
 ) -> list[GeneratedRollout]:
