@@ -1,0 +1,1 @@
+"""Dask wiring of the engines of :mod:`tasks.engines` (optional extras)."""

@@ -1,0 +1,92 @@
+"""The Hugging Face MoE engine as Dask work: rollouts generated and staged on workers
+(only token-free receipts come back), and the teacher-forced fidelity check run where the
+finalized groups live. Needs the ``hf`` extra (transformers).
+
+The engine's data ranges come from ``token-capture.policy`` (``vocab-size``, ``layers``,
+``experts``, ``top-k``, ``seed``, ``threads``), the keys the Finalizer's ranges default to,
+so staged rows, verification and the model agree; the architecture (``arch``, ``hidden``,
+``heads``, ...) is given as overrides. docs/design.md, "A real MoE engine".
+"""
+from __future__ import annotations
+
+import functools
+import threading
+from typing import Any, Mapping, Sequence
+
+from tasks.engines.hf_moe import FidelityReport, HFMoEConfig, HFMoEEngine, check_group, generate_rollouts
+from tasks.receipts import Receipt
+from tasks.toy.rollouts import RolloutSpec
+
+from .. import config
+from ..capture import stage_rollouts
+from ..store.protocol import StoreLike
+
+# token-capture.policy keys the HF engine shares with the toy policy (data ranges and seed).
+SHARED_POLICY_KEYS = ("vocab-size", "layers", "experts", "top-k", "seed", "threads")
+
+
+def engine_config(overrides: Mapping[str, Any] | None = None) -> HFMoEConfig:
+    """The engine config: the shared ``policy`` keys, then ``overrides`` (dashes or underscores)."""
+    policy = config.get("policy")
+    settings: dict[str, Any] = {k: policy[k] for k in SHARED_POLICY_KEYS}
+    for key, value in (overrides or {}).items():
+        settings.pop(str(key).replace("_", "-"), None)
+        settings[key] = value
+    return HFMoEConfig.from_mapping(settings)
+
+
+_ENGINE_LOCK = threading.Lock()  # worker threads share one engine; build it once
+
+
+@functools.lru_cache(maxsize=2)
+def _engine(cfg: HFMoEConfig) -> HFMoEEngine:
+    return HFMoEEngine(cfg)
+
+
+def engine_from_config(overrides: Mapping[str, Any] | None = None) -> HFMoEEngine:
+    """The engine of :func:`engine_config`, built once per process (weights derive from the
+    seed, so every worker builds the same model: compare :attr:`HFMoEEngine.fingerprint`)."""
+    cfg = engine_config(overrides)
+    with _ENGINE_LOCK:
+        return _engine(cfg)
+
+
+def finalizer_ranges(overrides: Mapping[str, Any] | None = None) -> dict[str, int]:
+    """``vocab_size`` and ``num_experts`` to give :class:`pipeline.finalize.controller.Finalizer`."""
+    cfg = engine_config(overrides)
+    return {"vocab_size": cfg.vocab_size, "num_experts": cfg.experts}
+
+
+def generate_and_stage(
+    store: StoreLike,
+    specs: Sequence[RolloutSpec],
+    overrides: Mapping[str, Any] | None = None,
+    weight_version: int = 0,
+) -> list[Receipt]:
+    """Task body: generate ``specs`` with the HF engine, stage their rows in ONE put, return receipts."""
+    rollouts = generate_rollouts(engine_from_config(overrides), specs, weight_version=weight_version)
+    return stage_rollouts(store, rollouts)
+
+
+def submit_generation(client: Any, store: StoreLike, groups: Sequence[Sequence[RolloutSpec]], **kwargs: Any) -> list[Any]:
+    """One HF generation task per group on the cluster; futures of each group's receipts.
+    ``kwargs``: ``overrides``, ``weight_version``."""
+    return [
+        client.submit(generate_and_stage, store, list(specs), pure=False, **kwargs)
+        for specs in groups
+        if specs
+    ]
+
+
+def check_fidelity(group: Any, overrides: Mapping[str, Any] | None = None) -> FidelityReport:
+    """Task body: the teacher-forced check over every accepted row of a FinalizedGroup."""
+    return check_group(engine_from_config(overrides), group)
+
+
+def submit_fidelity(client: Any, group_futures: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """One fidelity task per finalized group future (e.g. ``StepHandle.group_futures``,
+    taken before ``result()`` frees them), run where the group's tensors are."""
+    return {
+        gid: client.submit(check_fidelity, fut, overrides, pure=False)
+        for gid, fut in group_futures.items()
+    }

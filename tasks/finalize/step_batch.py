@@ -1,0 +1,202 @@
+"""One training batch per step: a step's FinalizedGroups become one dict of torch tensors.
+
+``B`` rows (every row of every group, rejected rows included, in group order) right-padded
+to the step's longest row ``T`` (tokens). Keys and dtypes: ``input_ids`` int64 [B, T]
+(``pad_id`` past each row's length), ``attention_mask`` int64 [B, T] (1 on real tokens),
+``position_ids`` int64 [B, T] (0..len-1, 0 on padding), ``loss_mask`` float32 [B, T]
+(generated tokens of accepted rows), ``old_logprobs`` float32 [B, T] (0 off ``loss_mask``),
+``rewards``, ``advantages``, ``sample_mask`` float32 [B], ``token_advantages`` float32
+[B, T], ``group_index``, ``input_lengths``, ``prompt_lengths`` int64 [B], ``has_routes``
+bool [B], and ``routed_experts`` int16 [B, T, L, K] only when some row has routes.
+
+Advantages are GRPO's outcome advantages over each group's ACCEPTED rows only (mean and
+unbiased ``torch.std``, as verl's ``compute_grpo_outcome_advantage``), computed in float64
+and never NaN or inf; rejected rows and groups with fewer than two accepted rows get 0.
+Vectorized over the whole step (a Python loop over groups, never over rows or tokens).
+docs/design.md section 4 says why each convention was chosen.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import InvalidInput
+from ..schema import ROUTES_DTYPE
+from .assemble import FinalizedGroup
+
+_F32_MAX = float(torch.finfo(torch.float32).max)
+_ROUTES_TORCH = torch.from_numpy(np.zeros(0, dtype=ROUTES_DTYPE)).dtype  # int16
+
+# (field, dtype, trailing shape rule): "n" = [n], "nt" = [n, t]
+_FIELDS: tuple[tuple[str, torch.dtype, str], ...] = (
+    ("input_ids", torch.int64, "nt"),
+    ("logprobs", torch.float32, "nt"),
+    ("token_mask", torch.float32, "nt"),
+    ("input_lengths", torch.int64, "n"),
+    ("prompt_lengths", torch.int64, "n"),
+    ("sample_mask", torch.float32, "n"),
+    ("rewards", torch.float32, "n"),
+    ("has_routes", torch.bool, "n"),
+)
+
+
+def _bad(gi: int, what: str) -> InvalidInput:
+    return InvalidInput(f"step_batch: group {gi}: {what}")
+
+
+def _check_group(gi: int, g: Any) -> tuple[int, int]:
+    """Structure and finiteness of one group; returns its (rows, padded length)."""
+    if not isinstance(g, FinalizedGroup):
+        raise _bad(gi, f"expected a FinalizedGroup, got {type(g).__name__}")
+    ids = g.input_ids
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise _bad(gi, f"input_ids must be a 2-d tensor, got {getattr(ids, 'shape', type(ids).__name__)}")
+    n, t = (int(s) for s in ids.shape)
+    for name, dtype, rule in _FIELDS:
+        x = getattr(g, name)
+        want = (n, t) if rule == "nt" else (n,)
+        if not isinstance(x, torch.Tensor) or x.dtype != dtype or tuple(x.shape) != want:
+            got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            raise _bad(gi, f"{name} must be {dtype} {list(want)}, got {got}")
+    re = g.routed_experts
+    if re is not None and (not isinstance(re, torch.Tensor) or re.dtype != _ROUTES_TORCH or re.dim() != 4 or tuple(re.shape[:2]) != (n, t)):
+        got = f"{re.dtype} {tuple(re.shape)}" if isinstance(re, torch.Tensor) else type(re).__name__
+        raise _bad(gi, f"routed_experts must be None or {_ROUTES_TORCH} [{n}, {t}, L, K], got {got}")
+    lengths, prompts = g.input_lengths, g.prompt_lengths
+    if n and bool(((lengths < 0) | (lengths > t) | (prompts < 0) | (prompts > lengths)).any()):
+        raise _bad(gi, f"lengths out of range: need 0 <= prompt_lengths <= input_lengths <= {t}")
+    if n and not bool(((g.sample_mask == 0) | (g.sample_mask == 1)).all()):
+        raise _bad(gi, "sample_mask must hold only 0 and 1")
+    if n and not bool(torch.isfinite(g.rewards).all()):
+        row = int((~torch.isfinite(g.rewards)).nonzero()[0, 0])
+        raise _bad(gi, f"reward of row {row} is {float(g.rewards[row])} (rewards must be finite float32: |r| < 3.4e38)")
+    if n * t and not bool(torch.isfinite(g.logprobs).all()):
+        raise _bad(gi, "logprobs hold NaN or inf")
+    return n, t
+
+
+def _check_options(eps: float, pad_id: int) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise InvalidInput(f"step_batch: eps must be a finite number >= 0, got {eps!r}")
+    if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not -(2**63) <= pad_id < 2**63:
+        raise InvalidInput(f"step_batch: pad_id must be an int64 token id, got {pad_id!r}")
+
+
+def group_advantages(
+    rewards: torch.Tensor,
+    accepted: torch.Tensor,
+    group_index: torch.Tensor,
+    n_groups: int,
+    *,
+    eps: float = 1e-6,
+    normalize_std: bool = True,
+) -> torch.Tensor:
+    """GRPO outcome advantages, float32 [B]: per group, over accepted rows only,
+    ``(r - mean) / (std + eps)`` (``std`` unbiased) or ``r - mean`` without ``normalize_std``.
+
+    ``rewards`` float [B] (finite), ``accepted`` bool [B], ``group_index`` int64 [B] in
+    ``[0, n_groups)``. Rejected rows and groups with fewer than two accepted rows get 0.
+    Statistics are taken in float64: sums of float32 rewards cannot overflow there, and k
+    equal float32 rewards sum exactly, so a zero-spread group gets exactly 0 however large
+    its rewards. The result is clamped to float32's range (``r - mean`` can exceed it).
+    """
+    r = rewards.to(torch.float64)
+    acc = accepted.to(torch.float64)
+    count = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, acc)
+    total = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, r * acc)
+    mean = total / count.clamp(min=1)
+    dev = (r - mean[group_index]) * acc  # 0 on rejected rows
+    live = count >= 2
+    if normalize_std:
+        ss = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, group_index, dev * dev)
+        std = torch.sqrt(ss / (count - 1).clamp(min=1))
+        denom = std + eps
+        # A zero-spread group (std 0) with eps 0 would divide 0 by 0: its deviations are 0.
+        dev = dev / torch.where(denom > 0, denom, 1.0)[group_index]
+    out = torch.where(live[group_index] & accepted, dev, 0.0)
+    return out.clamp(-_F32_MAX, _F32_MAX).to(torch.float32)
+
+
+def step_batch(
+    groups: Sequence[FinalizedGroup],
+    *,
+    eps: float = 1e-6,
+    pad_id: int = 0,
+    normalize_std: bool = True,
+) -> dict[str, torch.Tensor]:
+    """Stack a step's groups (step order) into one padded batch; see the module docstring.
+
+    Raises :class:`tasks.errors.InvalidInput` naming the group and field for a group that is
+    not a well-formed FinalizedGroup, a non-finite reward or logprob, routes whose
+    ``[L, K]`` differ between groups, a negative or non-finite ``eps``, or a bad ``pad_id``.
+    """
+    if isinstance(groups, (FinalizedGroup, Mapping, str, bytes)) or not isinstance(groups, Sequence):
+        hint = " (pass list(step.groups.values()))" if isinstance(groups, Mapping) else ""
+        raise InvalidInput(f"step_batch: groups must be a sequence of FinalizedGroup, got {type(groups).__name__}{hint}")
+    _check_options(eps, pad_id)
+    shapes = [_check_group(gi, g) for gi, g in enumerate(groups)]
+    route_shapes = {tuple(g.routed_experts.shape[2:]) for g in groups if g.routed_experts is not None}
+    if len(route_shapes) > 1:
+        raise InvalidInput(f"step_batch: routed_experts [L, K] differ between groups: {sorted(route_shapes)}")
+    B = sum(n for n, _ in shapes)
+    T = max((t for _, t in shapes), default=0)
+
+    input_ids = torch.full((B, T), pad_id, dtype=torch.int64)
+    token_mask = torch.zeros((B, T), dtype=torch.float32)
+    logprobs = torch.zeros((B, T), dtype=torch.float32)
+    routes = None
+    if route_shapes:
+        routes = torch.zeros((B, T) + next(iter(route_shapes)), dtype=_ROUTES_TORCH)
+    row = 0
+    for g, (n, t) in zip(groups, shapes):  # one slice copy per field and group
+        input_ids[row:row + n, :t] = g.input_ids
+        token_mask[row:row + n, :t] = g.token_mask
+        logprobs[row:row + n, :t] = g.logprobs
+        if routes is not None and g.routed_experts is not None:
+            routes[row:row + n, :t] = g.routed_experts
+        row += n
+
+    def cat(name: str, dtype: torch.dtype) -> torch.Tensor:
+        return torch.cat([getattr(g, name) for g in groups]) if B else torch.zeros(0, dtype=dtype)
+
+    input_lengths = cat("input_lengths", torch.int64)
+    prompt_lengths = cat("prompt_lengths", torch.int64)
+    sample_mask = cat("sample_mask", torch.float32)
+    rewards = cat("rewards", torch.float32)
+    has_routes = cat("has_routes", torch.bool)
+    group_index = torch.repeat_interleave(torch.arange(len(groups), dtype=torch.int64), torch.tensor([n for n, _ in shapes], dtype=torch.int64))
+
+    positions = torch.arange(T, dtype=torch.int64).expand(B, T)
+    real = positions < input_lengths[:, None]
+    attention_mask = real.to(torch.int64)
+    position_ids = positions * attention_mask
+    input_ids.masked_fill_(~real, pad_id)  # the groups were padded with their own pad_id
+    accepted = sample_mask > 0
+    loss_mask = token_mask * real * sample_mask[:, None]
+    old_logprobs = torch.where(loss_mask > 0, logprobs, 0.0)
+    if routes is not None:
+        routes.masked_fill_(~(real & has_routes[:, None])[:, :, None, None], 0)
+    advantages = group_advantages(rewards, accepted, group_index, len(groups), eps=float(eps), normalize_std=normalize_std)
+
+    batch = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+        "loss_mask": loss_mask,
+        "old_logprobs": old_logprobs,
+        "rewards": rewards,
+        "advantages": advantages,
+        "token_advantages": advantages[:, None] * loss_mask,
+        "sample_mask": sample_mask,
+        "group_index": group_index,
+        "input_lengths": input_lengths,
+        "prompt_lengths": prompt_lengths,
+        "has_routes": has_routes,
+    }
+    if routes is not None:
+        batch["routed_experts"] = routes
+    return batch
