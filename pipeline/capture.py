@@ -17,6 +17,7 @@ from tasks.receipts import Receipt
 from tasks.toy.rollouts import GeneratedRollout, RolloutSpec, generate_rollouts
 
 from . import config
+from .client.refusals import poison_refused
 from .store.protocol import StoreLike
 
 
@@ -38,8 +39,8 @@ def stage_rollouts(store: StoreLike, rollouts: Sequence[GeneratedRollout]) -> li
     """Stage every row of ``rollouts`` in ONE batched put; return their receipts.
 
     A row the store refuses (``key_conflict``, ``store_full``, ...) poisons its rollout's
-    receipt with that reason, so the finalizer rejects that rollout alone and nothing is
-    silently missing.
+    receipt with that reason (:func:`pipeline.client.refusals.poison_refused`), so the
+    finalizer rejects that rollout alone and nothing is silently missing.
     """
     rows = [r for ro in rollouts for r in ro.rows]
     receipts = [ro.receipt for ro in rollouts]
@@ -47,12 +48,7 @@ def stage_rollouts(store: StoreLike, rollouts: Sequence[GeneratedRollout]) -> li
         return receipts
     batch: PackedBatch = pack_rows(rows)
     result = store.put_many(batch, partition=STAGING_PARTITION)
-    if result.failed:
-        for ro in rollouts:
-            bad = next((result.failed[k] for k in ro.staging_keys if k in result.failed), None)
-            if bad is not None and not ro.receipt.poisoned:
-                ro.receipt.poisoned = True
-                ro.receipt.failure_reason = f"staging_failed: {bad[0]}: {bad[1]}"
+    poison_refused(receipts, result.failed)
     return receipts
 
 

@@ -16,10 +16,12 @@ FINALIZE = "token-capture-finalize"
 reason -> count), internal_errors (rollouts the verifier failed on: bugs, not bad data,
 never in ``rejected``; optional, see :data:`FINALIZE_OPTIONAL`), fetch_ms, verify_ms,
 assemble_ms, queue_wait_ms, queue_depth, calls_per_rollout, fetch_calls, bytes_fetched,
-tokens; ``kind`` is ``"group"``. The controller's ``kind: "step"`` events on this topic
-carry the same counts summed over the step (count each rollout from one kind only)."""
+tokens, rejected_details (dict reason -> the first rejected row's detail for that reason,
+at most 200 characters, one entry per reason of ``rejected``; optional); ``kind`` is
+``"group"``. The controller's ``kind: "step"`` events on this topic carry the same counts
+summed over the step, without rejected_details (count each rollout from one kind only)."""
 
-FINALIZE_OPTIONAL: Mapping[str, Any] = {"internal_errors": 0}
+FINALIZE_OPTIONAL: Mapping[str, Any] = {"internal_errors": 0, "rejected_details": {}}
 """Finalize event keys an event may lack (older producers), with the value to read then."""
 
 CUT = "token-capture-cut"

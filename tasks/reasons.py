@@ -10,10 +10,13 @@ from __future__ import annotations
 
 # Check order (first failing rule decides):
 # receipt (tasks.finalize.plan), per receipt
-#     invalid_receipt (top-level types) -> capture_poisoned -> empty_manifest ->
-#     invalid_receipt (per record) -> duplicate_call_id -> duplicate_staging_key ->
-#     invalid_receipt (staging_key not derived from the ids) -> missing_terminal ->
-#     missing_parent (any record) -> lineage_cycle (any record);
+#     invalid_receipt (top-level types; reward not a finite float32) -> wrong_group
+#     (the receipt names a group other than the one it was submitted in) ->
+#     capture_poisoned -> empty_manifest -> invalid_receipt (per record) ->
+#     duplicate_call_id -> duplicate_staging_key -> invalid_receipt (staging_key not
+#     derived from the ids) -> missing_terminal -> missing_parent (any record) ->
+#     lineage_cycle (any record) -> terminal_not_leaf (a call of the receipt names the
+#     terminal as its parent);
 #     then across the step: duplicate_staging_key for every receipt sharing a rollout_id.
 # rows (tasks.finalize.chain / verify), call by call from the root to the terminal
 #     missing_staging_row -> invalid_staging_row (fields present, dtypes, ids decode,
@@ -35,6 +38,9 @@ EMPTY_MANIFEST = "empty_manifest"
 DUPLICATE_CALL_ID = "duplicate_call_id"
 DUPLICATE_STAGING_KEY = "duplicate_staging_key"
 MISSING_TERMINAL = "missing_terminal"
+# The receipt's group_id names a group other than the one it was submitted in. A receipt
+# without a group (group_id None or "") claims none and fits any group.
+WRONG_GROUP = "wrong_group"
 
 # row
 MISSING_STAGING_ROW = "missing_staging_row"
@@ -70,6 +76,9 @@ WRONG_FIELD_REASONS: tuple[str, ...] = tuple(f"wrong_{f}" for f in RECEIPT_COMPA
 MISSING_PARENT = "missing_parent"
 PARENT_LENGTH_MISMATCH = "parent_length_mismatch"
 LINEAGE_CYCLE = "lineage_cycle"
+# The terminal call has a staged child in the same receipt: the chain would stop short of
+# calls the rollout made after it (the training row would silently be truncated).
+TERMINAL_NOT_LEAF = "terminal_not_leaf"
 CHAIN_HASH_MISMATCH = "chain_hash_mismatch"
 CUMULATIVE_HASH_MISMATCH = "cumulative_hash_mismatch"
 
@@ -83,11 +92,26 @@ MISSING_ROUTES = "missing_routes"
 INVALID_ROUTES = "invalid_routes"
 
 RECEIPT_REASONS = frozenset(
-    {INVALID_RECEIPT, CAPTURE_POISONED, EMPTY_MANIFEST, DUPLICATE_CALL_ID, DUPLICATE_STAGING_KEY, MISSING_TERMINAL}
+    {
+        INVALID_RECEIPT,
+        WRONG_GROUP,
+        CAPTURE_POISONED,
+        EMPTY_MANIFEST,
+        DUPLICATE_CALL_ID,
+        DUPLICATE_STAGING_KEY,
+        MISSING_TERMINAL,
+    }
 )
 ROW_REASONS = frozenset({MISSING_STAGING_ROW, INVALID_STAGING_ROW, IDENTITY_MISMATCH, CORRUPT_DIGEST, *WRONG_FIELD_REASONS})
 LINEAGE_REASONS = frozenset(
-    {MISSING_PARENT, PARENT_LENGTH_MISMATCH, LINEAGE_CYCLE, CHAIN_HASH_MISMATCH, CUMULATIVE_HASH_MISMATCH}
+    {
+        MISSING_PARENT,
+        PARENT_LENGTH_MISMATCH,
+        LINEAGE_CYCLE,
+        TERMINAL_NOT_LEAF,
+        CHAIN_HASH_MISMATCH,
+        CUMULATIVE_HASH_MISMATCH,
+    }
 )
 CONTENT_REASONS = frozenset(
     {

@@ -92,17 +92,21 @@ def make_rollout(
         rows.append(gate.stage_call(cid, chain[-1] if chain else None, *d[:3], routed_experts=d[3], weight_version=weight_version))
         chain.append(cid)
     while b < len(branch_at):  # branches after the terminal call
-        parent = rows[int(rng.integers(0, len(rows)))]
+        parent_id = rows[int(rng.integers(0, len(rows)))].model_call_id
+        if parent_id == chain[-1]:  # the terminal stays a leaf: branch off its parent (or a new root)
+            parent_id = chain[-2] if len(chain) > 1 else None
         d = _delta(rng, 1, 2, vocab_size, routes)
-        rows.append(gate.stage_call(f"b{b}", parent.model_call_id, *d[:3], routed_experts=d[3], weight_version=weight_version))
+        rows.append(gate.stage_call(f"b{b}", parent_id, *d[:3], routed_experts=d[3], weight_version=weight_version))
         b += 1
     r = float(rng.normal()) if reward is None else reward
     receipt = gate.receipt(r, chain[-1])
     return Built(rollout_id, rows, receipt, chain, vocab_size, None if routes is None else routes[2])
 
 
-def make_group(rng: np.random.Generator, group_id: str, n: int, **kw) -> list[Built]:
-    return [make_rollout(rng, f"{group_id}-r{i}", group_id=group_id, **kw) for i in range(n)]
+def make_group(rng: np.random.Generator, group_id: str, n: int, rollout_prefix: str | None = None, **kw) -> list[Built]:
+    """``n`` rollouts of group ``group_id``, ids ``{rollout_prefix or group_id}-r{i}``."""
+    prefix = group_id if rollout_prefix is None else rollout_prefix
+    return [make_rollout(rng, f"{prefix}-r{i}", group_id=group_id, **kw) for i in range(n)]
 
 
 # ---- the store's two fetches ------------------------------------------------------------

@@ -44,14 +44,14 @@ def publish_run(client: Client, first_group: int = 0, groups: int = 6, collect: 
     Each group event carries its step's shared union-fetch time; ``collect`` adds the
     controller's step event. Returns the figures the page must show.
     """
-    expected: dict[str, Any] = {"rollouts": 0, "accepted": 0, "rejected": {}}
+    expected: dict[str, Any] = {"rollouts": 0, "accepted": 0, "rejected": {}, "details": {}}
     step_accepted = 0
     for i in range(first_group, first_group + groups):
         rej = REJECTIONS[i % len(REJECTIONS)]
         accepted = 4 - sum(rej.values())
         client.log_event(FINALIZE, dict(
             kind="group", step_id=f"step-{i // 2}", group_id=f"g{i}", rollouts=4, accepted=accepted,
-            rejected=rej, fetch_ms=8.0 + i // 2, verify_ms=30.0 + 4 * i, assemble_ms=2.0,
+            rejected=rej, rejected_details={r: f"{r} in g{i}" for r in rej}, fetch_ms=8.0 + i // 2, verify_ms=30.0 + 4 * i, assemble_ms=2.0,
             queue_wait_ms=5.0 * i, queue_depth=i % 4, calls_per_rollout=3, fetch_calls=1,
             bytes_fetched=4096, tokens=512,
         ))
@@ -60,6 +60,7 @@ def publish_run(client: Client, first_group: int = 0, groups: int = 6, collect: 
         step_accepted += accepted
         for reason, n in rej.items():
             expected["rejected"][reason] = expected["rejected"].get(reason, 0) + n
+            expected["details"][reason] = f"{reason} in g{i}"  # the latest detail per reason
         if collect and i % 2 == 1:
             k = i // 2
             client.log_event(FINALIZE, dict(
@@ -121,6 +122,7 @@ def test_aggregator_state_carries_the_run(run):
     assert s["totals"]["rollouts"] == expected["rollouts"]
     assert s["totals"]["accepted"] == expected["accepted"]
     assert s["rejected"] == expected["rejected"]
+    assert s["rejected_details"] == expected["details"]
     assert [st["step_id"] for st in s["steps"]] == ["step-0", "step-1", "step-2"]
     assert s["totals"]["groups"] == 6 and s["totals"]["steps"] == 3
     # the step event's figures win: fetch counted once per step, not once per group
@@ -142,10 +144,11 @@ JS_FIGURES = """
   const data = (name) => doc.get_model_by_name(name).data;
   const arr = (x) => Array.from(x);
   const split = data('tc-split'), out = data('tc-outcome'), cut = data('tc-cut');
-  const rst = data('tc-restore'), store = data('tc-store'), dec = data('tc-decisions');
+  const rst = data('tc-restore'), store = data('tc-store'), dec = data('tc-decisions'), rej = data('tc-rejections');
   return {
     steps: arr(split.step), step_rollouts: arr(split.rollouts), verify_ms: arr(split.verify_ms),
     outcome: Object.fromEntries(arr(out.outcome).map((o, i) => [o, out.count[i]])),
+    rejection_details: Object.fromEntries(arr(rej.reason).map((r, i) => [r, rej.detail[i]])),
     depth_points: data('tc-depth').queue_depth.length, wait_points: data('tc-queue').queue_wait_ms.length,
     fetch_ms: arr(split.fetch_ms), state: arr(split.state),
     cut_rows: arr(cut.rows), cut_failures: arr(cut.failures),
@@ -175,6 +178,7 @@ def test_page_renders_in_chromium_with_the_run_figures_and_updates_live(run):
         assert fig["fetch_ms"] == [8.0, 9.0, 10.0]
         assert fig["state"] == ["collected (verify-bound)"] * 3
         assert fig["outcome"] == {"accepted": expected["accepted"], **expected["rejected"]}
+        assert fig["rejection_details"] == expected["details"]
         assert fig["depth_points"] == 9 and fig["wait_points"] == 6
         assert fig["cut_rows"] == [14] and fig["cut_failures"] == ["durable_failure: 1"]
         assert fig["restore_gets"] == [3] and fig["restore_p99"] == [29.0]
@@ -202,6 +206,28 @@ def test_page_renders_in_chromium_with_the_run_figures_and_updates_live(run):
         live = browser.evaluate(JS_FIGURES)
         assert live["steps"][-1] == "step-3" and live["state"][-1] == "running"
         assert live["fetch_ms"][-1] == 11.0  # provisional: the shared fetch once, not per group
+
+
+def test_rejection_table_shows_the_last_detail_per_reason():
+    """The page's rejection table (source ``tc-rejections``): one row per reason, with its
+    count and the latest detail the group events carried (issue 11 #11)."""
+    from pipeline.dashboard.page import TokenCapturePage
+    from pipeline.dashboard.state import TokenCaptureState
+
+    class _Scheduler:
+        workers: dict = {}
+
+    agg = TokenCaptureState(history=8)
+    base = dict(kind="group", fetch_ms=1.0, verify_ms=1.0, assemble_ms=1.0, rollouts=4)
+    agg.ingest(FINALIZE, dict(base, rejected={"corrupt_digest": 2, "wrong_group": 1},
+                              rejected_details={"corrupt_digest": "old", "wrong_group": "names group 'g2'"}))
+    agg.ingest(FINALIZE, dict(base, rejected={"corrupt_digest": 1}, rejected_details={"corrupt_digest": "call 'c1'"}))
+    agg.ingest(FINALIZE, dict(base, rejected={"missing_parent": 1}))  # an older producer: no detail
+    page = TokenCapturePage(_Scheduler(), lambda _: agg)
+    page.update()
+    rows = {r: (n, d) for r, n, d in zip(page.rejections.data["reason"], page.rejections.data["count"], page.rejections.data["detail"])}
+    assert rows == {"corrupt_digest": (3, "call 'c1'"), "wrong_group": (1, "names group 'g2'"), "missing_parent": (1, "")}
+    assert [c.title for c in page.rejection_table.columns] == ["rejection reason", "rollouts", "last detail"]
 
 
 def test_install_on_a_running_cluster_serves_page_and_metrics():

@@ -49,3 +49,14 @@ def test_multi_worker_cluster_from_the_command_line():
     assert re.search(r"scheduler: tcp://127\.0\.0\.1:\d+", out), out
     m = re.search(r"step-0: (\d+)/(\d+) rollouts accepted", out)
     assert m and m.group(1) == m.group(2) == "2", out
+
+
+def test_hf_moe_rollouts_prints_faithful_fidelity_figures():
+    pytest.importorskip("transformers")
+    out = _run([sys.executable, str(EXAMPLES / "hf_moe_rollouts.py"), "--groups", "2", "--rollouts", "2", "--turns", "3", "--tokens-per-turn", "8"])
+    assert re.search(r"step-0: 4/4 accepted", out), out
+    assert re.search(r"route agreement: 100\.00% \(\d+/\d+ ", out), out
+    max_diff = float(re.search(r"max \|dlogprob\|: (\S+) nats \(tolerance (\S+)\)", out).group(1))
+    assert max_diff <= 1e-4, out
+    assert re.search(r"tokens compared: 96 generated tokens in 4 rows", out), out
+    assert "fidelity: OK" in out, out

@@ -33,6 +33,16 @@ from support import named_nanny_cluster, wait_for_names, wait_replaced
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
 
+@pytest.fixture(autouse=True)
+def keep_staged_rows():
+    """These tests read rows back after finalization: keep them (clear-staged is on by
+    default; tests/test_store_lifecycle.py covers clearing)."""
+    import dask
+
+    with dask.config.set({"token-capture.finalize.clear-staged": False}):
+        yield
+
+
 VOCAB, L, K, E = 64, 2, 2, 8
 
 
@@ -121,7 +131,7 @@ def assert_exactly_once(step, groups):
 def make_groups(tag: str, n_groups: int = 4, per_group: int = 4, seed: int = 0):
     rng = np.random.default_rng(seed)
     return {
-        f"g{g}": make_group(rng, f"{tag}g{g}", per_group, n_calls=3, routes=(L, K, E), vocab_size=VOCAB)
+        f"g{g}": make_group(rng, f"g{g}", per_group, rollout_prefix=f"{tag}g{g}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB)
         for g in range(n_groups)
     }
 

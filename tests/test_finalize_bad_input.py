@@ -28,6 +28,16 @@ from tasks.schema import ALL_FIELDS
 
 pytestmark = pytest.mark.timeout(120)
 
+@pytest.fixture(autouse=True)
+def keep_staged_rows():
+    """These tests read rows back after finalization: keep them (clear-staged is on by
+    default; tests/test_store_lifecycle.py covers clearing)."""
+    import dask
+
+    with dask.config.set({"token-capture.finalize.clear-staged": False}):
+        yield
+
+
 VOCAB, L, K, E = 64, 2, 2, 8
 
 
@@ -91,6 +101,7 @@ def build_cases(rng, store):
     d = receipt_dict(b)
     by_id = {c["model_call_id"]: c for c in d["calls"]}
     by_id["c2"]["parent_call_id"], by_id["c1"]["parent_call_id"] = "c0", "c2"
+    d["terminal_model_call_id"] = "c1"  # the claimed tree's leaf (a non-leaf terminal is terminal_not_leaf)
     cases.append((d, "wrong_parent_call_id"))
 
     b = resign(_built(rng, "parent-length"), shift_lengths("c2", 3))

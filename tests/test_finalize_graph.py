@@ -19,6 +19,14 @@ pytestmark = pytest.mark.timeout(120)
 VOCAB, L, K, E = 64, 2, 2, 8
 
 
+@pytest.fixture(autouse=True)
+def keep_staged_rows():
+    """These tests read rows back after finalization: keep them (clear-staged is on by
+    default; tests/test_store_lifecycle.py covers clearing)."""
+    with dask.config.set({"token-capture.finalize.clear-staged": False}):
+        yield
+
+
 @pytest.fixture
 def store(store_factory):
     # A small memory limit so rows really spill through zict to tmp_path.
@@ -84,7 +92,7 @@ METRIC_KEYS = (
 
 def test_step_with_routes_one_union_fetch_plus_routes(cluster_client, store):
     rng = np.random.default_rng(1)
-    groups = {f"g{g}": stage(store, make_group(rng, f"s1g{g}", 4, n_calls=3, routes=(L, K, E), n_branches=1)) for g in range(3)}
+    groups = {f"g{g}": stage(store, make_group(rng, f"g{g}", 4, rollout_prefix=f"s1g{g}", n_calls=3, routes=(L, K, E), n_branches=1)) for g in range(3)}
     fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E)
     handle = fin.submit_step({g: [b.receipt for b in bs] for g, bs in groups.items()}, step_id="routed")
     step = handle.result()
@@ -192,10 +200,10 @@ def test_several_steps_in_flight_and_queue_depth(cluster_client, store):
     assert handles[0].result() is results[0]  # collected once, cached
 
 
-def test_clear_staged_deletes_accepted_rollouts_only(cluster_client, store):
+def test_clear_staged_deletes_every_finalized_rollout(cluster_client, store):
     rng = np.random.default_rng(5)
     bs = stage(store, make_group(rng, "s5", 3, n_calls=2, n_branches=1))
-    # A rollout whose terminal row is missing is rejected; its rows must stay.
+    # A rollout whose terminal row is missing is rejected; it is finalized, so its rows go too.
     bad = stage(store, make_group(rng, "s5bad", 1, n_calls=2))[0]
     store.delete([f"{bad.rollout_id}/c1"])
     fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=None)
@@ -204,10 +212,9 @@ def test_clear_staged_deletes_accepted_rollouts_only(cluster_client, store):
         step = handle.result()
     assert step.groups["g0"].status == ["ok", "ok", "ok", "missing_staging_row"]
     cleared = handle.clear_future.result()
-    all_keys = [r.staging_key for b in bs for r in b.rows]  # branch calls included
+    all_keys = [r.staging_key for b in bs for r in b.rows] + [f"{bad.rollout_id}/c0"]  # branch calls included
     assert cleared["deleted"] == len(all_keys)
     assert set(store.get_many(all_keys, ["token_ids"]).failed) == set(all_keys)
-    assert not store.get_many([f"{bad.rollout_id}/c0"], ["token_ids"]).failed
 
 
 def test_bad_submissions_are_refused(cluster_client, store):

@@ -57,7 +57,7 @@ def cycle(tmp_path, tag: str, processes: bool) -> dict:
         local_dirs = list(client.run(lambda dask_worker: dask_worker.local_directory).values())
         store = StagingStore.start(client, n_units=2, memory_limit="8KiB", spill_directory=str(spill))
         rng = np.random.default_rng(0)
-        builts = make_group(rng, f"hy{tag}", 6, n_calls=3, routes=(L, K, E), vocab_size=VOCAB)
+        builts = make_group(rng, "g", 6, rollout_prefix=f"hy{tag}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB)
         assert not store.put_many(pack_rows([r for b in builts for r in b.rows])).failed
         assert files_under(spill), "rows must really spill for this test to mean anything"
         step = Finalizer(client, store, vocab_size=VOCAB, num_experts=E).submit_step({"g": [b.receipt for b in builts]}).result(timeout=60)

@@ -18,6 +18,16 @@ from tasks.schema import ALL_FIELDS, STAGING_FIELDS
 
 pytestmark = pytest.mark.timeout(120)
 
+@pytest.fixture(autouse=True)
+def keep_staged_rows():
+    """These tests read rows back after finalization: keep them (clear-staged is on by
+    default; tests/test_store_lifecycle.py covers clearing)."""
+    import dask
+
+    with dask.config.set({"token-capture.finalize.clear-staged": False}):
+        yield
+
+
 VOCAB, L, K, E = 64, 2, 2, 8
 
 

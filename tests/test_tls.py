@@ -36,6 +36,17 @@ pytestmark = [
     pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates"),
 ]
 
+
+@pytest.fixture(autouse=True)
+def keep_staged_rows():
+    """These tests read rows back after finalization: keep them (clear-staged is on by
+    default; tests/test_store_lifecycle.py covers clearing)."""
+    import dask
+
+    with dask.config.set({"token-capture.finalize.clear-staged": False}):
+        yield
+
+
 VOCAB, L, K, E = 64, 2, 2, 8
 
 
@@ -106,7 +117,7 @@ def test_pipeline_runs_over_tls(tls_cluster, tmp_path):
         assert all(a.startswith("tls://") for a in store.unit_workers)
         # Stage and finalize one step (union fetch + routes fetch + verify + assemble).
         rng = np.random.default_rng(0)
-        groups = {f"g{g}": make_group(rng, f"tls{g}", 4, n_calls=3, routes=(L, K, E), vocab_size=VOCAB) for g in range(2)}
+        groups = {f"g{g}": make_group(rng, f"g{g}", 4, rollout_prefix=f"tls{g}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB) for g in range(2)}
         assert not store.put_many(pack_rows([r for bs in groups.values() for b in bs for r in b.rows])).failed
         fin = Finalizer(client, store, vocab_size=VOCAB, num_experts=E)
         step = fin.submit_step({g: [b.receipt for b in bs] for g, bs in groups.items()}).result(timeout=60)

@@ -27,6 +27,16 @@ from test_verify import same_rows
 
 pytestmark = pytest.mark.timeout(120)
 
+@pytest.fixture(autouse=True)
+def keep_staged_rows():
+    """These tests read rows back after finalization: keep them (clear-staged is on by
+    default; tests/test_store_lifecycle.py covers clearing)."""
+    import dask
+
+    with dask.config.set({"token-capture.finalize.clear-staged": False}):
+        yield
+
+
 VOCAB, L, K, E = 64, 2, 2, 8
 
 
@@ -117,7 +127,7 @@ def inprocess_client():
 
 def test_graph_reports_internal_errors_in_group_event_and_step(monkeypatch, caplog, inprocess_client, tmp_path):
     client = inprocess_client
-    builts = make_group(np.random.default_rng(8), "ieg", 3, n_calls=2, routes=(L, K, E))
+    builts = make_group(np.random.default_rng(8), "g0", 3, rollout_prefix="ieg", n_calls=2, routes=(L, K, E))
     bad = builts[0].rollout_id
     with store_maker(client, tmp_path / "spill") as make:
         store = make(n_units=1)

@@ -8,7 +8,7 @@ receipt rules the same way.
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from tasks import reasons as R
@@ -155,23 +155,35 @@ JUNK = st.one_of(
     st.binary(max_size=40), st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
 )
 RECEIPT_FIELDS = ("rollout_id", "reward", "terminal_model_call_id", "calls", "poisoned", "failure_reason", "group_id", "version")
+# Rewards around float32's range: finite in float64, some overflowing float32 (issue 11 #1).
+REWARDS = st.sampled_from([1e300, -1e300, 1e39, -1e39, 3.4028235e38, -3.4028235e38, 3.4028236e38, 2.0**128 - 2.0**103,
+                           float(np.nextafter(2.0**128 - 2.0**103, 0)), 10**400, -(10**39), 10**38, 0.5])
+GROUPS = st.sampled_from([None, "", "g", "h"])
 RECORD_FIELDS = ("model_call_id", "parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version",
                  "digest", "chain_hash", "cumulative_hash", "routes_encoding", "staging_key")
 
 
 @st.composite
 def receipt_scenario(draw):
+    """(receipt dict, the group it is submitted in: None for a flat list)."""
     seed = draw(st.integers(0, 2**32 - 1))
-    b = make_rollout(np.random.default_rng(seed), "rr", n_calls=draw(st.integers(1, 4)), n_branches=draw(st.integers(0, 2)))
+    b = make_rollout(np.random.default_rng(seed), "rr", n_calls=draw(st.integers(1, 4)), n_branches=draw(st.integers(0, 2)),
+                     group_id=draw(GROUPS))
     d = receipt_dict(b)
+    submitted = draw(st.sampled_from([None, "g", "h"]))
     for _ in range(draw(st.integers(0, 2))):
-        kind = draw(st.sampled_from(["top", "record", "reorder", "parent", "terminal", "dup", "drop_field", "cycle"]))
+        kind = draw(st.sampled_from(["top", "record", "reorder", "parent", "terminal", "dup", "drop_field", "cycle",
+                                     "reward", "group", "inner_terminal", "inner_terminal"]))
         calls = d.get("calls")
         has_calls = isinstance(calls, list) and calls and all(isinstance(c, dict) for c in calls)
         if kind == "top":
             d[draw(st.sampled_from(RECEIPT_FIELDS))] = draw(JUNK)
         elif kind == "drop_field":
             d.pop(draw(st.sampled_from(RECEIPT_FIELDS)), None)
+        elif kind == "reward":
+            d["reward"] = draw(REWARDS)
+        elif kind == "group":
+            d["group_id"] = draw(GROUPS)
         elif not has_calls:
             continue
         elif kind == "record":
@@ -187,14 +199,20 @@ def receipt_scenario(draw):
             calls.append(dict(calls[draw(st.integers(0, len(calls) - 1))]))
         elif kind == "cycle":
             calls[0]["parent_call_id"] = calls[-1].get("model_call_id")
-    return d
+        elif kind == "inner_terminal":  # a call that is some call's parent: not a leaf
+            parents = [x.get("parent_call_id") for x in calls if x.get("parent_call_id") is not None]
+            if parents:
+                d["terminal_model_call_id"] = draw(st.sampled_from(parents))
+    return d, submitted
 
 
 @settings(max_examples=300, deadline=None)
 @given(receipt_scenario())
-def test_receipt_verdicts_match_reference(d):
-    step = plan_step([d])
-    want = reference_receipt_reason(d)
+def test_receipt_verdicts_match_reference(sc):
+    d, submitted = sc
+    step = plan_step([d] if submitted is None else {submitted: [d]})
+    want = reference_receipt_reason(d, submitted)
+    event(f"reason: {want}")
     if want is None:
         assert step.rejected == {}
         (p,) = step.rollouts

@@ -120,6 +120,8 @@ class TokenCapturePage:
         self.fig_outcome = figure(title="Rollouts accepted / rejected by reason", y_range=FactorRange(), **w)
         self.fig_outcome.hbar(y="outcome", right="count", height=0.7, color="color", source=self.outcome)
         self.fig_outcome.add_tools(HoverTool(tooltips=[("outcome", "@outcome"), ("rollouts", "@count")]))
+        # rejections: count and the latest detail per reason
+        self.rejections = ColumnDataSource(dict(reason=[], count=[], detail=[]), name="tc-rejections")
 
         # cuts: wall time per cut report, details in the table
         self.cut = ColumnDataSource(dict(
@@ -133,6 +135,10 @@ class TokenCapturePage:
             ("wall", "@wall_ms{0.0} ms"), ("durable", "@durable"), ("failures", "@failures")]))
         num = NumberFormatter(format="0,0")
         ms = NumberFormatter(format="0,0.0")
+        self.rejection_table = DataTable(source=self.rejections, height=160, sizing_mode="stretch_width", index_position=None, columns=[
+            TableColumn(field="reason", title="rejection reason"), TableColumn(field="count", title="rollouts", formatter=num),
+            TableColumn(field="detail", title="last detail", width=600),
+        ])
         self.cut_table = DataTable(source=self.cut, height=200, sizing_mode="stretch_width", index_position=None, columns=[
             TableColumn(field="checkpoint_id", title="checkpoint"), TableColumn(field="worker", title="worker"),
             TableColumn(field="calls", title="calls", formatter=num), TableColumn(field="rows", title="rows", formatter=num),
@@ -192,6 +198,7 @@ class TokenCapturePage:
         self.root = column(
             self.header,
             row(self.fig_split, self.fig_outcome, sizing_mode="stretch_width"),
+            row(self.rejection_table, sizing_mode="stretch_width"),
             row(self.fig_depth, self.fig_wait, self.fig_calls, sizing_mode="stretch_width"),
             row(self.fig_scale, self.decision_table, sizing_mode="stretch_width"),
             row(self.fig_cut, self.fig_restore, self.fig_store, sizing_mode="stretch_width"),
@@ -245,6 +252,10 @@ class TokenCapturePage:
         self.fig_outcome.y_range.factors = [o for o, _, _ in outcomes][::-1]
         self.outcome.data = dict(
             outcome=[o for o, _, _ in outcomes], count=[n for _, n, _ in outcomes], color=[c for _, _, c in outcomes])
+        rejections = agg.rejected.most_common()
+        self.rejections.data = dict(
+            reason=[r for r, _ in rejections], count=[n for _, n in rejections],
+            detail=[agg.rejected_details.get(r, "") for r, _ in rejections])
 
         cuts = list(agg.cuts)
         labels = [f"{i}: {c['checkpoint_id']}/{c['worker']}" for i, c in enumerate(cuts)]

@@ -24,6 +24,8 @@ from ..events import CUT, FINALIZE, RESTORE, SCALE, STORE, TOPICS
 logger = logging.getLogger(__name__)
 
 SCALE_ACTIONS = ("up", "down", "hold")
+DETAIL_CHARS = 200  # a rejection detail is kept this many characters long
+DETAIL_REASONS = 64  # latest details kept, one per reason (oldest reason dropped first)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -64,6 +66,20 @@ def _label(topic: str, msg: Mapping[str, Any], key: str, required: bool) -> str:
     if not isinstance(value, (str, int)):
         raise InvalidEvent(topic, key, f"expected a str or int label, got {type(value).__name__}")
     return str(value)
+
+
+def _details(topic: str, msg: Mapping[str, Any], key: str) -> dict[str, str]:
+    """A ``reason -> detail`` mapping from ``msg[key]`` (empty when absent), each detail a
+    string cut to :data:`DETAIL_CHARS` characters and at most :data:`DETAIL_REASONS` reasons."""
+    value = msg.get(key) or {}
+    if not isinstance(value, Mapping):
+        raise InvalidEvent(topic, key, f"expected a mapping reason -> detail, got {type(value).__name__}")
+    out: dict[str, str] = {}
+    for reason, detail in list(value.items())[:DETAIL_REASONS]:
+        if not isinstance(detail, str):
+            raise InvalidEvent(topic, key, f"expected a str detail, got {type(detail).__name__}")
+        out[str(reason)[:DETAIL_CHARS]] = detail[:DETAIL_CHARS]
+    return out
 
 
 FINALIZE_KINDS = ("group", "step")
@@ -113,6 +129,7 @@ def parse_event(topic: str, msg: Any) -> dict[str, Any]:
     if topic == FINALIZE:
         out.update({k: _number(topic, msg, k, req) for k, req in _FINALIZE_NUMBERS.items()})
         out["rejected"] = _counts(topic, msg, "rejected")
+        out["rejected_details"] = _details(topic, msg, "rejected_details")
         out["step_id"] = _label(topic, msg, "step_id", required=False)
         out["group_id"] = _label(topic, msg, "group_id", required=False)
         out["kind"] = msg.get("kind") or "group"
@@ -211,6 +228,8 @@ class TokenCaptureState:
         self.steps: OrderedDict[str, dict[str, Any]] = OrderedDict()
         self.totals: Counter[str] = Counter()
         self.rejected: Counter[str] = Counter()
+        # the latest detail per rejection reason, most recently updated last (bounded)
+        self.rejected_details: OrderedDict[str, str] = OrderedDict()
         self.hist: dict[str, Histogram] = {
             "fetch_ms": Histogram(ms_bounds),
             "verify_ms": Histogram(ms_bounds),
@@ -301,6 +320,11 @@ class TokenCaptureState:
         for k in ("fetch_calls", "bytes_fetched", "tokens"):
             t[k] += ev[k]
         self.rejected.update(ev["rejected"])
+        for reason, detail in ev["rejected_details"].items():
+            self.rejected_details[reason] = detail
+            self.rejected_details.move_to_end(reason)
+        while len(self.rejected_details) > DETAIL_REASONS:
+            self.rejected_details.popitem(last=False)
         self.hist["queue_wait_ms"].observe(ev["queue_wait_ms"])
         if ev["calls_per_rollout"]:
             self.hist["calls_per_rollout"].observe(ev["calls_per_rollout"])
@@ -444,6 +468,7 @@ class TokenCaptureState:
             "version": self.version,
             "totals": dict(self.totals),
             "rejected": dict(self.rejected),
+            "rejected_details": dict(self.rejected_details),
             "queue_depth": self.queue_depth,
             "groups": [dict(g) for g in self.groups],
             "steps": [dict(s) for s in self.steps.values()],

@@ -2,7 +2,10 @@
 
 :class:`Finalizer` submits each step as a Dask graph (:mod:`pipeline.finalize.graph`) and
 tracks queue depth from the futures' client-side status; :meth:`StepHandle.result`
-gathers the groups, computes the step's metrics and publishes its finalize event.
+gathers the groups, computes the step's metrics and publishes its finalize event. With
+``finalize.clear-staged`` a step's staged rows (every key of its rollouts, rejected ones
+included) are deleted in ONE batched delete (one call per storage unit) once every group's
+tensors exist, except keys another in-flight step of the same Finalizer still reads.
 """
 from __future__ import annotations
 
@@ -11,8 +14,9 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from tasks import reasons
-from tasks.keys import STAGING_PARTITION
+from tasks import reasons as R
+from tasks.finalize.step_batch import step_batch
+from tasks.keys import STAGING_PARTITION, staging_key
 
 from .. import config, events
 from ..store.protocol import PlacedStoreLike, StoreLike
@@ -41,25 +45,130 @@ class StepResult:
         """Rollouts the verifier failed on (bugs, logged on the workers; not rejections)."""
         return int(self.metrics.get("internal_errors", 0))
 
+    def to_batch(self, *, as_tensordict: bool = False, **kwargs: Any) -> Any:
+        """The step as ONE training batch: :func:`tasks.finalize.step_batch.step_batch` over
+        the groups in submission order (``kwargs``: ``eps``, ``pad_id``, ``normalize_std``).
+
+        A ``dict[str, torch.Tensor]``, or with ``as_tensordict`` a ``tensordict.TensorDict``
+        of ``batch_size=[B]`` (needs the ``tensordict`` extra).
+        """
+        batch = step_batch(list(self.groups.values()), **kwargs)
+        if not as_tensordict:
+            return batch
+        try:
+            from tensordict import TensorDict
+        except ImportError as e:
+            raise ModuleNotFoundError(
+                "StepResult.to_batch(as_tensordict=True) needs the 'tensordict' package: "
+                "pip install tensordict (or the project's 'tensordict' extra)",
+                name="tensordict",
+            ) from e
+        return TensorDict(batch, batch_size=[int(batch["input_ids"].shape[0])])
+
 
 def clear_rows(store: StoreLike, keys: list[str], partition: str = STAGING_PARTITION) -> dict[str, Any]:
-    """Delete staged rows (one batched call); returns counts, never raises on per-key failure."""
+    """Delete staged rows (ONE batched ``store.delete``: one call per unit); returns counts
+    (``deleted`` includes rows ``deferred`` behind an open store checkpoint), never raises
+    on per-key failure."""
     res = store.delete(keys, partition=partition)
-    return {"deleted": len(res.ok), "failed": dict(res.failed)}
+    return {"deleted": len(res.ok), "deferred": len(getattr(res, "deferred", ())), "failed": dict(res.failed)}
+
+
+def _field(obj: Any, name: str) -> Any:
+    return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
+
+
+# Plan-time rejections whose rows are kept: a receipt submitted under another group may be
+# resubmitted under its own, and rows behind a duplicated rollout id cannot be told apart.
+KEEP_ROWS_OF = frozenset({R.WRONG_GROUP, R.DUPLICATE_STAGING_KEY})
+
+
+def rejected_receipt_keys(groups: Mapping[str, Sequence[Any]], rejected: Mapping[str, Any]) -> list[str]:
+    """Staging keys of receipts rejected at plan time (``rejected``: rollout id ->
+    (reason, detail)), except those rejected for a reason in :data:`KEEP_ROWS_OF`.
+
+    Keys are derived as ``staging_key(rollout_id, model_call_id)`` from each readable call
+    record, never taken from the receipt's ``staging_key`` field, so a rejected receipt can
+    name only rows of its own rollout id. Unreadable receipts or records name no key."""
+    keys: dict[str, None] = {}
+    for receipts in groups.values():
+        for raw in receipts:
+            try:
+                rid = _field(raw, "rollout_id")
+                if not isinstance(rid, str) or rid not in rejected or rejected[rid][0] in KEEP_ROWS_OF:
+                    continue
+                calls = _field(raw, "calls")
+                for call in calls if isinstance(calls, (list, tuple)) else ():
+                    try:
+                        keys[staging_key(rid, _field(call, "model_call_id"))] = None
+                    except Exception:  # noqa: BLE001 - an unreadable record names no row
+                        continue
+            except Exception:  # noqa: BLE001 - a hostile receipt names no row
+                continue
+    return list(keys)
 
 
 class StepHandle:
     """One submitted step: Dask futures per group; :meth:`result` collects a StepResult."""
 
-    def __init__(self, finalizer: Finalizer, graph: StepGraph) -> None:
+    def __init__(self, finalizer: Finalizer, graph: StepGraph, *, clear: bool = False, rejected_keys: Sequence[str] = ()) -> None:
         self._finalizer = finalizer
         self.graph = graph
         self.step_id = graph.step_id
         self.group_ids = list(graph.group_ids)
         self.group_futures: dict[str, Any] = dict(graph.group_futures)
-        self.clear_future: Any | None = None
+        self.clear = bool(clear)  # finalize.clear-staged, read at submission
+        self.rejected_keys = list(rejected_keys)  # rows of receipts rejected at plan time
+        self.clear_future: Any | None = None  # the tc-clear task, once the graph is complete
+        self.kept_keys: list[str] = []  # keys left for another in-flight step to clear
         self._result: StepResult | None = None
         self._lock = threading.Lock()
+        self._settle_lock = threading.Lock()
+        self._settled = False  # graph complete, clear decided (set under the Finalizer's lock)
+        self._unfinished = len(self.group_futures)
+
+    def _watch(self) -> None:
+        """Settle once every group future is done (callbacks run on Dask's callback thread)."""
+        for fut in list(self.group_futures.values()):
+            fut.add_done_callback(self._group_done)
+
+    def _group_done(self, _fut: Any) -> None:
+        with self._settle_lock:
+            self._unfinished -= 1
+            last = self._unfinished <= 0
+        if last:
+            self._settle()
+
+    @property
+    def reads_keys(self) -> list[str]:
+        """Keys this step's graph reads (fetched rows) while it is not complete."""
+        return list(self.graph.plan.staging_keys)
+
+    def clear_keys(self) -> list[str]:
+        """Every staged key of the step: all calls of every planned rollout (off-chain
+        ones and rejected rollouts included) and the rows of receipts rejected at plan time."""
+        keys = dict.fromkeys(k for p in self.graph.plan.rollouts for k in p.all_keys)
+        keys.update(dict.fromkeys(self.rejected_keys))
+        return list(keys)
+
+    def _settle(self) -> None:
+        """The graph is complete (or was collected): decide and submit the step's clear,
+        once. Runs only after every group future is done; a step with a failed or cancelled
+        group clears nothing (its rows stay for a resubmission)."""
+        with self._settle_lock:
+            if self._settled:
+                return
+            futures = list(self.group_futures.values())
+            succeeded = all(f.status == "finished" for f in futures)
+            keys = self.clear_keys() if self.clear and succeeded else []
+            with self._finalizer._lock:
+                self._settled = True
+                still_read = self._finalizer._keys_read_in_flight()
+            if keys:
+                self.kept_keys = [k for k in keys if k in still_read]
+                keys = [k for k in keys if k not in still_read]
+            if keys:
+                self.clear_future = self._submit_clear(keys)
 
     @property
     def futures(self) -> list[Any]:
@@ -102,8 +211,7 @@ class StepHandle:
                 client.log_event(events.FINALIZE, metrics)
             except Exception:  # metrics never fail the work they describe
                 pass
-            if config.get("finalize.clear-staged"):
-                self.clear_future = self._submit_clear(by_id)
+            self._settle()  # every group is here: the clear (if not already submitted)
             self._result = StepResult(self.step_id, by_id, metrics)
             # Free the cluster side: the groups are here now.
             self.group_futures = {}
@@ -112,17 +220,8 @@ class StepHandle:
             self._finalizer._forget(self)
             return self._result
 
-    def _submit_clear(self, groups: Mapping[str, Any]) -> Any | None:
-        """Delete the rows of accepted rollouts (rejected ones stay for inspection)."""
-        plan = self.graph.plan
-        keys: list[str] = []
-        for gid, slots in self.graph.slots.items():
-            statuses = list(getattr(groups[gid], "status", []))
-            for slot, status in zip(slots, statuses):
-                if slot.index is not None and status == reasons.OK:
-                    keys.extend(plan.rollouts[slot.index].all_keys)
-        if not keys:
-            return None
+    def _submit_clear(self, keys: list[str]) -> Any:
+        """ONE ``tc-clear`` task: ``clear_rows`` over ``keys`` next to the storage units."""
         store = self._finalizer.store
         return self._finalizer.client.submit(
             clear_rows, store, keys, key=f"tc-clear-{self.graph.token}", pure=False,
@@ -176,9 +275,14 @@ class Finalizer:
             info = self.client.scheduler_info()
         workers = info.get("workers", {})
         if workers and not any(w.get("resources", {}).get("finalize", 0) > 0 for w in workers.values()):
-            raise FinalizeError(
-                "no worker advertises the 'finalize' resource; start workers with "
-                "resources=pipeline.cluster.finalize_resources() (e.g. LocalCluster(resources={'finalize': 2}))"
+            from tasks.errors import MissingFinalizeResource  # a FinalizeError; the CLI prints it as one line
+
+            address = getattr(getattr(self.client, "scheduler", None), "address", None) or "<scheduler>"
+            slots = config.get("finalize.slots-per-worker")
+            raise MissingFinalizeResource(
+                f"no worker of {address} advertises the 'finalize' resource that verify tasks need; "
+                f'start workers with `dask worker {address} --resources "finalize={slots}"` '
+                "(in Python: LocalCluster(resources=pipeline.cluster.finalize_resources()))"
             )
 
     @property
@@ -221,15 +325,23 @@ class Finalizer:
             queue_depth=depth,
             priority=-seq,  # older steps first when several are in flight
             keep_intermediates=self.keep_intermediates,
+            check_groups=isinstance(groups, Mapping),  # list-form ids are made up: nothing to compare
         )
-        handle = StepHandle(self, graph)
+        clear = bool(config.get("finalize.clear-staged"))
+        handle = StepHandle(self, graph, clear=clear, rejected_keys=rejected_receipt_keys(named, graph.plan.rejected) if clear else ())
         with self._lock:
             self._in_flight.append(handle)
+        handle._watch()
         return handle
 
     def drain(self, timeout: float | None = None) -> list[StepResult]:
         """Collect every in-flight step, oldest first."""
         return [h.result(timeout) for h in self.in_flight]
+
+    def _keys_read_in_flight(self) -> set[str]:
+        """Keys the graphs of in-flight steps not yet complete still read (caller holds
+        ``_lock``), derived from their plans: their rows must not be cleared yet."""
+        return {k for h in self._in_flight if not h._settled for k in h.reads_keys}
 
     def _forget(self, handle: StepHandle) -> None:
         with self._lock:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Iterator, Mapping, Sequence
 
 from tasks import reasons
 
@@ -22,6 +22,9 @@ EVENT_KIND_STEP = "step"
 METER_FETCH = "tc-fetch"
 METER_VERIFY = "tc-verify"
 METER_ASSEMBLE = "tc-assemble"
+
+# A group event carries at most one rejection detail per reason, this many characters long.
+DETAIL_CHARS = 200
 
 
 def wall_s() -> float:
@@ -81,6 +84,18 @@ def status_counts(statuses: Iterable[str]) -> tuple[int, dict[str, int], int]:
     accepted = c.pop(reasons.OK, 0)
     internal_errors = c.pop(reasons.INTERNAL_ERROR, 0)
     return accepted, dict(sorted(c.items())), internal_errors
+
+
+def detail_sample(statuses: Sequence[str], details: Sequence[str], limit: int = DETAIL_CHARS) -> dict[str, str]:
+    """``{reason: detail}``: the first row's detail for each rejection reason of a group,
+    cut to ``limit`` characters (the bounded sample a group event carries). Accepted rows
+    and internal errors (not rejections) are left out."""
+    out: dict[str, str] = {}
+    for status, detail in zip(statuses, details):
+        if status in (reasons.OK, reasons.INTERNAL_ERROR) or status in out:
+            continue
+        out[status] = str(detail)[:limit]
+    return dict(sorted(out.items()))
 
 
 def sizing_hint(fetch_ms: float, verify_ms: float) -> str:

@@ -4,7 +4,9 @@ A checkpoint directory holds ``MANIFEST.json`` (written last: temp, fsync, renam
 one generation ``gen-<id>/`` of packed batch files (:mod:`~pipeline.store.batch_file`,
 one per chunk of about ``chunk_bytes`` of a unit's partition). The manifest records each
 file's SHA-256 and size in bytes; restore recomputes them all before loading anything,
-then places rows by ``unit_for_key`` on the restoring store.
+then places rows by ``unit_for_key`` on the restoring store. While a save runs, it is
+open on every unit (``begin_checkpoint`` before any write, ``end_checkpoint`` in
+``finally``): concurrent deletes are deferred, so the checkpoint loses no row to them.
 """
 from __future__ import annotations
 
@@ -100,6 +102,17 @@ def restore_file(store: "StagingStore", root: str, entry: dict) -> dict:
 # ---- orchestration (controller side) ------------------------------------------------
 
 
+def _settle_all(futures: list) -> list:
+    """Every actor future's result, or its exception (all awaited, none raised)."""
+    out = []
+    for fut in futures:
+        try:
+            out.append(fut.result())
+        except Exception as e:  # noqa: BLE001 - the caller decides what a failure means
+            out.append(e)
+    return out
+
+
 def save(store: "StagingStore", path: str, chunk_bytes: int) -> dict:
     """Checkpoint every unit of ``store`` into ``path``; returns the manifest."""
     path = os.path.abspath(path)
@@ -107,15 +120,19 @@ def save(store: "StagingStore", path: str, chunk_bytes: int) -> dict:
     generation = f"gen-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     gen_dir = os.path.join(path, generation)
     os.makedirs(gen_dir)
-    futures = [unit.checkpoint_write(gen_dir, int(chunk_bytes)) for unit in store.units]
-    # Wait for every unit before deciding: a failed unit must not leave others writing.
-    outcomes = []
-    for fut in futures:
-        try:
-            outcomes.append(fut.result())
-        except Exception as e:  # noqa: BLE001 - re-raised below, after all units finished
-            outcomes.append(e)
-    errors = [o for o in outcomes if isinstance(o, Exception)]
+    token = f"{generation}@{path}"
+    try:
+        # Open on EVERY unit before any unit writes: from here on no delete removes a row
+        # this checkpoint may still write, whichever process issues it.
+        opened = _settle_all([unit.begin_checkpoint(token) for unit in store.units])
+        errors = [o for o in opened if isinstance(o, Exception)]
+        if not errors:
+            # Wait for every unit before deciding: a failed unit must not leave others writing.
+            outcomes = _settle_all([unit.checkpoint_write(gen_dir, int(chunk_bytes)) for unit in store.units])
+            errors = [o for o in outcomes if isinstance(o, Exception)]
+    finally:
+        # Closing applies the deletes deferred meanwhile (a lost unit has nothing to close).
+        _settle_all([unit.end_checkpoint(token) for unit in store.units])
     if errors:
         shutil.rmtree(gen_dir, ignore_errors=True)  # best effort; a crash leaves it for the next save
         raise CheckpointError(f"checkpoint to {path!r} failed; previous checkpoint kept: {errors[0]!r}") from errors[0]

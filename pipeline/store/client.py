@@ -193,10 +193,12 @@ class StagingStore:
         return _merge_gets(keys, results, failed)
 
     def delete(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION) -> StoreResult:
-        """Delete ``keys`` (one call per unit); absent keys come back ``missing_key``."""
+        """Delete ``keys`` (ONE call per unit involved, whatever the number of keys); absent
+        keys come back ``missing_key``. Keys whose unit has a store checkpoint open come
+        back ``ok`` and also in ``deferred``: their rows go when the checkpoint ends."""
         self._check_partition(partition)
         _, parts, failed = self._plan_keys(keys)
-        futures = [self.units[u].delete(partition, ks) for u, ks in parts]
+        futures = [self.units[u].delete(partition, pack_names(ks)) for u, ks in parts]
         result = StoreResult.merge(self._settle(u, f.result, ks, StoreResult) for (u, ks), f in zip(parts, futures))
         result.failed.update(failed)
         return result
@@ -282,7 +284,7 @@ class StagingStore:
     async def delete_async(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION) -> StoreResult:
         self._check_partition(partition)
         _, parts, failed = self._plan_keys(keys)
-        results = await asyncio.gather(*(self.units[u].delete(partition, ks) for u, ks in parts), return_exceptions=True)
+        results = await asyncio.gather(*(self.units[u].delete(partition, pack_names(ks)) for u, ks in parts), return_exceptions=True)
         result = StoreResult.merge(self._settle(u, r, ks, StoreResult) for (u, ks), r in zip(parts, results))
         result.failed.update(failed)
         return result

@@ -32,14 +32,22 @@ MISSING_KEY = "missing_key"  # get/delete: no such key in the partition
 ABSENT_FIELD = "absent_field"  # get: the row is served but lacks a requested field
 STORE_ERROR = "store_error"  # the unit failed reading or writing the row (spill file)
 UNIT_UNAVAILABLE = "unit_unavailable"  # client: the unit holding the key cannot be reached
+# Not a failure: a delete acknowledged (the key is in ``ok``) whose removal waits until
+# every store checkpoint open on the unit has ended (``StoreResult.deferred``).
+DEFERRED = "deferred"
 
 
 @dataclass
 class StoreResult:
-    """Per-key outcome of a put or delete: ``ok`` keys and ``failed[key] = (reason, detail)``."""
+    """Per-key outcome of a put or delete: ``ok`` keys and ``failed[key] = (reason, detail)``.
+
+    ``deferred`` (deletes only): keys of ``ok`` whose rows stay until the store checkpoint
+    open on their unit ends (:data:`DEFERRED`); they are removed then, with no further call.
+    """
 
     ok: list[str] = field(default_factory=list)
     failed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    deferred: list[str] = field(default_factory=list)
 
     @classmethod
     def merge(cls, results: Iterable["StoreResult"]) -> "StoreResult":
@@ -47,6 +55,7 @@ class StoreResult:
         for r in results:
             out.ok.extend(r.ok)
             out.failed.update(r.failed)
+            out.deferred.extend(getattr(r, "deferred", ()))
         return out
 
 

@@ -5,7 +5,9 @@ and keeps rows ``(partition, key) -> {field: array}`` in a
 :class:`~pipeline.store.spill.SpillMapping` (memory up to ``memory_limit`` bytes, then
 disk). It answers batched calls (one ``put_many`` / ``get_many`` / ``delete`` per client
 request) with per-key results, on the worker's single actor thread. Keys are write-once;
-a put beyond ``capacity`` bytes (memory + disk + pinned) is refused per key.
+a put beyond ``capacity`` bytes (memory + disk + pinned) is refused per key. While a
+store checkpoint is open on the unit (:meth:`StorageUnit.begin_checkpoint`), deletes in
+the partitions it covers are acknowledged ``deferred`` and applied when it ends.
 """
 from __future__ import annotations
 
@@ -120,7 +122,16 @@ class StorageUnit:
         self.used_bytes = 0
         self.registry = PartitionRegistry()
         self._next_slot = 0
-        self.counters = {"puts": 0, "put_rows": 0, "gets": 0, "get_rows": 0, "deletes": 0, "deleted_rows": 0, "refused_rows": 0}
+        # ``deletes`` counts delete CALLS (one per client request), ``deleted_rows`` rows removed
+        # (deferred ones when applied), ``deferred_rows`` rows whose delete waited for a checkpoint.
+        self.counters = {
+            "puts": 0, "put_rows": 0, "gets": 0, "get_rows": 0, "deletes": 0, "deleted_rows": 0,
+            "deferred_rows": 0, "refused_rows": 0, "checkpoints_begun": 0, "checkpoints_ended": 0,
+        }
+        # Open store checkpoints: token -> partitions covered (None: every partition); and
+        # per partition the keys whose delete waits until no open checkpoint covers it.
+        self.open_checkpoints: dict[str, frozenset[str] | None] = {}
+        self.deferred: dict[str, dict[str, None]] = {}
         self.answers = AnswerBuffers(_answer_buffer_bytes())
         self.closed = False
 
@@ -292,25 +303,78 @@ class StorageUnit:
 
     # ---- deletes ----------------------------------------------------------------
 
-    def delete(self, partition: str, keys: Sequence[str]) -> StoreResult:
-        """Remove ``keys``; an absent key is reported ``missing_key`` (nothing else changes)."""
+    def delete(self, partition: str, keys: Sequence[str] | bytes) -> StoreResult:
+        """Remove ``keys`` (one call, any number of keys); an absent key is reported
+        ``missing_key`` (nothing else changes). While an open checkpoint covers
+        ``partition`` the rows stay: their keys come back ``ok`` and ``deferred`` and are
+        removed when the last such checkpoint ends (:meth:`end_checkpoint`)."""
         self._check_open()
         check_partition(partition, self.partitions)
+        keys = unpack_names(keys, "keys")
         self.counters["deletes"] += 1
         index = self.index.get(partition, {})
+        defer = self._covered(partition)
         result = StoreResult()
         for key in keys:
-            slot = index.pop(key, None) if isinstance(key, str) else None
-            if slot is None:
+            if not isinstance(key, str) or key not in index:
                 result.failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
                 continue
-            del self.rows[slot]
-            self.adopted.release(slot)
-            self.used_bytes -= self.weights.pop(slot)
+            if defer:
+                self.deferred.setdefault(partition, {})[key] = None
+                result.deferred.append(key)
+            else:
+                self._remove(index, key)
             result.ok.append(key)
-        self.counters["deleted_rows"] += len(result.ok)
+        self.counters["deleted_rows"] += len(result.ok) - len(result.deferred)
+        self.counters["deferred_rows"] += len(result.deferred)
         self.adopted.compact_pending(self.used_bytes, self.capacity)
         return result
+
+    def _remove(self, index: dict[str, str], key: str) -> bool:
+        slot = index.pop(key, None)
+        if slot is None:
+            return False
+        del self.rows[slot]
+        self.adopted.release(slot)
+        self.used_bytes -= self.weights.pop(slot)
+        return True
+
+    def _covered(self, partition: str) -> bool:
+        """Whether an open checkpoint covers ``partition`` (deletes there are deferred)."""
+        return any(parts is None or partition in parts for parts in self.open_checkpoints.values())
+
+    # ---- checkpoint guard ---------------------------------------------------------
+
+    def begin_checkpoint(self, token: str, partitions: Sequence[str] | None = None) -> dict:
+        """Open checkpoint ``token`` on this unit: until :meth:`end_checkpoint` deletes in
+        ``partitions`` (``None``: all) are deferred, so no row the checkpoint may still
+        write is lost. The state lives in the unit, so it holds whichever process deletes.
+        Opening a token again is a no-op."""
+        self._check_open()
+        if not isinstance(token, str) or not token:
+            raise InvalidStoreRequest(f"checkpoint token must be a non-empty str, got {token!r}")
+        parts = None if partitions is None else frozenset(check_partition(p, self.partitions) for p in partitions)
+        if token not in self.open_checkpoints:
+            self.open_checkpoints[token] = parts
+            self.counters["checkpoints_begun"] += 1
+        return {"unit": self.unit_index, "open": len(self.open_checkpoints)}
+
+    def end_checkpoint(self, token: str) -> dict:
+        """Close checkpoint ``token`` (unknown or already closed: nothing to do) and apply
+        the deferred deletes of every partition no open checkpoint covers any more.
+        Returns ``{"unit", "open", "applied"}`` (rows removed now)."""
+        if self.closed:
+            return {"unit": self.unit_index, "open": 0, "applied": 0}
+        if self.open_checkpoints.pop(token, ...) is not ...:
+            self.counters["checkpoints_ended"] += 1
+        applied = 0
+        for partition in [p for p in self.deferred if not self._covered(p)]:
+            index = self.index.get(partition, {})
+            applied += sum(self._remove(index, key) for key in self.deferred.pop(partition))
+        self.counters["deleted_rows"] += applied
+        if applied:
+            self.adopted.compact_pending(self.used_bytes, self.capacity)
+        return {"unit": self.unit_index, "open": len(self.open_checkpoints), "applied": applied}
 
     # ---- introspection ----------------------------------------------------------
 
@@ -343,6 +407,8 @@ class StorageUnit:
             "capacity": self.capacity,
             "spill_directory": self.directory,
             "registry": self.registry.to_dict(),
+            "open_checkpoints": len(self.open_checkpoints),
+            "pending_deletes": sum(len(d) for d in self.deferred.values()),
             **self.counters,
         }
 
@@ -391,6 +457,8 @@ class StorageUnit:
         self.index.clear()
         self.weights.clear()
         self.adopted.clear()
+        self.open_checkpoints.clear()
+        self.deferred.clear()
         self.answers = AnswerBuffers(0)
         self.used_bytes = 0
         self.closed = True

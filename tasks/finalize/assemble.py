@@ -1,7 +1,8 @@
 """Assembly: a group's verify results become the padded torch tensors training consumes.
 
 The group keeps its shape however many rows are rejected: a rejected row is all zeros
-with length 0 and ``sample_mask`` 0, and its ``status`` names the reason. Rows are
+with length 0 and ``sample_mask`` 0, its ``status`` names the reason and its ``details``
+entry says what failed (field, call, the store's reason). Rows are
 filled with one slice assignment each into preallocated numpy buffers (per-row Python,
 never per-token), then handed to torch without a copy.
 """
@@ -26,6 +27,8 @@ class FinalizedGroup:
     ``rewards`` are the receipts' rewards as given, rejected rows included: use
     ``sample_mask`` to drop them. ``routed_experts`` is ``None`` unless some accepted
     row has routes; ``has_routes`` says which rows carry them (others are zeros).
+    ``details[i]`` is row ``i``'s rejection detail (which field, which call, the store's
+    reason; ``""`` for an accepted row).
     """
 
     rollout_ids: list[str]
@@ -39,6 +42,7 @@ class FinalizedGroup:
     routed_experts: torch.Tensor | None  # int16 [n, max_len, L, K]
     has_routes: torch.Tensor  # bool [n]
     status: list[str]
+    details: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
@@ -63,14 +67,17 @@ def assemble_group(
     if len(rewards) != n:
         raise ValueError(f"{n} results but {len(rewards)} rewards")
     status = [r.status for r in results]
+    details = ["" if r.status == R.OK else str(r.detail) for r in results]
     lins = [r.linearized if r.ok else None for r in results]
     for i, lin in enumerate(lins):
         if status[i] == R.OK and lin is None:
             status[i] = R.EMPTY_TRAINING_ROW
+            details[i] = "accepted without a training row"
     route_shape = next((lin.routed_experts.shape[1:] for lin in lins if lin is not None and lin.routed_experts is not None), None)
     for i, lin in enumerate(lins):
         if lin is not None and lin.routed_experts is not None and lin.routed_experts.shape[1:] != route_shape:
             status[i] = R.INVALID_ROUTES
+            details[i] = f"routes [L, K] = {list(lin.routed_experts.shape[1:])}, the group's first routed row has {list(route_shape)}"
             lins[i] = None
     accepted = [i for i, lin in enumerate(lins) if lin is not None]
     lengths = np.zeros(n, dtype=np.int64)
@@ -117,5 +124,6 @@ def assemble_group(
         routed_experts=None if routes is None else torch.from_numpy(routes),
         has_routes=torch.from_numpy(has_routes),
         status=status,
+        details=details,
         metrics=metrics,
     )

@@ -7,7 +7,6 @@ the root -> terminal chain of a usable receipt is fetched and verified.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
@@ -25,6 +24,10 @@ _RECEIPT_REQUIRED = ("rollout_id", "reward", "terminal_model_call_id", "calls")
 _RECEIPT_OPTIONAL = {"poisoned": False, "failure_reason": None, "group_id": None, "version": RECEIPT_VERSION}
 _RECORD_FIELDS = tuple(CallRecord.__dataclass_fields__)
 _INT_FIELDS = ("prev_len", "delta_len", "cum_len", "weight_version")
+# Training reads rewards as float32 (``FinalizedGroup.rewards``): a float64 of this
+# magnitude or more rounds to +-inf there (it is the midpoint between float32's largest
+# finite value and 2**128, and that tie rounds to even: up).
+_F32_OVERFLOW = 2.0**128 - 2.0**103
 
 
 class _Bad(Exception):
@@ -73,7 +76,9 @@ class StepPlan:
 
     ``order``/``group_ids`` list every submitted receipt (placeholder ids
     ``"<receipt #i>"`` for receipts whose rollout_id is unreadable), so a group keeps its
-    shape however many rollouts are rejected early.
+    shape however many rollouts are rejected early. ``group_ids`` are the submitted
+    groups' ids when :func:`plan_step` was given ``{group_id: receipts}``, else the
+    receipts' own ``group_id``.
     """
 
     rollouts: list[RolloutPlan]
@@ -104,6 +109,27 @@ def _get(obj: Any, name: str, default: Any = ...) -> Any:
     if default is ...:
         raise _Bad(R.INVALID_RECEIPT, f"missing field {name!r}")
     return default
+
+
+def reward_value(v: Any) -> float | None:
+    """``v`` as the float a training row carries, or ``None`` when it is not a number that
+    stays finite once cast to float32 (NaN, +-inf, beyond float32's range, or an int too
+    large even for float64)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return None
+    try:
+        x = float(v)
+    except Exception:  # an int past float64 (OverflowError), or a hostile __float__
+        return None
+    return x if abs(x) < _F32_OVERFLOW else None
+
+
+def _short(v: Any, n: int = 60) -> str:
+    try:
+        r = repr(v)
+    except Exception:  # a hostile __repr__
+        r = f"<{type(v).__name__}>"
+    return r if len(r) <= n else r[: n - 3] + "..."
 
 
 def _is_int(v: Any) -> bool:
@@ -183,10 +209,13 @@ def _header(raw: Any) -> dict[str, Any]:
     h = {name: _get(raw, name) for name in _RECEIPT_REQUIRED}
     h.update({name: _get(raw, name, d) for name, d in _RECEIPT_OPTIONAL.items()})
     h["rollout_id"] = _id(h["rollout_id"], "rollout_id")
-    reward = h["reward"]
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
-        raise _Bad(R.INVALID_RECEIPT, f"reward {reward!r} is not a finite number")
-    h["reward"] = float(reward)
+    reward = reward_value(h["reward"])
+    if reward is None:
+        raise _Bad(
+            R.INVALID_RECEIPT,
+            f"reward {_short(h['reward'])} is not a number finite in float32 (training reads rewards as float32)",
+        )
+    h["reward"] = reward
     if h["terminal_model_call_id"] is not None and not isinstance(h["terminal_model_call_id"], str):
         raise _Bad(R.INVALID_RECEIPT, "terminal_model_call_id must be str or None")
     if not isinstance(h["calls"], (list, tuple)):
@@ -202,7 +231,8 @@ def _header(raw: Any) -> dict[str, Any]:
 
 
 def _chain(records: Sequence[CallRecord], terminal: str) -> list[CallRecord]:
-    """Lineage of the whole receipt checked; the root -> terminal chain returned."""
+    """Lineage of the whole receipt checked (every parent listed, no cycle, the terminal
+    a leaf); the root -> terminal chain returned."""
     by_id = {r.model_call_id: r for r in records}
     for r in records:
         if r.parent_call_id is not None and r.parent_call_id not in by_id:
@@ -220,6 +250,11 @@ def _chain(records: Sequence[CallRecord], terminal: str) -> list[CallRecord]:
             path.append(cur.model_call_id)
             cur = None if cur.parent_call_id is None else by_id[cur.parent_call_id]
         settled.update(path)
+    # The terminal must be a leaf: a staged child of it is a call the rollout made after
+    # its "last" call, and the training row would silently stop short of it.
+    child = next((r.model_call_id for r in records if r.parent_call_id == terminal), None)
+    if child is not None:
+        raise _Bad(R.TERMINAL_NOT_LEAF, f"terminal call {terminal!r} is the parent of {child!r} in the same receipt")
     chain = [by_id[terminal]]
     while chain[-1].parent_call_id is not None:
         chain.append(by_id[chain[-1].parent_call_id])
@@ -227,9 +262,12 @@ def _chain(records: Sequence[CallRecord], terminal: str) -> list[CallRecord]:
     return chain
 
 
-def _plan_one(raw: Any) -> RolloutPlan:
+def _plan_one(raw: Any, submitted_group: str | None = None) -> RolloutPlan:
     h = _header(raw)
     rid = h["rollout_id"]
+    claimed = h["group_id"]
+    if submitted_group is not None and claimed and claimed != submitted_group:
+        raise _Bad(R.WRONG_GROUP, f"receipt names group {claimed!r} but was submitted in group {submitted_group!r}")
     if h["poisoned"]:
         raise _Bad(R.CAPTURE_POISONED, f"capture poisoned: {h['failure_reason'] or 'no reason given'}")
     if not h["calls"]:
@@ -278,29 +316,40 @@ def _peek(raw: Any, name: str) -> Any:
 # ---- public ---------------------------------------------------------------------------
 
 
-def plan_step(receipts: Sequence[ReceiptLike]) -> StepPlan:
+def plan_step(receipts: Sequence[ReceiptLike] | Mapping[str, Sequence[ReceiptLike]]) -> StepPlan:
     """Parse a step's receipts (Receipt objects or dicts) into a :class:`StepPlan`.
+
+    ``receipts`` is a flat list, or the submitted groups ``{group_id: [receipts]}`` (in
+    submission order, group ids compared as ``str``): then a receipt whose own
+    ``group_id`` names another group is rejected ``wrong_group`` (a receipt without one,
+    ``None`` or ``""``, claims no group and fits any) and ``group_ids`` are the submitted
+    ids. A flat list names no group, so nothing is compared and ``group_ids`` are the
+    receipts' own.
 
     Never raises on bad receipts: each is rejected on its own with a reason. Receipts
     sharing a rollout_id collide on every staging key, so all of them are rejected with
-    ``duplicate_staging_key`` (no way to tell which one the store holds).
+    ``duplicate_staging_key`` (no way to tell which one the store holds). A rejected
+    receipt's reward is kept as given when it is finite in float32, else it reads 0.0.
     """
+    if isinstance(receipts, Mapping):
+        items: list[tuple[str | None, Any]] = [(str(g), raw) for g, rs in receipts.items() for raw in rs]
+    else:
+        items = [(None, raw) for raw in receipts]
     plans: list[RolloutPlan | None] = []
     rejected: dict[str, Rejection] = {}
     order: list[str] = []
     group_ids: list[str | None] = []
     rewards: list[float] = []
-    for i, raw in enumerate(receipts):
+    for i, (submitted, raw) in enumerate(items):
         rid = _peek(raw, "rollout_id")
         rid = rid if isinstance(rid, str) and rid else f"<receipt #{i}>"
-        gid = _peek(raw, "group_id")
-        reward = _peek(raw, "reward")
+        gid = submitted if submitted is not None else _peek(raw, "group_id")
         order.append(rid)
         group_ids.append(gid if isinstance(gid, str) else None)
-        ok_reward = isinstance(reward, (int, float)) and not isinstance(reward, bool) and math.isfinite(reward)
-        rewards.append(float(reward) if ok_reward else 0.0)
+        reward = reward_value(_peek(raw, "reward"))
+        rewards.append(0.0 if reward is None else reward)
         try:
-            plans.append(_plan_one(raw))
+            plans.append(_plan_one(raw, submitted))
         except _Bad as e:
             plans.append(None)
             rejected.setdefault(rid, (e.reason, e.detail))
@@ -319,9 +368,10 @@ def plan_step(receipts: Sequence[ReceiptLike]) -> StepPlan:
     return StepPlan(rollouts, rejected, order, group_ids, rewards, staging_keys, routes_keys)
 
 
-def plan_group(receipts: Sequence[ReceiptLike]) -> StepPlan:
-    """:func:`plan_step` for the receipts of one group (same result type and rules)."""
-    return plan_step(receipts)
+def plan_group(receipts: Sequence[ReceiptLike], group_id: str | None = None) -> StepPlan:
+    """:func:`plan_step` for the receipts of one group (same result type and rules); with
+    ``group_id`` the receipts are checked against it (``wrong_group``)."""
+    return plan_step(receipts if group_id is None else {group_id: receipts})
 
 
 def pack_verify_tasks(plans: Sequence[RolloutPlan], token_budget: int) -> list[list[RolloutPlan]]:

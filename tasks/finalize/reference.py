@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from typing import Any
 
 import numpy as np
@@ -345,8 +346,22 @@ def _int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
 
 
-def reference_receipt_reason(raw: Any) -> str | None:
-    """The rejection reason of one receipt dict by itself (``None``: usable)."""
+def _f32_reward(v: Any) -> bool:
+    """A number that stays finite as a float32 (``struct`` refuses to pack a float that
+    rounds past float32's range; NaN and inf pack, so they are tested apart)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        x = float(v)
+        struct.pack("<f", x)
+    except OverflowError:
+        return False
+    return not math.isnan(x) and not math.isinf(x)
+
+
+def reference_receipt_reason(raw: Any, submitted_group: str | None = None) -> str | None:
+    """The rejection reason of one receipt dict by itself (``None``: usable), submitted
+    in the group ``submitted_group`` (``None``: submitted in no named group)."""
     if not isinstance(raw, dict):
         return "invalid_receipt"
     allowed = {"rollout_id", "reward", "terminal_model_call_id", "calls", "poisoned", "failure_reason", "group_id", "version"}
@@ -360,7 +375,7 @@ def reference_receipt_reason(raw: Any) -> str | None:
     reward = raw["reward"]
     if not _good_id(rid):
         return "invalid_receipt"
-    if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not math.isfinite(reward):
+    if not _f32_reward(reward):
         return "invalid_receipt"
     term = raw["terminal_model_call_id"]
     if term is not None and not isinstance(term, str):
@@ -375,6 +390,9 @@ def reference_receipt_reason(raw: Any) -> str | None:
             return "invalid_receipt"
     if not _int(raw.get("version", 1)) or raw.get("version", 1) != 1:
         return "invalid_receipt"
+    claimed = raw.get("group_id")
+    if submitted_group is not None and claimed is not None and claimed != "" and claimed != submitted_group:
+        return "wrong_group"
     if raw.get("poisoned", False):
         return "capture_poisoned"
     if len(calls) == 0:
@@ -420,6 +438,9 @@ def reference_receipt_reason(raw: Any) -> str | None:
             steps += 1
             if steps > len(ids):
                 return "lineage_cycle"
+    for c in calls:
+        if c["parent_call_id"] == term:
+            return "terminal_not_leaf"
     return None
 
 

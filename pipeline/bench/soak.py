@@ -1,0 +1,208 @@
+"""Soak: many training steps through the embedded cluster; the store must stay bounded.
+
+Generates each step's GRPO groups with the toy engine on the workers
+(:func:`pipeline.capture.submit_generation`), finalizes them with
+:class:`~pipeline.finalize.Finalizer` (several steps in flight, ``finalize.clear-staged``
+on), and samples, after step ``--first-step`` is collected and after the last step
+collected at the same point of the pipeline: store bytes (used + pinned) and rows, the
+scheduler's task count, controller and worker RSS (bytes, psutil). Exits 1 when a step
+fails or a target is missed: store bytes last/first <= ``--max-store-growth``, every
+worker's RSS last/first <= ``--max-rss-growth``. Progress on stderr, JSON on stdout.
+
+    python -m pipeline bench soak --json
+    python -m pipeline bench soak --json --steps 400 --in-flight 3
+"""
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any, Callable
+
+from .. import config
+from .common import add_cluster_arguments, bench_client, notes
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags of ``python -m pipeline bench soak``."""
+    p.add_argument("--steps", type=int, default=200, help="training steps to finalize (default 200, at least --first-step + 1)")
+    p.add_argument("--first-step", type=int, default=10, help="step after which the first sample is taken (default 10)")
+    p.add_argument("--groups", type=int, default=2, help="GRPO groups per step (default 2)")
+    p.add_argument("--rollouts", type=int, default=4, help="rollouts per group (default 4)")
+    p.add_argument("--turns", type=int, default=2, help="model calls per rollout (default 2)")
+    p.add_argument("--tokens-per-turn", type=int, default=8, help="tokens each call generates (default 8)")
+    p.add_argument("--in-flight", type=int, default=config.get("demo.steps-in-flight"), help="finalization steps in flight (default %(default)s)")
+    p.add_argument("--max-store-growth", type=float, default=1.1, help="target: store bytes last / first at most this (default 1.1)")
+    p.add_argument("--max-rss-growth", type=float, default=1.2, help="target: each worker's RSS last / first at most this (default 1.2)")
+    add_cluster_arguments(p)
+
+
+def _rss() -> int:
+    """This process's resident set size (bytes)."""
+    import psutil
+
+    return int(psutil.Process().memory_info().rss)
+
+
+def _scheduler_counts(dask_scheduler: Any) -> dict[str, int]:
+    """Tasks the scheduler holds, and events it keeps (all topics)."""
+    topics = getattr(getattr(dask_scheduler, "_broker", None), "_topics", {})  # distributed internals: best effort
+    return {
+        "tasks": len(dask_scheduler.tasks),
+        "events": sum(len(getattr(t, "events", ())) for t in topics.values()),
+        "task_groups": len(getattr(dask_scheduler, "task_groups", ())),
+        "task_prefixes": len(getattr(dask_scheduler, "task_prefixes", ())),
+    }
+
+
+def sample(client: Any, store: Any) -> dict[str, Any]:
+    """One measurement of the cluster: store, scheduler, RSS (bytes)."""
+    stats = store.stats()
+    sched = client.run_on_scheduler(_scheduler_counts)
+    return {
+        "store_bytes": sum(s["used_bytes"] + s["pinned_bytes"] for s in stats),
+        "store_rows": sum(s["rows"] for s in stats),
+        "store_spilled_bytes": sum(s["spilled_bytes"] for s in stats),
+        "store_answer_buffer_bytes": sum(s["answer_buffer_bytes"] for s in stats),
+        "store_pending_deletes": sum(s.get("pending_deletes", 0) for s in stats),
+        "store_delete_calls": sum(s["deletes"] for s in stats),
+        "scheduler_tasks": sched["tasks"],
+        "scheduler_events": sched["events"],
+        "scheduler_task_groups": sched["task_groups"],
+        "scheduler_task_prefixes": sched["task_prefixes"],
+        "controller_rss": _rss(),
+        "worker_rss": {addr: int(v) for addr, v in sorted(client.run(_rss).items())},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tasks.toy.rollouts import make_step_specs
+
+    from ..capture import submit_generation
+    from ..finalize.controller import Finalizer
+    from ..store.client import StagingStore
+
+    if args.steps <= args.first_step or args.first_step < 1 or args.in_flight < 1:
+        raise SystemExit("need --steps > --first-step >= 1 and --in-flight >= 1")
+    say = notes("soak", args.quiet)
+    result: dict[str, Any] = {"steps": 0}
+    with bench_client(args) as client:
+        store = StagingStore.start(client)
+        try:
+            fin = Finalizer(client, store)
+            say(f"{args.steps} steps of {args.groups} x {args.rollouts} rollouts ({args.turns} calls of "
+                f"{args.tokens_per_turn} tokens), {args.in_flight} in flight; clear-staged={config.get('finalize.clear-staged')}")
+            t0 = time.perf_counter()
+            result.update(_soak(client, store, fin, args, make_step_specs, submit_generation, say))
+            result["wall_s"] = round(time.perf_counter() - t0, 2)
+            end = sample(client, store)
+            result["store_rows_end"] = end["store_rows"]  # every step collected and cleared
+            result["store_bytes_end"] = end["store_bytes"]
+        finally:
+            store.close()
+    result.update(_verdict(result, args))
+    say(f"store bytes {result['store_bytes_first']} -> {result['store_bytes_last']} "
+        f"(x{result['store_growth_ratio']:.3f}); ok={result['ok']}")
+    return result
+
+
+def _soak(client: Any, store: Any, fin: Any, args: argparse.Namespace, make_step_specs: Callable, submit_generation: Callable,
+          say: Callable[[str], None]) -> dict[str, Any]:
+    pending: list[Any] = []
+    first: dict[str, Any] | None = None
+    last: dict[str, Any] | None = None
+    failed: dict[str, str] = {}
+    rejected = collected = 0
+    for s in range(args.steps):
+        groups = make_step_specs(
+            f"k{s}-", args.groups, args.rollouts, turns=args.turns, tokens_per_turn=args.tokens_per_turn,
+            tool_tokens=config.get("demo.tool-tokens"), prompt_tokens=config.get("demo.prompt-tokens"),
+            vocab_size=config.get("policy.vocab-size"), seed=config.get("policy.seed"),
+        )
+        receipts = client.gather(submit_generation(client, store, groups))
+        pending.append(fin.submit_step({g[0].group_id: r for g, r in zip(groups, receipts)}, step_id=f"soak-{s}"))
+        while len(pending) >= args.in_flight or (pending and s == args.steps - 1):
+            steady = len(pending) >= args.in_flight  # the same point of the pipeline every time
+            handle = pending.pop(0)
+            try:
+                step = handle.result()
+                rejected += step.metrics["rollouts"] - step.metrics["accepted"]
+                if handle.clear_future is not None:
+                    handle.clear_future.result()  # sample with this step's rows gone
+            except Exception as e:  # noqa: BLE001 - a failed step fails the soak, reported below
+                failed[handle.step_id] = f"{type(e).__name__}: {e}"
+            collected += 1
+            del handle
+            # Sample at the first step, every 25th and the last steady one only: each sample
+            # is itself work on the cluster (client.run logs a record on every worker).
+            final = s == args.steps - 1
+            if steady and (collected == args.first_step or (collected > args.first_step and (collected % 25 == 0 or final))):
+                last = sample(client, store)
+                if first is None:
+                    first = last
+                if collected % 25 == 0 or first is last:
+                    say(f"step {collected}: store {last['store_rows']} rows / {last['store_bytes']} bytes, "
+                        f"{last['scheduler_tasks']} scheduler tasks, workers RSS "
+                        f"{[v >> 20 for v in last['worker_rss'].values()]} MiB")
+    assert first is not None and last is not None
+    out: dict[str, Any] = {
+        "steps": collected,
+        "failed_steps": failed,
+        "rejected_rollouts": rejected,
+        "first_sample_after_step": args.first_step,
+        "store_bytes_first": first["store_bytes"],
+        "store_bytes_last": last["store_bytes"],
+        "store_growth_ratio": last["store_bytes"] / max(first["store_bytes"], 1),
+        "store_rows_first": first["store_rows"],
+        "store_rows_last": last["store_rows"],
+        "scheduler_tasks_first": first["scheduler_tasks"],
+        "scheduler_tasks_last": last["scheduler_tasks"],
+        "scheduler_events_first": first["scheduler_events"],
+        "scheduler_events_last": last["scheduler_events"],
+        "scheduler_task_groups_last": last["scheduler_task_groups"],
+        "scheduler_task_prefixes_last": last["scheduler_task_prefixes"],
+        "controller_rss_first": first["controller_rss"],
+        "controller_rss_last": last["controller_rss"],
+        "worker_rss_first": first["worker_rss"],
+        "worker_rss_last": last["worker_rss"],
+        "store_spilled_bytes_last": last["store_spilled_bytes"],
+        "store_answer_buffer_bytes_last": last["store_answer_buffer_bytes"],
+        "store_delete_calls": last["store_delete_calls"],
+    }
+    out["worker_rss_growth"] = {
+        w: out["worker_rss_last"][w] / max(rss, 1) for w, rss in out["worker_rss_first"].items() if w in out["worker_rss_last"]
+    }
+    out["controller_rss_growth"] = out["controller_rss_last"] / max(out["controller_rss_first"], 1)
+    return out
+
+
+def _verdict(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    missed = []
+    if result["failed_steps"]:
+        missed.append(f"{len(result['failed_steps'])} steps failed")
+    if result["rejected_rollouts"]:
+        missed.append(f"{result['rejected_rollouts']} rollouts rejected")
+    if result["store_growth_ratio"] > args.max_store_growth:
+        missed.append(f"store_growth_ratio {result['store_growth_ratio']:.3f} > {args.max_store_growth}")
+    for w, g in result["worker_rss_growth"].items():
+        if g > args.max_rss_growth:
+            missed.append(f"worker {w} RSS growth {g:.3f} > {args.max_rss_growth}")
+    return {"targets": {"store_growth_ratio": args.max_store_growth, "worker_rss_growth": args.max_rss_growth},
+            "missed": missed, "ok": not missed}
+
+
+def exit_status(result: dict[str, Any]) -> int:
+    """The CLI's exit status: 0 when every step succeeded and every target was met."""
+    return 0 if result.get("ok") else 1
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    _p = argparse.ArgumentParser(prog="python -m pipeline.bench.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(_p)
+    _p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    _args = _p.parse_args()
+    _result = run(_args)
+    print(json.dumps(_result) if _args.json else json.dumps(_result, indent=2))
+    sys.exit(exit_status(_result))

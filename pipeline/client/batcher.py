@@ -1,0 +1,216 @@
+"""The capture client's row queue: staged rows of every rollout, put in ONE call per flush.
+
+Engine threads :meth:`RowBatcher.add` rows; one background thread flushes every queued
+row as ONE ``put_many`` once ``capture-client.flush-calls`` rows are queued or
+``capture-client.flush-ms`` milliseconds after the oldest queued row, whichever comes
+first (or at once on :meth:`flush` / :meth:`close`). While a put is in flight new rows
+queue for the next one. Each row's outcome (stored, refused, or its put raised) is
+reported to the row's owner; a put that raises fails only its own batch.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+from tasks.errors import InvalidInput
+from tasks.keys import STAGING_PARTITION
+from tasks.packed import pack_rows
+from tasks.schema import StagedRow
+
+from .. import config
+from ..store.protocol import StoreLike
+from .refusals import MISSING_ACK, Refusal, put_error
+
+logger = logging.getLogger(__name__)
+
+
+class RowOwner(Protocol):
+    """Who is told each row's outcome (a rollout's capture). Called with the batcher's
+    lock held: it must only record, never block or call back into the batcher."""
+
+    def _row_settled(self, key: str, refusal: Refusal | None) -> None: ...
+
+
+@dataclass
+class _Queued:
+    row: StagedRow
+    owner: RowOwner
+    seq: int
+    nbytes: int
+
+
+def row_bytes(row: StagedRow) -> int:
+    """Payload bytes of one staged row's token fields (what dominates a put)."""
+    n = row.token_ids.nbytes + row.token_mask.nbytes + row.logprobs.nbytes
+    return n + (0 if row.routed_experts is None else row.routed_experts.nbytes)
+
+
+class RowBatcher:
+    """Thread-safe queue of staged rows flushed by one background thread.
+
+    ``flush_calls`` (rows) / ``flush_ms`` (ms) override ``capture-client.flush-calls`` /
+    ``flush-ms``, which are otherwise read at every flush decision.
+    """
+
+    def __init__(
+        self,
+        store: StoreLike,
+        *,
+        partition: str = STAGING_PARTITION,
+        flush_calls: int | None = None,
+        flush_ms: float | None = None,
+    ) -> None:
+        self.store = store
+        self.partition = partition
+        self._flush_calls = flush_calls
+        self._flush_ms = flush_ms
+        self._cond = threading.Condition()
+        self._queue: list[_Queued] = []
+        self._queued_bytes = 0
+        self._oldest: float | None = None  # monotonic time the oldest queued row arrived
+        self._next_seq = 0  # seq of the next row added
+        self._settled_seq = 0  # every row with seq < this has its outcome
+        self._flush_to = 0  # flush now every row with seq < this
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        self.counters = {"rows": 0, "puts": 0, "bytes": 0, "refused": 0, "failed_puts": 0}
+
+    # ---- engine side ------------------------------------------------------------------
+
+    def add(self, row: StagedRow, owner: RowOwner) -> None:
+        """Queue ``row``; blocks while ``capture-client.max-queued-bytes`` are queued."""
+        nbytes = row_bytes(row)
+        limit = config.get_bytes("capture-client.max-queued-bytes")
+        with self._cond:
+            if self._closing:
+                raise InvalidInput("this capture client is closed; no row can be staged")
+            # Back-pressure: wait for the flusher to take the queue (a row bigger than the
+            # limit still goes in alone).
+            while self._queue and self._queued_bytes + nbytes > limit and not self._closing:
+                self._cond.wait()
+            if self._closing:
+                raise InvalidInput("this capture client was closed while the row waited for room")
+            if not self._queue:
+                self._oldest = time.monotonic()
+            self._queue.append(_Queued(row, owner, self._next_seq, nbytes))
+            self._next_seq += 1
+            self._queued_bytes += nbytes
+            self._ensure_thread()
+            if len(self._queue) == 1 or len(self._queue) >= self._limit_calls():
+                self._cond.notify_all()
+
+    @property
+    def lock(self) -> threading.Condition:
+        """The lock guarding every owner's outcome counters (see :class:`RowOwner`)."""
+        return self._cond
+
+    def flush(self, timeout_s: float | None = None) -> bool:
+        """Put every row queued so far now and wait for their outcomes; False on timeout."""
+        with self._cond:
+            target = self._next_seq
+            if self._settled_seq >= target:
+                return True
+            self._flush_to = max(self._flush_to, target)
+            self._cond.notify_all()
+            return self._cond.wait_for(lambda: self._settled_seq >= target, timeout_s)
+
+    def close(self, timeout_s: float | None = None) -> bool:
+        """Flush every queued row, then stop the thread (no row is dropped). Idempotent."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+            thread = self._thread
+        if thread is not None:
+            thread.join(timeout_s)
+            return not thread.is_alive()
+        return True
+
+    def stats(self) -> dict[str, int]:
+        """Counters (rows and bytes put, puts, refused rows, failed puts) and queue depth."""
+        with self._cond:
+            return {**self.counters, "queued": len(self._queue), "queued_bytes": self._queued_bytes}
+
+    # ---- the flusher thread -----------------------------------------------------------
+
+    def _limit_calls(self) -> int:
+        n = self._flush_calls if self._flush_calls is not None else config.get("capture-client.flush-calls")
+        return max(1, int(n))
+
+    def _limit_s(self) -> float:
+        ms = self._flush_ms if self._flush_ms is not None else config.get("capture-client.flush-ms")
+        return max(0.0, float(ms)) / 1000.0
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="token-capture-flusher", daemon=True)
+            self._thread.start()
+
+    def _take(self) -> list[_Queued] | None:
+        """Wait until a flush is due; take the whole queue (``None``: closed and empty)."""
+        with self._cond:
+            while True:
+                if not self._queue:
+                    if self._closing:
+                        return None
+                    self._cond.wait()
+                    continue
+                due = self._oldest + self._limit_s()
+                now = time.monotonic()
+                if (
+                    self._closing
+                    or len(self._queue) >= self._limit_calls()
+                    or self._flush_to > self._queue[0].seq
+                    or now >= due
+                ):
+                    taken, self._queue = self._queue, []
+                    self._queued_bytes, self._oldest = 0, None
+                    self._cond.notify_all()  # room for engines blocked on back-pressure
+                    return taken
+                self._cond.wait(due - now)
+
+    def _run(self) -> None:
+        while True:
+            taken = self._take()
+            if taken is None:
+                return
+            outcome: dict[str, Refusal] | Refusal = put_error(RuntimeError("flusher stopped"))
+            try:
+                outcome = self._put([q.row for q in taken])
+            except BaseException as e:  # noqa: BLE001 - a put that raises fails its batch only
+                logger.warning("capture client: a put of %d rows failed: %s: %s", len(taken), type(e).__name__, e)
+                outcome = put_error(e)
+            finally:
+                self._settle(taken, outcome)
+
+    def _put(self, rows: Sequence[StagedRow]) -> dict[str, Refusal]:
+        """ONE put of ``rows``; the refusals per key (a key without an answer is refused)."""
+        batch = pack_rows(rows)
+        # The batch is ours alone and never changes: units may keep views of it.
+        result = self.store.put_many(batch, partition=self.partition, adopt=True)
+        failed = dict(result.failed)
+        if len(result.ok) + len(failed) != len(batch) or not failed.keys().isdisjoint(result.ok):
+            ok = set(result.ok)
+            for k in batch.keys:
+                if k not in ok and k not in failed:
+                    failed[k] = (MISSING_ACK, "the store answered neither ok nor failed for this key")
+        with self._cond:
+            self.counters["puts"] += 1
+            self.counters["bytes"] += batch.nbytes
+        return failed
+
+    def _settle(self, taken: Sequence[_Queued], outcome: dict[str, Refusal] | Refusal) -> None:
+        with self._cond:
+            whole = outcome if isinstance(outcome, tuple) else None
+            refused = 0
+            for q in taken:
+                refusal = whole if whole is not None else outcome.get(q.row.staging_key)
+                refused += refusal is not None
+                q.owner._row_settled(q.row.staging_key, refusal)
+            self.counters["rows"] += len(taken) - refused
+            self.counters["refused"] += refused
+            self.counters["failed_puts"] += whole is not None
+            self._settled_seq = taken[-1].seq + 1
+            self._cond.notify_all()

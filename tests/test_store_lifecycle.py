@@ -1,0 +1,285 @@
+"""A bounded store: finalized steps' rows are cleared, never while a checkpoint or another
+in-flight step still needs them.
+
+Counts are the storage units' own counters (``deletes``: delete CALLS a unit answered),
+never the number of tasks that asked. Slow phases are made slow by blocking them on an
+event the test releases, never by sleeping.
+"""
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client
+
+from pipeline.cluster import local_cluster
+from pipeline.finalize import Finalizer, clear_rows
+from pipeline.finalize import graph as graph_mod
+from pipeline.store import checkpoint as checkpoint_mod
+from pipeline.store.client import StagingStore
+from pipeline.store.unit import StorageUnit
+from rollout_factory import make_group, make_rollout
+from support import store_maker, wait_until
+from tasks.keys import unit_for_key
+from tasks.packed import pack_rows
+from tasks.schema import ROUTES_FIELD
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB, L, K, E = 64, 2, 2, 8
+
+
+def stage(store, builts):
+    res = store.put_many(pack_rows([r for b in builts for r in b.rows]))
+    assert not res.failed, res.failed
+    return builts
+
+
+def keys_of(builts) -> list[str]:
+    return [r.staging_key for b in builts for r in b.rows]
+
+
+def present(store, keys) -> set[str]:
+    got = store.get_many(keys, ["token_ids"])
+    return set(got.batch.keys)
+
+
+def unit_deletes(store) -> list[int]:
+    """Each unit's own count of delete calls it answered."""
+    return [s["deletes"] for s in store.stats()]
+
+
+def units_of(store, keys) -> set[int]:
+    return {unit_for_key(k, len(store.units)) for k in keys}
+
+
+# ---- the unit alone: deferral while a checkpoint is open --------------------------------
+
+
+def test_unit_defers_deletes_until_the_last_open_checkpoint_ends(tmp_path):
+    rng = np.random.default_rng(1)
+    unit = StorageUnit(0, memory_limit=1 << 20, capacity=1 << 30, spill_directory=str(tmp_path), partitions=["staging", "cut"])
+    built = make_rollout(rng, "u-r0", n_calls=3)
+    assert not unit.put_many("staging", pack_rows(built.rows)).failed
+    keys = [r.staging_key for r in built.rows]
+    unit.begin_checkpoint("a")
+    unit.begin_checkpoint("b")
+    res = unit.delete("staging", keys[:2] + ["u-r0/absent"])
+    assert res.ok == keys[:2] and res.deferred == keys[:2]
+    assert set(res.failed) == {"u-r0/absent"}
+    assert unit.keys("staging") == keys  # still there: an open checkpoint may write them
+    assert unit.end_checkpoint("a")["applied"] == 0  # "b" is still open
+    assert unit.keys("staging") == keys
+    assert unit.end_checkpoint("b")["applied"] == 2
+    assert unit.keys("staging") == keys[2:]
+    assert unit.end_checkpoint("b")["applied"] == 0  # closing twice is harmless
+    # A checkpoint covering only `cut` leaves staging deletes immediate.
+    unit.begin_checkpoint("c", ["cut"])
+    res = unit.delete("staging", keys[2:])
+    assert res.ok == keys[2:] and res.deferred == []
+    assert unit.keys("staging") == []
+    unit.end_checkpoint("c")
+    s = unit.stats()
+    assert s["deletes"] == 2 and s["deleted_rows"] == 3 and s["deferred_rows"] == 2
+    assert s["open_checkpoints"] == 0 and s["pending_deletes"] == 0 and s["used_bytes"] == 0
+    unit.close()
+
+
+# ---- a real checkpoint and a delete from another process --------------------------------
+
+
+@pytest.fixture
+def store(store_factory):
+    return store_factory(n_units=2, memory_limit="16KiB")
+
+
+def test_delete_during_a_checkpoint_is_deferred_then_applied(cluster_client, store, tmp_path, monkeypatch):
+    rng = np.random.default_rng(2)
+    builts = stage(store, [make_rollout(rng, f"ck-r{i}", n_calls=2) for i in range(6)])
+    keys = keys_of(builts)
+    assert len(units_of(store, keys)) == 2
+    issued = {}
+    settle_all = checkpoint_mod._settle_all
+
+    def settle_then_delete(futures):
+        out = settle_all(futures)
+        if not issued:  # right after the save opened on every unit, before any unit writes
+            issued["res"] = cluster_client.submit(clear_rows, store, keys, pure=False).result()  # on a worker process
+            issued["present"] = present(store, keys)
+        return out
+
+    monkeypatch.setattr(checkpoint_mod, "_settle_all", settle_then_delete)
+    manifest = store.checkpoint(str(tmp_path / "ckpt"))
+    monkeypatch.setattr(checkpoint_mod, "_settle_all", settle_all)
+    assert issued["res"]["deleted"] == len(keys) and issued["res"]["deferred"] == len(keys)
+    assert issued["present"] == set(keys)  # acknowledged, not removed while the checkpoint was open
+    assert manifest["rows"] == len(keys)
+    assert present(store, keys) == set()  # applied once the checkpoint ended
+    stats = store.stats()
+    assert sum(s["deferred_rows"] for s in stats) == len(keys)
+    assert sum(s["deleted_rows"] for s in stats) == len(keys)
+    assert all(s["open_checkpoints"] == 0 and s["pending_deletes"] == 0 for s in stats)
+    # The checkpoint holds every row the delete asked for: restore it and find them.
+    fresh = StagingStore.from_checkpoint(cluster_client, str(tmp_path / "ckpt"), n_units=2, spill_directory=str(tmp_path / "spill2"))
+    try:
+        got = fresh.get_many(keys, ["token_ids"])
+        assert not got.failed
+        want = {r.staging_key: r.token_ids for b in builts for r in b.rows}
+        for i, k in enumerate(got.batch.keys):
+            np.testing.assert_array_equal(got.batch.fields["token_ids"].row(i), want[k])
+    finally:
+        fresh.close()
+
+
+# ---- finalized steps: one delete per unit, every key, rejected rollouts too --------------
+
+
+def test_a_step_clears_every_key_in_one_delete_per_unit(cluster_client, store):
+    rng = np.random.default_rng(3)
+    routes = (L, K, E)
+    good = stage(store, make_group(rng, "one", 6, n_calls=2, n_branches=1, routes=routes))
+    bad = stage(store, [make_rollout(rng, "one-bad", n_calls=2, group_id="one", routes=routes)])[0]
+    poisoned = stage(store, [make_rollout(rng, "one-poison", n_calls=2, group_id="one", routes=routes)])[0]
+    store.delete([f"{bad.rollout_id}/c1"])  # its terminal row is missing: rejected at verify
+    receipts = [b.receipt for b in good] + [bad.receipt]
+    receipts.append(dataclasses.replace(poisoned.receipt, poisoned=True, failure_reason="test"))  # rejected at plan time
+    keys = [k for k in keys_of(good + [bad, poisoned]) if k != f"{bad.rollout_id}/c1"]
+    assert len(units_of(store, keys)) == 2
+    before = unit_deletes(store)
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E)
+    with dask.config.set({"token-capture.finalize.clear-staged": True}):
+        handle = fin.submit_step([receipts])
+        step = handle.result()
+    assert step.groups["g0"].status == ["ok"] * 6 + ["missing_staging_row", "capture_poisoned"]
+    cleared = handle.clear_future.result()
+    assert cleared["deleted"] == len(keys) and set(cleared["failed"]) == {f"{bad.rollout_id}/c1"}  # deleted above
+    after = unit_deletes(store)
+    assert [a - b for a, b in zip(after, before)] == [1, 1]  # ONE delete call per unit for the step
+    got = store.get_many(keys, ["token_ids", ROUTES_FIELD])  # routes live in the same rows
+    assert len(got.batch) == 0 and set(got.failed) == set(keys)
+    assert all(s["rows"] == 0 for s in store.stats())
+
+
+def test_clear_staged_false_deletes_nothing(cluster_client, store):
+    rng = np.random.default_rng(4)
+    bs = stage(store, make_group(rng, "keep", 4, n_calls=2, n_branches=1))
+    before = unit_deletes(store)
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=None)
+    with dask.config.set({"token-capture.finalize.clear-staged": False}):
+        handle = fin.submit_step([[b.receipt for b in bs]])
+    step = handle.result()  # the setting is the one at submission
+    assert step.groups["g0"].status == ["ok"] * 4
+    assert handle.clear_future is None
+    assert unit_deletes(store) == before
+    assert present(store, keys_of(bs)) == set(keys_of(bs))
+
+
+# ---- ordering: never before the assemble tasks, never under another in-flight step -------
+
+
+@pytest.fixture(scope="module")
+def thread_client():
+    """An in-process cluster, so a test can hold an assemble task until it releases it."""
+    with local_cluster(n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            yield client
+
+
+@pytest.fixture
+def thread_store(thread_client, tmp_path):
+    with store_maker(thread_client, tmp_path / "spill") as make:
+        yield make(n_units=2)
+
+
+class AssembleGate:
+    """Holds the assemble of any group containing one of ``rollouts`` until released."""
+
+    def __init__(self, rollouts):
+        self.rollouts = set(rollouts)
+        self.started = threading.Event()
+        self.release = threading.Event()
+        self.real = graph_mod.assemble_group
+
+    def __call__(self, rows, rewards):
+        if any(r.rollout_id in self.rollouts for r in rows):
+            self.started.set()
+            assert self.release.wait(60), "the test never released the assemble"
+        return self.real(rows, rewards)
+
+
+def test_a_step_is_cleared_only_after_all_its_groups_are_assembled(thread_client, thread_store, monkeypatch):
+    store = thread_store
+    rng = np.random.default_rng(5)
+    g0 = stage(store, make_group(rng, "ord0", 3, n_calls=2))
+    g1 = stage(store, make_group(rng, "ord1", 3, n_calls=2))
+    keys = keys_of(g0 + g1)
+    gate = AssembleGate({g1[0].rollout_id})
+    monkeypatch.setattr(graph_mod, "assemble_group", gate)
+    before = unit_deletes(store)
+    fin = Finalizer(thread_client, store, vocab_size=VOCAB, num_experts=None)
+    with dask.config.set({"token-capture.finalize.clear-staged": True}):
+        handle = fin.submit_step({"ord0": [b.receipt for b in g0], "ord1": [b.receipt for b in g1]})
+    try:
+        assert gate.started.wait(30)
+        wait_until(lambda: handle.group_futures["ord0"].done(), what="group ord0 assembled")
+        # One group's tensors exist, the other's do not: nothing may be deleted yet.
+        assert handle.clear_future is None
+        assert unit_deletes(store) == before
+        assert present(store, keys) == set(keys)
+    finally:
+        gate.release.set()
+    # No result() call: the step's completion alone submits its clear.
+    wait_until(lambda: handle.clear_future is not None and handle.clear_future.done(), what="the step's clear")
+    assert handle.clear_future.result()["deleted"] == len(keys)
+    assert present(store, keys) == set()
+    assert [a - b for a, b in zip(unit_deletes(store), before)] == [int(u in units_of(store, keys)) for u in range(2)]
+    assert handle.result().groups["ord1"].status == ["ok"] * 3
+
+
+def test_a_key_another_in_flight_step_reads_survives_until_both_are_done(thread_client, thread_store, monkeypatch):
+    store = thread_store
+    rng = np.random.default_rng(6)
+    only_a = stage(store, make_group(rng, "shA", 2, n_calls=2))
+    shared = stage(store, make_group(rng, "shS", 1, n_calls=2))
+    only_b = stage(store, make_group(rng, "shB", 2, n_calls=2))
+    gate = AssembleGate({only_b[0].rollout_id})  # step B stays in flight until released
+    monkeypatch.setattr(graph_mod, "assemble_group", gate)
+    fin = Finalizer(thread_client, store, vocab_size=VOCAB, num_experts=None)
+    with dask.config.set({"token-capture.finalize.clear-staged": True}):
+        step_a = fin.submit_step([[b.receipt for b in only_a + shared]], step_id="A")
+        step_b = fin.submit_step([[b.receipt for b in shared + only_b]], step_id="B")  # resubmitted rollout
+    try:
+        assert gate.started.wait(30)
+        result_a = step_a.result()
+        assert result_a.groups["g0"].status == ["ok"] * 3
+        wait_until(lambda: step_a.clear_future is not None and step_a.clear_future.done(), what="step A's clear")
+        assert sorted(step_a.kept_keys) == sorted(keys_of(shared))
+        assert present(store, keys_of(only_a)) == set()
+        assert present(store, keys_of(shared + only_b)) == set(keys_of(shared + only_b))  # B still reads them
+        before_b = unit_deletes(store)
+    finally:
+        gate.release.set()
+    result_b = step_b.result()
+    assert result_b.groups["g0"].status == ["ok"] * 3  # B verified the shared rollout's rows
+    assert step_b.clear_future.result()["deleted"] == len(keys_of(shared + only_b))
+    assert present(store, keys_of(shared + only_b)) == set()
+    after = unit_deletes(store)
+    assert [a - b for a, b in zip(after, before_b)] == [int(u in units_of(store, keys_of(shared + only_b))) for u in range(2)]
+    assert all(s["rows"] == 0 for s in store.stats())
+
+
+def test_rows_of_wrong_group_and_duplicate_receipts_are_kept():
+    # A receipt rejected wrong_group may be resubmitted under its own group, and rows behind
+    # a duplicated rollout id cannot be told apart: their rows stay; other plan-time
+    # rejections (here capture_poisoned) are cleared with the step.
+    from pipeline.finalize.controller import rejected_receipt_keys
+
+    rng = np.random.default_rng(3)
+    wrong, dup, poisoned = (make_rollout(rng, rid, group_id="g", n_calls=2) for rid in ("rw", "rd", "rp"))
+    groups = {"g": [b.receipt for b in (wrong, dup, poisoned)]}
+    rejected = {"rw": ("wrong_group", ""), "rd": ("duplicate_staging_key", ""), "rp": ("capture_poisoned", "")}
+    keys = rejected_receipt_keys(groups, rejected)
+    assert keys == [r.staging_key for r in poisoned.rows]
