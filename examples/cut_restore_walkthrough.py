@@ -29,6 +29,7 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pipeline import config  # noqa: E402  (loads dask-config.yaml into dask.config)
+from pipeline.cli_args import non_negative_int, positive_int, scheduler_address  # noqa: E402
 from pipeline.capture import policy_from_config  # noqa: E402
 from pipeline.cluster import connect  # noqa: E402
 from pipeline.finalize.controller import Finalizer  # noqa: E402
@@ -41,16 +42,24 @@ from tasks.toy.rollouts import generate_rollouts, make_step_specs  # noqa: E402
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--scheduler", help="attach to this scheduler instead of an embedded LocalCluster")
-    p.add_argument("--groups", type=int, default=2, help="GRPO groups (default %(default)s)")
-    p.add_argument("--rollouts", type=int, default=4, help="rollouts per group (default %(default)s)")
-    p.add_argument("--turns", type=int, default=3, help="model calls per rollout (default %(default)s)")
-    p.add_argument("--tokens-per-turn", type=int, default=32, help="generated tokens per call (default %(default)s)")
-    p.add_argument("--fail-cut", type=int, default=0, help="refuse the cut rows of this many rollouts (they regenerate)")
-    p.add_argument("--workdir", help="directory for the store checkpoint and spill (default: a temporary one)")
+    p.add_argument("--scheduler", type=scheduler_address, help="attach to this scheduler instead of an embedded LocalCluster")
+    p.add_argument("--groups", type=positive_int, default=2, help="GRPO groups (default %(default)s)")
+    p.add_argument("--rollouts", type=positive_int, default=4, help="rollouts per group (default %(default)s)")
+    p.add_argument("--turns", type=positive_int, default=3, help="model calls per rollout (default %(default)s)")
+    p.add_argument("--tokens-per-turn", type=positive_int, default=32, help="generated tokens per call (default %(default)s)")
+    p.add_argument("--fail-cut", type=non_negative_int, default=0, help="refuse the cut rows of this many rollouts (they regenerate)")
+    p.add_argument("--workdir", help="directory for the store checkpoint and spill, kept (default: a temporary one, removed on exit)")
     args = p.parse_args()
 
-    workdir = args.workdir or tempfile.mkdtemp(prefix="cut-restore-")
+    if args.workdir:
+        return walkthrough(args, args.workdir)
+    # The checkpoint and spill files live in a temporary directory removed on exit (after
+    # the cluster has closed), whether the walkthrough succeeds or fails.
+    with tempfile.TemporaryDirectory(prefix="cut-restore-", ignore_cleanup_errors=True) as workdir:
+        return walkthrough(args, workdir)
+
+
+def walkthrough(args: argparse.Namespace, workdir: str) -> int:
     ckpt_dir = os.path.join(workdir, "checkpoint")
 
     # Workers advertise the `finalize` resource the finalization graph needs; everything

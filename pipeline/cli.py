@@ -12,11 +12,15 @@ BENCHMARKS = {
     "finalize": "per-rollout fetch + per-token verify vs the one-union-fetch graph",
     "cut": "checkpoint cut writes, one put per call vs batched puts",
     "restore": "restore reads, per-request gets vs the coalescing PrefixReadBatcher",
+    "capture": "capture-client staging (gate + batched puts) vs a direct put_many of pre-packed rows",
+    "soak": "200+ steps in flight: store bytes/rows, scheduler tasks and RSS stay flat (exit 1 if not)",
 }
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from .cli_args import ArgumentParser
+
+    parser = ArgumentParser(
         prog="python -m pipeline",
         description="dask-token-capture: verifiable token capture for RL post-training on Dask.",
     )
@@ -31,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(func=demo.main)
+    demo_parser.set_defaults(func=demo.main, check=lambda args, p=demo_parser: demo.check_arguments(p, args))
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks (one run, ratios)", description="Side-by-side benchmarks; --json prints one JSON object on stdout, progress goes to stderr.")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
@@ -58,9 +62,23 @@ def _run_bench(module, args: argparse.Namespace) -> int:
         print(json.dumps(result, sort_keys=False))
     else:
         print(json.dumps(result, indent=2))
-    return 0
+    # A benchmark with pass/fail targets (soak) says its exit status; the others exit 0.
+    status = getattr(module, "exit_status", None)
+    return int(status(result)) if status is not None else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, run, and turn expected failures into one line on stderr.
+
+    Bad flags: argparse's usage line, exit 2 (before any cluster starts). An expected
+    problem of the environment (:func:`pipeline.cli_args.run_command`): ``error: <problem>;
+    <fix>``, exit 1 (2 for a malformed address). Ctrl-C: ``interrupted``, exit 130. Any
+    other exception is a bug and keeps its traceback.
+    """
+    from .cli_args import run_command
+
     args = build_parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    check = getattr(args, "check", None)
+    if check is not None:
+        check(args)
+    return run_command(args.func, args)

@@ -10,11 +10,16 @@ import time
 
 
 class Progress:
-    """``with Progress("staging", total=n) as p: p.advance(k)``."""
+    """``with Progress("staging", total=n, unit="rows") as p: p.advance(k, "note")``.
 
-    def __init__(self, label: str, total: int | None = None, *, quiet: bool = False, min_interval_s: float = 0.5):
+    ``advance(0, note)`` updates the note without counting (a phase that has started);
+    updates closer together than ``min_interval_s`` are skipped, except the last.
+    """
+
+    def __init__(self, label: str, total: int | None = None, *, quiet: bool = False, min_interval_s: float = 0.5, unit: str = ""):
         self.label = label
         self.total = total
+        self.unit = unit
         self.done = 0
         self.quiet = quiet
         self._tty = sys.stderr.isatty()
@@ -29,9 +34,10 @@ class Progress:
     def __exit__(self, *exc) -> None:
         self._emit(force=True, final=True)
 
-    def advance(self, n: int = 1, note: str = "") -> None:
+    def advance(self, n: int = 1, note: str = "", *, force: bool = False) -> None:
+        """Count ``n`` more done; ``force`` shows the line even if the last was recent."""
         self.done += n
-        self._emit(note=note)
+        self._emit(note=note, force=force)
 
     def note(self, text: str) -> None:
         if not self.quiet:
@@ -45,6 +51,8 @@ class Progress:
             return
         self._last = now
         frac = f"{self.done}/{self.total}" if self.total else f"{self.done}"
+        if self.unit:
+            frac = f"{frac} {self.unit}"
         line = f"[{self.label}] {frac} {now - self._t0:6.1f}s {note}".rstrip()
         if self._tty and not final:
             print("\r" + line, end="", file=sys.stderr, flush=True)

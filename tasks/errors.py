@@ -5,6 +5,9 @@
 - :class:`StoreUnavailable` (not a ``ValueError``): a store or unit is closed or lost. A
   caller's ``except ValueError`` must not swallow it.
 - :class:`CheckpointError` (an ``OSError``): a checkpoint cannot be written or read.
+- :class:`ClusterUnavailable` (a ``ConnectionError``): no scheduler answered, or it has no
+  workers. The command line prints it, and :class:`InvalidSchedulerAddress` and
+  :class:`MissingFinalizeResource`, as one line ``error: <problem>; <fix>``.
 
 Per-row and per-rollout problems are not raised: they travel as reason words
 (:mod:`tasks.reasons`, the store's per-key results) so one bad row never fails its batch.
@@ -97,6 +100,11 @@ class FinalizeError(InvalidInput):
     """A step that cannot be submitted (empty group, no finalize slots, bad arguments)."""
 
 
+class MissingFinalizeResource(FinalizeError):
+    """No worker of the cluster advertises the ``finalize`` resource verify tasks need;
+    the message names the fix (``dask worker ADDR --resources "finalize=N"``)."""
+
+
 class DriverError(InvalidInput):
     """Misuse of the rollout driver (no actors, unknown rollout, duplicate ids...)."""
 
@@ -126,6 +134,18 @@ class InvalidStoreRequest(StoreError, InvalidInput):
 
 class StoreUnavailable(StoreError, RuntimeError):
     """A store or storage unit is closed, lost or unreachable."""
+
+
+# ---- the cluster -------------------------------------------------------------------------
+
+
+class ClusterUnavailable(TokenCaptureError, ConnectionError):
+    """No Dask scheduler answered at the address within the connect timeout, or it has no
+    workers to run on. The message names the address and how to start what is missing."""
+
+
+class InvalidSchedulerAddress(InvalidInput):
+    """A scheduler address that does not parse (expected ``tcp://HOST:PORT``)."""
 
 
 # ---- checkpoints -------------------------------------------------------------------------

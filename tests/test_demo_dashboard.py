@@ -38,7 +38,7 @@ def demo_run():
         base = f"http://127.0.0.1:{client.scheduler_info()['services']['dashboard']}"
         # Events reach the scheduler asynchronously; wait until the run's steps are in.
         # The resume phase finalizes one more step of groups x rollouts on top of the steps.
-        expected = summary["rollouts"] + summary["resume"]["rollouts"]
+        expected = summary["rollouts"]  # every finalized rollout, the resume step included
         wait_until(lambda: client.sync(client.scheduler.token_capture_state)["totals"].get("rollouts") == expected)
         yield client, base, summary, out.getvalue()
 
@@ -48,7 +48,7 @@ def test_demo_prints_the_page_address_and_its_figures(demo_run):
     port = client.scheduler_info()["services"]["dashboard"]
     assert re.search(rf"dashboard: http://[^/]+:{port}/token-capture", text), text
     # Two regular steps of 2 x 3 rollouts, then the resume phase's step of 2 x 3.
-    assert summary["rollouts"] == 2 * 2 * 3 and summary["accepted"] == summary["rollouts"]
+    assert summary["rollouts"] == 2 * 2 * 3 + 2 * 3 and summary["accepted"] == summary["rollouts"]
     assert summary["resume"]["rollouts"] == 2 * 3
     assert "rollouts matched the uninterrupted run" in text
 
@@ -62,7 +62,8 @@ def test_page_over_http_carries_the_demo_figures(demo_run):
     assert int(re.search(r'id="tc-rollouts">(\d+)<', html).group(1)) == finalized
     assert int(re.search(r'id="tc-accepted">(\d+)<', html).group(1)) == state["totals"]["accepted"]
     # The demo's steps, the resume phase's cut and its restore all reached the page's state.
-    assert {s["step_id"] for s in state["steps"]} >= {"step-0", "step-1"}
+    run_id = summary["run_id"]
+    assert {s["step_id"] for s in state["steps"]} >= {f"{run_id}-step-0", f"{run_id}-step-1", f"{run_id}-resume"}
     assert int(re.search(r'id="tc-cuts">(\d+)<', html).group(1)) >= 1
     assert state["store_units"], "store figures were published"
 

@@ -14,24 +14,40 @@ if TYPE_CHECKING:
     from distributed import Client
 
 
-def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
-    """``--scheduler`` and ``--quiet``, the flags every benchmark takes."""
-    p.add_argument("--scheduler", default=None, help="use an existing cluster instead of an embedded LocalCluster")
-    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+def add_cluster_arguments(p: argparse.ArgumentParser, n_workers: int | None = None) -> None:
+    """``--scheduler``, ``--connect-timeout`` and ``--quiet``, the flags every benchmark
+    takes; with ``n_workers`` (the default worker count) also ``--n-workers`` for the
+    embedded cluster. A flag the benchmark already defines is left as it is."""
+    from ..cli_args import positive_float, positive_int, scheduler_address
+
+    have = set(p._option_string_actions)
+    if "--scheduler" not in have:
+        p.add_argument("--scheduler", metavar="ADDR", type=scheduler_address, default=None,
+                       help="use an existing cluster (e.g. tcp://127.0.0.1:8786) instead of an embedded LocalCluster")
+    if "--connect-timeout" not in have:
+        p.add_argument("--connect-timeout", metavar="SECONDS", type=positive_float, default=None,
+                       help="with --scheduler: how long to wait for it to answer (default: config cluster.connect-timeout-s)")
+    if n_workers is not None and "--n-workers" not in have:
+        p.add_argument("--n-workers", type=positive_int, default=n_workers,
+                       help=f"embedded LocalCluster workers, one thread each (default {n_workers}; ignored with --scheduler)")
+    if "--quiet" not in have:
+        p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
 @contextlib.contextmanager
 def bench_client(args: argparse.Namespace, n_workers: int = 2) -> Iterator["Client"]:
-    """A client on ``args.scheduler``, or on a fresh loopback LocalCluster of
-    ``n_workers`` single-threaded worker processes (closed on exit)."""
+    """A client on ``args.scheduler`` (waiting at most ``args.connect_timeout`` seconds for
+    it), or on a fresh loopback LocalCluster of ``args.n_workers`` (else ``n_workers``)
+    single-threaded worker processes (closed on exit)."""
     from distributed import Client
 
-    from ..cluster import local_cluster
+    from ..cluster import attach, local_cluster
 
-    if args.scheduler:
-        with Client(args.scheduler) as client:
+    if getattr(args, "scheduler", None):
+        with attach(args.scheduler, getattr(args, "connect_timeout", None)) as client:
             yield client
         return
+    n_workers = getattr(args, "n_workers", None) or n_workers
     with local_cluster(n_workers=n_workers, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
         yield client
 
@@ -49,10 +65,17 @@ def notes(name: str, quiet: bool) -> Callable[[str], None]:
 
 def main(module: ModuleType, argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry point of a benchmark module (same flags as the CLI)."""
-    p = argparse.ArgumentParser(prog=f"python -m {module.__name__}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from ..cli_args import ArgumentParser, run_command
+
+    p = ArgumentParser(prog=f"python -m {module.__name__}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+    if "--json" not in p._option_string_actions:
+        p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
     args = p.parse_args(argv)
-    result = module.run(args)
-    print(json.dumps(result) if args.json else json.dumps(result, indent=2))
-    return 0
+
+    def go(args: argparse.Namespace) -> int:
+        result = module.run(args)
+        print(json.dumps(result) if args.json else json.dumps(result, indent=2))
+        return 0
+
+    return run_command(go, args)

@@ -27,15 +27,16 @@ CONTEXT_TOKENS = 16
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``python -m pipeline bench cut``."""
-    p.add_argument("--rows", type=int, default=8192, help="prefix rows at 1,024 tokens (default 8,192)")
-    p.add_argument("--rows-16384", type=int, default=2048,
-                   help="prefix rows at 16,384 tokens (default 2,048: 512 MB; the reference used 8,192)")
-    p.add_argument("--clients", type=int, default=32, help="concurrent writer clients (default 32)")
-    p.add_argument("--batch-size", type=int, default=256, help="rows per put in the batched mode (default 256)")
-    p.add_argument("--tokens", default="1024,16384", help="prefix token counts to run (comma-separated)")
-    p.add_argument("--unit-memory-limit", default="2GiB", help="per storage unit memory before spilling")
-    add_cluster_arguments(p)
+    from ..cli_args import byte_size, positive_int, positive_int_list
 
+    p.add_argument("--rows", type=positive_int, default=8192, help="prefix rows at 1,024 tokens (default 8,192)")
+    p.add_argument("--rows-16384", type=positive_int, default=2048,
+                   help="prefix rows at 16,384 tokens (default 2,048: 512 MB; the reference used 8,192)")
+    p.add_argument("--clients", type=positive_int, default=32, help="concurrent writer clients (default 32)")
+    p.add_argument("--batch-size", type=positive_int, default=256, help="rows per put in the batched mode (default 256)")
+    p.add_argument("--tokens", type=positive_int_list, default="1024,16384", help="prefix token counts to run (comma-separated)")
+    p.add_argument("--unit-memory-limit", type=byte_size, default="2GiB", help="per storage unit memory before spilling")
+    add_cluster_arguments(p, n_workers=2)
 
 
 def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str) -> list:

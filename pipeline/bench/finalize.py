@@ -39,11 +39,13 @@ TARGETS = {"agentic": {"speedup": 20.0, "fetch_calls_per_group_graph": 2, "verif
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``python -m pipeline bench finalize``."""
-    p.add_argument("--short-groups", type=int, default=32, help="groups in the short workload (default 32)")
-    p.add_argument("--agentic-groups", type=int, default=8, help="groups in the agentic workload (default 8)")
-    p.add_argument("--groups-per-step", type=int, default=0, help="groups per graph step (default 0: all in one step)")
-    p.add_argument("--workers", type=int, default=2, help="LocalCluster workers (default 2, one thread each)")
-    p.add_argument("--seed", type=int, default=0, help="random seed of the staged data")
+    from ..cli_args import non_negative_int, positive_int
+
+    p.add_argument("--short-groups", type=non_negative_int, default=32, help="groups in the short workload (default 32; 0 skips it)")
+    p.add_argument("--agentic-groups", type=non_negative_int, default=8, help="groups in the agentic workload (default 8; 0 skips it)")
+    p.add_argument("--groups-per-step", type=non_negative_int, default=0, help="groups per graph step (default 0: all in one step)")
+    p.add_argument("--workers", type=positive_int, default=2, help="LocalCluster workers (default 2, one thread each)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="random seed of the staged data")
     add_cluster_arguments(p)
 
 
@@ -135,7 +137,8 @@ def run_graph(client, store, groups: list[list[Receipt]], groups_per_step: int) 
     per = groups_per_step or len(groups)
     t0 = time.perf_counter()
     for s in range(0, len(groups), per):
-        fin.submit_step({f"g{s + i}": g for i, g in enumerate(groups[s : s + per])})
+        # Each group under its receipts' own group id (a receipt under another is wrong_group).
+        fin.submit_step({(g[0].group_id or f"g{s + i}"): g for i, g in enumerate(groups[s : s + per])})
     steps = fin.drain()
     wall = time.perf_counter() - t0
     group_metrics = [g.metrics for st in steps for g in st.groups.values()]

@@ -38,20 +38,30 @@ def _restore_fields() -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``python -m pipeline bench restore``."""
-    p.add_argument("--workers", type=int, default=16, help="simulated generation workers W (reference 128)")
-    p.add_argument("--restores", type=int, default=64, help="restores per worker R (reference 64)")
-    p.add_argument("--tokens", type=int, default=16384, help="prefix tokens T (reference 16,384)")
-    p.add_argument("--light-workers", type=int, default=8, help="workers in the light-load scenarios (default 8)")
-    p.add_argument("--light-restores", type=int, default=32, help="restores per worker under light load (default 32)")
-    p.add_argument("--repeats", type=int, default=2, help="runs per scenario and mode, alternating order (default 2)")
+    from ..cli_args import byte_size, positive_int
+
+    names = [s["name"] for s in scenarios(argparse.Namespace(workers=1, restores=1, light_workers=1, light_restores=1, light_repeats=1, scenarios="all"))]
+
+    def scenario_list(text: str) -> str:
+        wanted = {t.strip() for t in text.split(",") if t.strip()}
+        if text.strip() != "all" and (not wanted or wanted - set(names)):
+            raise argparse.ArgumentTypeError(f"must be 'all' or comma-separated names from {', '.join(names)}; got {text!r}")
+        return text
+
+    p.add_argument("--workers", type=positive_int, default=16, help="simulated generation workers W (reference 128)")
+    p.add_argument("--restores", type=positive_int, default=64, help="restores per worker R (reference 64)")
+    p.add_argument("--tokens", type=positive_int, default=16384, help="prefix tokens T (reference 16,384)")
+    p.add_argument("--light-workers", type=positive_int, default=8, help="workers in the light-load scenarios (default 8)")
+    p.add_argument("--light-restores", type=positive_int, default=32, help="restores per worker under light load (default 32)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="runs per scenario and mode, alternating order (default 2)")
     p.add_argument(
-        "--light-repeats", type=int, default=4,
+        "--light-repeats", type=positive_int, default=4,
         help="runs per mode of the light-load scenarios (default 4: their p50s differ by less than the machine's drift, so they alternate more)",
     )
-    p.add_argument("--scenarios", default="all", help="comma-separated subset of the scenario names, or 'all'")
-    p.add_argument("--unit-memory-limit", default="4GiB", help="per storage unit memory before spilling")
+    p.add_argument("--scenarios", type=scenario_list, default="all", help=f"comma-separated subset of {', '.join(names)}, or 'all'")
+    p.add_argument("--unit-memory-limit", type=byte_size, default="4GiB", help="per storage unit memory before spilling")
     p.add_argument("--gc", choices=("collect", "freeze", "none"), default="collect", help="garbage collector between runs (see module docstring; default collect)")
-    add_cluster_arguments(p)
+    add_cluster_arguments(p, n_workers=2)
 
 
 # ---- scenarios and staged rows --------------------------------------------------------

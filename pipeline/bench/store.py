@@ -30,19 +30,21 @@ TARGET_RATIO = 20.0  # 256-row calls vs one-row calls at 1,024 tokens (rows/s)
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``python -m pipeline bench store``."""
-    p.add_argument("--batch-size", type=int, default=256, help="rows per call in the batched runs (default 256)")
-    p.add_argument("--rows-1024", type=int, default=4096, help="rows moved by batched calls at 1,024 tokens")
-    p.add_argument("--rows-16384", type=int, default=512, help="rows moved by batched calls at 16,384 tokens")
-    p.add_argument("--single-rows-1024", type=int, default=400, help="rows moved one per call at 1,024 tokens")
-    p.add_argument("--single-rows-16384", type=int, default=100, help="rows moved one per call at 16,384 tokens")
-    p.add_argument("--layers", type=int, default=4, help="routed-experts L (default 4)")
-    p.add_argument("--top-k", type=int, default=2, help="routed-experts K (default 2)")
+    from ..cli_args import byte_size, positive_float, positive_int
+
+    p.add_argument("--batch-size", type=positive_int, default=256, help="rows per call in the batched runs (default 256)")
+    p.add_argument("--rows-1024", type=positive_int, default=4096, help="rows moved by batched calls at 1,024 tokens")
+    p.add_argument("--rows-16384", type=positive_int, default=512, help="rows moved by batched calls at 16,384 tokens")
+    p.add_argument("--single-rows-1024", type=positive_int, default=400, help="rows moved one per call at 1,024 tokens")
+    p.add_argument("--single-rows-16384", type=positive_int, default=100, help="rows moved one per call at 16,384 tokens")
+    p.add_argument("--layers", type=positive_int, default=4, help="routed-experts L (default 4)")
+    p.add_argument("--top-k", type=positive_int, default=2, help="routed-experts K (default 2)")
     p.add_argument("--no-routes", action="store_true", help="rows without routed experts")
     p.add_argument("--memory", action="store_true", help="also run the memory mode (spill under a memory limit)")
-    p.add_argument("--memory-gb", type=float, default=2.0, help="GB of rows staged in memory mode (default 2)")
-    p.add_argument("--unit-memory-limit", default="256MiB", help="per-unit memory limit in memory mode")
-    p.add_argument("--memory-row-tokens", type=int, default=16384, help="tokens per row in memory mode")
-    add_cluster_arguments(p)
+    p.add_argument("--memory-gb", type=positive_float, default=2.0, help="GB of rows staged in memory mode (default 2)")
+    p.add_argument("--unit-memory-limit", type=byte_size, default="256MiB", help="per-unit memory limit in memory mode")
+    p.add_argument("--memory-row-tokens", type=positive_int, default=16384, help="tokens per row in memory mode")
+    add_cluster_arguments(p, n_workers=2)
 
 
 # ---- row material ------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from tasks import reasons as R
+from tasks.errors import MissingFinalizeResource
 from tasks.finalize.step_batch import step_batch
 from tasks.keys import STAGING_PARTITION, staging_key
 
@@ -275,8 +276,6 @@ class Finalizer:
             info = self.client.scheduler_info()
         workers = info.get("workers", {})
         if workers and not any(w.get("resources", {}).get("finalize", 0) > 0 for w in workers.values()):
-            from tasks.errors import MissingFinalizeResource  # a FinalizeError; the CLI prints it as one line
-
             address = getattr(getattr(self.client, "scheduler", None), "address", None) or "<scheduler>"
             slots = config.get("finalize.slots-per-worker")
             raise MissingFinalizeResource(
