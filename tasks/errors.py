@@ -179,3 +179,38 @@ class PrefixReadError(TokenCaptureError):
 
     def __reduce__(self):  # crosses actor boundaries: rebuild from ``failed``, not the message
         return (type(self), (self.failed,))
+
+
+class RestoreIncomplete(CheckpointError):
+    """A checkpoint restore that could not place every row; nothing of it was kept.
+
+    ``failed`` maps key -> (reason, detail), the store's per-key reasons (``store_full``,
+    ``key_conflict``, ``unit_unavailable``, ...). The rows the restore had added were
+    removed again (``removed`` of them); rows the store held before were never changed.
+    ``rollback_failed`` lists removals that failed too (key -> (reason, detail)): those
+    rows are still in the store.
+    """
+
+    def __init__(self, failed: dict, removed: int = 0, rollback_failed: dict | None = None, path: str | None = None):
+        self.failed = dict(failed)
+        self.removed = int(removed)
+        self.rollback_failed = dict(rollback_failed or {})
+        self.path = path
+        reasons: dict[str, int] = {}
+        for reason, _ in self.failed.values():
+            reasons[reason] = reasons.get(reason, 0) + 1
+        shown = "; ".join(f"{k!r}: {r}: {d}" for k, (r, d) in list(self.failed.items())[:3])
+        more = f" (+{len(self.failed) - 3} more)" if len(self.failed) > 3 else ""
+        where = f" of {path!r}" if path else ""
+        left = (
+            f"; {len(self.rollback_failed)} added row(s) could not be removed and are still in the store"
+            if self.rollback_failed else ""
+        )
+        super().__init__(
+            f"restore{where} incomplete: {len(self.failed)} key(s) failed "
+            f"({', '.join(f'{r} x{c}' for r, c in sorted(reasons.items()))}): {shown}{more}; "
+            f"the {self.removed} row(s) it had added were removed{left}"
+        )
+
+    def __reduce__(self):  # crosses process boundaries: rebuild from the fields, not the message
+        return (type(self), (self.failed, self.removed, self.rollback_failed, self.path))

@@ -78,11 +78,15 @@ def decode_batch(buf: bytes | bytearray | memoryview) -> PackedBatch:
             return a
 
         for name, dtype, trailing, n_values, has_present in header["fields"]:
+            if n_values < 0 or any(t < 0 for t in trailing):
+                raise CheckpointCorrupt(f"field {name!r}: negative length {n_values} or trailing shape {trailing}")
             offsets = take(np.dtype("<i8"), n + 1, (n + 1,))
             present = take(np.dtype(bool), n, (n,)) if has_present else None
             dt = np.dtype(dtype)
             values = take(dt, n_values * int(np.prod(trailing, dtype=np.int64)), (n_values, *trailing))
             fields[name] = PackedField(values, offsets, present)
+        if pos != len(buf):
+            raise CheckpointCorrupt(f"packed batch file has {len(buf) - pos} bytes past its last field")
         return PackedBatch(list(keys), fields)
     except CheckpointCorrupt:
         raise

@@ -3,50 +3,123 @@
 A checkpoint directory holds ``MANIFEST.json`` (written last: temp, fsync, rename) and
 one generation ``gen-<id>/`` of packed batch files (:mod:`~pipeline.store.batch_file`,
 one per chunk of about ``chunk_bytes`` of a unit's partition). The manifest records each
-file's SHA-256 and size in bytes; restore recomputes them all before loading anything,
-then places rows by ``unit_for_key`` on the restoring store. While a save runs, it is
-open on every unit (``begin_checkpoint`` before any write, ``end_checkpoint`` in
-``finally``): concurrent deletes are deferred, so the checkpoint loses no row to them.
+file's SHA-256 and size in bytes, and, when ``store.checkpoint-key`` names a key file,
+an HMAC-SHA256 of its whole body. Its file names must be ``<generation>/<plain name>``
+resolving inside the directory. Restore is all-or-nothing: every file is hashed, decoded
+and validated before the first row is loaded, and a restore that fails while loading
+removes the rows it added. While a save runs, it is open on every unit
+(``begin_checkpoint`` before any write, ``end_checkpoint`` in ``finally``): concurrent
+deletes are deferred, so the checkpoint loses no row to them.
 """
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import os
+import re
 import shutil
+import stat
 import time
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from tasks.errors import CheckpointCorrupt, CheckpointError
+from tasks.errors import CheckpointCorrupt, CheckpointError, RestoreIncomplete
 from tasks.packed import PackedBatch
 
+from .. import config
 from . import batch_file
-from .batch_file import FORMAT_VERSION, decode_batch, file_sha256, fsync_dir
+from .batch_file import DATA_SUFFIX, FORMAT_VERSION, decode_batch, fsync_dir
+from .protocol import PARTITION_RE, check_key, field_problem
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import StagingStore
 
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = "dask-token-capture/store-checkpoint"
+KEY_CONFIG = "store.checkpoint-key"
+HMAC_FIELD = "manifest_hmac_sha256"
+_DIGEST_FIELDS = ("manifest_sha256", HMAC_FIELD)
+_HMAC_TAG = b"dask-token-capture/store-checkpoint-manifest/v1\n"
+_MIN_KEY_BYTES = 32
+_GENERATION_RE = re.compile(r"^gen-[A-Za-z0-9_-]{1,200}$")
+_DATA_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,250}$")
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+_FROM_CONFIG: Any = object()
+
+
+# ---- manifest: digest, optional HMAC, entry checks ------------------------------------
+
+
+def _canonical(manifest: dict, drop: tuple[str, ...]) -> bytes:
+    body = {k: v for k, v in manifest.items() if k not in drop}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 
 def _manifest_digest(manifest: dict) -> str:
-    body = {k: v for k, v in manifest.items() if k != "manifest_sha256"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    """Unkeyed SHA-256 of everything but itself (the HMAC included): catches accidents."""
+    return hashlib.sha256(_canonical(manifest, ("manifest_sha256",))).hexdigest()
 
 
-def write_manifest(path: str, manifest: dict) -> None:
-    """Write ``path/MANIFEST.json`` atomically (temp, fsync, rename, fsync dir)."""
-    manifest = dict(manifest, manifest_sha256=_manifest_digest(manifest))
+def _manifest_hmac(manifest: dict, key: bytes) -> str:
+    """HMAC-SHA256 under ``key`` of everything but the two digests."""
+    return hmac.new(key, _HMAC_TAG + _canonical(manifest, _DIGEST_FIELDS), hashlib.sha256).hexdigest()
+
+
+def manifest_key() -> bytes | None:
+    """The manifest HMAC key of ``token-capture.store.checkpoint-key``, or ``None``.
+
+    The setting is the PATH of a key file (never the key itself, so the secret stays out
+    of dask config, environment variables and logs); the file holds the key as hex
+    digits, at least 64 (32 bytes), surrounding whitespace ignored. Only the process that
+    saves or restores (the controller) reads it. A setting that cannot be used raises
+    :class:`CheckpointError` naming it.
+    """
+    value = config.get(KEY_CONFIG)
+    if value is None:
+        return None
+    where = f"token-capture.{KEY_CONFIG}"
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise CheckpointError(f"{where} must be null or the path of a key file, got {value!r}")
+    path = os.path.expanduser(str(value))
+    try:
+        with open(path, encoding="ascii") as fh:
+            text = fh.read().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{where}: cannot read key file {path!r}: {e}") from None
+    try:
+        key = bytes.fromhex(text)
+    except ValueError:
+        raise CheckpointError(f"{where}: key file {path!r} must hold the key as hex digits") from None
+    if len(key) < _MIN_KEY_BYTES:
+        raise CheckpointError(
+            f"{where}: key file {path!r} holds a {len(key)}-byte key; at least {_MIN_KEY_BYTES} bytes "
+            f"({2 * _MIN_KEY_BYTES} hex digits) are required"
+        )
+    return key
+
+
+def write_manifest(path: str, manifest: dict, key: bytes | None = _FROM_CONFIG) -> None:
+    """Write ``path/MANIFEST.json`` atomically (temp, fsync, rename, fsync dir), signed
+    with ``key`` (default: :func:`manifest_key`) when there is one."""
+    if key is _FROM_CONFIG:
+        key = manifest_key()
+    manifest = {k: v for k, v in manifest.items() if k not in _DIGEST_FIELDS}
+    if key is not None:
+        manifest[HMAC_FIELD] = _manifest_hmac(manifest, key)
+    manifest["manifest_sha256"] = _manifest_digest(manifest)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     # Through the module (not an imported name): one patch point for every atomic write.
     batch_file.write_atomic(os.path.join(path, MANIFEST), [data])
     fsync_dir(path)
 
 
-def read_manifest(path: str) -> dict:
-    """The manifest of the checkpoint at ``path``, self-digest checked."""
+def read_manifest(path: str, key: bytes | None = _FROM_CONFIG) -> dict:
+    """The manifest of the checkpoint at ``path``: self-digest checked; with a ``key``
+    (default: :func:`manifest_key`) its signature is required and checked; every file
+    entry checked (names resolve inside ``path``). Raises :class:`CheckpointCorrupt`."""
+    if key is _FROM_CONFIG:
+        key = manifest_key()
     mpath = os.path.join(path, MANIFEST)
     if not os.path.exists(mpath):
         raise CheckpointError(f"no checkpoint at {path!r}: {MANIFEST} is missing")
@@ -61,42 +134,174 @@ def read_manifest(path: str) -> dict:
         raise CheckpointError(f"{mpath}: checkpoint version {manifest.get('version')}, expected {FORMAT_VERSION}")
     if manifest.get("manifest_sha256") != _manifest_digest(manifest):
         raise CheckpointCorrupt(f"{mpath}: manifest digest mismatch (edited or damaged)")
+    if key is not None:
+        given = manifest.get(HMAC_FIELD)
+        if given is None:
+            raise CheckpointCorrupt(
+                f"{mpath}: manifest is unsigned, but token-capture.{KEY_CONFIG} is set: only a manifest "
+                f"signed with that key is restored"
+            )
+        if not isinstance(given, str) or not hmac.compare_digest(given.encode(), _manifest_hmac(manifest, key).encode()):
+            raise CheckpointCorrupt(
+                f"{mpath}: manifest is signed, but its signature does not match the key of "
+                f"token-capture.{KEY_CONFIG} (signed with another key, or edited)"
+            )
+    _check_entries(path, mpath, manifest)
     return manifest
+
+
+def _check_entries(root: str, mpath: str, manifest: dict) -> None:
+    generation = manifest.get("generation")
+    if not isinstance(generation, str) or not _GENERATION_RE.match(generation):
+        raise CheckpointCorrupt(f"{mpath}: generation {generation!r} is not a plain gen-<id> name")
+    files = manifest.get("files")
+    if not isinstance(files, list):
+        raise CheckpointCorrupt(f"{mpath}: files must be a list")
+    seen: set[str] = set()
+    for i, entry in enumerate(files):
+        what = f"{mpath}: files[{i}] {entry.get('file') if isinstance(entry, dict) else entry!r}"
+        problem = _entry_problem(entry, generation)
+        if problem is None:
+            if entry["file"] in seen:
+                problem = "named twice"
+            seen.add(entry["file"])
+        if problem is None:
+            try:
+                resolve_entry(root, entry, generation)
+            except CheckpointCorrupt as e:
+                problem = str(e)
+        if problem is not None:
+            raise CheckpointCorrupt(f"{what}: {problem}")
+
+
+def _int_field(entry: dict, name: str) -> bool:
+    v = entry.get(name)
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _entry_problem(entry: Any, generation: str) -> str | None:
+    """Why a manifest file entry is unusable (its shape and its name), or ``None``."""
+    if not isinstance(entry, dict):
+        return f"entry must be an object, got {type(entry).__name__}"
+    name = entry.get("file")
+    if not isinstance(name, str):
+        return f"file name must be a str, got {type(name).__name__}"
+    if os.path.isabs(name) or name.startswith(("/", "\\")) or "\\" in name or "\x00" in name:
+        return "file name must be relative to the checkpoint directory (absolute paths are refused)"
+    parts = name.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        return "file name must not contain '..', '.' or empty path components"
+    if len(parts) != 2 or parts[0] != generation:
+        return f"file name must be {generation}/<name> (a plain name in the manifest's generation)"
+    if not _DATA_NAME_RE.match(parts[1]) or not parts[1].endswith(DATA_SUFFIX):
+        return f"file name {parts[1]!r} is not a plain *{DATA_SUFFIX} name"
+    partition = entry.get("partition")
+    if not isinstance(partition, str) or not PARTITION_RE.match(partition):
+        return f"partition {partition!r} is not a partition name"
+    if not (_int_field(entry, "rows") and _int_field(entry, "bytes")):
+        return f"rows and bytes must be non-negative integers, got {entry.get('rows')!r} / {entry.get('bytes')!r}"
+    if not isinstance(entry.get("sha256"), str) or not _SHA_RE.match(entry["sha256"]):
+        return f"sha256 {entry.get('sha256')!r} is not 64 lowercase hex digits"
+    return None
+
+
+def resolve_entry(root: str, entry: dict, generation: str) -> str:
+    """The real path of ``entry``'s file, which must lie inside the checkpoint directory
+    ``root`` once every symlink is resolved; else :class:`CheckpointCorrupt`."""
+    problem = _entry_problem(entry, generation)
+    if problem is not None:
+        raise CheckpointCorrupt(f"{entry.get('file') if isinstance(entry, dict) else entry!r}: {problem}")
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(os.path.join(real_root, entry["file"]))
+    if real == real_root or os.path.commonpath([real_root, real]) != real_root:
+        raise CheckpointCorrupt(f"{entry['file']}: resolves to {real!r}, outside the checkpoint directory {real_root!r}")
+    return real
+
+
+def _read_regular(path: str) -> bytearray:
+    """The bytes of the regular file at ``path`` (a symlink swapped in after resolution,
+    a FIFO or a device is refused, not followed or read)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorrupt(f"{path}: not a regular file")
+        buf = bytearray(st.st_size)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            got = fh.readinto(buf)  # buffered: reads until full or end of file
+        return buf if got == len(buf) else buf[:got]
+    finally:
+        os.close(fd)
 
 
 # ---- per-file work (runs in Dask tasks on workers) ----------------------------------
 
 
-def verify_file(root: str, entry: dict) -> str | None:
-    """``None`` if the file of ``entry`` has its recorded SHA-256 and size, else why not."""
-    path = os.path.join(root, entry["file"])
-    try:
-        sha, size = file_sha256(path)
-    except OSError as e:
-        return f"{entry['file']}: unreadable: {e}"
-    if size != entry["bytes"] or sha != entry["sha256"]:
-        return f"{entry['file']}: sha256 {sha} / {size} bytes, manifest says {entry['sha256']} / {entry['bytes']} bytes"
+def _batch_problem(entry: dict, batch: PackedBatch) -> str | None:
+    """Why a decoded file cannot be loaded as is (rows, keys, field layout), or ``None``."""
+    if len(batch) != entry["rows"]:
+        return f"{len(batch)} rows, manifest says {entry['rows']}"
+    seen: set = set()
+    for key in batch.keys:
+        why = check_key(key)
+        if why is not None:
+            return f"key {key!r}: {why}"
+        if key in seen:
+            return f"key {key!r} appears twice"
+        seen.add(key)
+    for name, f in batch.fields.items():
+        why = field_problem(name, f, len(batch))
+        if why is not None:
+            return why
     return None
 
 
-def load_file(root: str, entry: dict) -> PackedBatch:
-    """Read one data file, check its SHA-256 on the bytes read, decode it."""
-    path = os.path.join(root, entry["file"])
-    with open(path, "rb") as fh:
-        buf = bytearray(os.fstat(fh.fileno()).st_size)
-        fh.readinto(buf)
-    if hashlib.sha256(buf).hexdigest() != entry["sha256"]:
-        raise CheckpointCorrupt(f"{entry['file']}: sha256 changed since verification")
-    batch = decode_batch(buf)
-    if len(batch) != entry["rows"]:
-        raise CheckpointCorrupt(f"{entry['file']}: {len(batch)} rows, manifest says {entry['rows']}")
+def _read_checked(root: str, entry: dict, generation: str) -> PackedBatch:
+    """Read one data file, check size and SHA-256 on the bytes read, decode, validate."""
+    path = resolve_entry(root, entry, generation)
+    try:
+        buf = _read_regular(path)
+    except CheckpointCorrupt:
+        raise
+    except OSError as e:
+        raise CheckpointCorrupt(f"{entry['file']}: unreadable: {e}") from None
+    sha = hashlib.sha256(buf).hexdigest()
+    if len(buf) != entry["bytes"] or sha != entry["sha256"]:
+        raise CheckpointCorrupt(
+            f"{entry['file']}: sha256 {sha} / {len(buf)} bytes, manifest says {entry['sha256']} / {entry['bytes']} bytes"
+        )
+    try:
+        batch = decode_batch(buf)
+    except CheckpointCorrupt as e:
+        raise CheckpointCorrupt(f"{entry['file']}: {e}") from None
+    problem = _batch_problem(entry, batch)
+    if problem is not None:
+        raise CheckpointCorrupt(f"{entry['file']}: {problem}")
     return batch
 
 
-def restore_file(store: "StagingStore", root: str, entry: dict) -> dict:
-    """Load one file into ``store`` (rows placed by ``unit_for_key``); a StoreResult as dict."""
-    result = store.put_many(load_file(root, entry), partition=entry["partition"])
-    return {"ok": len(result.ok), "failed": result.failed}
+def verify_file(root: str, entry: dict, generation: str) -> dict:
+    """Validate-only pass over one file: ``{"problem": why or None, "keys": [...]}``.
+
+    Size, SHA-256, decode and row/key/field checks, exactly as :func:`load_file` does;
+    only the keys travel back (the rows are dropped here)."""
+    try:
+        batch = _read_checked(root, entry, generation)
+    except CheckpointCorrupt as e:
+        return {"problem": str(e), "keys": []}
+    return {"problem": None, "keys": list(batch.keys)}
+
+
+def load_file(root: str, entry: dict, generation: str) -> PackedBatch:
+    """Read one data file again and re-check it (SHA-256 on the bytes read, decode, rows)."""
+    return _read_checked(root, entry, generation)
+
+
+def restore_file(store: "StagingStore", root: str, entry: dict, generation: str) -> dict:
+    """Load one file into ``store`` (rows placed by ``unit_for_key``): ``{"ok": [keys],
+    "failed": {key: (reason, detail)}}``."""
+    result = store.put_many(load_file(root, entry, generation), partition=entry["partition"])
+    return {"ok": list(result.ok), "failed": dict(result.failed)}
 
 
 # ---- orchestration (controller side) ------------------------------------------------
@@ -114,8 +319,10 @@ def _settle_all(futures: list) -> list:
 
 
 def save(store: "StagingStore", path: str, chunk_bytes: int) -> dict:
-    """Checkpoint every unit of ``store`` into ``path``; returns the manifest."""
+    """Checkpoint every unit of ``store`` into ``path``; returns the manifest (signed when
+    ``store.checkpoint-key`` is set)."""
     path = os.path.abspath(path)
+    key = manifest_key()  # a bad key setting fails before anything is written
     os.makedirs(path, exist_ok=True)
     generation = f"gen-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     gen_dir = os.path.join(path, generation)
@@ -148,7 +355,7 @@ def save(store: "StagingStore", path: str, chunk_bytes: int) -> dict:
         "bytes": sum(f["bytes"] for f in files),
         "files": files,
     }
-    write_manifest(path, manifest)
+    write_manifest(path, manifest, key)
     # Only now is the new checkpoint current: drop older and half-written generations.
     for name in os.listdir(path):
         if name.startswith("gen-") and name != generation:
@@ -156,23 +363,98 @@ def save(store: "StagingStore", path: str, chunk_bytes: int) -> dict:
     return manifest
 
 
-def restore(store: "StagingStore", path: str, client=None) -> dict:
-    """Verify the checkpoint at ``path`` and load it into ``store``.
+def _settle_tasks(futures: list) -> list:
+    """Every task future's result, or its exception (all awaited, none raised)."""
+    from distributed import wait
 
-    Raises :class:`CheckpointCorrupt` (naming every bad file) before loading anything if a
-    digest fails. Returns ``{"rows": restored, "failed": {key: (reason, detail)}, "files": n}``.
+    wait(futures)
+    return [f.exception() if f.status == "error" else f.result() for f in futures]
+
+
+def _rollback(store: "StagingStore", added: dict[str, set], before: dict[str, set]) -> tuple[int, dict]:
+    """Delete the keys this restore added (never one the store held before it): ONE
+    batched delete per partition. Returns (rows removed, {key: (reason, detail)} of the
+    removals that failed; ``missing_key`` is not a failure: that row never landed)."""
+    removed, failed = 0, {}
+    for partition, keys in added.items():
+        ours = [k for k in keys if k not in before[partition]]
+        if not ours:
+            continue
+        result = store.delete(ours, partition=partition)
+        removed += len(result.ok)
+        failed.update({k: v for k, v in result.failed.items() if v[0] != "missing_key"})
+    return removed, failed
+
+
+def restore(store: "StagingStore", path: str, client=None) -> dict:
+    """Verify the checkpoint at ``path`` and load it into ``store``, all or nothing.
+
+    1. The manifest: digest, signature when ``store.checkpoint-key`` is set, and every
+       file name (``<generation>/<plain name>``, resolving inside ``path``).
+    2. A validate-only pass (Dask tasks, one per file): each file is read, its size and
+       SHA-256 recomputed, decoded and checked (rows, keys, field layout); only its keys
+       come back, so controller memory holds keys, never rows. Any problem raises
+       :class:`CheckpointCorrupt` naming every bad file; nothing has been loaded.
+    3. The load pass reads every file again (its SHA-256 re-checked on the bytes read)
+       and puts its rows. If any key fails (``store_full``, ``key_conflict``, a lost unit
+       ...) or a file fails its second read, the rows this restore added are removed in
+       one batched delete per partition, rows the store held before are never changed
+       (write-once keys refuse an overwrite as ``key_conflict``), and it raises:
+       :class:`RestoreIncomplete` naming the failed keys and reasons, or the load error.
+
+    Returns ``{"rows": restored, "failed": {}, "files": n, "generation": id}``.
     """
     from distributed import get_client
 
     path = os.path.abspath(path)
     manifest = read_manifest(path)
-    files = manifest["files"]
+    files, generation = manifest["files"], manifest["generation"]
+    if store.partitions is not None:
+        unknown = sorted({e["partition"] for e in files} - set(store.partitions))
+        if unknown:
+            raise CheckpointError(f"checkpoint {path!r} holds partition(s) {unknown} this store lacks ({store.partitions})")
     client = client or get_client()
-    problems = [p for p in client.gather(client.map(verify_file, [path] * len(files), files, pure=False)) if p]
+    n = len(files)
+    checked = client.gather(client.map(verify_file, [path] * n, files, [generation] * n, pure=False))
+    problems = [c["problem"] for c in checked if c["problem"]]
     if problems:
         raise CheckpointCorrupt(f"checkpoint {path!r} refused: " + "; ".join(problems))
-    results = client.gather(client.map(restore_file, [store] * len(files), [path] * len(files), files, pure=False))
+    owner: dict[tuple[str, str], str] = {}
+    for entry, c in zip(files, checked):
+        for key in c["keys"]:
+            other = owner.setdefault((entry["partition"], key), entry["file"])
+            if other != entry["file"]:
+                raise CheckpointCorrupt(f"checkpoint {path!r} refused: key {key!r} is in both {other} and {entry['file']}")
+    partitions = sorted({e["partition"] for e in files})
+    before = {p: set(store.keys(p)) for p in partitions}
+    outcomes = _settle_tasks(client.map(restore_file, [store] * n, [path] * n, files, [generation] * n, pure=False))
+    added: dict[str, set] = {p: set() for p in partitions}
     failed: dict = {}
-    for r in results:
-        failed.update(r["failed"])
-    return {"rows": sum(r["ok"] for r in results), "failed": failed, "files": len(files), "generation": manifest["generation"]}
+    error: BaseException | None = None
+    rows = 0
+    for entry, c, out in zip(files, checked, outcomes):
+        if isinstance(out, BaseException):
+            error = error or out
+            added[entry["partition"]].update(c["keys"])  # unknown how far it got: all its keys
+            continue
+        added[entry["partition"]].update(out["ok"])
+        failed.update(out["failed"])
+        rows += len(out["ok"])
+    if error is None and not failed:
+        return {"rows": rows, "failed": {}, "files": n, "generation": generation}
+    removed, rollback_failed = _rollback(store, added, before)
+    if error is not None:
+        note = f"restore of {path!r} failed while loading; the {removed} row(s) it had added were removed" + (
+            f", {len(rollback_failed)} could not be: {_first(rollback_failed)}" if rollback_failed else ""
+        )
+        if isinstance(error, CheckpointError):  # CheckpointCorrupt stays CheckpointCorrupt
+            raise type(error)(f"{note}: {error}") from error
+        if hasattr(error, "add_note"):  # anything else (a closed store, a bug) keeps its type
+            error.add_note(note)
+        raise error
+    raise RestoreIncomplete(failed, removed=removed, rollback_failed=rollback_failed, path=path)
+
+
+def _first(failed: dict) -> str:
+    key, (reason, detail) = next(iter(failed.items()))
+    return f"{key!r}: {reason}: {detail}"
