@@ -9,7 +9,14 @@ partition); ``batch_file.py`` (the packed batch file format); ``checkpoint.py``
 (atomic checkpoints); ``report.py`` (stats events). The client and the unit load on
 first use, so importing :mod:`pipeline.store.protocol` pulls in no ``distributed``.
 """
-from tasks.errors import CheckpointCorrupt, CheckpointError, InvalidStoreRequest, StoreError, StoreUnavailable
+from tasks.errors import (
+    CheckpointCorrupt,
+    CheckpointError,
+    InvalidStoreRequest,
+    RestoreIncomplete,
+    StoreError,
+    StoreUnavailable,
+)
 
 from .protocol import GetResult, StoreLike, StoreResult
 
@@ -18,6 +25,7 @@ __all__ = [
     "CheckpointError",
     "GetResult",
     "InvalidStoreRequest",
+    "RestoreIncomplete",
     "StagingStore",
     "StorageUnit",
     "StoreError",
