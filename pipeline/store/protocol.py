@@ -16,11 +16,14 @@ from typing import Iterable, Mapping, Protocol, Sequence
 import msgpack
 import numpy as np
 
-from tasks.errors import InvalidKey, InvalidStoreRequest
-from tasks.keys import rollout_of_key
+from tasks.errors import InvalidStoreRequest
+from tasks.keys import key_problem
 from tasks.packed import PackedBatch, PackedField
 
 PARTITION_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+# numpy dtype kinds a field's values may have: bool, signed/unsigned int, float, complex
+# (fixed-size numbers). Object, str/unicode, bytes, void/structured, datetime are refused.
+STORABLE_KINDS = frozenset("biufc")
 
 # Per-key failure reasons of put/get/delete (the vocabulary of StoreResult/GetResult).
 KEY_CONFLICT = "key_conflict"  # put: the key holds different content (keys are write-once)
@@ -112,18 +115,33 @@ def check_partition(partition: object, allowed: Sequence[str] | None = None) -> 
 
 
 def check_key(key: object) -> str | None:
-    """``None`` if ``key`` is a usable staging/cut key, else why not."""
-    if not isinstance(key, str):
-        return f"key must be str, got {type(key).__name__}"
-    try:
-        rollout_of_key(key)
-    except InvalidKey as e:
-        return str(e)
-    return None
+    """``None`` if ``key`` is a usable staging/cut key, else why not
+    (:func:`tasks.keys.key_problem`: str, valid UTF-8, shape, id and key byte limits)."""
+    return key_problem(key)
+
+
+def split_valid_keys(keys: Sequence[object]) -> tuple[list[int], dict[str, tuple[str, str]]]:
+    """``(indices of usable keys, {bad key: (INVALID_KEY, detail)})`` for a request's keys.
+
+    A bad key (not str, not valid UTF-8 such as a lone surrogate, malformed, over the
+    id/key byte limits: :func:`tasks.keys.key_problem`) fails alone; the others are
+    served. A non-str key is reported under its ``repr``. Per key a few C-level string
+    calls (an ASCII key is its own byte length; only a key longer than
+    :data:`~tasks.keys.MAX_ID_BYTES` has its ids measured), no per-character Python."""
+    valid: list[int] = []
+    failed: dict[str, tuple[str, str]] = {}
+    for i, key in enumerate(keys):
+        detail = key_problem(key)
+        if detail is None:
+            valid.append(i)
+        else:
+            failed[key if isinstance(key, str) else repr(key)] = (INVALID_KEY, detail)
+    return valid, failed
 
 
 def field_problem(name: str, f: PackedField, n: int) -> str | None:
-    """Why a packed field cannot be cut into ``n`` rows, or ``None`` if it can."""
+    """Why a packed field cannot be cut into ``n`` rows or stored (its dtype is not a
+    fixed-size numeric or bool one, :data:`STORABLE_KINDS`), or ``None`` if it can."""
     if not isinstance(f, PackedField):
         return f"field {name!r} is {type(f).__name__}, not PackedField"
     off, values = f.offsets, f.values
@@ -133,6 +151,10 @@ def field_problem(name: str, f: PackedField, n: int) -> str | None:
         return f"field {name!r}: offsets must be integer[{n + 1}], got {off.dtype}{list(off.shape)}"
     if values.ndim < 1:
         return f"field {name!r}: values must be at least 1-d"
+    if values.dtype.kind not in STORABLE_KINDS:
+        # Objects would be stored as pointers (spill and checkpoint fail, or write
+        # garbage); strings, bytes, void and structured dtypes are not row fields.
+        return f"field {name!r}: dtype {values.dtype.str} ({values.dtype}) is not a fixed-size numeric or bool dtype"
     if off[0] != 0 or off[-1] != len(values) or (n and np.any(np.diff(off) < 0)):
         return f"field {name!r}: offsets must rise from 0 to len(values)={len(values)}"
     if f.present is not None and (not isinstance(f.present, np.ndarray) or f.present.shape != (n,)):
