@@ -43,3 +43,20 @@ def test_docs_never_point_outside_the_repository():
     for path in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
         text = path.read_text()
         assert "../shared" not in text and "SPEC.md" not in text, path.name
+
+
+def test_python_api_in_20_lines_runs(tmp_path):
+    # The README's API block, as written, in a fresh interpreter.
+    import subprocess
+    import sys
+
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Python API in 20 lines"):]
+    code = section[section.index("```python\n") + 10: section.index("\n```", section.index("```python"))]
+    assert len([l for l in code.splitlines() if l.strip() and not l.startswith(("import", "from"))]) <= 20
+    script = tmp_path / "api.py"
+    script.write_text(code)
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    accepted, shape = proc.stdout.split(" ", 2)[:2]
+    assert accepted == "4", proc.stdout
