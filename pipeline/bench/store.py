@@ -6,6 +6,7 @@ of 2 workers with one storage unit each. Both call sizes run in the same process
 the same store, so the ratios compare like with like. ``--memory`` adds the memory mode:
 stage ``--memory-gb`` of rows into units limited to ``--unit-memory-limit`` each, sample
 each storage worker's peak RSS (psutil, in the worker process) and read every row back.
+``replication_1024`` puts the 1,024-token rows/s with ``store.replicas`` 2 next to 1.
 
     python -m pipeline bench store --json
     python -m pipeline.bench.store --json --memory
@@ -244,10 +245,13 @@ def _memory_mode(client, args) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns one JSON-able dict (see module docstring)."""
+    import dask
+
     from ..store import StagingStore
 
     with bench_client(args) as client:
-        result: dict[str, Any] = {"benchmark": "store", "workers": len(client.scheduler_info(n_workers=-1)["workers"])}
+        n_workers = len(client.scheduler_info(n_workers=-1)["workers"])
+        result: dict[str, Any] = {"benchmark": "store", "workers": n_workers}
         for tokens, single, batched in (
             (1024, args.single_rows_1024, args.rows_1024),
             (16384, args.single_rows_16384, args.rows_16384),
@@ -261,11 +265,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         bs = args.batch_size
         result["target_ratio"] = TARGET_RATIO
         result["meets_target_1024"] = bool(r["put_ratio"] >= TARGET_RATIO and r["get_ratio"] >= TARGET_RATIO)
+        # Replication cost, same run: the batched rows at 1,024 tokens with replicas=1 (above)
+        # next to replicas=2 (every put writes two units; healthy gets read primaries only).
+        if n_workers >= 2:
+            with dask.config.set({"token-capture.store.replicas": 2}):
+                store = StagingStore.start(client, n_units=2, memory_limit="4GiB")
+                try:
+                    r2 = _throughput(store, 1024, args.single_rows_1024, args.rows_1024, args)
+                finally:
+                    store.close()
+            result["replication_1024"] = {
+                f"{op}_rows_per_s_bs{bs}_replicas{n}": row[f"{op}_rows_per_s_bs{bs}"]
+                for op in ("put", "get") for n, row in ((1, r), (2, r2))
+            } | {
+                f"{op}_rows_per_s_bs1_replicas{n}": row[f"{op}_rows_per_s_bs1"]
+                for op in ("put", "get") for n, row in ((1, r), (2, r2))
+            } | {
+                f"{op}_cost_ratio_bs{bs}": round(r[f"{op}_rows_per_s_bs{bs}"] / r2[f"{op}_rows_per_s_bs{bs}"], 2)
+                for op in ("put", "get")
+            }
+        else:
+            result["replication_1024"] = {"skipped": "replicas=2 needs at least 2 workers"}
         if args.memory:
             result["memory"] = _memory_mode(client, args)
         result["note"] = f"rows/s of {bs}-row calls vs one-row calls, same store, same run"
     return result
-
 
 
 if __name__ == "__main__":

@@ -70,8 +70,8 @@ class StepResult:
 def clear_rows(store: StoreLike, keys: list[str], partition: str = STAGING_PARTITION) -> dict[str, Any]:
     """Delete staged rows (ONE batched ``store.delete``: one call per unit); returns counts
     (``deleted`` includes rows ``deferred`` behind an open store checkpoint), never raises
-    on per-key failure."""
-    res = store.delete(keys, partition=partition)
+    on per-key failure. Bounded by ``finalize.fetch-timeout-s`` like the step's fetches."""
+    res = store.delete(keys, partition=partition, timeout=float(config.get("finalize.fetch-timeout-s")))
     return {"deleted": len(res.ok), "deferred": len(getattr(res, "deferred", ())), "failed": dict(res.failed)}
 
 

@@ -26,6 +26,7 @@ from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
 from tasks.finalize.verify import RolloutResult, internal_error_result, rejected_result, verify_many
 
 from .. import config, events
+from ..store.deadline import takes_timeout
 from ..store.protocol import PlacedStoreLike, StoreLike
 from . import timing
 
@@ -87,8 +88,11 @@ def fetch_pieces(
     ``layout[t]`` lists ``(rollout index, that rollout's keys)`` for verify task ``t``.
     Returns the single piece when there is one task, else a tuple (read by getitem tasks).
     """
+    # Bounded by finalize.fetch-timeout-s: a hung unit's keys come back unit_unavailable
+    # (its rollouts are rejected missing_staging_row), never a hung step.
+    bound = {"timeout": float(config.get("finalize.fetch-timeout-s"))} if takes_timeout(store.get_many) else {}
     with timing.Stopwatch() as sw, timing.meter(timing.METER_FETCH):
-        res = store.get_many(keys, fields, partition=partition)
+        res = store.get_many(keys, fields, partition=partition, **bound)
     with timing.Stopwatch() as sp:
         batch = res.batch
         row_bytes = _row_payload_bytes(batch)
@@ -251,6 +255,7 @@ def assemble_piece(
         "calls_per_rollout": calls / len(mine) if mine else 0.0,
         "fetch_calls": fetch_calls if mine else 0,
         "bytes_fetched": int(sum(bytes_fetched[r] for r in mine)),
+        "rejected_details": timing.detail_sample(group.status, group.details),
         # Private bookkeeping for the step's aggregate (stripped from events).
         "_verify_tasks": list(tasks_used.values()),
         "_fetch_timings": list(fetch_timings.values()) if mine else [],
@@ -328,8 +333,13 @@ def submit_graph(
     token_budget: int | None = None,
     retries: int | None = None,
     keep_intermediates: bool = False,
+    check_groups: bool = True,
 ) -> StepGraph:
     """Plan ``groups`` (group id -> receipts) and submit the step's graph; returns futures.
+
+    With ``check_groups`` (the default) a receipt whose own ``group_id`` names a group
+    other than the one it is submitted in is rejected ``wrong_group``; the controller
+    turns it off for groups given as a plain list (their ids ``"g0"``, ... are made up).
 
     Only the per-group futures are held by default, so Dask frees fetched rows, pieces
     and verify outputs as soon as their dependents ran; ``keep_intermediates=True`` also
@@ -351,8 +361,9 @@ def submit_graph(
     token = uuid.uuid4().hex[:16]
 
     group_ids = [str(g) for g in groups]
-    flat = [r for g in groups.values() for r in g]
-    plan = plan_step(flat)
+    if len(set(group_ids)) != len(group_ids):
+        raise FinalizeError("group ids collide once converted to str")
+    plan = plan_step(dict(zip(group_ids, groups.values())) if check_groups else [r for g in groups.values() for r in g])
     slot_list = slots_for(plan)
     slots: dict[str, list[Slot]] = {}
     pos = 0

@@ -30,6 +30,7 @@ from tasks.keys import CUT_PARTITION, check_id, unit_for_rollout
 from tasks.packed import PackedBatch
 
 from .. import config
+from ..store.deadline import takes_timeout
 from .call_buffer import CallBuffer, FrozenChunk
 from .cpu_gate import cpu_gate
 
@@ -89,6 +90,10 @@ class _Cut:
         self.frozen: list[FrozenChunk] = []
         self.written: set[str] = set()  # keys the store accepted and nobody owns yet
         self.n_units = len(getattr(store, "units", None) or ())  # 0: a store without visible units
+        # Store calls are bounded by the time left to the deadline (a hung unit fails its
+        # keys, so the cut and the worker's cut lock are released by the deadline).
+        self.put_bounded = takes_timeout(store.put_many)
+        self.delete_bounded = takes_timeout(store.delete)
 
     def enter_gate(self) -> None:
         self.gate.acquire()
@@ -107,6 +112,10 @@ class _Cut:
             yield
         finally:
             self.enter_gate()
+
+    def time_left(self) -> float:
+        """Seconds to the deadline (0 once passed); bounds each store call."""
+        return max(self.deadline - self.clock(), 0.0)
 
     def past_deadline(self) -> bool:
         if self.clock() >= self.deadline:
@@ -127,7 +136,8 @@ class _Cut:
         self.stats.put_calls += 1
         try:
             with self._io():
-                result = self.store.put_many(batch, partition=self.partition, adopt=True)
+                bound = {"timeout": self.time_left()} if self.put_bounded else {}
+                result = self.store.put_many(batch, partition=self.partition, adopt=True, **bound)
         except Exception as e:  # the whole put failed: no per-key answer
             return None, f"put_many raised {type(e).__name__}: {e}", batch.nbytes
         return result, "", batch.nbytes
@@ -139,7 +149,10 @@ class _Cut:
         self.stats.delete_calls += 1
         try:
             with self._io():
-                self.store.delete(keys, partition=self.partition)
+                # Past the deadline a delete is still sent (healthy units apply it) but
+                # not waited for beyond a moment: the cut returns by its deadline.
+                bound = {"timeout": self.time_left()} if self.delete_bounded else {}
+                self.store.delete(keys, partition=self.partition, **bound)
         except Exception:
             pass  # best effort: the keys stay unadvertised either way
         self.written.difference_update(keys)

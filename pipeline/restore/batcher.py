@@ -78,7 +78,8 @@ class PrefixReadBatcher:
         return self._coalescer
 
     async def _get_many(self, keys: list[str]) -> Any:
-        return await self.store.get_many_async(keys, self.fields, partition=self.partition)
+        # The store call itself is bounded by get-timeout-s too: a hung unit fails its keys.
+        return await self.store.get_many_async(keys, self.fields, partition=self.partition, timeout=self._co().timeout_s)
 
     # ---- reads ----------------------------------------------------------------------
 

@@ -335,7 +335,9 @@ def save(store: "StagingStore", path: str, chunk_bytes: int) -> dict:
         errors = [o for o in opened if isinstance(o, Exception)]
         if not errors:
             # Wait for every unit before deciding: a failed unit must not leave others writing.
-            outcomes = _settle_all([unit.checkpoint_write(gen_dir, int(chunk_bytes)) for unit in store.units])
+            # A replicated store holds every key twice: each unit writes only its primary keys.
+            primary_of = len(store.units) if getattr(store, "replica", None) is not None else None
+            outcomes = _settle_all([unit.checkpoint_write(gen_dir, int(chunk_bytes), primary_of) for unit in store.units])
             errors = [o for o in outcomes if isinstance(o, Exception)]
     finally:
         # Closing applies the deletes deferred meanwhile (a lost unit has nothing to close).

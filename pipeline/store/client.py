@@ -9,6 +9,7 @@ packed batch). Sync methods block on actor futures; ``*_async`` twins await them
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any, Sequence
 
 import numpy as np
@@ -30,7 +31,11 @@ from .protocol import (
     check_partition,
     field_problem,
     pack_names,
+    split_valid_keys,  # issue 11 #5
 )
+from .deadline import bounded, deadline, waiter
+from .directory import UnitDirectory, UnitTable
+from .replication import merge_copies, merge_deletes, partners, replica_map
 from .unit import StorageUnit
 
 
@@ -41,10 +46,22 @@ class StagingStore:
     handle hosted on ``unit_workers[i]``.
     """
 
-    def __init__(self, units: Sequence[Any], unit_workers: Sequence[str], partitions: Sequence[str] | None = None):
+    def __init__(
+        self,
+        units: Sequence[Any],
+        unit_workers: Sequence[str],
+        partitions: Sequence[str] | None = None,
+        replica: Sequence[int] | None = None,
+        directory: UnitDirectory | None = None,
+        version: int = 0,
+    ):
         self.units = list(units)
         self.unit_workers = list(unit_workers)
         self.partitions = None if partitions is None else list(partitions)
+        # replicas=2: replica[u] is the unit holding the second copy of unit u's keys.
+        self.replica = None if replica is None else list(replica)
+        self.directory = directory  # the shared unit table (replicas=2), see directory.py
+        self.version = int(version)
 
     # ---- construction -----------------------------------------------------------
 
@@ -78,17 +95,32 @@ class StagingStore:
         if not workers:
             raise StoreUnavailable("no workers to host storage units")
         placed = [workers[i % len(workers)] for i in range(n_units)]
+        replicas = int(config.get("store.replicas"))
+        if replicas not in (1, 2):
+            raise InvalidStoreRequest(f"token-capture.store.replicas must be 1 or 2, got {replicas}")
+        replica = replica_map(placed) if replicas == 2 else None  # refuses a single worker
         spill = None if spill_directory is None else str(spill_directory)
-        units, futures = start_pinned_actors(
-            client, StorageUnit, placed, args=[(i, memory_limit, capacity, spill, partitions) for i in range(n_units)],
-        )
-        store = cls(units, placed, partitions)
+        unit_args = (memory_limit, capacity, spill, partitions)
+        units, futures = start_pinned_actors(client, StorageUnit, placed, args=[(i, *unit_args) for i in range(n_units)])
+        if replica is None:
+            store = cls(units, placed, partitions)
+            store._futures = futures
+            return store
+        from .repair import Repairer
+
+        store = cls(units, placed, partitions, replica, UnitDirectory(f"token-capture-units-{uuid.uuid4().hex[:12]}"))
         store._futures = futures
+        store.directory.publish(client, store._table())
+        store._repairer = Repairer(store, client, unit_args)
         return store
 
     @classmethod
     def from_checkpoint(cls, client, path: str, **start_kwargs: Any) -> "StagingStore":
-        """A new store (``start(client, **start_kwargs)``) loaded from the checkpoint at ``path``."""
+        """A new store (``start(client, **start_kwargs)``) loaded from the checkpoint at ``path``.
+
+        All or nothing (see :meth:`restore`): if any row cannot be placed (e.g. the new
+        store's capacity is too small) it raises :class:`~tasks.errors.RestoreIncomplete`
+        and the new store is closed; a corrupt checkpoint raises ``CheckpointCorrupt``."""
         store = cls.start(client, **start_kwargs)
         try:
             store.restore(path, client=client)
@@ -99,9 +131,15 @@ class StagingStore:
 
     def __getstate__(self) -> dict:
         # Actor futures stay with the creator; handles are enough to call the units.
-        return {"units": self.units, "unit_workers": self.unit_workers, "partitions": self.partitions}
+        return {
+            "units": self.units, "unit_workers": self.unit_workers, "partitions": self.partitions,
+            "replica": self.replica, "directory": self.directory, "version": self.version,
+        }
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("replica", None)
+        state.setdefault("directory", None)
+        state.setdefault("version", 0)
         self.__dict__.update(state)
 
     # ---- planning (pure, shared by sync and async paths) ------------------------
@@ -114,16 +152,12 @@ class StagingStore:
     def _route(self, keys: Sequence[str]) -> tuple[np.ndarray, dict[str, tuple[str, str]]]:
         """Unit index per key (-1 for an unusable key) and the invalid keys' failures."""
         n_units = len(self.units)
-        where = np.empty(len(keys), dtype=np.int64)
-        failed: dict[str, tuple[str, str]] = {}
-        for i, key in enumerate(keys):
-            try:
-                if not isinstance(key, str):
-                    raise InvalidKey(f"key must be str, got {type(key).__name__}")
-                where[i] = unit_for_key(key, n_units)
-            except InvalidKey as e:
-                where[i] = -1
-                failed[key if isinstance(key, str) else repr(key)] = (INVALID_KEY, str(e))
+        where = np.full(len(keys), -1, dtype=np.int64)
+        # issue 11 #5: bad keys (lone surrogates, over the byte limits, malformed) fail per
+        # key here, so they never reach crc32 or pack_names (which raise for the batch).
+        valid, failed = split_valid_keys(keys)
+        for i in valid:
+            where[i] = unit_for_key(keys[i], n_units)
         return where, failed
 
     def _plan_put(self, batch: PackedBatch) -> tuple[list[tuple[int, PackedBatch]], dict]:
@@ -139,8 +173,10 @@ class StagingStore:
         max_bytes = config.get_bytes("store.max-call-bytes")
         row_bytes = payload_bytes_per_row(batch)
         parts = []
+        copy = self._replica_of(where)
         for u in range(len(self.units)):
-            idx = np.flatnonzero(where == u)
+            # With replicas=2 one call per unit carries its primary AND its replica rows.
+            idx = np.flatnonzero(where == u) if copy is None else np.flatnonzero((where == u) | (copy == u))
             # Cap bytes per actor call: several calls in flight pipeline the transfer of
             # one with the unit's copy of another, and no call needs a huge fresh buffer.
             for chunk in _chunks_by_bytes(idx, row_bytes, max_bytes):
@@ -162,44 +198,110 @@ class StagingStore:
                 parts.append((u, [uniq[i] for i in idx]))
         return uniq, parts, failed
 
-    # ---- sync API -----------------------------------------------------------------
+    def _replica_of(self, where: np.ndarray) -> np.ndarray | None:
+        """Replica unit per routed key (-1 where ``where`` is -1); None without replicas."""
+        if self.replica is None:
+            return None
+        rep = np.asarray(self.replica, dtype=np.int64)
+        return np.where(where >= 0, rep[np.maximum(where, 0)], -1)
 
-    def put_many(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION, adopt: bool = False) -> StoreResult:
+    def _plan_all_copies(self, keys: Sequence[str]) -> tuple[list[str], list[tuple[int, list[str]]], dict]:
+        """Like :meth:`_plan_keys`, but each unit gets every key it holds a copy of."""
+        if self.replica is None:
+            return self._plan_keys(keys)
+        uniq = list(dict.fromkeys(keys))
+        where, failed = self._route(uniq)
+        copy = self._replica_of(where)
+        parts = []
+        for u in range(len(self.units)):
+            idx = np.flatnonzero((where == u) | (copy == u))
+            if len(idx):
+                parts.append((u, [uniq[i] for i in idx]))
+        return uniq, parts, failed
+
+    # ---- sync API -----------------------------------------------------------------
+    #
+    # ``timeout`` (seconds, None: unbounded) bounds the whole call: a unit that has not
+    # answered by then fails its keys ``unit_unavailable`` (detail: timeout); the other
+    # units' answers stand. With replicas=2 the read fail-over gets what is left of it.
+
+    def put_many(
+        self, batch: PackedBatch, partition: str = DEFAULT_PARTITION, adopt: bool = False, timeout: float | None = None
+    ) -> StoreResult:
         """Stage every row of ``batch``; per-key results (see :class:`StoreResult`).
 
         ``adopt=True``: the caller hands the batch's buffers over and never modifies them
         afterwards, so a unit may keep rows as views of them instead of copying each row
-        (see :meth:`StorageUnit.put_many`)."""
+        (see :meth:`StorageUnit.put_many`). With replicas=2 a key is ``ok`` only when both
+        of its copies are; a copy written while the other failed stays (a retry completes
+        it: keys are write-once, an identical re-put is ok) and the key reports the failure."""
         self._check_partition(partition)
-        parts, failed = self._plan_put(batch)
-        futures = [self.units[u].put_many(partition, sub, adopt) for u, sub in parts]
-        results = [self._settle(u, f.result, sub.keys, StoreResult) for (u, sub), f in zip(parts, futures)]
-        result = StoreResult.merge(results)
-        result.failed.update(failed)
+        end, v0 = deadline(timeout), self.version
+        result = self._put_once(batch, partition, adopt, end)
+        if _unavailable(result.failed) and self._refresh(v0):
+            result = _splice(result, self._put_once(_failed_rows(result, batch), partition, adopt, end))
         return result
 
+    def _put_once(self, batch: PackedBatch, partition: str, adopt: bool, end: float | None) -> StoreResult:
+        parts, failed = self._plan_put(batch)
+        futures = [self.units[u].put_many(partition, sub, adopt) for u, sub in parts]
+        results = [self._settle(u, waiter(f, end), sub.keys, StoreResult) for (u, sub), f in zip(parts, futures)]
+        return self._merge_puts(batch, results, failed)
+
     def get_many(
-        self, keys: Sequence[str], fields: Sequence[str] | None = None, partition: str = DEFAULT_PARTITION
+        self,
+        keys: Sequence[str],
+        fields: Sequence[str] | None = None,
+        partition: str = DEFAULT_PARTITION,
+        timeout: float | None = None,
     ) -> GetResult:
         """Rows of ``keys`` as ONE packed batch in request order (duplicates repeated),
         with ``fields`` (``None``: every field the partition holds). Missing keys and
-        absent fields are reported per key in ``failed``; the rest is served."""
+        absent fields are reported per key in ``failed``; the rest is served. With
+        replicas=2, keys whose primary unit is unavailable are re-read from their replica
+        (one batched get per replica unit)."""
         self._check_partition(partition)
         fields = self._check_fields(fields)
-        _, parts, failed = self._plan_keys(keys)
+        end, v0 = deadline(timeout), self.version
         wire_fields = None if fields is None else pack_names(fields)
-        futures = [self.units[u].get_many(partition, pack_names(ks), wire_fields) for u, ks in parts]
-        results = [self._settle(u, f.result, ks, _empty_get) for (u, ks), f in zip(parts, futures)]
+        _, parts, failed = self._plan_keys(keys)
+        results = self._get_parts(parts, partition, wire_fields, end)
+        lost = _unavailable_keys(results)
+        if lost and self._refresh(v0):
+            _, parts, _ = self._plan_keys(lost)
+            results = _drop_failed(results, lost) + self._get_parts(parts, partition, wire_fields, end)
         return _merge_gets(keys, results, failed)
 
-    def delete(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION) -> StoreResult:
-        """Delete ``keys`` (ONE call per unit involved, whatever the number of keys); absent
-        keys come back ``missing_key``. Keys whose unit has a store checkpoint open come
-        back ``ok`` and also in ``deferred``: their rows go when the checkpoint ends."""
+    def _get_parts(self, parts, partition: str, wire_fields, end: float | None) -> list[GetResult]:
+        futures = [self.units[u].get_many(partition, pack_names(ks), wire_fields) for u, ks in parts]
+        results = [self._settle(u, waiter(f, end), ks, _empty_get) for (u, ks), f in zip(parts, futures)]
+        if self.replica is None:
+            return results
+        again = self._failover_parts(results)
+        if not again:
+            return results
+        futures = [self.units[r].get_many(partition, pack_names(ks), wire_fields) for r, ks in again]
+        second = [self._settle(r, waiter(f, end), ks, _empty_get) for (r, ks), f in zip(again, futures)]
+        return _after_failover(results, second)
+
+    def delete(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION, timeout: float | None = None) -> StoreResult:
+        """Delete ``keys`` (ONE call per unit involved, whatever the number of keys; with
+        replicas=2 each unit gets the keys of both copies it holds); absent keys come back
+        ``missing_key``. Keys whose unit has a store checkpoint open come back ``ok`` and
+        also in ``deferred``: their rows go when the checkpoint ends."""
         self._check_partition(partition)
-        _, parts, failed = self._plan_keys(keys)
+        end, v0 = deadline(timeout), self.version
+        result = self._delete_once(keys, partition, end)
+        if _unavailable(result.failed) and self._refresh(v0):
+            again = self._delete_once([k for k, (r, _) in result.failed.items() if r == UNIT_UNAVAILABLE], partition, end)
+            result = _splice(result, again)
+        return result
+
+    def _delete_once(self, keys: Sequence[str], partition: str, end: float | None) -> StoreResult:
+        uniq, parts, failed = self._plan_all_copies(keys)
         futures = [self.units[u].delete(partition, pack_names(ks)) for u, ks in parts]
-        result = StoreResult.merge(self._settle(u, f.result, ks, StoreResult) for (u, ks), f in zip(parts, futures))
+        results = [self._settle(u, waiter(f, end), ks, StoreResult) for (u, ks), f in zip(parts, futures)]
+        result = StoreResult.merge(results) if self.replica is None else merge_deletes(results, uniq)
         result.failed.update(failed)
         return result
 
@@ -211,23 +313,33 @@ class StagingStore:
     def keys(self, partition: str = DEFAULT_PARTITION, prefix: str | None = None) -> list[str]:
         """Every key of ``partition`` (one call per unit, all at once), optionally only those
         starting with ``prefix``; unit order, then insertion order. Raises :class:`StoreError`
-        naming the unit when one cannot be reached: a listing is never silently partial."""
+        naming the unit when one cannot be reached (with replicas=2: when a unit and a unit
+        holding the other copy of some of its keys both cannot): a listing is never silently
+        partial."""
         self._check_partition(partition)
         futures = [u.keys(partition) for u in self.units]
         out: list[str] = []
+        lost: dict[int, str] = {}
         for i, f in enumerate(futures):
             try:
                 ks = f.result()
             except (OSError, RuntimeError, StoreError) as e:
-                raise StoreUnavailable(f"storage unit {i} cannot list its keys: {type(e).__name__}: {e}") from e
+                lost[i] = f"storage unit {i} cannot list its keys: {type(e).__name__}: {e}"
+                continue
             out.extend(ks if prefix is None else (k for k in ks if k.startswith(prefix)))
-        return out
+        for i, why in lost.items():
+            if self.replica is None or any(p in lost for p in partners(i, self.replica)):
+                raise StoreUnavailable(why)
+        return out if self.replica is None else list(dict.fromkeys(out))
 
     def close(self) -> list[dict]:
         """Close every unit (drops rows, removes spill directories) and release the actors.
         Idempotent; any later call through this object raises :class:`StoreError`."""
         if self.__dict__.get("_closed") is not None:
             return self._closed
+        repairer = self.__dict__.pop("_repairer", None)
+        if repairer is not None:
+            repairer.stop()
         futures = [u.close() for u in self.units]
         out = []
         for i, f in enumerate(futures):
@@ -240,57 +352,167 @@ class StagingStore:
         # scheduler whoever still holds a future; a later call through any handle then
         # fails ("Worker holding Actor was lost") instead of reaching a closed unit.
         futures = self.__dict__.pop("_futures", None) or []
+        futures = futures + (self.__dict__.pop("_old_futures", None) or [])
         if futures:
             try:
                 futures[0].client.cancel(futures, force=True)
             except Exception:  # the cluster may already be gone; nothing left to free
                 pass
+            if self.directory is not None:
+                self.directory.delete(futures[0].client)
         self._closed = out
         return out
 
     # ---- async twins (inside async actors / coroutines on a worker) ---------------
 
-    async def put_many_async(self, batch: PackedBatch, partition: str = DEFAULT_PARTITION, adopt: bool = False) -> StoreResult:
+    async def put_many_async(
+        self, batch: PackedBatch, partition: str = DEFAULT_PARTITION, adopt: bool = False, timeout: float | None = None
+    ) -> StoreResult:
         self._check_partition(partition)
-        parts, failed = self._plan_put(batch)
-        results = await asyncio.gather(*(self.units[u].put_many(partition, sub, adopt) for u, sub in parts), return_exceptions=True)
-        result = StoreResult.merge(self._settle(u, r, sub.keys, StoreResult) for (u, sub), r in zip(parts, results))
-        result.failed.update(failed)
+        end, v0 = deadline(timeout), self.version
+        result = await self._put_once_async(batch, partition, adopt, end)
+        if _unavailable(result.failed) and await self._refresh_async(v0):
+            again = await self._put_once_async(_failed_rows(result, batch), partition, adopt, end)
+            result = _splice(result, again)
         return result
 
+    async def _put_once_async(self, batch: PackedBatch, partition: str, adopt: bool, end: float | None) -> StoreResult:
+        parts, failed = self._plan_put(batch)
+        results = await asyncio.gather(
+            *(bounded(self.units[u].put_many(partition, sub, adopt), end) for u, sub in parts), return_exceptions=True
+        )
+        return self._merge_puts(batch, [self._settle(u, r, sub.keys, StoreResult) for (u, sub), r in zip(parts, results)], failed)
+
     async def get_many_async(
-        self, keys: Sequence[str], fields: Sequence[str] | None = None, partition: str = DEFAULT_PARTITION
+        self,
+        keys: Sequence[str],
+        fields: Sequence[str] | None = None,
+        partition: str = DEFAULT_PARTITION,
+        timeout: float | None = None,
     ) -> GetResult:
         self._check_partition(partition)
         fields = self._check_fields(fields)
+        end, v0 = deadline(timeout), self.version
         _, parts, failed = self._plan_keys(keys)
         # Keys and fields travel as one msgpack buffer each (pack_names: a list argument
         # costs Dask ~11 us per element per call).
         wire_fields = None if fields is None else pack_names(fields)
+        results = await self._get_parts_async(parts, partition, wire_fields, end)
+        lost = _unavailable_keys(results)
+        if lost and await self._refresh_async(v0):
+            _, parts, _ = self._plan_keys(lost)
+            results = _drop_failed(results, lost) + await self._get_parts_async(parts, partition, wire_fields, end)
+        return _merge_gets(keys, results, failed)
+
+    async def _get_parts_async(self, parts, partition: str, wire_fields, end: float | None) -> list[GetResult]:
         if len(parts) == 1:
             # One unit (a restore's keys, a coalesced get): await its call directly, no
             # gather task per get. Failures settle exactly as gather's would.
             (u, ks), = parts
             try:
-                outcome: Any = await self.units[u].get_many(partition, pack_names(ks), wire_fields)
+                outcome: Any = await bounded(self.units[u].get_many(partition, pack_names(ks), wire_fields), end)
             except Exception as e:  # noqa: BLE001 - _settle keeps unit failures, re-raises bugs
                 outcome = e
-            return _merge_gets(keys, [self._settle(u, outcome, ks, _empty_get)], failed)
-        results = await asyncio.gather(
-            *(self.units[u].get_many(partition, pack_names(ks), wire_fields) for u, ks in parts), return_exceptions=True
+            results = [self._settle(u, outcome, ks, _empty_get)]
+        else:
+            outs = await asyncio.gather(
+                *(bounded(self.units[u].get_many(partition, pack_names(ks), wire_fields), end) for u, ks in parts),
+                return_exceptions=True,
+            )
+            results = [self._settle(u, r, ks, _empty_get) for (u, ks), r in zip(parts, outs)]
+        if self.replica is None:
+            return results
+        again = self._failover_parts(results)
+        if not again:
+            return results
+        outs = await asyncio.gather(
+            *(bounded(self.units[r].get_many(partition, pack_names(ks), wire_fields), end) for r, ks in again),
+            return_exceptions=True,
         )
-        return _merge_gets(keys, [self._settle(u, r, ks, _empty_get) for (u, ks), r in zip(parts, results)], failed)
+        return _after_failover(results, [self._settle(r, o, ks, _empty_get) for (r, ks), o in zip(again, outs)])
 
-    async def delete_async(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION) -> StoreResult:
+    async def delete_async(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION, timeout: float | None = None) -> StoreResult:
         self._check_partition(partition)
-        _, parts, failed = self._plan_keys(keys)
-        results = await asyncio.gather(*(self.units[u].delete(partition, pack_names(ks)) for u, ks in parts), return_exceptions=True)
-        result = StoreResult.merge(self._settle(u, r, ks, StoreResult) for (u, ks), r in zip(parts, results))
+        end, v0 = deadline(timeout), self.version
+        result = await self._delete_once_async(keys, partition, end)
+        if _unavailable(result.failed) and await self._refresh_async(v0):
+            again = await self._delete_once_async([k for k, (r, _) in result.failed.items() if r == UNIT_UNAVAILABLE], partition, end)
+            result = _splice(result, again)
+        return result
+
+    async def _delete_once_async(self, keys: Sequence[str], partition: str, end: float | None) -> StoreResult:
+        uniq, parts, failed = self._plan_all_copies(keys)
+        outs = await asyncio.gather(
+            *(bounded(self.units[u].delete(partition, pack_names(ks)), end) for u, ks in parts), return_exceptions=True
+        )
+        results = [self._settle(u, r, ks, StoreResult) for (u, ks), r in zip(parts, outs)]
+        result = StoreResult.merge(results) if self.replica is None else merge_deletes(results, uniq)
         result.failed.update(failed)
         return result
 
     async def stats_async(self) -> list[dict]:
         return list(await asyncio.gather(*(u.stats() for u in self.units)))
+
+    # ---- replication: copies, fail-over, the shared unit directory -------------------
+
+    def _merge_puts(self, batch: PackedBatch, results: list[StoreResult], failed: dict) -> StoreResult:
+        if self.replica is None:
+            result = StoreResult.merge(results)
+        else:
+            result = merge_copies(results, [k for k in batch.keys if isinstance(k, str) and k not in failed])
+        result.failed.update(failed)
+        return result
+
+    def _failover_parts(self, results: list[GetResult]) -> list[tuple[int, list[str]]]:
+        """Keys whose primary answered ``unit_unavailable``, grouped by replica unit (their
+        failures stay in ``results`` until :func:`_after_failover` replaces them)."""
+        n = len(self.units)
+        by_replica: dict[int, list[str]] = {}
+        for r in results:
+            for k, (reason, _) in r.failed.items():
+                if reason == UNIT_UNAVAILABLE:
+                    by_replica.setdefault(self.replica[unit_for_key(k, n)], []).append(k)
+        return sorted(by_replica.items())
+
+    def _table(self) -> UnitTable:
+        return UnitTable(self.version, list(self.units), list(self.unit_workers), self.replica)
+
+    def _adopt(self, table: UnitTable | None) -> bool:
+        """Take ``table`` if it is newer than ours; True if the units changed."""
+        if table is None or table.version <= self.version:
+            return False
+        self.units, self.unit_workers, self.version = list(table.units), list(table.unit_workers), table.version
+        return True
+
+    def _refresh(self, seen: int) -> bool:
+        """After a call (made with table version ``seen``) found a unit unavailable: True
+        if the units changed since, fetching the shared table (one round trip) unless this
+        is the creator, whose repairer updates this object itself."""
+        if self.version > seen:
+            return True
+        if self.directory is None or self.__dict__.get("_repairer") is not None:
+            return False
+        return self._adopt(self.directory.fetch())
+
+    async def _refresh_async(self, seen: int) -> bool:
+        if self.version > seen:
+            return True
+        if self.directory is None or self.__dict__.get("_repairer") is not None:
+            return False
+        return self._adopt(await self.directory.fetch_async())
+
+    def _replace_unit(self, u: int, handle: Any, worker: str, future: Any) -> None:
+        """Install a re-replicated unit ``u`` (the repairer, creator only) and publish."""
+        units, workers = list(self.units), list(self.unit_workers)
+        units[u], workers[u] = handle, worker
+        futures = list(self.__dict__.get("_futures") or [])
+        if u < len(futures):
+            self.__dict__.setdefault("_old_futures", []).append(futures[u])
+            futures[u] = future
+        self._futures = futures
+        self.units, self.unit_workers = units, workers
+        self.version += 1
+        self.directory.publish(future.client, self._table())
 
     # ---- checkpoint -----------------------------------------------------------------
 
@@ -298,7 +520,9 @@ class StagingStore:
         """Atomically checkpoint every unit into directory ``path``; returns the manifest.
 
         ``chunk_bytes`` (default ``token-capture.store.checkpoint-chunk-bytes``) bounds
-        each data file; it is a runtime knob, not part of the checkpoint's identity.
+        each data file; it is a runtime knob, not part of the checkpoint's identity. With
+        ``token-capture.store.checkpoint-key`` set (a key file's path) the manifest is
+        signed with HMAC-SHA256.
         """
         if chunk_bytes is None:
             chunk_bytes = config.get("store.checkpoint-chunk-bytes")
@@ -306,12 +530,19 @@ class StagingStore:
 
     def restore(self, path: str, client=None) -> dict:
         """Load the checkpoint at ``path`` into this store (rows placed by ``unit_for_key``
-        over THIS store's units). Refuses a corrupt checkpoint with
-        :class:`~tasks.errors.CheckpointCorrupt` before loading anything."""
+        over THIS store's units), all or nothing.
+
+        Refuses a corrupt checkpoint (a file failing its digest or decode, a file name
+        outside ``path``, an unsigned or wrongly signed manifest when
+        ``store.checkpoint-key`` is set) with :class:`~tasks.errors.CheckpointCorrupt`
+        before loading anything. If any key then fails to load, the rows it added are
+        removed again and it raises :class:`~tasks.errors.RestoreIncomplete` (``failed``:
+        key -> (reason, detail)); rows this store held before are never changed."""
         return _checkpoint.restore(self, path, client=client)
 
     def __repr__(self) -> str:
-        return f"<StagingStore units={len(self.units)} workers={sorted(set(self.unit_workers))}>"
+        copies = "" if self.replica is None else " replicas=2"
+        return f"<StagingStore units={len(self.units)}{copies} workers={sorted(set(self.unit_workers))}>"
 
     def _settle(self, u: int, outcome: Any, keys: Sequence[str], empty: Any) -> Any:
         """One unit's answer: ``outcome`` is the answer, an exception (async gather) or a
@@ -324,6 +555,13 @@ class StagingStore:
             if isinstance(outcome, BaseException):
                 raise outcome
             return outcome
+        except TimeoutError:
+            # A hung (alive) unit: its keys fail like a lost unit's, the call returns.
+            worker = self.unit_workers[u] if u < len(self.unit_workers) else "?"
+            out = empty()
+            detail = f"storage unit {u} on {worker} is unavailable: timeout: no answer by the call's deadline"
+            out.failed.update({k: (UNIT_UNAVAILABLE, detail) for k in keys})
+            return out
         except (OSError, RuntimeError, StoreError) as e:
             # Unreachable worker (OSError, incl. comm/timeouts), "Worker holding Actor
             # was lost" (RuntimeError), a closed unit (StoreError). A bug (TypeError, ...)
@@ -340,6 +578,50 @@ class StagingStore:
         if isinstance(fields, str) or not all(isinstance(f, str) for f in fields):
             raise InvalidStoreRequest(f"fields must be a list of field names, got {fields!r}")
         return list(dict.fromkeys(fields))
+
+
+# ---- deadlines and the splicing of retried keys -------------------------------------------
+
+
+def _unavailable(failed: dict) -> bool:
+    return any(r == UNIT_UNAVAILABLE for r, _ in failed.values())
+
+
+def _unavailable_keys(results: list[GetResult]) -> list[str]:
+    return [k for r in results for k, (reason, _) in r.failed.items() if reason == UNIT_UNAVAILABLE]
+
+
+def _drop_failed(results: list[GetResult], keys: Sequence[str]) -> list[GetResult]:
+    drop = set(keys)
+    return [GetResult(r.batch, {k: f for k, f in r.failed.items() if k not in drop}) for r in results]
+
+
+def _after_failover(first: list[GetResult], second: list[GetResult]) -> list[GetResult]:
+    """Primary answers with the re-read keys' failures replaced by their replicas' answers;
+    a key failing on both keeps both details."""
+    primary = {k: f for r in first for k, f in r.failed.items() if f[0] == UNIT_UNAVAILABLE}
+    for r in second:
+        for k, (reason, detail) in list(r.failed.items()):
+            if reason == UNIT_UNAVAILABLE and k in primary:
+                r.failed[k] = (reason, f"primary: {primary[k][1]}; replica: {detail}")
+    return _drop_failed(first, list(primary)) + second
+
+
+def _failed_rows(result: StoreResult, batch: PackedBatch) -> PackedBatch:
+    """The rows of ``batch`` whose keys failed ``unit_unavailable`` (to retry them)."""
+    idx = [i for i, k in enumerate(batch.keys) if isinstance(k, str) and result.failed.get(k, ("",))[0] == UNIT_UNAVAILABLE]
+    return batch.take(np.asarray(idx, dtype=np.int64))
+
+
+def _splice(result: StoreResult, again: StoreResult) -> StoreResult:
+    """``result`` with the keys it failed ``unit_unavailable`` answered by ``again``."""
+    redone = {k for k, (r, _) in result.failed.items() if r == UNIT_UNAVAILABLE}
+    out = StoreResult()
+    out.ok = result.ok + [k for k in again.ok if k in redone]
+    out.failed = {k: f for k, f in result.failed.items() if k not in redone}
+    out.failed.update({k: f for k, f in again.failed.items() if k in redone})
+    out.deferred = result.deferred + [k for k in again.deferred if k in redone]
+    return out
 
 
 def _empty_get() -> GetResult:

@@ -17,6 +17,7 @@ import uuid
 from typing import Sequence
 
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
+from tasks.keys import unit_for_key
 from tasks.packed import PackedBatch, PackedField
 
 from . import batch_file
@@ -432,10 +433,13 @@ class StorageUnit:
 
     # ---- checkpoint -------------------------------------------------------------
 
-    def checkpoint_write(self, directory: str, chunk_bytes: int) -> list[dict]:
+    def checkpoint_write(self, directory: str, chunk_bytes: int, primary_of_units: int | None = None) -> list[dict]:
         """Write every partition's rows as packed batch files (about ``chunk_bytes`` each)
         into ``directory`` atomically per file (temp, fsync, rename). Returns one manifest
-        entry per file. Runs on the actor thread, so it is a consistent snapshot of this unit."""
+        entry per file. Runs on the actor thread, so it is a consistent snapshot of this unit.
+
+        ``primary_of_units`` (a replicated store's unit count): write only the keys this unit
+        is the primary of, so a checkpoint holds each key once, not once per copy."""
         self._check_open()
         entries: list[dict] = []
         for partition, index in self.index.items():
@@ -446,6 +450,8 @@ class StorageUnit:
             size = 0
             n_chunk = 0
             items = list(index.items())
+            if primary_of_units is not None:
+                items = [(k, v) for k, v in items if unit_for_key(k, primary_of_units) == self.unit_index]
             for j, (key, slot) in enumerate(items):
                 chunk_keys.append(key)
                 chunk_rows.append(self.rows.peek(slot))

@@ -1,0 +1,51 @@
+"""Deadlines on store calls: a call given ``timeout`` seconds returns by then.
+
+A unit that has not answered by the deadline fails its keys ``unit_unavailable`` (the
+client's ``_settle`` turns the ``TimeoutError`` into that); the other units' answers
+stand. Callers that accept any store (the cut, the finalize fetch) ask
+:func:`takes_timeout` first: a wrapper without the parameter is called unbounded.
+"""
+from __future__ import annotations
+
+import asyncio
+import inspect
+import time
+from typing import Any, Callable
+
+# The least time a wait gets once the deadline has passed: an answer already in flight
+# is still collected, nothing waits longer than a moment (seconds).
+FLOOR_S = 1e-3
+
+
+def takes_timeout(method: Callable) -> bool:
+    """Whether a store method accepts ``timeout=`` (a StagingStore does; some wrappers don't)."""
+    try:
+        params = inspect.signature(method).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "timeout" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
+def deadline(timeout: float | None) -> float | None:
+    """``time.monotonic()`` seconds by which a call with ``timeout`` seconds must return."""
+    return None if timeout is None else time.monotonic() + max(float(timeout), 0.0)
+
+
+def left(end: float) -> float:
+    """Seconds to ``end``, at least :data:`FLOOR_S`."""
+    return max(end - time.monotonic(), FLOOR_S)
+
+
+def waiter(future: Any, end: float | None) -> Callable[[], Any]:
+    """A sync actor future's result, bounded by ``end`` (``TimeoutError`` past it)."""
+    if end is None:
+        return future.result
+    return lambda: future.result() if future.done() else future.result(timeout=left(end))
+
+
+async def bounded(awaitable: Any, end: float | None) -> Any:
+    """Await an actor call, bounded by ``end`` (``TimeoutError`` past it; no extra task)."""
+    if end is None:
+        return await awaitable
+    async with asyncio.timeout(left(end)):
+        return await awaitable

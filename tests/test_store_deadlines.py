@@ -1,0 +1,153 @@
+"""Deadlines on store calls (issue 11 defect 10): a hung but alive unit never holds a call.
+
+In-process cluster (``processes=False``) so a unit can be made to hang by patching
+``StorageUnit`` in this process: the patched method blocks the unit's actor thread on a
+``threading.Event`` that only the test's teardown sets (long after any bound), exactly as a
+live unit that stopped answering. Without the bounds every call below would wait for it.
+"""
+from __future__ import annotations
+
+import threading
+
+import dask
+import numpy as np
+import pytest
+from distributed import Client, LocalCluster
+
+from pipeline.finalize import Finalizer
+from pipeline.generation import GenerationWorker
+from pipeline.store import StagingStore
+from pipeline.store.protocol import UNIT_UNAVAILABLE
+from pipeline.store.unit import StorageUnit
+from rollout_factory import make_group
+from tasks import reasons
+from tasks.cut.receipt import DURABLE_FAILURE, DURABLE_PREFIX
+from tasks.keys import unit_for_key, unit_for_rollout
+from tasks.packed import pack_rows
+from tasks.schema import STAGING_FIELDS
+from tasks.toy.policy import PolicyConfig
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB, L, K, E = 64, 2, 2, 8
+HUNG = 1  # the unit made to hang
+
+
+@pytest.fixture(scope="module")
+def client():
+    with LocalCluster(
+        n_workers=2, threads_per_worker=2, processes=False, dashboard_address=None,
+        worker_dashboard_address="127.0.0.1:0", resources={"finalize": 2},
+    ) as cluster, Client(cluster) as c:
+        yield c
+
+
+@pytest.fixture
+def store(client, tmp_path):
+    s = StagingStore.start(client, n_units=2, spill_directory=str(tmp_path / "spill"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def hang(monkeypatch):
+    """``hang("put_many", ...)``: those methods of unit HUNG block until teardown."""
+    release = threading.Event()
+    entered = threading.Event()
+
+    def install(*methods: str) -> threading.Event:
+        for name in methods:
+            orig = getattr(StorageUnit, name)
+
+            def hung(self, *a, _orig=orig, **kw):
+                if self.unit_index == HUNG and not release.is_set():
+                    entered.set()
+                    release.wait(110)
+                return _orig(self, *a, **kw)
+
+            monkeypatch.setattr(StorageUnit, name, hung)
+        return entered
+
+    yield install
+    release.set()
+
+
+def groups(tag: str, n_groups: int = 2, per_group: int = 4, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    return {
+        f"g{g}": make_group(rng, f"g{g}", per_group, rollout_prefix=f"{tag}g{g}", n_calls=2, routes=(L, K, E), vocab_size=VOCAB)
+        for g in range(n_groups)
+    }
+
+
+def test_hung_unit_fails_only_its_keys_by_the_timeout(store, hang):
+    builts = [b for bs in groups("dl").values() for b in bs]
+    assert not store.put_many(pack_rows([r for b in builts for r in b.rows])).failed
+    keys = [r.staging_key for b in builts for r in b.rows]
+    on_hung = {k for k in keys if unit_for_key(k, 2) == HUNG}
+    assert 0 < len(on_hung) < len(keys)
+    before = store.units[0].stats().result()["gets"]
+    hang("get_many", "put_many", "delete")
+
+    got = store.get_many(keys, list(STAGING_FIELDS), timeout=0.5)
+    assert set(got.batch.keys) == set(keys) - on_hung  # the healthy unit's keys are served
+    assert set(got.failed) == on_hung
+    assert all(r == UNIT_UNAVAILABLE and "timeout" in d for r, d in got.failed.values())
+    assert store.units[0].stats().result()["gets"] == before + 1  # one get reached the healthy unit
+
+    fresh = [b for bs in groups("dl2", seed=1).values() for b in bs]
+    res = store.put_many(pack_rows([r for b in fresh for r in b.rows]), timeout=0.5)
+    fresh_hung = {r.staging_key for b in fresh for r in b.rows if unit_for_key(r.staging_key, 2) == HUNG}
+    assert set(res.failed) == fresh_hung and {r for r, _ in res.failed.values()} == {UNIT_UNAVAILABLE}
+    assert len(res.ok) == sum(len(b.rows) for b in fresh) - len(fresh_hung) > 0
+
+    res = store.delete(keys, timeout=0.5)
+    assert set(res.failed) == on_hung and set(res.ok) == set(keys) - on_hung
+
+
+def _policy():
+    return dict(PolicyConfig().__dict__)
+
+
+def test_cut_with_a_hung_unit_returns_by_its_deadline_and_a_retry_is_not_blocked(client, store, hang):
+    gen = client.submit(GenerationWorker, store, name="gen-dl", policy=_policy(), actor=True).result()
+    specs = [{"rollout_id": f"c{i}", "model_call_id": "call-0", "context": np.arange(5) + i, "max_new_tokens": 64} for i in range(8)]
+    gen.start_calls(specs).result()
+    gen.step(8).result()
+    on_hung = {s["rollout_id"] for s in specs if unit_for_rollout(s["rollout_id"], 2) == HUNG}
+    assert 0 < len(on_hung) < len(specs)
+    entered = hang("put_many", "delete")
+    import time
+
+    with dask.config.set({"token-capture.cut.generation-prefix-batch-size": 1}):
+        # One put per call: the hung unit's calls fail; the cut returns by its deadline
+        # (calls it had no time left for fail control_deadline, the rest are durable).
+        r1 = gen.checkpoint_cut("dl-a", deadline=time.time() + 1.5).result(timeout=60)
+        assert entered.is_set()
+        assert r1.deadline_passed
+        assert all(a.status == DURABLE_FAILURE for a in r1.acks if a.rollout_id in on_hung)
+        assert {a.status for a in r1.acks} <= {DURABLE_FAILURE, DURABLE_PREFIX}
+        # The worker's cut lock was released: a retried cut runs (it is not queued behind
+        # a store call) and is bounded the same way.
+        r2 = gen.checkpoint_cut("dl-b", deadline=time.time() + 1.0).result(timeout=60)
+    assert {a.rollout_id for a in r2.acks if a.status == DURABLE_FAILURE} >= on_hung
+    assert r2.checkpoint_id == "dl-b"
+
+
+def test_finalize_step_with_a_hung_unit_rejects_only_its_rollouts(client, store, hang):
+    gs = groups("fin", seed=3)
+    builts = [b for bs in gs.values() for b in bs]
+    assert not store.put_many(pack_rows([r for b in builts for r in b.rows])).failed
+    on_hung = {b.rollout_id for b in builts if unit_for_rollout(b.rollout_id, 2) == HUNG}
+    assert 0 < len(on_hung) < len(builts)
+    hang("get_many")
+    with dask.config.set({"token-capture.finalize.fetch-timeout-s": 1.0, "token-capture.finalize.clear-staged": False,
+                          "token-capture.finalize.retries": 0}):
+        fin = Finalizer(client, store, vocab_size=VOCAB, num_experts=E)
+        step = fin.submit_step({g: [b.receipt for b in bs] for g, bs in gs.items()}, step_id="hung-unit").result(timeout=60)
+    for gid, bs in gs.items():
+        g = step.groups[gid]
+        assert g.input_ids.shape[0] == len(bs)
+        for i, b in enumerate(bs):
+            assert g.status[i] == (reasons.MISSING_STAGING_ROW if b.rollout_id in on_hung else reasons.OK), (b.rollout_id, g.status[i])
+    assert step.rejected == {reasons.MISSING_STAGING_ROW: len(on_hung)}
