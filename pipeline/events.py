@@ -2,7 +2,8 @@
 
 The dashboard page, the Prometheus exporter and the adaptive policy all read these,
 so this module is the schema: one topic per concern, one flat dict per event, numbers
-in the units the key names (``_ms`` milliseconds, ``bytes`` bytes, counts otherwise).
+in the units the key names (``_ms`` milliseconds, ``_s`` seconds, ``bytes`` bytes,
+counts otherwise). ``/metrics`` converts to base units (seconds) when it formats them.
 Events are published from the controller (``Client.log_event``) or from inside tasks
 and actors (``distributed.get_worker().log_event``); both land in the scheduler's
 event log and reach every ``SchedulerPlugin.log_event`` hook.
@@ -29,11 +30,21 @@ CUT = "token-capture-cut"
 rows, puts, wall_ms, durable (count), failures (dict reason -> count)."""
 
 RESTORE = "token-capture-restore"
-"""Periodic per PrefixReadBatcher. Keys: worker, requests, gets, keys, keys_per_get,
-p50_ms, p99_ms, failures."""
+"""Periodic per PrefixReadBatcher, every figure cumulative since the batcher started.
+Keys: worker, requests, gets, keys, keys_per_get, p50_ms, p99_ms (recent request latency
+quantiles), failures (dict verdict reason -> count), and the request latency histogram:
+latency_bounds_s (bucket upper bounds, seconds, ``metrics.buckets-seconds`` where the
+batcher runs), latency_counts (requests per bucket, not cumulative over buckets: one more
+entry than bounds, the last for +Inf), latency_sum_s (seconds). The three latency keys
+are optional (see :data:`RESTORE_OPTIONAL`)."""
+
+RESTORE_OPTIONAL: Mapping[str, Any] = {"latency_bounds_s": [], "latency_counts": [], "latency_sum_s": 0.0}
+"""Restore event keys an event may lack (older producers), with the value to read then."""
 
 STORE = "token-capture-store"
-"""Periodic per storage unit. Keys: unit, worker, rows, memory_bytes, spilled_bytes."""
+"""Periodic per storage unit (every ``store.report-interval-s`` seconds, published by the
+unit itself; ``report_store()`` publishes one more at once). Keys: unit, worker, rows,
+memory_bytes, spilled_bytes; optional: used_bytes, capacity_bytes."""
 
 SCALE = "token-capture-scale"
 """One per adaptive scaling decision. Keys: action ("up", "down", "hold"), target,

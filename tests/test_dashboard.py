@@ -2,7 +2,9 @@
 carrying the run's figures, checked over HTTP and rendered in headless Chromium.
 
 Events are synthetic here (the schema real runs publish, ``pipeline.events``); the
-screenshot is kept as ``artifacts/dashboard-token-capture.png``.
+screenshots are kept as ``artifacts/dashboard-token-capture.png`` and, full page at both
+widths the page is checked at, ``artifacts/dashboard-1400.png`` / ``-1920.png`` (what
+``docs/dashboard-1400.png`` / ``-1920.png`` are copied from).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import dask
 import pytest
 from distributed import Client, LocalCluster
 
-from browser import Browser, chromium_path, image_stats
+from browser import Browser, chromium_path, image_stats, ink_fraction
 from pipeline.dashboard import install
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.events import CUT, FINALIZE, RESTORE, SCALE, STORE
@@ -129,8 +131,8 @@ def test_aggregator_state_carries_the_run(run):
     assert [st["fetch_ms"] for st in s["steps"]] == [8.0, 9.0, 10.0]
     assert s["steps"][1]["verify_ms"] == pytest.approx(38.0 + 42.0)
     assert all(st["final"] and st["dominant"] == "verify" for st in s["steps"])
-    assert s["histograms"]["verify_ms"]["count"] == 3  # per step
-    assert s["histograms"]["queue_wait_ms"]["count"] == 6  # per group
+    assert s["histograms"]["verify_seconds"]["count"] == 3  # per step
+    assert s["histograms"]["queue_wait_seconds"]["count"] == 6  # per group
     assert len(s["depths"]) == 9  # 6 group points + 3 step points
     assert s["cut_failures"] == {"durable_failure": 1}
     assert s["store_units"]["0"]["spilled_bytes"] == 5 << 20
@@ -261,7 +263,7 @@ def test_state_is_bounded_by_history():
             assert len(s["groups"]) == 5 and len(s["steps"]) == 5 and len(s["cuts"]) == 5
             assert [st["step_id"] for st in s["steps"]] == [f"s{i}" for i in range(15, 20)]  # newest kept
             assert s["totals"]["groups"] == 20 and s["totals"]["rollouts"] == 40  # totals are not windowed
-            assert s["histograms"]["queue_wait_ms"]["count"] == 20
+            assert s["histograms"]["queue_wait_seconds"]["count"] == 20
 
 
 def test_dask_scheduler_cli_preload_serves_the_page(tmp_path):
@@ -340,3 +342,192 @@ def test_dashboard_dependencies_run_one_way():
     assert not _hits(_imported_modules(repo / "pipeline" / "metrics" / "prometheus.py", "pipeline.metrics"),
                      plugin_side + ("pipeline.dashboard.page",))
     assert not _hits(_imported_modules(dashboard / "plugin.py", "pipeline.dashboard"), ("pipeline.dashboard.preload",))
+
+
+
+# --------------------------------------------------------------------------- readable at a glance (issue 13)
+RUN_ID = "3fa2c1"
+WORKERS = ("tcp://127.0.0.1:40401", "tcp://127.0.0.1:40403", "tcp://127.0.0.1:41219")
+REASONS = ("corrupt_digest", "missing_parent", "cumulative_hash_mismatch")
+TILE_KEYS = ("rollouts", "accepted", "rejected", "groups", "steps", "cuts", "gets", "decisions")
+
+
+def publish_full_run(client: Client, run_id: str = RUN_ID, steps: int = 6, pace_s: float = 0.0) -> None:
+    """Every kind of event a demo run publishes, with its ids: steps ``<run>-step-<n>`` of 4
+    groups of 8 rollouts (some rejected by reason, with details), a checkpoint cut on two
+    generation workers (one durable failure), two restore batchers, four storage units
+    and scaling decisions of every action. ``pace_s`` spaces the steps in time."""
+    decisions = [
+        dict(action="hold", target=2, current=2, reason_code="no-signal",
+             reason="no-signal: 1 finalize event(s) in the window, need 3"),
+        dict(action="up", target=3, current=2, reason_code="verify-bound", verify_ms=400.0, fetch_ms=90.0, queue_depth=5,
+             reason="verify-bound: verify 81% of finalize time and queue depth 1 -> 5"),
+        dict(action="hold", target=3, current=3, reason_code="balanced",
+             reason="balanced: fetch 30%, verify 60%, queue depth 2 -> 2"),
+    ]
+    depth = 0
+    for s in range(steps):
+        step_id, accepted = f"{run_id}-step-{s}", 0
+        for g in range(4):
+            rejected = {REASONS[(s + g) % 3]: 1} if (s + g) % 2 else {}
+            if s % 3 == 2 and g == 3:
+                rejected[REASONS[0]] = rejected.get(REASONS[0], 0) + 1
+            depth = max(0, depth + (1 if (s + g) % 3 else -1))
+            client.log_event(FINALIZE, dict(
+                kind="group", step_id=step_id, group_id=f"prompt{4 * s + g}", rollouts=8,
+                accepted=8 - sum(rejected.values()), rejected=rejected,
+                rejected_details={r: f"rollout prompt{4 * s + g}-r3 call c2: staged row digest 9f2c41e0 does not match "
+                                     f"the receipt's 77ab03d1" for r in rejected},
+                fetch_ms=20.0 + s, verify_ms=40.0 + 9 * g + 5 * s, assemble_ms=4.0 + g, queue_wait_ms=30.0 * g + 11 * s,
+                queue_depth=depth, calls_per_rollout=2 + (s + g) % 4 * 0.75, fetch_calls=1, bytes_fetched=1 << 20, tokens=4096))
+            accepted += 8 - sum(rejected.values())
+        client.log_event(FINALIZE, dict(
+            kind="step", step_id=step_id, groups=4, rollouts=32, accepted=accepted, fetch_ms=20.0 + s,
+            verify_ms=220.0 + 20 * s, assemble_ms=22.0, wall_ms=420.0 + 25 * s, dominant="verify", queue_depth_after=depth))
+        if s < len(decisions):
+            client.log_event(SCALE, decisions[s])
+        time.sleep(pace_s)
+    for i, worker in enumerate(WORKERS[:2]):
+        client.log_event(CUT, dict(checkpoint_id=f"{run_id}-ckpt-0", worker=worker, calls=24 + i, rows=26 + i, puts=2,
+                                   wall_ms=31.0 + 9 * i, durable=24, failures={"durable_failure": 1} if i else {}))
+        client.log_event(RESTORE, dict(worker=worker, requests=48, gets=3 + i, keys=48, keys_per_get=48 / (3 + i),
+                                       p50_ms=4.0 + i, p99_ms=12.0 + 3 * i, failures=0))
+    for u in range(4):
+        client.log_event(STORE, dict(unit=str(u), worker=WORKERS[u % 3], rows=300 + 20 * u,
+                                     memory_bytes=(3 + u) << 20, spilled_bytes=(u % 2) * (5 << 20)))
+    client.log_event(SCALE, dict(action="down", target=2, current=3, reason_code="idle",
+                                 reason="idle: no finalize event for 31.0s and no tasks; 2 worker(s) host actors and stay"))
+
+
+def _page_cluster() -> LocalCluster:
+    return LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
+                        worker_dashboard_address="127.0.0.1:0", scheduler_kwargs={"preload": [PRELOAD]})
+
+
+def _full_run_in(client: Client) -> dict[str, Any]:
+    def done() -> dict[str, Any] | None:
+        s = state(client)
+        full = len(s["decisions"]) == 4 and len(s["store_units"]) == 4 and len(s["cuts"]) == 2 and len(s["restore_latest"]) == 2
+        return s if full else None
+
+    return wait_until(done, what="the full run aggregated")
+
+
+JS_NOTES = """(() => { const out = {};
+  for (const m of Bokeh.documents[0].all_models) {
+    if (m.name && m.name.startsWith('tc-empty-')) { out[m.name.slice(9)] = m.visible; } }
+  return out; })()"""
+JS_TILES = "Object.fromEntries(%s.map((k) => [k, Number(document.getElementById('tc-' + k).textContent)]))" % list(TILE_KEYS)
+JS_READY = "window.Bokeh && Bokeh.documents.length > 0 && Bokeh.documents[0].get_model_by_name('tc-header').text.length > 0"
+PANELS = {"split", "outcome", "rejections", "depth", "wait", "calls", "scale", "decisions", "cut", "cuts", "restore",
+          "restores", "store", "units"}
+
+
+def _tiles_of(snap: dict[str, Any]) -> dict[str, int]:
+    """The header's totals, computed here from a state snapshot."""
+    return {k: int(v) for k, v in dict(rollouts=snap["totals"]["rollouts"], accepted=snap["totals"]["accepted"], rejected=snap["totals"]["rejected"],
+                groups=snap["totals"]["groups"], steps=snap["totals"].get("steps", 0), cuts=snap["cut_totals"].get("cuts", 0),
+                gets=snap["restore_totals"].get("gets", 0), decisions=sum(snap["decision_counts"].values())).items()}
+
+
+@pytest.fixture(scope="module")
+def full_run():
+    """A cluster whose page has seen every kind of event, with run-id step ids."""
+    with _page_cluster() as cluster, Client(cluster) as client:
+        publish_full_run(client)
+        yield client, _full_run_in(client)
+
+
+@pytest.mark.skipif(chromium_path() is None, reason="chromium is not installed (apt-get install -y chromium)")
+def test_no_data_notes_show_on_a_fresh_scheduler_and_go_once_events_arrive():
+    """Nothing on the page is empty without saying so; the notes go as data arrive (no reload)."""
+    with _page_cluster() as cluster, Client(cluster) as client, Browser(width=1400, height=1000) as browser:
+        browser.navigate(f"{base_url(client)}/token-capture")
+        browser.wait_for(JS_READY, timeout_s=60)
+        notes = browser.evaluate(JS_NOTES)
+        assert set(notes) == PANELS and all(notes.values()), notes  # one note per chart and table, all shown
+        assert browser.evaluate(JS_TILES) == dict.fromkeys(TILE_KEYS, 0)
+        # the notes are drawn: the canvases carry ink (axes, the note), the page is not blank
+        shot = browser.full_page_screenshot(ARTIFACTS / "dashboard-empty.png", settle_s=0.5)
+        plots = browser.layout()["plots"]
+        assert len(plots) == 9 and all(ink_fraction(shot, (p["left"], p["top"], p["width"], p["height"])) > 0.002
+                                       for p in plots), plots
+        browser.evaluate("window.__tc_same_page = true")
+
+        publish_full_run(client)
+        snap = _full_run_in(client)
+        browser.wait_for(f"Object.values({JS_NOTES}).every((shown) => !shown)", timeout_s=30)
+        assert browser.evaluate("window.__tc_same_page === true")  # live, not reloaded
+        assert browser.wait_for(f"JSON.stringify({JS_TILES}) === '{json_dumps(_tiles_of(snap))}'", timeout_s=30)
+        assert not browser.errors, browser.errors
+
+
+def json_dumps(value: Any) -> str:
+    import json
+
+    return json.dumps(value, separators=(",", ":"))
+
+
+@pytest.mark.skipif(chromium_path() is None, reason="chromium is not installed (apt-get install -y chromium)")
+def test_header_totals_change_after_new_events_without_reloading(run):
+    """The header's totals (served in the HTML) follow the state live, like the rest."""
+    client, _ = run
+    with Browser(width=1400, height=1000) as browser:
+        browser.navigate(f"{base_url(client)}/token-capture")
+        browser.wait_for(JS_READY, timeout_s=60)
+        before = browser.evaluate(JS_TILES)
+        assert before == _tiles_of(state(client))
+        browser.evaluate("window.__tc_same_page = true")
+
+        publish_run(client, first_group=100, groups=2)  # one more collected step: 8 rollouts, 2 groups
+        publish_side_events(client)  # one more cut report, restore report, scaling decision
+        def arrived() -> dict[str, Any] | None:
+            s = state(client)
+            new = s["totals"]["groups"] == before["groups"] + 2 and sum(s["decision_counts"].values()) == before["decisions"] + 1
+            return s if new else None
+
+        after = wait_until(arrived, what="the new events aggregated")
+        expected = _tiles_of(after)
+        assert expected["rollouts"] == before["rollouts"] + 8 and expected["steps"] == before["steps"] + 1
+        browser.wait_for(f"JSON.stringify({JS_TILES}) === '{json_dumps(expected)}'", timeout_s=30)
+        assert browser.evaluate("window.__tc_same_page === true")  # no reload happened
+        header = browser.evaluate("Bokeh.documents[0].get_model_by_name('tc-header').text")
+        assert f"<b>{expected['rollouts']}</b> rollouts finalized" in header  # the line under the tiles agrees
+
+
+@pytest.mark.skipif(chromium_path() is None, reason="chromium is not installed (apt-get install -y chromium)")
+@pytest.mark.parametrize("width", [1400, 1920])
+def test_page_is_readable_at_a_glance(full_run, width):
+    """At 1400 and 1920 px: every chart drawn at least 220 px tall in a two-column grid,
+    no table cell cut off, nothing wider than the window, short step labels (run id in the
+    group label, the full id in the hover source), and a screenshot that is not blank."""
+    client, snap = full_run
+    with Browser(width=width, height=1000) as browser:
+        browser.navigate(f"{base_url(client)}/token-capture")
+        browser.wait_for(JS_READY + " && Bokeh.documents[0].get_model_by_name('tc-store').data.unit.length === 4",
+                         timeout_s=60)
+        browser.wait_for("document.readyState === 'complete'")
+        time.sleep(1.0)  # let the tables size their columns and the canvases paint
+        layout = browser.layout()
+        assert layout["page_width"] <= layout["viewport_width"], layout  # no horizontal scrolling
+        plots = layout["plots"]
+        assert len(plots) == 9, plots
+        assert all(p["height"] >= 220 for p in plots), plots
+        assert all(0.4 * width <= p["width"] <= 0.5 * width for p in plots), plots  # two columns
+        assert layout["cells"] >= 40 and not layout["truncated"], layout["truncated"]
+        assert browser.evaluate(f"Object.values({JS_NOTES}).every((shown) => !shown)")
+
+        split = browser.evaluate("(() => { const d = Bokeh.documents[0].get_model_by_name('tc-split').data;"
+                                 " return {x: Array.from(d.x), step: Array.from(d.step)}; })()")
+        assert split["step"] == [f"{RUN_ID}-step-{i}" for i in range(6)]  # the hover's full id
+        assert split["x"] == [[f"run {RUN_ID}", str(i)] for i in range(6)]  # the axis: step number under its run
+        store = browser.evaluate("Array.from(Bokeh.documents[0].get_model_by_name('tc-store').data.label)")
+        assert store[0] == "unit 0 \u00b7 127.0.0.1:40401"  # names, not "0"/"1"
+        assert browser.evaluate(JS_TILES) == _tiles_of(snap)
+
+        shot = browser.full_page_screenshot(ARTIFACTS / f"dashboard-{width}.png")
+        stats = image_stats(shot)
+        assert stats["width"] == width and stats["height"] >= 1500 and stats["colors"] > 200, stats
+        for p in plots:  # every chart has something drawn in it
+            assert ink_fraction(shot, (p["left"], p["top"], p["width"], p["height"])) > 0.01, p
+        assert not browser.errors, browser.errors

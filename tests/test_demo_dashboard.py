@@ -39,6 +39,7 @@ def demo_run():
         # Events reach the scheduler asynchronously; wait until the run's steps are in.
         # The resume phase finalizes one more step of groups x rollouts on top of the steps.
         expected = summary["rollouts"]  # every finalized rollout, the resume step included
+        expected += summary["tampered"]["rollouts"]  # and the group tampered on purpose (counted apart)
         wait_until(lambda: client.sync(client.scheduler.token_capture_state)["totals"].get("rollouts") == expected)
         yield client, base, summary, out.getvalue()
 
@@ -75,7 +76,7 @@ def test_metrics_endpoint_matches_the_demo(demo_run):
     state = client.sync(client.scheduler.token_capture_state)
     m = re.search(r'^token_capture_rollouts_total\{status="accepted"\} ([0-9.e+]+)$', text, re.M)
     assert m and float(m.group(1)) == state["totals"]["accepted"] >= summary["accepted"]
-    assert re.search(r"^token_capture_finalize_phase_ms_count\{phase=\"verify\"\} [1-9]", text, re.M)
+    assert re.search(r"^token_capture_finalize_phase_seconds_count\{phase=\"verify\"\} [1-9]", text, re.M)
     assert re.search(r"^token_capture_cut_rows_total [1-9]", text, re.M)
     assert re.search(r"^token_capture_store_rows\{", text, re.M)
 
@@ -101,3 +102,18 @@ def test_page_renders_the_demo_in_chromium(demo_run):
         shot = browser.screenshot(ARTIFACTS / "demo-dashboard.png")
     stats = image_stats(shot)
     assert stats["colors"] > 200, stats
+
+
+def test_the_tampered_rollouts_reach_the_page_rejected_by_reason(demo_run):
+    from tasks.toy.tamper import TAMPER_KINDS
+
+    client, base, summary, text = demo_run
+    state = client.sync(client.scheduler.token_capture_state)
+    assert state["rejected"] == {kind: 1 for kind in TAMPER_KINDS}
+    assert set(state["rejected_details"]) == set(TAMPER_KINDS)
+    assert summary["tampered"]["as_expected"] == len(TAMPER_KINDS)
+    assert "(demo: 5 rollouts tampered on purpose; rejected: " in text
+    for kind in TAMPER_KINDS:
+        assert f"  tampered-{kind}-0: rejected {kind} (as expected)" in text
+    # attached with --scheduler: this demo does not scale that cluster, and says so
+    assert "scaling: phase skipped: attached with --scheduler" in text

@@ -19,11 +19,12 @@ from typing import Any
 from tasks.errors import InvalidEvent
 
 from .. import config
-from ..events import CUT, FINALIZE, RESTORE, SCALE, STORE, TOPICS
+from ..events import CUT, FINALIZE, RESTORE, RESTORE_OPTIONAL, SCALE, STORE, TOPICS
 
 logger = logging.getLogger(__name__)
 
 SCALE_ACTIONS = ("up", "down", "hold")
+MS_PER_S = 1000.0  # events carry milliseconds (``*_ms``); the histograms hold seconds
 DETAIL_CHARS = 200  # a rejection detail is kept this many characters long
 DETAIL_REASONS = 64  # latest details kept, one per reason (oldest reason dropped first)
 
@@ -110,8 +111,8 @@ _RESTORE_NUMBERS = {
     "p50_ms": False,
     "p99_ms": False,
 }
-RESTORE_COUNTERS = ("requests", "gets", "keys", "failures")
-_STORE_NUMBERS = {"memory_bytes": True, "spilled_bytes": True, "rows": False}
+RESTORE_COUNTERS = ("requests", "gets", "keys", "failures", "latency_count")
+_STORE_NUMBERS = {"memory_bytes": True, "spilled_bytes": True, "rows": False, "used_bytes": False, "capacity_bytes": False}
 _SCALE_NUMBERS = {"target": True, "current": True, "verify_ms": False, "fetch_ms": False, "queue_depth": False}
 
 
@@ -156,6 +157,7 @@ def parse_event(topic: str, msg: Any) -> dict[str, Any]:
             out["failures_by_reason"] = {}
         if "keys_per_get" not in msg and out["gets"]:
             out["keys_per_get"] = out["keys"] / out["gets"]
+        _latency_histogram(topic, msg, out)
     elif topic == STORE:
         out.update({k: _number(topic, msg, k, req) for k, req in _STORE_NUMBERS.items()})
         out["unit"] = _label(topic, msg, "unit", required=True)
@@ -168,6 +170,28 @@ def parse_event(topic: str, msg: Any) -> dict[str, Any]:
         out["reason"] = _label(topic, msg, "reason", required=True)
         out["reason_code"] = _label(topic, msg, "reason_code", required=False) or out["reason"].split(":")[0]
     return out
+
+
+def _latency_histogram(topic: str, msg: Mapping[str, Any], out: dict[str, Any]) -> None:
+    """A restore event's latency histogram (optional keys, :data:`RESTORE_OPTIONAL`):
+    ``latency_bounds_s`` increasing finite bounds (s), ``latency_counts`` one non-negative
+    count per bucket plus +Inf, ``latency_sum_s``; adds ``latency_count`` (their sum)."""
+    bounds = msg.get("latency_bounds_s", RESTORE_OPTIONAL["latency_bounds_s"])
+    counts = msg.get("latency_counts", RESTORE_OPTIONAL["latency_counts"])
+    if not isinstance(bounds, (list, tuple)):
+        raise InvalidEvent(topic, "latency_bounds_s", f"expected a list of bounds, got {type(bounds).__name__}")
+    if not isinstance(counts, (list, tuple)):
+        raise InvalidEvent(topic, "latency_counts", f"expected a list of counts, got {type(counts).__name__}")
+    b = [_number(topic, {"latency_bounds_s": x}, "latency_bounds_s", required=True) for x in bounds]
+    if any(hi <= lo for lo, hi in zip(b, b[1:])):
+        raise InvalidEvent(topic, "latency_bounds_s", "bounds must increase")
+    c = [int(_number(topic, {"latency_counts": x}, "latency_counts", required=True)) for x in counts]
+    if (b or c) and len(c) != len(b) + 1:
+        raise InvalidEvent(topic, "latency_counts", f"expected {len(b) + 1} counts (one per bound, then +Inf), got {len(c)}")
+    out["latency_bounds_s"] = b
+    out["latency_counts"] = c
+    out["latency_sum_s"] = _number(topic, msg, "latency_sum_s", required=False)
+    out["latency_count"] = float(sum(c))
 
 
 # --------------------------------------------------------------------------- histograms
@@ -192,6 +216,17 @@ class Histogram:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.total += value
         self.n += 1
+
+    def add_counts(self, bounds: list[float], counts: list[int], total: float) -> None:
+        """Add another histogram's per-bucket ``counts`` over ``bounds`` (plus +Inf) and its
+        sum. Each bucket lands in ours whose ``le`` is >= its own upper bound: exact when
+        the bounds match (both sides read ``metrics.buckets-seconds``), an upper estimate
+        otherwise."""
+        for i, n in enumerate(counts):
+            slot = bisect_left(self.bounds, bounds[i]) if i < len(bounds) else len(self.bounds)
+            self.counts[slot] += n
+            self.n += n
+        self.total += total
 
     def cumulative(self) -> list[tuple[str, int]]:
         """``[(le, cumulative count), ...]`` ending with ``("+Inf", n)``."""
@@ -218,10 +253,12 @@ class TokenCaptureState:
 
     def __init__(self, history: int | None = None) -> None:
         self.history = int(history if history is not None else config.get("dashboard.history"))
-        ms_bounds = tuple(config.get("metrics.buckets-ms"))
+        self.seconds_bounds = tuple(float(b) for b in config.get("metrics.buckets-seconds"))
         call_bounds = tuple(config.get("metrics.buckets-calls"))
         self.started = time.time()
         self.version = 0  # bumped on every accepted event; the page redraws on change
+        # accepted events per topic: 0 means "no data yet", not a figure of zero
+        self.events: Counter[str] = Counter()
 
         # finalize
         self.groups: deque[dict[str, Any]] = deque(maxlen=self.history)
@@ -230,14 +267,15 @@ class TokenCaptureState:
         self.rejected: Counter[str] = Counter()
         # the latest detail per rejection reason, most recently updated last (bounded)
         self.rejected_details: OrderedDict[str, str] = OrderedDict()
+        # Latencies in seconds (the events' *_ms / 1000), bounds metrics.buckets-seconds.
         self.hist: dict[str, Histogram] = {
-            "fetch_ms": Histogram(ms_bounds),
-            "verify_ms": Histogram(ms_bounds),
-            "assemble_ms": Histogram(ms_bounds),
-            "queue_wait_ms": Histogram(ms_bounds),
+            "fetch_seconds": Histogram(self.seconds_bounds),
+            "verify_seconds": Histogram(self.seconds_bounds),
+            "assemble_seconds": Histogram(self.seconds_bounds),
+            "queue_wait_seconds": Histogram(self.seconds_bounds),
             "calls_per_rollout": Histogram(call_bounds),
-            "cut_wall_ms": Histogram(ms_bounds),
-            "step_wall_ms": Histogram(ms_bounds),
+            "cut_wall_seconds": Histogram(self.seconds_bounds),
+            "step_wall_seconds": Histogram(self.seconds_bounds),
         }
         self.queue_depth = 0.0
         self.depths: deque[tuple[float, float]] = deque(maxlen=self.history)  # (t, queue depth)
@@ -247,6 +285,7 @@ class TokenCaptureState:
         self.cut_failures: Counter[str] = Counter()
         # restore
         self.restore_base: Counter[str] = Counter()  # counts of batchers since replaced
+        self.restore_latency_base = Histogram(self.seconds_bounds)  # latencies of batchers since replaced
         self.restore_failures: Counter[str] = Counter()
         self.restore_reports = 0
         self.restore_latest: OrderedDict[str, dict[str, Any]] = OrderedDict()
@@ -285,6 +324,7 @@ class TokenCaptureState:
             STORE: self._store,
             SCALE: self._scale,
         }[topic](ev)
+        self.events[topic] += 1
         self.version += 1
         return True
 
@@ -325,7 +365,7 @@ class TokenCaptureState:
             self.rejected_details.move_to_end(reason)
         while len(self.rejected_details) > DETAIL_REASONS:
             self.rejected_details.popitem(last=False)
-        self.hist["queue_wait_ms"].observe(ev["queue_wait_ms"])
+        self.hist["queue_wait_seconds"].observe(ev["queue_wait_ms"] / MS_PER_S)
         if ev["calls_per_rollout"]:
             self.hist["calls_per_rollout"].observe(ev["calls_per_rollout"])
         self.queue_depth = ev["queue_depth"]
@@ -351,10 +391,10 @@ class TokenCaptureState:
         if ev["rollouts"]:
             step["rollouts"], step["accepted"] = int(ev["rollouts"]), int(ev["accepted"])
         self.totals["steps"] += 1
-        for k in ("fetch_ms", "verify_ms", "assemble_ms"):
-            self.totals[k] += ev[k]
-            self.hist[k].observe(ev[k])
-        self.hist["step_wall_ms"].observe(ev["wall_ms"])
+        for phase in ("fetch", "verify", "assemble"):
+            self.totals[f"{phase}_ms"] += ev[f"{phase}_ms"]
+            self.hist[f"{phase}_seconds"].observe(ev[f"{phase}_ms"] / MS_PER_S)
+        self.hist["step_wall_seconds"].observe(ev["wall_ms"] / MS_PER_S)
         depth = ev["queue_depth_after"] if "queue_depth_after" in ev else ev["queue_depth"]
         self.queue_depth = depth
         self.depths.append((ev["t"], depth))
@@ -365,7 +405,7 @@ class TokenCaptureState:
         for k in ("calls", "rows", "puts", "durable", "wall_ms"):
             self.cut_totals[k] += ev[k]
         self.cut_failures.update(ev["failures"])
-        self.hist["cut_wall_ms"].observe(ev["wall_ms"])
+        self.hist["cut_wall_seconds"].observe(ev["wall_ms"] / MS_PER_S)
 
     def _restore(self, ev: dict[str, Any]) -> None:
         # Reports carry counters cumulative since the batcher started.
@@ -383,6 +423,17 @@ class TokenCaptureState:
         for k in RESTORE_COUNTERS:
             self.restore_base[k] += ev[k]
         self.restore_failures.update(ev["failures_by_reason"])
+        self.restore_latency_base.add_counts(ev["latency_bounds_s"], ev["latency_counts"], ev["latency_sum_s"])
+
+    def restore_latency(self) -> Histogram:
+        """Restore request latency (s) over all batchers, past and present: each batcher's
+        latest cumulative counts plus those of batchers since replaced."""
+        out = Histogram(self.seconds_bounds)
+        base = self.restore_latency_base
+        out.counts, out.total, out.n = list(base.counts), base.total, base.n
+        for ev in self.restore_latest.values():
+            out.add_counts(ev["latency_bounds_s"], ev["latency_counts"], ev["latency_sum_s"])
+        return out
 
     @property
     def restore_totals(self) -> Counter[str]:
@@ -391,6 +442,7 @@ class TokenCaptureState:
         for ev in self.restore_latest.values():
             for k in RESTORE_COUNTERS:
                 out[k] += ev[k]
+        del out["latency_count"]  # in restore_latency()
         out["reports"] = self.restore_reports
         return out
 
@@ -463,9 +515,16 @@ class TokenCaptureState:
         return out
 
     def snapshot(self) -> dict[str, Any]:
-        """All state as plain JSON-able data (for the RPC handler, tests and tools)."""
+        """All state as plain JSON-able data (for the RPC handler, tests and tools).
+
+        ``events`` counts the events folded in per topic: a topic at 0 (or absent) has
+        no data yet, which a view shows as such rather than as figures of zero.
+        ``histograms`` hold seconds (``*_seconds``) or counts (``calls_per_rollout``).
+        """
+        hists = dict(self.hist, restore_latency_seconds=self.restore_latency())
         return {
             "version": self.version,
+            "events": {topic: self.events.get(topic, 0) for topic in TOPICS},
             "totals": dict(self.totals),
             "rejected": dict(self.rejected),
             "rejected_details": dict(self.rejected_details),
@@ -485,6 +544,6 @@ class TokenCaptureState:
             "malformed": {f"{t}:{f}": n for (t, f), n in self.malformed.items()},
             "last_error": self.last_error,
             "histograms": {
-                k: {"buckets": h.cumulative(), "sum": h.total, "count": h.n} for k, h in self.hist.items()
+                k: {"buckets": h.cumulative(), "sum": h.total, "count": h.n} for k, h in hists.items()
             },
         }

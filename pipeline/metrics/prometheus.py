@@ -4,6 +4,12 @@ One :class:`TokenCaptureCollector` per process, registered in ``prometheus_clien
 (which distributed serves on ``/metrics``), formats the attached
 :class:`~pipeline.dashboard.state.TokenCaptureState` at scrape time; it computes nothing
 itself. The aggregator plugin attaches its state on start and detaches it on close.
+
+Conventions (those of Prometheus and of Dask's own series on the same endpoint): base
+units in the name (``_seconds``, ``_bytes``; counters end in ``_total``), latencies as
+histograms, and every label value of a fixed vocabulary (rejection reasons, cut failure
+reasons) served at 0 from the start, so a rate or an alert has a series before the first
+event.
 """
 from __future__ import annotations
 
@@ -19,6 +25,9 @@ from prometheus_client.core import (
     HistogramMetricFamily,
 )
 from prometheus_client.registry import Collector
+
+from tasks.cut.receipt import FAILURE_REASONS as CUT_FAILURE_REASONS
+from tasks.reasons import ALL_REASONS as REJECTION_REASONS
 
 if TYPE_CHECKING:  # types only: importing pipeline.dashboard at run time would import the plugin, a cycle
     from ..dashboard.state import Histogram, TokenCaptureState
@@ -36,6 +45,15 @@ def _hist(name: str, doc: str, hists: list[tuple[list[str], Histogram]], labels:
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     # prometheus_client appends _total to counter samples; give it the bare name.
     return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
+
+
+def _by_reason(name: str, doc: str, counts: Any, vocabulary: Any) -> CounterMetricFamily:
+    """A counter labelled ``reason``: every word of ``vocabulary`` (0 until seen), plus any
+    other reason an event named."""
+    fam = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["reason"])
+    for reason in sorted(set(vocabulary) | set(counts)):
+        fam.add_metric([reason], counts.get(reason, 0))
+    return fam
 
 
 class TokenCaptureCollector(Collector):
@@ -62,12 +80,9 @@ class TokenCaptureCollector(Collector):
         fam.add_metric(["accepted"], t["accepted"])
         fam.add_metric(["rejected"], t["rejected"])
         yield fam
-        fam = CounterMetricFamily(
-            f"{PREFIX}_rollouts_rejected", "Rejected rollouts by reason (the verification vocabulary)", labels=["reason"]
+        yield _by_reason(
+            "rollouts_rejected", "Rejected rollouts by reason (the verification vocabulary)", agg.rejected, REJECTION_REASONS
         )
-        for reason, n in sorted(agg.rejected.items()):
-            fam.add_metric([reason], n)
-        yield fam
         yield _counter(
             "verifier_internal_errors",
             "Rollouts whose verification hit an internal error, counted apart from rejections",
@@ -77,13 +92,18 @@ class TokenCaptureCollector(Collector):
         yield _counter("fetched_bytes", "Bytes fetched from the store by finalization", t["bytes_fetched"])
         yield _counter("finalized_tokens", "Tokens in finalized training rows", t["tokens"])
         yield _hist(
-            "finalize_phase_ms",
-            "Finalization work time per step by phase (ms)",
-            [([p], agg.hist[f"{p}_ms"]) for p in ("fetch", "verify", "assemble")],
+            "finalize_phase_seconds",
+            "Finalization work time per step by phase, in seconds",
+            [([p], agg.hist[f"{p}_seconds"]) for p in ("fetch", "verify", "assemble")],
             ["phase"],
         )
-        yield _hist("step_wall_ms", "Step submission to collection on the controller (ms)", [([], agg.hist["step_wall_ms"])], [])
-        yield _hist("queue_wait_ms", "Per-group queue wait before finalization (ms)", [([], agg.hist["queue_wait_ms"])], [])
+        yield _hist(
+            "step_wall_seconds", "Step wall time, submission to collection on the controller, in seconds",
+            [([], agg.hist["step_wall_seconds"])], [],
+        )
+        yield _hist(
+            "queue_wait_seconds", "Per-group queue wait before finalization, in seconds", [([], agg.hist["queue_wait_seconds"])], []
+        )
         yield _hist("calls_per_rollout", "Model calls per rollout (per group mean)", [([], agg.hist["calls_per_rollout"])], [])
         yield GaugeMetricFamily(f"{PREFIX}_queue_depth", "Groups waiting for finalization (latest report)", value=agg.queue_depth)
 
@@ -92,31 +112,32 @@ class TokenCaptureCollector(Collector):
         yield _counter("cut_rows", "Prefix rows written by cuts", c["rows"])
         yield _counter("cut_puts", "Batched store puts made by cuts", c["puts"])
         yield _counter("cut_durable", "Calls made durable by cuts", c["durable"])
-        fam = CounterMetricFamily(f"{PREFIX}_cut_failures", "Cut call failures by reason", labels=["reason"])
-        for reason, n in sorted(agg.cut_failures.items()):
-            fam.add_metric([reason], n)
-        yield fam
-        yield _hist("cut_wall_ms", "Cut wall time per generation worker (ms)", [([], agg.hist["cut_wall_ms"])], [])
+        yield _by_reason("cut_failures", "Calls a cut could not make durable, by reason", agg.cut_failures, CUT_FAILURE_REASONS)
+        yield _hist("cut_wall_seconds", "Cut wall time per generation worker, in seconds", [([], agg.hist["cut_wall_seconds"])], [])
 
         r = agg.restore_totals
         yield _counter("restore_requests", "Prefix restore requests", r["requests"])
         yield _counter("restore_gets", "Coalesced store gets made by restore batchers", r["gets"])
         yield _counter("restore_keys", "Keys read by restore batchers", r["keys"])
         yield _counter("restore_failures", "Failed restore requests", r["failures"])
-        kpg = GaugeMetricFamily(f"{PREFIX}_restore_keys_per_get", "Keys per coalesced get (latest report)", labels=["worker"])
-        lat = GaugeMetricFamily(
-            f"{PREFIX}_restore_latency_ms", "Restore request latency quantiles (latest report, ms)", labels=["worker", "quantile"]
+        kpg = GaugeMetricFamily(
+            f"{PREFIX}_restore_keys_per_get", "Keys per coalesced get since the batcher started (latest report)", labels=["worker"]
         )
         for worker, ev in agg.restore_latest.items():
             kpg.add_metric([worker], ev["keys_per_get"])
-            lat.add_metric([worker, "0.5"], ev["p50_ms"])
-            lat.add_metric([worker, "0.99"], ev["p99_ms"])
         yield kpg
-        yield lat
+        yield _hist(
+            "restore_latency_seconds", "Prefix read request latency in the restore batchers, in seconds",
+            [([], agg.restore_latency())], [],
+        )
 
-        rows = GaugeMetricFamily(f"{PREFIX}_store_rows", "Rows held per storage unit", labels=["unit", "worker"])
-        mem = GaugeMetricFamily(f"{PREFIX}_store_memory_bytes", "Bytes in memory per storage unit", labels=["unit", "worker"])
-        spill = GaugeMetricFamily(f"{PREFIX}_store_spilled_bytes", "Bytes spilled to disk per storage unit", labels=["unit", "worker"])
+        rows = GaugeMetricFamily(f"{PREFIX}_store_rows", "Rows held per storage unit (latest report)", labels=["unit", "worker"])
+        mem = GaugeMetricFamily(
+            f"{PREFIX}_store_memory_bytes", "Bytes of rows in memory per storage unit (latest report)", labels=["unit", "worker"]
+        )
+        spill = GaugeMetricFamily(
+            f"{PREFIX}_store_spilled_bytes", "Bytes of rows spilled to disk per storage unit (latest report)", labels=["unit", "worker"]
+        )
         for unit, ev in agg.store_units.items():
             labels = [unit, ev["worker"]]
             rows.add_metric(labels, ev["rows"])

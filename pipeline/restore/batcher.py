@@ -12,6 +12,7 @@ Usage and statistics: docs/design.md, "Restore".
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from typing import Any, Callable, Sequence
 
@@ -64,6 +65,11 @@ class PrefixReadBatcher:
         self._coalescer: PrefixReadCoalescer | None = None
         self._verdicts: dict[str, int] = {}  # "ok" or reason -> count
         self._last_publish = 0.0
+        # Request latency histogram since start (published in RESTORE events): upper bounds
+        # in seconds (metrics.buckets-seconds), one count per bucket plus +Inf, sum in s.
+        self._lat_bounds = [float(b) for b in config.get("metrics.buckets-seconds")]
+        self._lat_counts = [0] * (len(self._lat_bounds) + 1)
+        self._lat_sum_s = 0.0
 
     @property
     def name(self) -> str:
@@ -89,9 +95,26 @@ class PrefixReadBatcher:
         Raises :class:`~pipeline.restore.coalescer.PrefixReadError` naming unreadable keys.
         """
         try:
-            return await self._co().read(keys, tokens)
+            return await self._timed_read(keys, tokens)
         finally:
             self._maybe_publish()
+
+    async def _timed_read(self, keys: Sequence[str], tokens: Any) -> PackedBatch:
+        """The coalescer's read, its latency counted in the histogram (as the coalescer
+        counts it: answered or failed requests for keys, not cancelled ones)."""
+        t0 = time.perf_counter()
+        try:
+            out = await self._co().read(keys, tokens)
+        except PrefixReadError:
+            self._observe_latency(time.perf_counter() - t0)
+            raise
+        if len(keys):
+            self._observe_latency(time.perf_counter() - t0)
+        return out
+
+    def _observe_latency(self, seconds: float) -> None:
+        self._lat_counts[bisect.bisect_left(self._lat_bounds, seconds)] += 1
+        self._lat_sum_s += seconds
 
     async def restore(self, continuation: Any, **verify_kw: Any) -> PrefixVerdict:
         """Read and verify one call's prefix; a :class:`~tasks.cut.prefix.PrefixVerdict`.
@@ -103,10 +126,10 @@ class PrefixReadBatcher:
         """
         try:
             verdict = await self._restore(continuation, {**self._verify_kw, **verify_kw})
+            key = "ok" if verdict.usable else str(verdict.reason)
+            self._verdicts[key] = self._verdicts.get(key, 0) + 1  # counted before it is published
         finally:
             self._maybe_publish()
-        key = "ok" if verdict.usable else str(verdict.reason)
-        self._verdicts[key] = self._verdicts.get(key, 0) + 1
         return verdict
 
     async def restore_many(self, continuations: Sequence[Any], **verify_kw: Any) -> list[PrefixVerdict]:
@@ -121,7 +144,7 @@ class PrefixReadBatcher:
         if not cont.keys:
             return verify_prefix(PackedBatch([], {}), cont)
         try:
-            rows = await self._co().read(list(cont.keys), cont.prefix_tokens)
+            rows = await self._timed_read(list(cont.keys), cont.prefix_tokens)
         except PrefixReadError as e:
             key, (why, detail) = next(iter(e.failed.items()))
             more = f" (+{len(e.failed) - 1} more keys)" if len(e.failed) > 1 else ""
@@ -163,6 +186,9 @@ class PrefixReadBatcher:
                 "p50_ms": s["p50_ms"],
                 "p99_ms": s["p99_ms"],
                 "failures": failures,
+                "latency_bounds_s": list(self._lat_bounds),
+                "latency_counts": list(self._lat_counts),
+                "latency_sum_s": self._lat_sum_s,
             },
         )
 

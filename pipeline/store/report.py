@@ -1,7 +1,10 @@
-"""Store figures for the dashboard and ``/metrics``: one ``STORE`` event per unit.
+"""Store figures for the dashboard and ``/metrics``: one ``STORE`` event per unit, now.
 
-Reading a unit's stats is one actor round trip per unit, so callers report at their own
-cadence (the demo and the controller loop after each step) rather than per put.
+Storage units publish these figures by themselves every ``store.report-interval-s``
+seconds (``pipeline.store.unit.StoreReporter``), so nothing needs to call this for the
+page or ``/metrics`` to show the store. :func:`report_store` adds one report at once (the
+demo calls it after each step, so the figures match the step just finalized); it costs
+one actor round trip per unit.
 """
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ from ..events import STORE, publish
 
 
 def report_store(store: Any) -> list[dict[str, Any]]:
-    """Publish each unit's rows, memory and spilled bytes; return the unit stats."""
+    """Publish each unit's rows, memory and spilled bytes now; return the unit stats."""
     stats = store.stats()
     for s in stats:
         publish(
@@ -22,6 +25,8 @@ def report_store(store: Any) -> list[dict[str, Any]]:
                 "rows": s["rows"],
                 "memory_bytes": s["memory_bytes"],
                 "spilled_bytes": s["spilled_bytes"],
+                "used_bytes": s.get("used_bytes", 0),
+                "capacity_bytes": s.get("capacity", 0),
             },
         )
     return stats

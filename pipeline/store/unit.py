@@ -8,13 +8,21 @@ request) with per-key results, on the worker's single actor thread. Keys are wri
 a put beyond ``capacity`` bytes (memory + disk + pinned) is refused per key. While a
 store checkpoint is open on the unit (:meth:`StorageUnit.begin_checkpoint`), deletes in
 the partitions it covers are acknowledged ``deferred`` and applied when it ends.
+
+On a worker, a unit publishes its figures (rows, memory and spilled bytes) as a
+``token-capture-store`` event every ``store.report-interval-s`` seconds by itself
+(:class:`StoreReporter`), so the dashboard and ``/metrics`` show the store without any
+call from the controller.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import os
 import shutil
 import uuid
-from typing import Sequence
+import weakref
+from typing import Any, Sequence
 
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
 from tasks.keys import unit_for_key
@@ -42,6 +50,8 @@ from .protocol import (
 )
 from .registry import FieldRegistry, PartitionRegistry
 from .spill import Row, SpillMapping, row_nbytes
+
+logger = logging.getLogger(__name__)
 
 # Fields averaging fewer elements per row than this are copied once per batch, not per row.
 SMALL_FIELD_ELEMENTS = 64
@@ -81,6 +91,81 @@ def pack_stored_rows(
         dtype, trailing = (None, None) if spec is None else spec
         fields[n] = PackedField.from_arrays(cols[n], dtype=dtype, trailing=trailing, copy=True, out=out)
     return PackedBatch(list(keys), fields)
+
+
+class StoreReporter:
+    """Publishes a unit's :meth:`StorageUnit.report_figures` as ``STORE`` events every
+    ``interval_s`` seconds from its worker's event loop (a tornado ``PeriodicCallback``).
+
+    The figures are read on the worker's actor thread (the one thread that runs the
+    unit's methods), so a report never sees a half-applied put or delete. It holds the
+    unit and the worker weakly and stops by itself once the unit is closed or gone, or
+    the worker is closing. :meth:`start` and :meth:`stop` may be called from any thread.
+    """
+
+    def __init__(self, unit: "StorageUnit", worker: Any, interval_s: float) -> None:
+        self._unit = weakref.ref(unit)
+        self._worker = weakref.ref(worker)
+        self.interval_s = float(interval_s)
+        self._callback: Any = None
+        self._stopped = False
+        self.published = 0
+
+    def start(self) -> None:
+        worker = self._worker()
+        if worker is not None:
+            worker.loop.add_callback(self._start_on_loop)
+
+    def stop(self) -> None:
+        self._stopped = True
+        worker = self._worker()
+        if worker is not None:
+            try:
+                worker.loop.add_callback(self._stop_on_loop)
+            except RuntimeError:  # the loop is already closed: nothing runs any more
+                pass
+
+    def _start_on_loop(self) -> None:
+        from tornado.ioloop import PeriodicCallback
+
+        if self._stopped or self._callback is not None:
+            return
+        self._callback = PeriodicCallback(self.report, self.interval_s * 1000.0)
+        self._callback.start()
+        asyncio.ensure_future(self.report())  # the first figures now, not one interval later
+
+    def _stop_on_loop(self) -> None:
+        if self._callback is not None:
+            self._callback.stop()
+            self._callback = None
+
+    async def report(self) -> bool:
+        """Publish the unit's figures once (on the worker's loop); False once stopped."""
+        from distributed.core import Status
+
+        unit, worker = self._unit(), self._worker()
+        if self._stopped or unit is None or unit.closed or worker is None or worker.status not in (Status.running, Status.paused):
+            self._stopped = True
+            self._stop_on_loop()
+            return False
+        try:
+            figures = await asyncio.get_running_loop().run_in_executor(worker.executors["actor"], unit.report_figures)
+        except RuntimeError:  # the actor executor shut down with the worker
+            self._stopped = True
+            self._stop_on_loop()
+            return False
+        del unit
+        if figures is None or self._stopped:
+            return False
+        from ..events import STORE
+
+        try:
+            worker.log_event(STORE, figures)
+        except Exception:  # noqa: BLE001 - metrics must not fail the store
+            logger.debug("store report not published", exc_info=True)
+            return False
+        self.published += 1
+        return True
 
 
 def _answer_buffer_bytes() -> int:
@@ -146,6 +231,26 @@ class StorageUnit:
         self.deferred: dict[str, dict[str, None]] = {}
         self.answers = AnswerBuffers(_answer_buffer_bytes())
         self.closed = False
+        self.worker_address: str | None = None
+        self.reporter: StoreReporter | None = None
+        self._start_reporter()
+
+    def _start_reporter(self) -> None:
+        """On a worker, publish this unit's figures every ``store.report-interval-s``
+        seconds (0: never); outside a worker (in-process use) there is nothing to do."""
+        from distributed import get_worker
+
+        from .. import config
+
+        try:
+            worker = get_worker()
+        except ValueError:
+            return
+        self.worker_address = worker.address
+        interval_s = float(config.get("store.report-interval-s"))
+        if interval_s > 0:
+            self.reporter = StoreReporter(self, worker, interval_s)
+            self.reporter.start()
 
     @property
     def pinned_bytes(self) -> int:
@@ -427,6 +532,21 @@ class StorageUnit:
             **self.counters,
         }
 
+    def report_figures(self) -> dict | None:
+        """The figures a ``token-capture-store`` event carries (None once closed): rows,
+        memory and spilled bytes (bytes; O(partitions), cheap enough to read each period)."""
+        if self.closed:
+            return None
+        return {
+            "unit": self.unit_index,
+            "worker": self.worker_address,
+            "rows": sum(len(ix) for ix in self.index.values()),
+            "memory_bytes": self.rows.memory_bytes,
+            "spilled_bytes": self.rows.spilled_bytes,
+            "used_bytes": self.used_bytes,
+            "capacity_bytes": self.capacity,
+        }
+
     def keys(self, partition: str) -> list[str]:
         """Every key of ``partition`` (insertion order)."""
         return list(self.index.get(partition, {}))
@@ -471,6 +591,8 @@ class StorageUnit:
         """Drop every row and remove this unit's spill directory; returns final stats."""
         if self.closed:
             return {"unit": self.unit_index, "closed": True}
+        if self.reporter is not None:
+            self.reporter.stop()
         final = self.stats()
         self.rows.close()
         shutil.rmtree(self.directory, ignore_errors=True)
