@@ -97,6 +97,61 @@ def image_stats(path: Path) -> dict[str, int]:
         return {"width": rgb.width, "height": rgb.height, "colors": len(colors) if colors else 1 << 20}
 
 
+def ink_fraction(path: Path, box: tuple[float, float, float, float], background: tuple[int, int, int] | None = None,
+                 tolerance: int = 24) -> float:
+    """Share of the pixels of ``box`` (left, top, width, height in CSS px = image px) in the
+    PNG at ``path`` that differ from ``background`` (default: the most common colour of the
+    box) by more than ``tolerance`` in some channel. 0.0 for a blank region."""
+    from PIL import Image
+
+    left, top, width, height = (int(round(v)) for v in box)
+    with Image.open(path) as im:
+        region = im.convert("RGB").crop((left, top, left + max(width, 1), top + max(height, 1)))
+    pixels = list(region.getdata())
+    if background is None:
+        background = max(region.getcolors(maxcolors=1 << 24) or [(0, (255, 255, 255))])[1]
+    differ = sum(1 for px in pixels if max(abs(a - b) for a, b in zip(px, background)) > tolerance)
+    return differ / len(pixels)
+
+
+LAYOUT_JS = """
+(() => {
+  // Bokeh 3 renders every view inside a shadow root: walk them all.
+  const all = [];
+  const walk = (root) => {
+    for (const el of root.querySelectorAll('*')) {
+      all.push(el);
+      if (el.shadowRoot) walk(el.shadowRoot);
+    }
+  };
+  walk(document);
+  const box = (el) => { const r = el.getBoundingClientRect();
+    return {left: r.left + window.scrollX, top: r.top + window.scrollY, width: r.width, height: r.height}; };
+  const cls = (el, c) => el.classList && el.classList.contains(c);
+  const canvases = all.filter((el) => cls(el, 'bk-Canvas') && el.getBoundingClientRect().width > 0);
+  const cells = all.filter((el) => (cls(el, 'slick-cell') || cls(el, 'slick-header-column'))
+                                   && el.getBoundingClientRect().width > 0);
+  return {
+    page_width: document.documentElement.scrollWidth,
+    viewport_width: window.innerWidth,
+    plots: canvases.map(box),
+    cells: cells.length,
+    // a cell is cut off when its text needs more room than it has; a header column's
+    // resize handle overhangs it by design, so its title (the name span) is measured
+    truncated: cells.filter((el) => {
+      if (!cls(el, 'slick-header-column')) { return el.scrollWidth > el.clientWidth + 1; }
+      const name = el.querySelector('.slick-column-name');  // an inline span: compare boxes
+      return name != null && name.getBoundingClientRect().right > el.getBoundingClientRect().right - 1;
+    }).map((el) => ({text: el.textContent, scroll: el.scrollWidth, client: el.clientWidth})),
+  };
+})()
+"""
+"""JavaScript for :meth:`Browser.layout`: ``page_width``/``viewport_width`` (px),
+``plots`` (the page box of every drawn Bokeh plot canvas), ``cells`` (table cells and
+headers drawn) and ``truncated`` (those whose text does not fit: ``scrollWidth >
+clientWidth``)."""
+
+
 class BrowserError(RuntimeError):
     """Chromium did not start, a DevTools call failed, or a wait timed out."""
 
@@ -124,6 +179,7 @@ class Browser:
         self._loop = asyncio.new_event_loop()
         self._ids = itertools.count(1)
         self._ws: Any = None
+        self.errors: list[str] = []  # uncaught JavaScript exceptions and console.error lines
         try:
             port = self._devtools_port(start_timeout_s)
             ws_url = self._page_target(port, start_timeout_s)
@@ -176,10 +232,19 @@ class Browser:
                 raise BrowserError(f"DevTools connection closed during {method}")
             reply = json.loads(raw)
             if reply.get("id") != msg_id:
-                continue  # an event; we poll state instead of following events
+                self._note_event(reply)  # otherwise we poll state instead of following events
+                continue
             if "error" in reply:
                 raise BrowserError(f"{method}: {reply['error']}")
             return reply.get("result", {})
+
+    def _note_event(self, event: dict[str, Any]) -> None:
+        method, params = event.get("method"), event.get("params", {})
+        if method == "Runtime.exceptionThrown":
+            details = params.get("exceptionDetails", {})
+            self.errors.append(details.get("exception", {}).get("description") or details.get("text", "?"))
+        elif method == "Runtime.consoleAPICalled" and params.get("type") == "error":
+            self.errors.append(" ".join(str(a.get("value", a.get("description", ""))) for a in params.get("args", [])))
 
     def call(self, method: str, timeout_s: float = 60.0, **params: Any) -> dict[str, Any]:
         """One DevTools method call; its ``result``."""
@@ -211,6 +276,32 @@ class Browser:
                     return last
             time.sleep(poll_s)
         raise BrowserError(f"timed out after {timeout_s}s waiting for {expression!r} (last: {last!r})")
+
+    def resize(self, width: int, height: int) -> None:
+        """Set the viewport to ``width`` x ``height`` CSS pixels (the page re-lays itself out)."""
+        self.width, self.height = width, height
+        self.call("Emulation.setDeviceMetricsOverride", width=width, height=height, deviceScaleFactor=1, mobile=False)
+
+    def page_height(self) -> int:
+        """The document's full height (px)."""
+        return int(self.evaluate("Math.ceil(document.documentElement.scrollHeight)"))
+
+    def full_page_screenshot(self, path: Path, settle_s: float = 1.0) -> Path:
+        """A PNG of the whole page at the current width: the viewport is made as tall as
+        the document for the shot (``settle_s`` lets Bokeh repaint), then restored."""
+        width, height = self.width, self.height
+        self.resize(width, max(height, self.page_height()))
+        time.sleep(settle_s)  # repaint after the resize; only the picture depends on it
+        self.resize(width, max(height, self.page_height()))  # a re-layout may have grown it
+        time.sleep(settle_s)
+        try:
+            return self.screenshot(path)
+        finally:
+            self.resize(width, height)
+
+    def layout(self) -> dict[str, Any]:
+        """Where Bokeh drew things, looked up through every shadow root (:data:`LAYOUT_JS`)."""
+        return self.evaluate(LAYOUT_JS)
 
     def screenshot(self, path: Path) -> Path:
         """Write a PNG of the viewport to ``path``."""

@@ -1,15 +1,24 @@
 """The token-capture page of the Dask dashboard (Bokeh, live).
 
 Served by the scheduler's own dashboard at ``/<dashboard.page>`` (default
-``/token-capture``) and listed in its top menu. The page is a view: it reads a
-:class:`~pipeline.dashboard.state.TokenCaptureState`, found through the lookup function
-given to :func:`register_page`, and redraws only when the state changed.
+``/token-capture``) and listed in its top menu. The page is a view: it reads
+:meth:`~pipeline.dashboard.state.TokenCaptureState.snapshot` of the state found through
+the lookup function given to :func:`register_page`, and redraws only when the state
+changed.
+
+Layout (readable at 1400 and 1920 px): a live header of totals, then a two-column grid
+of charts (each at least ``CHART_HEIGHT`` px tall, toolbar above as on Dask's own pages,
+legends above the plot area, categorical names on the y axis of unit/worker charts) and
+full-width tables whose columns are sized to their content. Every chart and table shows
+a "no data yet" note until it has data. Bar charts show the newest ``MAX_BARS`` entries;
+step bars are labelled by step number under their run id (the full id is in the hover).
 """
 from __future__ import annotations
 
 import logging
+import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
 
@@ -21,25 +30,72 @@ StateLookup = Callable[[Any], TokenCaptureState | None]
 
 logger = logging.getLogger(__name__)
 
+# bokeh.palettes.Category10[10] (the palette of Bokeh's and Dask's categorical charts),
+# spelled out so importing this module does not need bokeh.
+BLUE, ORANGE, GREEN, RED, PURPLE, BROWN, PINK, GRAY, OLIVE, CYAN = (
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd",
+    "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf",
+)
+LIGHT_PURPLE = "#c5b0d5"  # Category20's companion of PURPLE
+ACTION_COLORS = {"up": GREEN, "down": RED, "hold": GRAY}
+ACTION_MARKERS = {"up": "triangle", "down": "inverted_triangle", "hold": "circle"}
+
 _SPLIT = ("fetch_ms", "verify_ms", "assemble_ms")
-_SPLIT_COLORS = ("#1f77b4", "#d62728", "#2ca02c")
+_SPLIT_COLORS = (BLUE, RED, GREEN)
+
+CHART_HEIGHT = 260  # px, every chart at least this tall
+BAR_PX = 24  # px per category on horizontal bar charts (they grow with their categories)
+MAX_CHART_HEIGHT = 640
+MAX_BARS = 30  # newest steps / cut reports / units drawn as bars (tables keep every row)
+ROW_PX = 25  # DataTable row height
+NO_DATA = "no data yet"
+LABEL_CHARS = 24  # longest categorical tick label (the full name is in the hover)
 
 _TEMPLATE = """{% extends "base.html" %}
+{% block extra_resources %}
+<style>
+  #token-capture-summary { font-family: Helvetica, Arial, sans-serif; margin: 8px 16px 0 16px; }
+  #token-capture-summary h2 { margin: 4px 0 6px 0; font-size: 22px; }
+  #token-capture-summary .tc-tiles { display: flex; flex-wrap: wrap; gap: 8px; }
+  #token-capture-summary .tc-tile { border: 1px solid #ddd; border-radius: 4px; padding: 4px 10px; min-width: 96px; }
+  #token-capture-summary .tc-tile b { display: block; font-size: 20px; }
+  #token-capture-summary .tc-tile span { color: #555; font-size: 12px; }
+</style>
+{% endblock %}
 {% block content %}
-<div id="token-capture-summary" style="font-family: sans-serif; margin: 8px 16px;">
-  <h2 style="margin: 4px 0;">Token capture</h2>
-  <span>Finalized rollouts: <b id="tc-rollouts">{{ tc.rollouts }}</b></span> &middot;
-  <span>accepted: <b id="tc-accepted">{{ tc.accepted }}</b></span> &middot;
-  <span>rejected: <b id="tc-rejected">{{ tc.rejected }}</b></span> &middot;
-  <span>groups: <b id="tc-groups">{{ tc.groups }}</b></span> &middot;
-  <span>cuts: <b id="tc-cuts">{{ tc.cuts }}</b></span> &middot;
-  <span>restore gets: <b id="tc-gets">{{ tc.gets }}</b></span> &middot;
-  <span>scaling decisions: <b id="tc-decisions">{{ tc.decisions }}</b></span>
-  <span style="color: #888;">(as served; the plots below update live)</span>
+<div id="token-capture-summary">
+  <h2>Token capture</h2>
+  <div class="tc-tiles">
+  {% for key, label in tc_tiles %}
+    <div class="tc-tile"><b id="tc-{{ key }}">{{ tc[key] }}</b><span>{{ label }}</span></div>
+  {% endfor %}
+  </div>
 </div>
 {{ plot_div }}
 {{ plot_script }}
 {% endblock %}
+"""
+
+TILES = (
+    ("rollouts", "rollouts finalized"),
+    ("accepted", "accepted"),
+    ("rejected", "rejected"),
+    ("groups", "groups"),
+    ("steps", "steps collected"),
+    ("cuts", "cut reports"),
+    ("gets", "restore gets"),
+    ("decisions", "scaling decisions"),
+)
+"""The header's totals, ``(summary key, label)``; each is ``<b id="tc-<key>">``."""
+
+# Writes the summary source's values into the header's ``tc-<key>`` elements (the header
+# is in the page template, outside Bokeh's roots): on load and on every change.
+_HEADER_JS = """
+const data = source.data;
+for (const key of Object.keys(data)) {
+  const el = document.getElementById('tc-' + key);
+  if (el != null && data[key].length > 0) { el.textContent = String(data[key][0]); }
+}
 """
 
 
@@ -48,19 +104,95 @@ def page_path() -> str:
     return str(config.get("dashboard.page")).strip("/")
 
 
+def summary_of(snap: Mapping[str, Any] | None) -> dict[str, int]:
+    """Headline counts of a :meth:`TokenCaptureState.snapshot` (all counts, all totals)."""
+    if snap is None:
+        return {key: 0 for key, _ in TILES}
+    totals = snap["totals"]
+    return dict(
+        rollouts=int(totals.get("rollouts", 0)),
+        accepted=int(totals.get("accepted", 0)),
+        rejected=int(totals.get("rejected", 0)),
+        groups=int(totals.get("groups", 0)),
+        steps=int(totals.get("steps", 0)),
+        cuts=int(snap["cut_totals"].get("cuts", 0)),
+        gets=int(snap["restore_totals"].get("gets", 0)),
+        decisions=int(sum(snap["decision_counts"].values())),
+    )
+
+
 def summary(agg: TokenCaptureState | None) -> dict[str, int]:
     """Headline counts shown in the page header (all counts)."""
-    if agg is None:
-        return dict(rollouts=0, accepted=0, rejected=0, groups=0, cuts=0, gets=0, decisions=0)
-    return dict(
-        rollouts=int(agg.totals["rollouts"]),
-        accepted=int(agg.totals["accepted"]),
-        rejected=int(agg.totals["rejected"]),
-        groups=int(agg.totals["groups"]),
-        cuts=int(agg.cut_totals["cuts"]),
-        gets=int(agg.restore_totals["gets"]),
-        decisions=len(agg.decisions),
-    )
+    return summary_of(agg.snapshot() if agg is not None else None)
+
+
+# ---------------------------------------------------------------- short labels
+def shorten(text: str, chars: int = LABEL_CHARS) -> str:
+    """``text`` cut to ``chars`` characters (an ellipsis marks the cut)."""
+    return text if len(text) <= chars else text[: chars - 1] + "\u2026"
+
+
+def short_worker(address: str) -> str:
+    """A worker address without its scheme (``tcp://127.0.0.1:40401`` -> ``127.0.0.1:40401``)."""
+    return shorten(re.sub(r"^[a-z]+://", "", address or "?"))
+
+
+_RUN_STEP = re.compile(r"^(?P<run>.+?)-step-(?P<n>\d+)$")
+_RUN_RESUME = re.compile(r"^(?P<run>.+?)-resume$")
+_BARE_STEP = re.compile(r"^step-(?P<n>\d+)$")
+
+
+def step_factor(step_id: str) -> tuple[str, str]:
+    """``(group, label)`` of a step on the x axis: ``<run>-step-<n>`` is ``("run <run>",
+    "<n>")``, ``<run>-resume`` is ``("run <run>", "resume")``, ``step-<n>`` is ``("",
+    "<n>")``; any other id is kept (shortened) with no group."""
+    for pattern in (_RUN_STEP, _RUN_RESUME):
+        m = pattern.match(step_id)
+        if m:
+            return f"run {shorten(m['run'], 12)}", m.groupdict().get("n") or "resume"
+    m = _BARE_STEP.match(step_id)
+    if m:
+        return "", m["n"]
+    return "", shorten(step_id, 12)
+
+
+def _unique(factors: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Factors made unique (a repeated one gets ``#k``): Bokeh needs distinct factors."""
+    seen: dict[tuple[str, str], int] = {}
+    out = []
+    for f in factors:
+        k = seen.get(f, 0)
+        seen[f] = k + 1
+        out.append(f if k == 0 else (f[0], f"{f[1]}#{k}"))
+    return out
+
+
+def _bar_height(n: int, extra: int = 110) -> int:
+    """Height of a horizontal bar chart with ``n`` categories (px)."""
+    return max(CHART_HEIGHT, min(MAX_CHART_HEIGHT, extra + BAR_PX * n))
+
+
+def _table_height(n: int, most: int = 12) -> int:
+    """Height of a table showing ``n`` rows (at most ``most``, then it scrolls) (px)."""
+    return ROW_PX * (1 + max(1, min(n, most))) + 4
+
+
+CHAR_PX = 7.6  # average width of a table character (13px Helvetica/Arial, digits are wider)
+CELL_PAD_PX = 20  # a cell's padding and border
+
+
+def _cell_text(value: Any, fmt: str | None) -> str:
+    """``value`` as a table cell shows it (numbers with the NumberFormatter's format)."""
+    if fmt and isinstance(value, (int, float)):
+        if fmt.endswith(" b"):
+            return "1023.9 MiB"  # numbro's byte format: at most this long
+        return f"{value:,.{fmt.count('0') - 2 if '.' in fmt else 0}f}"
+    return str(value)
+
+
+def _text_px(text: str) -> int:
+    """Width a table cell needs to show ``text`` uncut (px)."""
+    return int(len(text) * CHAR_PX) + CELL_PAD_PX
 
 
 class TokenCapturePage:
@@ -70,142 +202,262 @@ class TokenCapturePage:
         from bokeh.layouts import column, row
         from bokeh.models import (
             ColumnDataSource,
-            DataTable,
+            CustomJS,
+            DatetimeTickFormatter,
             Div,
             FactorRange,
             HoverTool,
-            DatetimeTickFormatter,
-            NumberFormatter,
             NumeralTickFormatter,
-            TableColumn,
         )
-        from bokeh.plotting import figure
 
         self.scheduler = scheduler
         self.state_for = state_for
         self._version = -1
-        w = dict(sizing_mode="stretch_width", height=230, tools="pan,wheel_zoom,box_zoom,reset,save")
+        self._column, self._row = column, row
+        self.notes: dict[str, Any] = {}  # panel -> its "no data yet" note (a Label or a Div)
 
-        self.header = Div(text="", sizing_mode="stretch_width", name="tc-header")
+        self.header = Div(text="", sizing_mode="stretch_width", name="tc-header",
+                          styles={"font-size": "13px", "color": "#333", "margin": "2px 16px"})
+        # the template's totals, kept live by _HEADER_JS from this source
+        self.summary = ColumnDataSource({key: [0] for key, _ in TILES}, name="tc-summary")
+        self.header_js = CustomJS(args=dict(source=self.summary), code=_HEADER_JS)
+        self.summary.js_on_change("data", self.header_js)
+        # (also makes the source part of the document: it is reachable from a root)
+        self.header.js_on_change("text", self.header_js)
 
-        # split timing per step (stacked)
+        # ---- finalize: split timing per step (stacked bars)
         self.split = ColumnDataSource(dict(
-            step=[], fetch_ms=[], verify_ms=[], assemble_ms=[], groups=[], rollouts=[], wall_ms=[], state=[]),
+            x=[], step=[], fetch_ms=[], verify_ms=[], assemble_ms=[], groups=[], rollouts=[], wall_ms=[], state=[]),
             name="tc-split")
-        self.fig_split = figure(title="Finalize time per step: fetch / verify / assemble (ms)", x_range=FactorRange(), **w)
-        self.fig_split.vbar_stack(
-            list(_SPLIT), x="step", width=0.8, source=self.split, color=list(_SPLIT_COLORS),
-            legend_label=["fetch", "verify", "assemble"],
-        )
+        self.fig_split = self._figure("split", "Finalize time per step (ms): fetch / verify / assemble",
+                                      x_range=FactorRange(group_padding=0.5))
+        bars = self.fig_split.vbar_stack(list(_SPLIT), x="x", width=0.8, source=self.split, color=list(_SPLIT_COLORS))
+        self._legend(self.fig_split, ["fetch", "verify", "assemble"], bars)
         self.fig_split.add_tools(HoverTool(tooltips=[
             ("step", "@step"), ("fetch", "@fetch_ms{0.0} ms"), ("verify", "@verify_ms{0.0} ms"),
             ("assemble", "@assemble_ms{0.0} ms"), ("groups", "@groups"), ("rollouts", "@rollouts"),
             ("wall", "@wall_ms{0.0} ms"), ("state", "@state")]))
-        self.fig_split.legend.location = "top_left"
-        self.fig_split.xaxis.major_label_orientation = 0.8
+        self.fig_split.xaxis.axis_label = "step"
+        self.fig_split.xgrid.visible = False
+        self.fig_split.y_range.start = 0
 
-        # queue depth and wait over time (one point per finalized group)
-        self.depth = ColumnDataSource(dict(t=[], queue_depth=[]), name="tc-depth")
-        self.queue = ColumnDataSource(dict(t=[], queue_wait_ms=[], calls_per_rollout=[]), name="tc-queue")
-        self.fig_depth = figure(title="Queue depth (groups in flight)", x_axis_type="datetime", **w)
-        self.fig_depth.step("t", "queue_depth", source=self.depth, mode="after", line_width=2)
-        self.fig_wait = figure(title="Queue wait per group (ms)", x_axis_type="datetime", **w)
-        self.fig_wait.scatter("t", "queue_wait_ms", source=self.queue, size=5)
-        self.fig_wait.line("t", "queue_wait_ms", source=self.queue, alpha=0.5)
-        self.fig_calls = figure(title="Calls per rollout (per group)", x_axis_type="datetime", **w)
-        self.fig_calls.scatter("t", "calls_per_rollout", source=self.queue, size=5, color="#9467bd")
-
-        # outcomes: accepted and each rejection reason
+        # ---- outcomes: accepted and each rejection reason
         self.outcome = ColumnDataSource(dict(outcome=[], count=[], color=[]), name="tc-outcome")
-        self.fig_outcome = figure(title="Rollouts accepted / rejected by reason", y_range=FactorRange(), **w)
+        self.fig_outcome = self._figure("outcome", "Rollouts: accepted / rejected by reason", y_range=FactorRange())
         self.fig_outcome.hbar(y="outcome", right="count", height=0.7, color="color", source=self.outcome)
         self.fig_outcome.add_tools(HoverTool(tooltips=[("outcome", "@outcome"), ("rollouts", "@count")]))
-        # rejections: count and the latest detail per reason
+        self.fig_outcome.xaxis.axis_label = "rollouts"
+        self.fig_outcome.x_range.start = 0
+        self.fig_outcome.ygrid.visible = False
+
         self.rejections = ColumnDataSource(dict(reason=[], count=[], detail=[]), name="tc-rejections")
+        self.rejection_table = self._table(self.rejections, [
+            ("reason", "rejection reason", None), ("count", "rollouts", "0,0"), ("detail", "last detail", None)])
 
-        # cuts: wall time per cut report, details in the table
-        self.cut = ColumnDataSource(dict(
-            i=[], label=[], checkpoint_id=[], worker=[], calls=[], rows=[], puts=[], wall_ms=[], durable=[], failures=[]),
-            name="tc-cut")
-        self.fig_cut = figure(title="Cut wall time per worker report (ms)", x_range=FactorRange(), **w)
-        self.fig_cut.xaxis.major_label_orientation = 0.8
-        self.fig_cut.vbar(x="label", top="wall_ms", width=0.8, source=self.cut, color="#ff7f0e")
-        self.fig_cut.add_tools(HoverTool(tooltips=[
-            ("checkpoint", "@checkpoint_id"), ("worker", "@worker"), ("rows", "@rows"), ("puts", "@puts"),
-            ("wall", "@wall_ms{0.0} ms"), ("durable", "@durable"), ("failures", "@failures")]))
-        num = NumberFormatter(format="0,0")
-        ms = NumberFormatter(format="0,0.0")
-        self.rejection_table = DataTable(source=self.rejections, height=160, sizing_mode="stretch_width", index_position=None, columns=[
-            TableColumn(field="reason", title="rejection reason"), TableColumn(field="count", title="rollouts", formatter=num),
-            TableColumn(field="detail", title="last detail", width=600),
-        ])
-        self.cut_table = DataTable(source=self.cut, height=200, sizing_mode="stretch_width", index_position=None, columns=[
-            TableColumn(field="checkpoint_id", title="checkpoint"), TableColumn(field="worker", title="worker"),
-            TableColumn(field="calls", title="calls", formatter=num), TableColumn(field="rows", title="rows", formatter=num),
-            TableColumn(field="puts", title="puts", formatter=num), TableColumn(field="wall_ms", title="wall ms", formatter=ms),
-            TableColumn(field="durable", title="durable", formatter=num), TableColumn(field="failures", title="failures by reason"),
-        ])
+        # ---- queue depth and wait over time, calls per rollout (one point per group)
+        self.depth = ColumnDataSource(dict(t=[], queue_depth=[]), name="tc-depth")
+        self.queue = ColumnDataSource(dict(t=[], queue_wait_ms=[], calls_per_rollout=[], group=[], step=[]), name="tc-queue")
+        self.fig_depth = self._figure("depth", "Queue depth (groups in flight)", x_axis_type="datetime")
+        self.fig_depth.step("t", "queue_depth", source=self.depth, mode="after", line_width=2, color=BLUE)
+        self.fig_depth.yaxis.axis_label = "groups"
+        self.fig_wait = self._figure("wait", "Queue wait per group (ms)", x_axis_type="datetime")
+        self.fig_wait.line("t", "queue_wait_ms", source=self.queue, alpha=0.4, color=ORANGE)
+        self.fig_wait.scatter("t", "queue_wait_ms", source=self.queue, size=5, color=ORANGE)
+        self.fig_wait.yaxis.axis_label = "ms"
+        self.fig_calls = self._figure("calls", "Calls per rollout (mean per group)", x_axis_type="datetime")
+        self.fig_calls.scatter("t", "calls_per_rollout", source=self.queue, size=5, color=PURPLE)
+        self.fig_calls.yaxis.axis_label = "calls"
+        for fig, fmt in ((self.fig_wait, "0.0"), (self.fig_calls, "0.0")):
+            fig.add_tools(HoverTool(tooltips=[("group", "@group"), ("step", "@step"),
+                                              ("wait", "@queue_wait_ms{0.0} ms"), ("calls/rollout", "@calls_per_rollout{0.0}")]))
+        for fig in (self.fig_depth, self.fig_wait, self.fig_calls):
+            fig.y_range.start = 0
 
-        # restore: latest report per batcher worker
-        self.restore = ColumnDataSource(dict(
-            worker=[], requests=[], gets=[], keys=[], keys_per_get=[], p50_ms=[], p99_ms=[], failures=[]), name="tc-restore")
-        self.fig_restore = figure(title="Restore latency per batcher: p50 / p99 (ms)", x_range=FactorRange(), **w)
-        self.fig_restore.vbar(x="worker", top="p99_ms", width=0.8, source=self.restore, color="#c5b0d5", legend_label="p99")
-        self.fig_restore.vbar(x="worker", top="p50_ms", width=0.5, source=self.restore, color="#9467bd", legend_label="p50")
-        self.fig_restore.add_tools(HoverTool(tooltips=[
-            ("worker", "@worker"), ("gets", "@gets"), ("keys/get", "@keys_per_get{0.0}"),
-            ("p50", "@p50_ms{0.0} ms"), ("p99", "@p99_ms{0.0} ms"), ("failures", "@failures")]))
-        self.restore_table = DataTable(source=self.restore, height=160, sizing_mode="stretch_width", index_position=None, columns=[
-            TableColumn(field="worker", title="batcher worker"), TableColumn(field="requests", title="requests", formatter=num),
-            TableColumn(field="gets", title="gets", formatter=num), TableColumn(field="keys", title="keys", formatter=num),
-            TableColumn(field="keys_per_get", title="keys / get", formatter=ms),
-            TableColumn(field="p50_ms", title="p50 ms", formatter=ms), TableColumn(field="p99_ms", title="p99 ms", formatter=ms),
-            TableColumn(field="failures", title="failures", formatter=num),
-        ])
-
-        # store: memory vs spilled per unit (stacked)
-        self.store = ColumnDataSource(dict(unit=[], memory_bytes=[], spilled_bytes=[], rows=[], worker=[]), name="tc-store")
-        self.fig_store = figure(title="Store bytes per unit: memory / spilled", y_range=FactorRange(), **w)
-        self.fig_store.hbar_stack(
-            ["memory_bytes", "spilled_bytes"], y="unit", height=0.7, source=self.store,
-            color=["#17becf", "#7f7f7f"], legend_label=["memory", "spilled"],
-        )
+        # ---- store: memory vs spilled per unit (stacked, one row per unit)
+        self.store = ColumnDataSource(dict(label=[], unit=[], memory_bytes=[], spilled_bytes=[], rows=[], worker=[]), name="tc-store")
+        self.fig_store = self._figure("store", "Store bytes per unit: memory / spilled", y_range=FactorRange())
+        bars = self.fig_store.hbar_stack(["memory_bytes", "spilled_bytes"], y="label", height=0.7, source=self.store,
+                                         color=[CYAN, GRAY])
+        self._legend(self.fig_store, ["memory", "spilled"], bars)
         self.fig_store.xaxis.formatter = NumeralTickFormatter(format="0.0 b")
+        self.fig_store.x_range.start = 0
+        self.fig_store.ygrid.visible = False
         self.fig_store.add_tools(HoverTool(tooltips=[
             ("unit", "@unit"), ("worker", "@worker"), ("rows", "@rows"),
             ("memory", "@memory_bytes{0.0 b}"), ("spilled", "@spilled_bytes{0.0 b}")]))
 
-        # scaling: workers over time and the decisions with their reasons
+        self.store_table = self._table(self.store, [
+            ("unit", "unit", None), ("worker", "worker", None), ("rows", "rows", "0,0"),
+            ("memory_bytes", "memory", "0.0 b"), ("spilled_bytes", "spilled", "0.0 b")])
+
+        # ---- scaling: workers over time and the decisions with their reasons
         self.workers = ColumnDataSource(dict(t=[], workers=[]), name="tc-workers")
-        self.decisions = ColumnDataSource(dict(t=[], when=[], action=[], current=[], target=[], reason=[], y=[], color=[]), name="tc-decisions")
-        self.fig_scale = figure(title="Workers and scaling decisions", x_axis_type="datetime", **w)
-        self.fig_scale.step("t", "workers", source=self.workers, mode="after", line_width=2)
-        self.fig_scale.scatter("t", "y", source=self.decisions, size=9, color="color", marker="triangle")
-        self.fig_scale.add_tools(HoverTool(tooltips=[
-            ("action", "@action"), ("workers", "@current -> @target"), ("reason", "@reason")]))
-        self.decision_table = DataTable(source=self.decisions, height=230, sizing_mode="stretch_width", index_position=None, columns=[
-            TableColumn(field="when", title="time"), TableColumn(field="action", title="action"),
-            TableColumn(field="current", title="workers"), TableColumn(field="target", title="target"),
-            TableColumn(field="reason", title="reason", width=600),
-        ])
+        self.decisions = ColumnDataSource(dict(
+            t=[], when=[], action=[], current=[], target=[], reason=[], y=[], color=[], marker=[]), name="tc-decisions")
+        self.fig_scale = self._figure("scale", "Workers and scaling decisions", x_axis_type="datetime",
+                                      note="no scaling decisions yet")
+        line = self.fig_scale.step("t", "workers", source=self.workers, mode="after", line_width=2, color=BLUE)
+        marks = self.fig_scale.scatter("t", "y", source=self.decisions, size=10, color="color", marker="marker")
+        self._legend(self.fig_scale, ["workers", "decision (target): up / down / hold"], [line, marks])
+        self.fig_scale.add_tools(HoverTool(renderers=[marks], tooltips=[
+            ("time", "@when"), ("action", "@action"), ("workers", "@current \u2192 @target"), ("reason", "@reason")]))
+        self.fig_scale.yaxis.axis_label = "workers"
+        self.fig_scale.y_range.start = 0
+        self.fig_scale.yaxis.ticker.min_interval = 1
+        self.fig_depth.yaxis.ticker.min_interval = 1
+        self.decision_table = self._table(self.decisions, [
+            ("when", "time", None), ("action", "action", None), ("current", "workers", "0,0"),
+            ("target", "target", "0,0"), ("reason", "reason", None)])
+
+        # ---- cuts: wall time per worker report (grouped by checkpoint), details in the table
+        self.cut = ColumnDataSource(dict(
+            i=[], checkpoint_id=[], worker=[], calls=[], rows=[], puts=[], wall_ms=[], durable=[], failures=[]),
+            name="tc-cut")
+        self.fig_cut = self._figure("cut", "Cut wall time per checkpoint and worker (ms)", y_range=FactorRange(group_padding=0.6))
+        self.cut_bars = ColumnDataSource(dict(y=[], checkpoint_id=[], worker=[], calls=[], rows=[], puts=[],
+                                              wall_ms=[], durable=[], failures=[]), name="tc-cut-bars")
+        self.fig_cut.hbar(y="y", right="wall_ms", height=0.7, source=self.cut_bars, color=ORANGE)
+        self.fig_cut.add_tools(HoverTool(tooltips=[
+            ("checkpoint", "@checkpoint_id"), ("worker", "@worker"), ("calls", "@calls"), ("rows", "@rows"),
+            ("puts", "@puts"), ("wall", "@wall_ms{0.0} ms"), ("durable", "@durable"), ("failures", "@failures")]))
+        self.fig_cut.xaxis.axis_label = "ms"
+        self.fig_cut.x_range.start = 0
+        self.fig_cut.ygrid.visible = False
+        self.fig_cut.yaxis.group_label_orientation = "horizontal"
+        self.cut_table = self._table(self.cut, [
+            ("checkpoint_id", "checkpoint", None), ("worker", "worker", None), ("calls", "calls", "0,0"),
+            ("rows", "rows", "0,0"), ("puts", "puts", "0,0"), ("wall_ms", "wall ms", "0,0.0"),
+            ("durable", "durable", "0,0"), ("failures", "failures by reason", None)])
+
+        # ---- restore: latest report per batcher worker
+        self.restore = ColumnDataSource(dict(
+            worker=[], label=[], requests=[], gets=[], keys=[], keys_per_get=[], p50_ms=[], p99_ms=[], failures=[]),
+            name="tc-restore")
+        self.fig_restore = self._figure("restore", "Restore latency per batcher worker (ms): p50 / p99", y_range=FactorRange())
+        p99 = self.fig_restore.hbar(y="label", right="p99_ms", height=0.7, source=self.restore, color=LIGHT_PURPLE)
+        p50 = self.fig_restore.hbar(y="label", right="p50_ms", height=0.4, source=self.restore, color=PURPLE)
+        self._legend(self.fig_restore, ["p50", "p99"], [p50, p99])
+        self.fig_restore.add_tools(HoverTool(tooltips=[
+            ("worker", "@worker"), ("requests", "@requests"), ("gets", "@gets"), ("keys/get", "@keys_per_get{0.0}"),
+            ("p50", "@p50_ms{0.0} ms"), ("p99", "@p99_ms{0.0} ms"), ("failures", "@failures")]))
+        self.fig_restore.xaxis.axis_label = "ms"
+        self.fig_restore.x_range.start = 0
+        self.fig_restore.ygrid.visible = False
+        self.restore_table = self._table(self.restore, [
+            ("worker", "batcher worker", None), ("requests", "requests", "0,0"), ("gets", "gets", "0,0"),
+            ("keys", "keys", "0,0"), ("keys_per_get", "keys / get", "0,0.0"), ("p50_ms", "p50 ms", "0,0.0"),
+            ("p99_ms", "p99 ms", "0,0.0"), ("failures", "failures", "0,0")])
 
         clock = DatetimeTickFormatter(
             microseconds="%H:%M:%S.%3N", milliseconds="%H:%M:%S.%3N", seconds="%H:%M:%S",
             minsec="%H:%M:%S", minutes="%H:%M", hourmin="%H:%M", hours="%H:%M")
         for fig in (self.fig_depth, self.fig_wait, self.fig_calls, self.fig_scale):
             fig.xaxis.formatter = clock
+            fig.xaxis.ticker.desired_num_ticks = 5
 
+        grid = dict(sizing_mode="stretch_width")
         self.root = column(
             self.header,
-            row(self.fig_split, self.fig_outcome, sizing_mode="stretch_width"),
-            row(self.rejection_table, sizing_mode="stretch_width"),
-            row(self.fig_depth, self.fig_wait, self.fig_calls, sizing_mode="stretch_width"),
-            row(self.fig_scale, self.decision_table, sizing_mode="stretch_width"),
-            row(self.fig_cut, self.fig_restore, self.fig_store, sizing_mode="stretch_width"),
-            row(self.cut_table, self.restore_table, sizing_mode="stretch_width"),
-            sizing_mode="stretch_width",
+            self._section("Finalization"),
+            row(self.fig_split, self.fig_outcome, **grid),
+            self._titled("Rejections by reason (the latest detail of each)", "rejections", self.rejection_table,
+                         note="no rejections yet"),
+            self._section("Queue and scaling"),
+            row(self.fig_depth, self.fig_wait, **grid),
+            row(self.fig_calls, self.fig_scale, **grid),
+            self._titled("Scaling decisions (newest first)", "decisions", self.decision_table),
+            self._section("Checkpoint cuts and restores"),
+            row(self.fig_cut, self.fig_restore, **grid),
+            self._titled("Cut reports (one per generation worker and checkpoint)", "cuts", self.cut_table),
+            self._titled("Restore batchers (latest report per worker)", "restores", self.restore_table),
+            self._section("Staging store"),
+            row(self.fig_store, self._titled("Storage units (latest report per unit)", "units", self.store_table), **grid),
+            **grid,
         )
 
+    # ---------------------------------------------------------------- building blocks
+    def _figure(self, key: str, title: str, note: str = NO_DATA, **kwargs: Any) -> Any:
+        """A chart as Dask's pages draw them (toolbar above), with its "no data yet" note."""
+        from bokeh.models import Label, Node
+        from bokeh.plotting import figure
+
+        fig = figure(title=title, height=CHART_HEIGHT, min_height=CHART_HEIGHT, sizing_mode="stretch_width",
+                     tools="pan,wheel_zoom,box_zoom,reset,save", toolbar_location="above",
+                     min_border_left=50, min_border_right=20, name=f"tc-fig-{key}", **kwargs)
+        fig.title.text_font_size = "13px"
+        fig.axis.major_label_text_font_size = "11px"
+        fig.axis.axis_label_text_font_size = "11px"
+        fig.axis.axis_label_text_font_style = "normal"
+        fig.toolbar.autohide = True
+        center = Node(target="frame", symbol="center")
+        label = Label(x=center, y=center, anchor="center", text=note, text_color=GRAY,
+                      text_font_style="italic", text_font_size="14px", name=f"tc-empty-{key}")
+        fig.add_layout(label)
+        self.notes[key] = label
+        return fig
+
+    @staticmethod
+    def _legend(fig: Any, labels: list[str], renderers: list[Any]) -> None:
+        """A horizontal legend above the plot area (never over the data)."""
+        from bokeh.models import Legend, LegendItem
+
+        legend = Legend(items=[LegendItem(label=l, renderers=[r]) for l, r in zip(labels, renderers)],
+                        orientation="horizontal", location="top_left", border_line_alpha=0, padding=2, margin=0,
+                        spacing=12, label_text_font_size="11px", glyph_height=12, glyph_width=16,
+                        background_fill_alpha=0)
+        fig.add_layout(legend, "above")
+
+    @staticmethod
+    def _table(source: Any, columns: list[tuple[str, str, str | None]]) -> Any:
+        """A table whose columns are sized to their content (see :meth:`_fit`)."""
+        from bokeh.models import DataTable, NumberFormatter, StringFormatter, TableColumn
+
+        cols = [TableColumn(field=f, title=t, width=_text_px(t),
+                            formatter=NumberFormatter(format=fmt, text_align="right") if fmt else StringFormatter())
+                for f, t, fmt in columns]
+        # "force_fit" grows the content widths to the table's width. (Bokeh's own content
+        # autosizing, "fit_columns"/"fit_viewport", fails in bokeh 3.9's SlickGrid.)
+        return DataTable(source=source, columns=cols, autosize_mode="force_fit", sizing_mode="stretch_width",
+                         height=_table_height(0), row_height=ROW_PX, index_position=None,
+                         name=f"tc-table-{source.name.removeprefix('tc-')}")
+
+    @staticmethod
+    def _fit(table: Any, rows: int, most: int = 12) -> None:
+        """Size ``table``'s columns to their content and its height to ``rows`` rows."""
+        data = table.source.data
+        for col in table.columns:
+            fmt = getattr(col.formatter, "format", None)
+            width = max([_text_px(col.title)] + [_text_px(_cell_text(v, fmt)) for v in data.get(col.field, [])])
+            if col.width != width:
+                col.width = width
+        height = _table_height(rows, most)
+        if table.height != height:
+            table.height = height
+
+    def _titled(self, title: str, key: str, table: Any, note: str = NO_DATA) -> Any:
+        """A table under its title and "no data yet" note."""
+        from bokeh.models import Div
+
+        head = Div(text=f"<b>{title}</b>", styles={"font-size": "13px", "margin": "6px 0 2px 0"})
+        empty = Div(text=f"<i>{note}</i>", styles={"color": GRAY, "font-size": "13px", "margin": "6px 0 2px 12px"},
+                    name=f"tc-empty-{key}")
+        self.notes[key] = empty
+        return self._column(self._row(head, empty), table, sizing_mode="stretch_width")
+
+    @staticmethod
+    def _section(title: str) -> Any:
+        from bokeh.models import Div
+
+        return Div(text=title, sizing_mode="stretch_width",
+                   styles={"font-size": "15px", "font-weight": "bold", "margin": "12px 0 0 0",
+                           "border-bottom": "1px solid #ddd", "padding-bottom": "2px"})
+
+    def _show(self, key: str, has_data: bool) -> None:
+        note = self.notes[key]
+        if note.visible == has_data:
+            note.visible = not has_data
+
+    # ---------------------------------------------------------------- refresh
     def update(self) -> None:
         """Refresh every source from the state (whole columns; skipped when unchanged)."""
         agg = self.state_for(self.scheduler)
@@ -218,18 +470,36 @@ class TokenCapturePage:
         if agg.version == self._version:
             return
         self._version = agg.version
-        s = summary(agg)
+        snap = agg.snapshot()
+        self._update_header(snap)
+        self._update_finalize(snap)
+        self._update_queue(snap)
+        self._update_store(snap)
+        self._update_scaling(snap)
+        self._update_cuts(snap)
+        self._update_restores(snap)
+
+    def _update_header(self, snap: Mapping[str, Any]) -> None:
+        s = summary_of(snap)
+        self.summary.data = {key: [s[key]] for key, _ in TILES}
+        malformed = sum(snap["malformed"].values())
+        last = f" (last: {snap['last_error'][:120]})" if malformed and snap["last_error"] else ""
         self.header.text = (
-            f"<b>{s['rollouts']}</b> rollouts finalized in {s['groups']} groups, "
-            f"{int(agg.totals['steps'])} steps collected "
-            f"(<b>{s['accepted']}</b> accepted, {s['rejected']} rejected); queue depth "
-            f"{agg.queue_depth:g}; {s['cuts']} cut reports; {s['gets']} restore gets; "
-            f"{len(agg.malformed) and sum(agg.malformed.values())} malformed events dropped"
+            f"<b>{s['rollouts']}</b> rollouts finalized in {s['groups']} groups, {s['steps']} steps collected "
+            f"(<b>{s['accepted']}</b> accepted, {s['rejected']} rejected); queue depth {snap['queue_depth']:g}; "
+            f"{s['cuts']} cut reports; {s['gets']} restore gets; {malformed} malformed events dropped{last}; "
+            f"updated {time.strftime('%H:%M:%S')}"
         )
 
-        steps = list(agg.steps.values())
-        self.fig_split.x_range.factors = [st["step_id"] for st in steps]
+    def _update_finalize(self, snap: Mapping[str, Any]) -> None:
+        steps = snap["steps"][-MAX_BARS:]
+        factors = _unique([step_factor(st["step_id"]) for st in steps])
+        self.fig_split.x_range.factors = factors
+        shown = len(steps)
+        total = len(snap["steps"])
+        self.fig_split.xaxis.axis_label = "step" if shown == total else f"step (newest {shown} of {total})"
         self.split.data = dict(
+            x=factors,
             step=[st["step_id"] for st in steps],
             **{k: [st[k] for st in steps] for k in _SPLIT},
             groups=[st["groups"] for st in steps],
@@ -237,54 +507,53 @@ class TokenCapturePage:
             wall_ms=[st["wall_ms"] for st in steps],
             state=[f"collected ({st['dominant']}-bound)" if st["final"] else "running" for st in steps],
         )
-        self.depth.data = dict(t=[t * 1000 for t, _ in agg.depths], queue_depth=[d for _, d in agg.depths])
+        self._show("split", bool(steps))
 
-        groups = list(agg.groups)
+        rejected = sorted(snap["rejected"].items(), key=lambda kv: (-kv[1], kv[0]))
+        outcomes = [("accepted", snap["totals"].get("accepted", 0), GREEN)] + [(r, n, RED) for r, n in rejected]
+        if not snap["totals"].get("rollouts"):
+            outcomes = []
+        self.fig_outcome.y_range.factors = [o for o, _, _ in outcomes][::-1]
+        self.fig_outcome.height = _bar_height(len(outcomes))
+        self.outcome.data = dict(
+            outcome=[o for o, _, _ in outcomes], count=[n for _, n, _ in outcomes], color=[c for _, _, c in outcomes])
+        self._show("outcome", bool(outcomes))
+        details = snap["rejected_details"]
+        self.rejections.data = dict(
+            reason=[r for r, _ in rejected], count=[n for _, n in rejected], detail=[details.get(r, "") for r, _ in rejected])
+        self._fit(self.rejection_table, len(rejected))
+        self._show("rejections", bool(rejected))
+
+    def _update_queue(self, snap: Mapping[str, Any]) -> None:
+        self.depth.data = dict(t=[t * 1000 for t, _ in snap["depths"]], queue_depth=[d for _, d in snap["depths"]])
+        groups = snap["groups"]
         self.queue.data = dict(
             t=[g["t"] * 1000 for g in groups],
             queue_wait_ms=[g["queue_wait_ms"] for g in groups],
             calls_per_rollout=[g["calls_per_rollout"] for g in groups],
+            group=[g.get("group_id") or "" for g in groups],
+            step=[g.get("step_id") or "" for g in groups],
         )
+        self._show("depth", bool(snap["depths"]))
+        self._show("wait", bool(groups))
+        self._show("calls", any(g["calls_per_rollout"] for g in groups))
 
-        outcomes = [("accepted", agg.totals["accepted"], "#2ca02c")] + [
-            (reason, n, "#d62728") for reason, n in agg.rejected.most_common()
-        ]
-        self.fig_outcome.y_range.factors = [o for o, _, _ in outcomes][::-1]
-        self.outcome.data = dict(
-            outcome=[o for o, _, _ in outcomes], count=[n for _, n, _ in outcomes], color=[c for _, _, c in outcomes])
-        rejections = agg.rejected.most_common()
-        self.rejections.data = dict(
-            reason=[r for r, _ in rejections], count=[n for _, n in rejections],
-            detail=[agg.rejected_details.get(r, "") for r, _ in rejections])
-
-        cuts = list(agg.cuts)
-        labels = [f"{i}: {c['checkpoint_id']}/{c['worker']}" for i, c in enumerate(cuts)]
-        self.fig_cut.x_range.factors = labels
-        self.cut.data = dict(
-            i=list(range(len(cuts))),
-            label=labels,
-            checkpoint_id=[c["checkpoint_id"] for c in cuts],
-            worker=[c["worker"] for c in cuts],
-            **{k: [c[k] for c in cuts] for k in ("calls", "rows", "puts", "wall_ms", "durable")},
-            failures=[", ".join(f"{r}: {n}" for r, n in c["failures"].items()) or "-" for c in cuts],
-        )
-
-        restores = list(agg.restore_latest.values())
-        self.fig_restore.x_range.factors = [r["worker"] or "?" for r in restores]
-        self.restore.data = dict(
-            worker=[r["worker"] or "?" for r in restores],
-            **{k: [r[k] for r in restores] for k in ("requests", "gets", "keys", "keys_per_get", "p50_ms", "p99_ms", "failures")},
-        )
-
-        units = list(agg.store_units.values())
-        self.fig_store.y_range.factors = [u["unit"] for u in units]
+    def _update_store(self, snap: Mapping[str, Any]) -> None:
+        units = sorted(snap["store_units"].values(), key=lambda u: (len(u["unit"]), u["unit"]))[:MAX_BARS]
+        labels = [f"unit {shorten(u['unit'], 8)} \u00b7 {short_worker(u['worker'])}" if u["worker"]
+                  else f"unit {shorten(u['unit'], 8)}" for u in units]
+        self.fig_store.y_range.factors = labels[::-1]  # unit 0 on top
+        self.fig_store.height = _bar_height(len(units))
         self.store.data = dict(
-            unit=[u["unit"] for u in units], worker=[u["worker"] for u in units],
+            label=labels, unit=[u["unit"] for u in units], worker=[u["worker"] for u in units],
             **{k: [u[k] for u in units] for k in ("memory_bytes", "spilled_bytes", "rows")},
         )
+        self._fit(self.store_table, len(units))
+        self._show("store", bool(units))
+        self._show("units", bool(units))
 
-        decisions = list(agg.decisions)
-        colors = {"up": "#2ca02c", "down": "#d62728", "hold": "#7f7f7f"}
+    def _update_scaling(self, snap: Mapping[str, Any]) -> None:
+        decisions = snap["decisions"][::-1]  # newest first (the table); the chart is by time
         self.decisions.data = dict(
             t=[d["t"] * 1000 for d in decisions],
             when=[time.strftime("%H:%M:%S", time.localtime(d["t"])) for d in decisions],
@@ -293,8 +562,44 @@ class TokenCapturePage:
             target=[int(d["target"]) for d in decisions],
             reason=[d["reason"] for d in decisions],
             y=[d["target"] for d in decisions],
-            color=[colors[d["action"]] for d in decisions],
+            color=[ACTION_COLORS[d["action"]] for d in decisions],
+            marker=[ACTION_MARKERS[d["action"]] for d in decisions],
         )
+        self._fit(self.decision_table, len(decisions), most=8)
+        self._show("scale", bool(decisions))
+        self._show("decisions", bool(decisions))
+
+    def _update_cuts(self, snap: Mapping[str, Any]) -> None:
+        cuts = snap["cuts"]
+        shown = cuts[-MAX_BARS:]
+        factors = _unique([(shorten(c["checkpoint_id"] or "?", 16), short_worker(c["worker"])) for c in shown])
+        self.fig_cut.y_range.factors = factors[::-1]  # oldest on top, as in the table
+        self.fig_cut.height = _bar_height(len(shown) + len({f[0] for f in factors}))
+        columns = lambda rows: dict(  # noqa: E731
+            checkpoint_id=[c["checkpoint_id"] for c in rows],
+            worker=[c["worker"] for c in rows],
+            **{k: [c[k] for c in rows] for k in ("calls", "rows", "puts", "wall_ms", "durable")},
+            failures=[", ".join(f"{r}: {n}" for r, n in c["failures"].items()) or "-" for c in rows],
+        )
+        self.cut.data = dict(i=list(range(len(cuts))), **columns(cuts))
+        self.cut_bars.data = dict(y=factors, **columns(shown))
+        self._fit(self.cut_table, len(cuts))
+        self._show("cut", bool(cuts))
+        self._show("cuts", bool(cuts))
+
+    def _update_restores(self, snap: Mapping[str, Any]) -> None:
+        restores = list(snap["restore_latest"].values())
+        workers = [r["worker"] or "?" for r in restores]
+        labels = [f for _, f in _unique([("", short_worker(w)) for w in workers])]
+        self.fig_restore.y_range.factors = labels[::-1]
+        self.fig_restore.height = _bar_height(len(restores))
+        self.restore.data = dict(
+            worker=workers, label=labels,
+            **{k: [r[k] for r in restores] for k in ("requests", "gets", "keys", "keys_per_get", "p50_ms", "p99_ms", "failures")},
+        )
+        self._fit(self.restore_table, len(restores))
+        self._show("restore", bool(restores))
+        self._show("restores", bool(restores))
 
 
 def token_capture_doc(scheduler: Any, extra: dict[str, Any], doc: Any, *, state_for: StateLookup) -> None:
@@ -310,9 +615,13 @@ def token_capture_doc(scheduler: Any, extra: dict[str, Any], doc: Any, *, state_
     doc.title = "Dask: Token capture"
     doc.add_root(page.root)
     doc.add_periodic_callback(page.update, int(config.get("dashboard.update-ms")))
+    # the header is rendered with the figures the page was built from (a plain HTTP fetch
+    # shows them), then kept live from the same summary source as the rest of the page
+    doc.js_on_event("document_ready", page.header_js)
     doc.template = env.from_string(_TEMPLATE)
     doc.template_variables.update(extra)
-    doc.template_variables["tc"] = summary(state_for(scheduler))
+    doc.template_variables["tc"] = {key: values[0] for key, values in page.summary.data.items()}
+    doc.template_variables["tc_tiles"] = TILES
     doc.theme = BOKEH_THEME
 
 
