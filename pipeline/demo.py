@@ -16,6 +16,8 @@ are killed and recreated, the store is restored from its checkpoint into a fresh
 every in-flight call resumes from its prefix (PrefixReadBatcher), the rollouts finish and
 are finalized; prints cut and restore statistics and how many finalized rollouts are
 bit-identical to an uninterrupted run of the same seeds.
+Also a group tampered with on purpose, rejected by reason (--no-tamper), and a scale
+phase printing the adaptive policy's decisions (--no-scale-demo); see the README.
 """
 from __future__ import annotations
 
@@ -28,6 +30,8 @@ import sys
 import threading
 import time
 from typing import Any, Iterable
+
+import dask
 
 from tasks.keys import STAGING_PARTITION
 
@@ -54,6 +58,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-per-turn", type=positive_int, default=config.get("demo.tokens-per-turn"), help="generated tokens per call (default %(default)s)")
     p.add_argument("--in-flight", type=positive_int, default=config.get("demo.steps-in-flight"), help="finalization steps kept in flight (default %(default)s)")
     p.add_argument("--no-resume", action="store_true", help="skip the cut -> checkpoint -> kill -> restore -> resume -> finalize phase")
+    p.add_argument("--tamper", action=argparse.BooleanOptionalAction, default=config.get("demo.tamper"),
+                   help="also finalize a group of rollouts tampered on purpose, each rejected with its reason (default %(default)s, config demo.tamper)")
+    p.add_argument("--scale-demo", action=argparse.BooleanOptionalAction, default=config.get("demo.scale-phase"),
+                   help="embedded cluster: a verify-heavy burst of min(--steps, --scale-steps) steps, then idle, printing the adaptive "
+                        "policy's scale-up/down decisions; skipped with --scheduler or below 2 steps (default %(default)s, config demo.scale-phase)")
+    p.add_argument("--scale-steps", type=positive_int, default=config.get("demo.scale-steps"), help="steps in the scale phase's burst (default %(default)s)")
+    p.add_argument("--scale-tokens", metavar="N", type=positive_int, default=config.get("demo.scale-tokens-per-call"),
+                   help="tokens per call of the scale phase's long rollouts (default %(default)s)")
+    p.add_argument("--scale-calls", metavar="N", type=positive_int, default=config.get("demo.scale-calls"),
+                   help="model calls per rollout in the scale phase: long agentic chains, whose per-call checks make verification the heavy side (default %(default)s)")
     p.add_argument("--keep-alive", action="store_true", help="after the run, keep the cluster and dashboard up and keep finalizing steps (Ctrl-C to stop)")
     p.add_argument("--keep-alive-interval", metavar="SECONDS", type=non_negative_float, default=2.0, help="seconds between steps with --keep-alive (default %(default)s)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
@@ -159,13 +173,16 @@ def _run_on(client: Any, cluster: Any, args: argparse.Namespace, summary: dict[s
     from .finalize.controller import Finalizer
     from .store.client import StagingStore
 
+    adaptive = None
     if cluster is not None:
         # embedded: split-timing adaptive scaling (decisions shown on the page)
         n = getattr(args, "n_workers", None)
+        # The demo's bursts last seconds: decide often enough to see them (demo.adaptive-interval-s).
+        interval = f"{float(config.get('demo.adaptive-interval-s'))}s"
         if n is None:
-            adapt(cluster)
+            adaptive = adapt(cluster, interval=interval)
         else:
-            adapt(cluster, minimum=n, maximum=max(n, config.get("cluster.adaptive-maximum")))
+            adaptive = adapt(cluster, minimum=n, maximum=max(n, config.get("cluster.adaptive-maximum")), interval=interval)
     url = dashboard_url(client, config.get("dashboard.page"))
     print(f"dashboard: {url}", file=out, flush=True)
     store = StagingStore.start(client)
@@ -173,10 +190,17 @@ def _run_on(client: Any, cluster: Any, args: argparse.Namespace, summary: dict[s
         finalizer = Finalizer(client, store)  # checks that some worker has `finalize` slots
         t0 = time.perf_counter()
         total = args.steps * args.groups
-        with Progress("demo", total=total, unit="groups", quiet=args.quiet) as progress:
+        tamper = getattr(args, "tamper", False)
+        with Progress("demo", total=total + (1 if tamper else 0), unit="groups", quiet=args.quiet) as progress:
             summary["steps"] += run_steps(client, store, finalizer, args, range(args.steps), out, progress)
+            if tamper:
+                summary["tampered"] = tamper_step(client, store, finalizer, args, out, progress)
         if not getattr(args, "no_resume", False):
             summary["resume"] = resume_phase(client, store, args, out)
+        if getattr(args, "scale_demo", False):
+            scale = scale_phase(client, store, finalizer, adaptive, args, out)
+            if scale is not None:
+                summary["scale"] = scale
         wall_s = time.perf_counter() - t0
         stats = report_store(store)
         summary.update(_store_summary(stats))
@@ -291,6 +315,300 @@ def keep_alive(client: Any, store: Any, finalizer: Any, args: argparse.Namespace
     print("stopped", file=out, flush=True)
 
 
+# ---- the tampered group -------------------------------------------------------------------
+
+TAMPER_GROUP = "tampered"
+
+
+def generate_tampered_and_stage(store: Any, specs: list, other_group: str) -> list[Any]:
+    """Task body: generate ``specs`` (ids ``tampered-<reason>-<i>``) with the toy policy,
+    tamper with each as its id says (:mod:`tasks.toy.tamper`), stage what the tamperer
+    left and return the tampered receipts."""
+    from types import SimpleNamespace
+
+    from tasks.toy.rollouts import generate_rollouts
+    from tasks.toy.tamper import tamper, tamper_kind
+
+    from .capture import policy_from_config, stage_rollouts
+
+    done = []
+    for ro in generate_rollouts(policy_from_config(), specs):
+        t = tamper(tamper_kind(ro.spec.rollout_id), ro.rows, ro.receipt, other_group=other_group)
+        done.append(SimpleNamespace(rows=t.rows, receipt=t.receipt))
+    return stage_rollouts(store, done)
+
+
+def tamper_specs(args: argparse.Namespace) -> list[Any]:
+    """One rollout per tamper kind, group ``tampered``, shaped like the demo's others."""
+    from tasks.toy.environment import synthetic_prompt
+    from tasks.toy.rollouts import RolloutSpec
+    from tasks.toy.tamper import TAMPER_KINDS, tampered_rollout_id
+
+    prompt = synthetic_prompt(config.get("policy.seed"), TAMPER_GROUP, config.get("demo.prompt-tokens"), config.get("policy.vocab-size"))
+    return [
+        RolloutSpec(tampered_rollout_id(kind), TAMPER_GROUP, prompt, args.turns, args.tokens_per_turn, config.get("demo.tool-tokens"))
+        for kind in TAMPER_KINDS
+    ]
+
+
+def tamper_step(client: Any, store: Any, finalizer: Any, args: argparse.Namespace, out, progress: Progress | None = None) -> dict[str, Any]:
+    """Finalize step ``<run-id>-tampered``: one group of rollouts tampered with on purpose,
+    one per kind of :data:`tasks.toy.tamper.TAMPER_KINDS`. Prints the step and, per
+    rollout, its verdict against the reason its tampering must produce."""
+    from tasks.toy.tamper import TAMPER_KINDS, tamper_kind
+
+    run_id = getattr(args, "run_id", None) or new_run_id()
+    step_id = f"{run_id}-tampered"
+    specs = tamper_specs(args)
+    fut = client.submit(generate_tampered_and_stage, store, specs, "s0p0", pure=False)
+    try:
+        receipts = next(iter(_as_finished([fut]))).result()
+    except BaseException:
+        client.cancel([fut])
+        raise
+    if progress is not None:
+        progress.advance(1, f"{step_id}: {TAMPER_GROUP} staged")
+    handle = finalizer.submit_step({TAMPER_GROUP: receipts}, step_id=step_id)
+    submitted_s = _timing_wall_s()
+    finished = _watch_finish(handle)
+    try:
+        for _ in _as_finished(handle.futures):
+            pass
+    except KeyboardInterrupt:
+        handle.cancel()
+        raise
+    step = handle.result()
+    finalize_s = max(0.0, finished["last_s"] - submitted_s) if finished["n"] else step.metrics["wall_ms"] / 1e3
+    g = step.groups[TAMPER_GROUP]
+    verdicts = {rid: (st, det) for rid, st, det in zip(g.rollout_ids, g.status, g.details or [""] * len(g.status))}
+    expected = {rid: tamper_kind(rid) for rid in verdicts}
+    as_expected = [rid for rid, (st, _d) in verdicts.items() if st == expected[rid]]
+    note = f"demo: {len(verdicts)} rollouts tampered on purpose; {len(as_expected)}/{len(verdicts)} rejected with the expected reason"
+    row = _print_step(step, out, finalize_s, note=note)
+    for rid, (st, det) in verdicts.items():
+        want = expected[rid]
+        verdict = f"rejected {st}" if st != "ok" else "ACCEPTED"
+        check = "as expected" if st == want else f"EXPECTED {want}: the verifier did not catch it as it should"
+        print(f"  {rid}: {verdict} ({check}) <- {TAMPER_KINDS.get(want, '?')}{': ' + det if det and st == want else ''}", file=out, flush=True)
+    row.update(
+        verdicts={rid: st for rid, (st, _d) in verdicts.items()},
+        as_expected=len(as_expected),
+    )
+    return row
+
+
+def _timing_wall_s() -> float:
+    from .finalize import timing
+
+    return timing.wall_s()
+
+
+# ---- the scale phase --------------------------------------------------------------------------
+
+
+def stage_synthetic(store: Any, group_id: str, rollout_ids: list[str], calls: int, tokens_per_call: int,
+                    prompt_tokens: int, tool_tokens: int, vocab_size: int, seed: int) -> list[Any]:
+    """Task body of the scale phase: long rollouts of a dense model (no routed experts),
+    their tokens and logprobs drawn at random (seeded per rollout), captured call by call
+    through the :class:`~tasks.gate.CaptureGate` and staged in one put. Cheap to make, so
+    the finalizer's verification, not generation, is what the burst loads."""
+    import zlib
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from tasks.gate import CaptureGate
+    from tasks.toy.rollouts import call_id, parent_call_id, toy_reward
+
+    from .capture import stage_rollouts
+
+    made = []
+    for rid in rollout_ids:
+        rng = np.random.default_rng([seed, zlib.crc32(rid.encode())])
+        gate = CaptureGate(rid, vocab_size=vocab_size, num_experts=None, group_id=group_id)
+        rows, generated = [], []
+        for c in range(calls):
+            n_ctx = prompt_tokens if c == 0 else tool_tokens
+            ids = rng.integers(0, vocab_size, size=n_ctx + tokens_per_call, dtype=np.int64)
+            mask = np.concatenate([np.zeros(n_ctx, np.float32), np.ones(tokens_per_call, np.float32)])
+            lps = np.zeros(n_ctx + tokens_per_call, np.float32)
+            lps[n_ctx:] = -rng.exponential(1.0, size=tokens_per_call).astype(np.float32)
+            rows.append(gate.stage_call(call_id(c), parent_call_id(c), ids, mask, lps))
+            generated.append(ids[n_ctx:])
+        made.append(SimpleNamespace(rows=rows, receipt=gate.receipt(toy_reward(np.concatenate(generated)))))
+    return stage_rollouts(store, made)
+
+
+def scaling_since(decisions: Iterable[dict[str, Any]], since: float) -> list[dict[str, Any]]:
+    """The scheduler's recorded scaling decisions (``token_capture_state()["decisions"]``)
+    made at or after ``since`` (scheduler wall-clock seconds), oldest first."""
+    return [d for d in decisions if float(d.get("t", 0.0)) >= since]
+
+
+def describe_decision(d: dict[str, Any]) -> str:
+    """``up 2 -> 3 (verify-bound: ...)``: one decision for people."""
+    return f"{d['action']} {int(d['current'])} -> {int(d['target'])} ({d.get('reason') or d.get('reason_code', '?')})"
+
+
+def _decisions(client: Any, since: float) -> list[dict[str, Any]]:
+    try:
+        state = client.sync(client.scheduler.token_capture_state)
+    except Exception:  # no aggregator answered: nothing recorded
+        return []
+    return scaling_since(state.get("decisions", []) if isinstance(state, dict) else [], since)
+
+
+def _last_event_age_s(client: Any) -> float:
+    try:
+        sig = client.sync(client.scheduler.token_capture_signal, window_s=None)
+        return float(sig["last_event_age_s"])
+    except Exception:
+        return float("inf")
+
+
+def _wait_for_decision(client: Any, since: float, action: str, bound_s: float, progress: Progress, note: str) -> list[dict[str, Any]]:
+    """Poll the scheduler's decisions until one ``action`` since ``since`` or ``bound_s`` passed."""
+    deadline = time.monotonic() + bound_s
+    while True:
+        ds = _decisions(client, since)
+        if any(d["action"] == action for d in ds) or time.monotonic() >= deadline:
+            return ds
+        progress.advance(0, note)
+        _check_interrupt()
+        _STOP.wait(0.25)
+
+
+def scale_phase(client: Any, store: Any, finalizer: Any, adaptive: Any, args: argparse.Namespace, out) -> dict[str, Any] | None:
+    """A verify-heavy burst, then idle: the adaptive policy should scale up, then down.
+
+    ``min(args.steps, args.scale_steps)`` steps (ids ``<run-id>-scale-<k>``) of
+    ``args.groups`` x ``args.rollouts`` long synthetic dense rollouts (``args.scale_calls``
+    calls of ``args.scale_tokens`` tokens): all generated first, then all submitted back
+    to back, so the queue rises while verification dominates the finalize split. Then
+    the phase waits (bounded) for an ``up`` decision, and idles (bounded: ``scaling.idle-s``
+    plus a few adaptive intervals) for a ``down``. Decisions are read from the scheduler's
+    aggregator and printed; none within its bound is said plainly, not an error.
+    Skipped (one line, returns None) when attached with --scheduler or below 2 steps.
+    """
+    n_steps = args.scale_steps if args.steps > 1 else 0
+    if adaptive is None:
+        print("scaling: phase skipped: attached with --scheduler, this demo does not scale that cluster", file=out, flush=True)
+        return None
+    if n_steps < 2:
+        why = "--steps 1 runs only the quick story" if args.steps <= 1 else f"{n_steps} step cannot make the queue rise"
+        print(f"scaling: phase skipped ({why}; the verify-heavy burst needs --steps 2 or more and --scale-steps 2 or more)", file=out, flush=True)
+        return None
+    run_id = getattr(args, "run_id", None) or new_run_id()
+    interval_s = float(getattr(adaptive, "interval", 1.0) or 1.0)
+    wait_count = int(getattr(adaptive, "wait_count", 3) or 3)
+    idle_s = float(config.get("scaling.idle-s"))
+    window_s = float(config.get("scaling.window-s"))
+    with Progress("scale", quiet=getattr(args, "quiet", True)) as progress:
+        # The policy reads the finalize split of the last window-s seconds: let the earlier
+        # (fetch-bound, short-rollout) steps leave it first, so it sees the burst alone.
+        deadline = time.monotonic() + window_s
+        while time.monotonic() < deadline and _last_event_age_s(client) < window_s:
+            progress.advance(0, f"letting the {window_s:g} s scaling window clear of the earlier steps")
+            _check_interrupt()
+            _STOP.wait(0.25)
+    since = time.time()
+    bursts = int(config.get("demo.scale-bursts"))
+    # On a small machine the toy store's fetch and verify cost about the same per byte, so the
+    # split hovers around the deployment threshold; the demo lowers it for its own cluster,
+    # and says so, so the mechanism shows on every run.
+    share = float(config.get("demo.scale-verify-share"))
+    print(f"scaling: verify counts as dominant above {share:.0%} of finalize time during this phase (demo setting; "
+          f"deployment default {float(config.get('scaling.verify-dominant-share')):.0%})", file=out, flush=True)
+    with dask.config.set({"token-capture.scaling.verify-dominant-share": share}):
+        return _run_scale_bursts(client, store, finalizer, args, out, run_id, n_steps, since, bursts, interval_s, wait_count, idle_s)
+
+
+def _run_scale_bursts(client: Any, store: Any, finalizer: Any, args: argparse.Namespace, out, run_id: str, n_steps: int,
+                      since: float, bursts: int, interval_s: float, wait_count: int, idle_s: float) -> dict[str, Any]:
+    """The scale phase's bursts and idle wait (see :func:`scale_phase`)."""
+    consts = dict(prompt_tokens=config.get("demo.prompt-tokens"), tool_tokens=config.get("demo.tool-tokens"),
+                  vocab_size=config.get("policy.vocab-size"), seed=config.get("policy.seed"))
+    rows: list[dict[str, Any]] = []
+    up: list[dict[str, Any]] = []
+    down: list[dict[str, Any]] = []
+    ds: list[dict[str, Any]] = []
+    up_bound_s = idle_s + 2 * interval_s  # an up needs a fresh signal: until the pool has idled idle-s
+    down_bound_s = idle_s + (wait_count + 2) * interval_s
+    with Progress("scale", total=bursts * n_steps * args.groups, unit="groups", quiet=getattr(args, "quiet", True)) as progress:
+        for b in range(bursts):
+            rows += _burst(client, store, finalizer, args, out, progress, run_id, b, n_steps, consts)
+            ds = _wait_for_decision(client, since, "up", up_bound_s, progress, "waiting for the adaptive policy's scale-up decision")
+            up = [d for d in ds if d["action"] == "up"]
+            if up:
+                break
+        if up:
+            ds = _wait_for_decision(client, float(up[-1]["t"]), "down", down_bound_s, progress,
+                                    f"idle: waiting for the scale-down decision (after {idle_s:g} s without finalize events)")
+            ds = _decisions(client, since)
+            down = [d for d in ds if d["action"] == "down" and float(d["t"]) >= float(up[0]["t"])]
+    shown = [d for d in ds if d["action"] in ("up", "down")][:6]
+    if shown:
+        print(f"scaling: {'; '.join(describe_decision(d) for d in shown)}", file=out, flush=True)
+    if not up:
+        last = ds[-1] if ds else None
+        why = f"; its last decision: {last['action']} ({last.get('reason', '')})" if last else "; it recorded no decision"
+        print(f"scaling: the policy did not scale up within {up_bound_s:g} s of {bursts} burst(s) (not an error: verify "
+              f"did not dominate while the queue rose){why}", file=out, flush=True)
+    elif not down:
+        print(f"scaling: no scale-down decision within {down_bound_s:g} s of idling", file=out, flush=True)
+    return {
+        "steps": rows,
+        "decisions": ds,
+        "up": bool(up),
+        "down": bool(down),
+        "rollouts": sum(r["rollouts"] for r in rows),
+        "accepted": sum(r["accepted"] for r in rows),
+        "tokens": sum(r["tokens"] for r in rows),
+        "calls": int(round(sum(r["calls_per_rollout"] * r["rollouts"] for r in rows))),
+    }
+
+
+def _burst(client: Any, store: Any, finalizer: Any, args: argparse.Namespace, out, progress: Progress, run_id: str,
+           b: int, n_steps: int, consts: dict[str, Any]) -> list[dict[str, Any]]:
+    """Stage ``n_steps`` steps of long rollouts, then submit all their graphs back to back
+    (each finds the earlier ones queued) and collect them; the printed step rows."""
+    steps = [
+        {gid: [f"{gid}-{i}" for i in range(args.rollouts)] for gid in (f"sc{b}x{k}p{g}" for g in range(args.groups))}
+        for k in range(n_steps)
+    ]
+    futures = {
+        (k, gid): client.submit(stage_synthetic, store, gid, rids, args.scale_calls, args.scale_tokens, **consts, pure=False)
+        for k, step in enumerate(steps) for gid, rids in step.items()
+    }
+    by_key = {f.key: kg for kg, f in futures.items()}
+    receipts: dict[tuple[int, str], Any] = {}
+    try:
+        for fut in _as_finished(list(futures.values())):
+            receipts[by_key[fut.key]] = fut.result()
+            progress.advance(1, f"long rollouts of {by_key[fut.key][1]} staged")
+    except BaseException:
+        client.cancel(list(futures.values()))
+        raise
+    handles = []
+    for k, step in enumerate(steps):
+        h = finalizer.submit_step({gid: receipts[(k, gid)] for gid in step}, step_id=f"{run_id}-scale-{b * n_steps + k}")
+        handles.append((h, _timing_wall_s(), _watch_finish(h)))
+    rows = []
+    try:
+        for h, submitted_s, finished in handles:
+            for _ in _as_finished(h.futures):
+                pass
+            step = h.result()
+            finalize_s = max(0.0, finished["last_s"] - submitted_s) if finished["n"] else step.metrics["wall_ms"] / 1e3
+            rows.append(_print_step(step, out, finalize_s))
+            progress.advance(0, f"{step.step_id} finalized")
+    except KeyboardInterrupt:
+        for h, _s, _f in handles:
+            h.cancel()
+        raise
+    return rows
+
+
 def resume_phase(client: Any, store: Any, args: argparse.Namespace, out) -> dict[str, Any]:
     """Cut -> checkpoint -> kill/recreate -> restore -> resume -> finish -> finalize.
 
@@ -394,7 +712,7 @@ def _reasons(counts: dict[str, int]) -> str:
     return f" ({', '.join(f'{k}={v}' for k, v in counts.items())})" if counts else ""
 
 
-def _print_step(step: Any, out, finalize_s: float | None = None) -> dict[str, Any]:
+def _print_step(step: Any, out, finalize_s: float | None = None, note: str = "") -> dict[str, Any]:
     """One line per finalized step. Throughput: the training tokens of the step's accepted
     rows (``metrics["tokens"]``) over ``finalize_s``, the seconds from submitting the step's
     graph to its last group assembled (the demo's generation of the next step overlaps it)."""
@@ -403,7 +721,7 @@ def _print_step(step: Any, out, finalize_s: float | None = None) -> dict[str, An
     rate = m["tokens"] / finalize_s if finalize_s > 0 else 0.0
     rejected = ", ".join(f"{k}={v}" for k, v in m["rejected"].items()) or "none"
     print(
-        f"{step.step_id}: {m['accepted']}/{m['rollouts']} rollouts accepted (rejected: {rejected}); "
+        f"{step.step_id}: {m['accepted']}/{m['rollouts']} rollouts accepted (rejected: {rejected}){f' ({note})' if note else ''}; "
         f"fetch {m['fetch_ms']:.1f} ms vs verify {m['verify_ms']:.1f} ms (assemble {m['assemble_ms']:.1f} ms, "
         f"{m['fetch_calls']} fetch calls); {m['tokens']} training tokens in accepted rows / "
         f"{finalize_s:.2f} s from submit to last group assembled = {rate:.0f} tokens/s",
@@ -425,21 +743,32 @@ def _store_summary(stats: list[dict]) -> dict[str, Any]:
 
 
 def _print_summary(summary: dict[str, Any], out) -> None:
-    """Totals over every finalized rollout: the steps' and the resume phase's."""
+    """Totals over every finalized honest rollout: the steps', the scale phase's and the
+    resume phase's. Rollouts tampered on purpose are counted apart."""
     steps = summary["steps"]
-    resume = summary.get("resume")
+    parts_of = [p for p in (summary.get("scale"), summary.get("resume")) if p]
     step_rollouts = sum(s["rollouts"] for s in steps)
-    rollouts = step_rollouts + (resume["rollouts"] if resume else 0)
-    accepted = sum(s["accepted"] for s in steps) + (resume["accepted"] if resume else 0)
-    tokens = sum(s["tokens"] for s in steps) + (resume["tokens"] if resume else 0)
-    calls = int(round(sum(s["calls_per_rollout"] * s["rollouts"] for s in steps))) + (resume["calls"] if resume else 0)
+    rollouts = step_rollouts + sum(p["rollouts"] for p in parts_of)
+    accepted = sum(s["accepted"] for s in steps) + sum(p["accepted"] for p in parts_of)
+    tokens = sum(s["tokens"] for s in steps) + sum(p["tokens"] for p in parts_of)
+    calls = int(round(sum(s["calls_per_rollout"] * s["rollouts"] for s in steps))) + sum(p["calls"] for p in parts_of)
     wall_s = summary["wall_s"]
     summary.update(rollouts=rollouts, accepted=accepted, tokens=tokens, calls=calls, tokens_per_s=tokens / wall_s if wall_s > 0 else 0.0)
-    parts = f"{step_rollouts} in {len(steps)} steps" + (f" + {resume['rollouts']} in the resume step" if resume else "")
+    scale, resume, tampered = summary.get("scale"), summary.get("resume"), summary.get("tampered")
+    parts = f"{step_rollouts} in {len(steps)} steps"
+    if scale:
+        parts += f" + {scale['rollouts']} in the scale phase"
+    if resume:
+        parts += f" + {resume['rollouts']} in the resume step"
+    demo_note = ""
+    if tampered:
+        rejected = ", ".join(f"{k}={v}" for k, v in sorted(tampered["rejected"].items())) or "none"
+        demo_note = (f" (demo: {tampered['rollouts']} rollouts tampered on purpose; rejected: {rejected}; "
+                     f"{tampered['as_expected']}/{tampered['rollouts']} with the expected reason)")
+    phases = "generation + finalization" + (" + resume" if resume else "") + (" + scale phase" if scale else "")
     print(
-        f"summary: {rollouts} rollouts finalized ({parts}), {accepted} accepted, {calls} calls; "
-        f"{tokens} training tokens in accepted rows / {wall_s:.1f} s run wall time (generation + finalization"
-        f"{' + resume' if resume else ''}) = {summary['tokens_per_s']:.0f} tokens/s; "
+        f"summary: {rollouts} rollouts finalized ({parts}), {accepted} accepted{demo_note}, {calls} calls; "
+        f"{tokens} training tokens in accepted rows / {wall_s:.1f} s run wall time ({phases}) = {summary['tokens_per_s']:.0f} tokens/s; "
         f"store: {summary['rows_staged']} rows, {summary['bytes_staged']} bytes staged in {summary['units']} units, "
         f"{summary['spilled_bytes']} bytes spilled",
         file=out,
