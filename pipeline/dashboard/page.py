@@ -137,19 +137,24 @@ def short_worker(address: str) -> str:
     return shorten(re.sub(r"^[a-z]+://", "", address or "?"))
 
 
-_RUN_STEP = re.compile(r"^(?P<run>.+?)-step-(?P<n>\d+)$")
-_RUN_RESUME = re.compile(r"^(?P<run>.+?)-resume$")
+_RUN_STEP = re.compile(r"^(?P<run>[0-9a-f]{4,16})-step-(?P<n>\d+)$")
+_RUN_PHASE = re.compile(r"^(?P<run>[0-9a-f]{4,16})-(?P<phase>[a-z]+)(?:-(?P<n>\d+))?$")
 _BARE_STEP = re.compile(r"^step-(?P<n>\d+)$")
+_PHASE_SHORT = {"resume": "resume", "tampered": "tamper", "scale": "sc"}
 
 
 def step_factor(step_id: str) -> tuple[str, str]:
     """``(group, label)`` of a step on the x axis: ``<run>-step-<n>`` is ``("run <run>",
-    "<n>")``, ``<run>-resume`` is ``("run <run>", "resume")``, ``step-<n>`` is ``("",
+    "<n>")``, a demo phase ``<run>-resume`` / ``<run>-tampered`` / ``<run>-scale-<n>`` is
+    ``("run <run>", "resume")`` / ``"tamper"`` / ``"sc<n>"``, ``step-<n>`` is ``("",
     "<n>")``; any other id is kept (shortened) with no group."""
-    for pattern in (_RUN_STEP, _RUN_RESUME):
-        m = pattern.match(step_id)
-        if m:
-            return f"run {shorten(m['run'], 12)}", m.groupdict().get("n") or "resume"
+    m = _RUN_STEP.match(step_id)
+    if m:
+        return f"run {m['run']}", m["n"]
+    m = _RUN_PHASE.match(step_id)
+    if m:
+        label = _PHASE_SHORT.get(m["phase"], shorten(m["phase"], 6)) + (m["n"] or "")
+        return f"run {m['run']}", label
     m = _BARE_STEP.match(step_id)
     if m:
         return "", m["n"]
