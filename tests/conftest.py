@@ -23,3 +23,14 @@ def store_factory(cluster_client, tmp_path):
 
     with store_maker(cluster_client, tmp_path / "spill") as make:
         yield make
+
+
+@pytest.fixture
+def keep_staged_rows():
+    """Keep staged rows after finalization (``finalize.clear-staged`` is on by default) for
+    tests that read rows back afterwards; tests/test_store_lifecycle.py covers clearing.
+    Use it per module: ``pytestmark = pytest.mark.usefixtures("keep_staged_rows")``."""
+    import dask
+
+    with dask.config.set({"token-capture.finalize.clear-staged": False}):
+        yield

@@ -20,27 +20,19 @@ import time
 import dask
 import numpy as np
 import pytest
+from rollout_factory import make_group
+from support import named_nanny_cluster, wait_for_names, wait_replaced
 
 from pipeline.finalize import Finalizer
 from pipeline.store import StagingStore
 from pipeline.store.protocol import UNIT_UNAVAILABLE
-from rollout_factory import make_group
 from tasks import reasons
 from tasks.keys import unit_for_key
 from tasks.packed import pack_rows
 from tasks.schema import STAGING_FIELDS
-from support import named_nanny_cluster, wait_for_names, wait_replaced
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.slow]
+pytestmark = [pytest.mark.usefixtures("keep_staged_rows"), pytest.mark.timeout(180), pytest.mark.slow]
 
-@pytest.fixture(autouse=True)
-def keep_staged_rows():
-    """These tests read rows back after finalization: keep them (clear-staged is on by
-    default; tests/test_store_lifecycle.py covers clearing)."""
-    import dask
-
-    with dask.config.set({"token-capture.finalize.clear-staged": False}):
-        yield
 
 
 VOCAB, L, K, E = 64, 2, 2, 8

@@ -12,8 +12,6 @@ import math
 
 import numpy as np
 import pytest
-
-from pipeline.finalize import Finalizer
 from rollout_factory import (
     make_rollout,
     receipt_dict,
@@ -23,19 +21,13 @@ from rollout_factory import (
     set_tokens,
     shift_lengths,
 )
+
+from pipeline.finalize import Finalizer
 from tasks.packed import PackedBatch, pack_rows
 from tasks.schema import ALL_FIELDS
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("keep_staged_rows")]
 
-@pytest.fixture(autouse=True)
-def keep_staged_rows():
-    """These tests read rows back after finalization: keep them (clear-staged is on by
-    default; tests/test_store_lifecycle.py covers clearing)."""
-    import dask
-
-    with dask.config.set({"token-capture.finalize.clear-staged": False}):
-        yield
 
 
 VOCAB, L, K, E = 64, 2, 2, 8

@@ -7,24 +7,18 @@ import dask
 import numpy as np
 import pytest
 from distributed import Client, LocalCluster, wait
+from rollout_factory import make_group
 
 from pipeline import events
 from pipeline.finalize import FinalizeError, Finalizer
-from rollout_factory import make_group
 from tasks.packed import pack_rows
 from tasks.schema import ALL_FIELDS, ROUTES_FIELD
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("keep_staged_rows")]
 
 VOCAB, L, K, E = 64, 2, 2, 8
 
 
-@pytest.fixture(autouse=True)
-def keep_staged_rows():
-    """These tests read rows back after finalization: keep them (clear-staged is on by
-    default; tests/test_store_lifecycle.py covers clearing)."""
-    with dask.config.set({"token-capture.finalize.clear-staged": False}):
-        yield
 
 
 @pytest.fixture

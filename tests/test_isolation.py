@@ -7,25 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from rollout_factory import make_rollout, resign, set_tokens
 
 from pipeline.finalize import Finalizer
 from pipeline.store import StagingStore, StoreError
-from rollout_factory import make_rollout, resign, set_tokens
 from tasks import reasons as R
 from tasks.keys import cut_key
 from tasks.packed import PackedBatch, pack_rows
 from tasks.schema import ALL_FIELDS, STAGING_FIELDS
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("keep_staged_rows")]
 
-@pytest.fixture(autouse=True)
-def keep_staged_rows():
-    """These tests read rows back after finalization: keep them (clear-staged is on by
-    default; tests/test_store_lifecycle.py covers clearing)."""
-    import dask
-
-    with dask.config.set({"token-capture.finalize.clear-staged": False}):
-        yield
 
 
 VOCAB, L, K, E = 64, 2, 2, 8

@@ -214,7 +214,7 @@ def test_defects_through_the_finalizer(cluster_client, store_factory):
     ds[1]["reward"] = 1e300
     ds[2]["group_id"] = "g2"
     ds[3]["terminal_model_call_id"] = "c1"
-    store.delete([f"fin-4/c2"])
+    store.delete(["fin-4/c2"])
     with dask.config.set({"token-capture.finalize.clear-staged": False}):
         fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=None)
         step = fin.submit_step({"g1": ds}, step_id="issue-11").result(timeout=60)

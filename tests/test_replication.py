@@ -20,7 +20,6 @@ import torch
 from pipeline.finalize import Finalizer
 from pipeline.store import StagingStore
 from rollout_factory import make_group
-from tasks import reasons
 from tasks.errors import InvalidStoreRequest
 from tasks.keys import unit_for_key
 from tasks.packed import pack_rows

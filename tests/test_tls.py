@@ -19,32 +19,25 @@ import pytest
 from distributed import Client
 from distributed.comm import connect
 from distributed.security import Security
+from rollout_factory import make_group
+from support import resume_and_compare
 
 from pipeline.cluster import local_cluster
 from pipeline.finalize import Finalizer
 from pipeline.generation.worker import GenerationWorker
 from pipeline.restore.batcher import start_batchers
 from pipeline.store import StagingStore
-from rollout_factory import make_group
 from tasks import reasons as R
 from tasks.packed import pack_rows
-from support import resume_and_compare
 
 pytestmark = [
+    pytest.mark.usefixtures("keep_staged_rows"),
     pytest.mark.timeout(180),
     pytest.mark.slow,
     pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates"),
 ]
 
 
-@pytest.fixture(autouse=True)
-def keep_staged_rows():
-    """These tests read rows back after finalization: keep them (clear-staged is on by
-    default; tests/test_store_lifecycle.py covers clearing)."""
-    import dask
-
-    with dask.config.set({"token-capture.finalize.clear-staged": False}):
-        yield
 
 
 VOCAB, L, K, E = 64, 2, 2, 8

@@ -11,30 +11,22 @@ import logging
 import numpy as np
 import pytest
 from distributed import Client
+from rollout_factory import fetch, make_group
+from support import store_maker
+from test_finalize_graph import events_of, readback
+from test_verify import same_rows
 
 from pipeline.cluster import local_cluster
 from pipeline.finalize import Finalizer, timing
-from rollout_factory import fetch, make_group
-from support import store_maker
 from tasks import reasons as R
 from tasks.finalize import chain, verify
 from tasks.finalize.assemble import assemble_group
 from tasks.finalize.plan import plan_group
 from tasks.finalize.verify import verify_many
 from tasks.packed import pack_rows
-from test_finalize_graph import events_of, readback
-from test_verify import same_rows
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("keep_staged_rows")]
 
-@pytest.fixture(autouse=True)
-def keep_staged_rows():
-    """These tests read rows back after finalization: keep them (clear-staged is on by
-    default; tests/test_store_lifecycle.py covers clearing)."""
-    import dask
-
-    with dask.config.set({"token-capture.finalize.clear-staged": False}):
-        yield
 
 
 VOCAB, L, K, E = 64, 2, 2, 8

@@ -16,7 +16,6 @@ the units did not store exactly its rows; any failed run makes the command exit 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -25,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .common import add_cluster_arguments, bench_client, notes
+from .common import add_cluster_arguments, bench_client, main, notes
 
 VOCAB, EXPERTS = 512, 8
 
@@ -194,10 +193,4 @@ def exit_status(result: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__":
-    _p = argparse.ArgumentParser(prog="python -m pipeline.bench.capture", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(_p)
-    _p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    _args = _p.parse_args()
-    _result = run(_args)
-    print(json.dumps(_result) if _args.json else json.dumps(_result, indent=2))
-    sys.exit(exit_status(_result))
+    sys.exit(main(sys.modules[__name__]))

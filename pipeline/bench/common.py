@@ -67,7 +67,8 @@ def main(module: ModuleType, argv: Sequence[str] | None = None) -> int:
     """Stand-alone entry point of a benchmark module (same flags as the CLI)."""
     from ..cli_args import ArgumentParser, run_command
 
-    p = ArgumentParser(prog=f"python -m {module.__name__}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    name = module.__spec__.name if getattr(module, "__spec__", None) else module.__name__
+    p = ArgumentParser(prog=f"python -m {name}", description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     module.add_arguments(p)
     if "--json" not in p._option_string_actions:
         p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -76,6 +77,6 @@ def main(module: ModuleType, argv: Sequence[str] | None = None) -> int:
     def go(args: argparse.Namespace) -> int:
         result = module.run(args)
         print(json.dumps(result) if args.json else json.dumps(result, indent=2))
-        return 0
+        return int(module.exit_status(result)) if hasattr(module, "exit_status") else 0
 
     return run_command(go, args)

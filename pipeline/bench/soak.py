@@ -15,11 +15,12 @@ worker's RSS last/first <= ``--max-rss-growth``. Progress on stderr, JSON on std
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any, Callable
 
 from .. import config
-from .common import add_cluster_arguments, bench_client, notes
+from .common import add_cluster_arguments, bench_client, main, notes
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -196,13 +197,4 @@ def exit_status(result: dict[str, Any]) -> int:
 
 
 if __name__ == "__main__":
-    import json
-    import sys
-
-    _p = argparse.ArgumentParser(prog="python -m pipeline.bench.soak", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(_p)
-    _p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
-    _args = _p.parse_args()
-    _result = run(_args)
-    print(json.dumps(_result) if _args.json else json.dumps(_result, indent=2))
-    sys.exit(exit_status(_result))
+    sys.exit(main(sys.modules[__name__]))

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tasks.errors import InvalidKey, InvalidStoreRequest, StoreError, StoreUnavailable
+from tasks.errors import InvalidStoreRequest, StoreError, StoreUnavailable
 from tasks.keys import STAGING_PARTITION as DEFAULT_PARTITION, unit_for_key
 from tasks.packed import PackedBatch, PackedField, payload_bytes_per_row, slice_rows, take_rows
 
@@ -24,7 +24,6 @@ from . import checkpoint as _checkpoint
 from .protocol import (
     DTYPE_MISMATCH,
     INVALID_BATCH,
-    INVALID_KEY,
     UNIT_UNAVAILABLE,
     GetResult,
     StoreResult,
