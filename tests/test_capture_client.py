@@ -250,7 +250,9 @@ def test_a_single_queued_row_is_put_after_flush_ms_without_further_calls(store_f
             rc = open_rollout(cap, "timer-r0")
             rc.stage("c0", None, **delta(0))
             wait_until(lambda: unit_counter(store, "put_rows") > before, timeout_s=60, what="the timed flush")
-            assert cap.stats()["rows"] == 1 and cap.stats()["queued"] == 0
+            # the unit has the row; the client books it once the put's answer is back
+            wait_until(lambda: cap.stats()["rows"] == 1, timeout_s=60, what="the client's count of the put")
+            assert cap.stats()["queued"] == 0
         finally:
             cap.close()
     got = store.get_many(["timer-r0/c0"], fields=["digest"])
