@@ -92,10 +92,9 @@ def stage_workload(store, name: str, n_groups: int, rng: np.random.Generator, pr
 
 def baseline_group(store, receipts: Sequence[Receipt], vocab_size: int, num_experts: int | None) -> dict:
     """One group the reference way; runs as a Dask task. Returns tokens and fetch count."""
-    from tasks.finalize.reference import reference_verify_rollout
-
     from tasks.finalize.assemble import assemble_group
     from tasks.finalize.plan import plan_step
+    from tasks.finalize.reference import reference_verify_rollout
     from tasks.finalize.verify import rejected_result
 
     results, fetches = [], 0

@@ -22,7 +22,7 @@ from tasks.keys import STAGING_PARTITION, staging_key
 from .. import config, events
 from ..store.protocol import PlacedStoreLike, StoreLike
 from . import timing
-from .graph import FinalizeError, StepGraph, affinity, submit_graph
+from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_graph, task_key
 
 Groups = Mapping[str, Sequence[Any]] | Sequence[Sequence[Any]]
 
@@ -222,13 +222,17 @@ class StepHandle:
             return self._result
 
     def _submit_clear(self, keys: list[str]) -> Any:
-        """ONE ``tc-clear`` task: ``clear_rows`` over ``keys`` next to the storage units."""
+        """ONE ``tc-clear`` task: ``clear_rows`` over ``keys`` next to the storage units,
+        in the step's own task group and span (it runs after the step's graph)."""
+        import dask
+
         store = self._finalizer.store
-        return self._finalizer.client.submit(
-            clear_rows, store, keys, key=f"tc-clear-{self.graph.token}", pure=False,
-            workers=affinity(store, keys) or None, allow_other_workers=True,
-            retries=int(config.get("finalize.retries")),
-        )
+        with dask.annotate(**({"span": self.graph.span} if self.graph.span else {})):
+            return self._finalizer.client.submit(
+                clear_rows, store, keys, key=task_key(CLEAR, self.graph.token), pure=False,
+                workers=affinity(store, keys) or None, allow_other_workers=True,
+                retries=int(config.get("finalize.retries")),
+            )
 
 
 def _gather_timeout(client: Any, futures: list[Any], timeout: float) -> list[Any]:

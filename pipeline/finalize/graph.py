@@ -297,9 +297,38 @@ def affinity(store: PlacedStoreLike, keys: Sequence[str]) -> list[str]:
     return sorted({workers[u] for u in units})
 
 
+# ---- task keys ---------------------------------------------------------------------------
+#
+# Every key is a tuple ``(f"{kind}-{token}", i)``: Dask's task GROUP is the tuple's name
+# (``key_split_group``), so each step's tasks form their own groups and Dask's spans
+# charge them to their own step, while the task PREFIX (``key_split``: the name's words
+# before the token, shown in the task stream) is the task's kind. ``key_split`` drops an
+# 8-letter word starting with a-f as if it were a hex token, so no kind may hold one
+# ("assemble" would show as ``tc``: the assemble tasks are ``tc-assembler``).
+FETCH_STAGING = "tc-fetch-staging"
+FETCH_ROUTES = "tc-fetch-routes"
+PIECE = "tc-piece"
+VERIFY = "tc-verify"
+ASSEMBLE = "tc-assembler"
+CLEAR = "tc-clear"
+
+
+def new_token() -> str:
+    """A step's key token: 16 hex digits, never all letters (``key_split`` would keep an
+    all-letter token as part of the task prefix)."""
+    token = uuid.uuid4().hex[:16]
+    return token if not token.isalpha() else "0" + token[1:]
+
+
+def task_key(kind: str, token: str, index: int = 0) -> tuple[str, int]:
+    """The key of task ``index`` of ``kind`` (e.g. :data:`VERIFY`) in the step ``token``."""
+    return (f"{kind}-{token}", index)
+
+
 @dataclass
 class StepGraph:
-    """The submitted graph of one step: plan, layout and Dask futures."""
+    """The submitted graph of one step: plan, layout and Dask futures. ``span`` is the
+    step's span annotation (name and ids), for tasks submitted later (the clear)."""
 
     step_id: str
     token: str
@@ -314,6 +343,7 @@ class StepGraph:
     group_futures: dict[str, Any]
     fetch_calls: int
     verify_layout: list[list[int]]
+    span: dict[str, Any] | None = None
 
     @property
     def futures(self) -> list[Any]:
@@ -349,6 +379,7 @@ def submit_graph(
     ``finalize.retries``. Tasks of a step share ``priority`` (the controller gives older
     steps a higher one, so several steps in flight drain in order).
     """
+    import dask
     from distributed import span
 
     if not groups:
@@ -358,7 +389,7 @@ def submit_graph(
             raise FinalizeError(f"group {gid!r} has no receipts (expected a non-empty list)")
     token_budget = int(config.get("finalize.verify-token-budget") if token_budget is None else token_budget)
     retries = int(config.get("finalize.retries") if retries is None else retries)
-    token = uuid.uuid4().hex[:16]
+    token = new_token()
 
     group_ids = [str(g) for g in groups]
     if len(set(group_ids)) != len(group_ids):
@@ -384,12 +415,13 @@ def submit_graph(
     verify_futures: list[Any] = []
     group_futures: dict[str, Any] = {}
     with span("token-capture", "finalize", step_id):
+        span_annotation = dask.get_annotations().get("span")
         staging_f = routes_f = None
         if layout:
             keys = list(plan.staging_keys)
             staging_f = client.submit(
                 fetch_pieces, store, keys, list(STAGING_FIELDS), staging_layout, "staging",
-                key=f"tc-fetch-staging-{token}", workers=affinity(store, keys) or None,
+                key=task_key(FETCH_STAGING, token), workers=affinity(store, keys) or None,
                 allow_other_workers=True, **common,
             )
             fetch_futures.append(staging_f)
@@ -397,7 +429,7 @@ def submit_graph(
                 rkeys = list(plan.routes_keys)
                 routes_f = client.submit(
                     fetch_pieces, store, rkeys, [ROUTES_FIELD], routes_layout, "routes",
-                    key=f"tc-fetch-routes-{token}", workers=affinity(store, rkeys) or None,
+                    key=task_key(FETCH_ROUTES, token), workers=affinity(store, rkeys) or None,
                     allow_other_workers=True, **common,
                 )
                 fetch_futures.append(routes_f)
@@ -405,7 +437,7 @@ def submit_graph(
         def piece(fut: Any, t: int, kind: str) -> Any:
             if fut is None or len(layout) == 1:
                 return fut
-            f = client.submit(operator.getitem, fut, t, key=(f"tc-piece-{kind}-{token}", t), **common)
+            f = client.submit(operator.getitem, fut, t, key=task_key(f"{PIECE}-{kind}", token, t), **common)
             piece_futures.append(f)
             return f
 
@@ -417,7 +449,7 @@ def submit_graph(
                     verify_piece, t, [(r, rollouts[r]) for r in task],
                     piece(staging_f, t, "staging"), piece(routes_f, t, "routes") if has_routes else None,
                     vocab_size, num_experts,
-                    key=(f"tc-verify-{token}", t), resources={"finalize": 1}, **common,
+                    key=task_key(VERIFY, token, t), resources={"finalize": 1}, **common,
                 )
             )
             for r in task:
@@ -428,7 +460,7 @@ def submit_graph(
             group_futures[gid] = client.submit(
                 assemble_piece, step_id, gid, slots[gid], submitted_s, queue_depth, fetch_calls,
                 *[verify_futures[t] for t in needed],
-                key=(f"tc-assemble-{token}", group_ids.index(gid)), **common,
+                key=task_key(ASSEMBLE, token, group_ids.index(gid)), **common,
             )
     return StepGraph(
         step_id=step_id,
@@ -444,4 +476,5 @@ def submit_graph(
         group_futures=group_futures,
         fetch_calls=fetch_calls,
         verify_layout=layout,
+        span=span_annotation,
     )

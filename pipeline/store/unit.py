@@ -221,8 +221,9 @@ class StorageUnit:
         self._next_slot = 0
         # ``deletes`` counts delete CALLS (one per client request), ``deleted_rows`` rows removed
         # (deferred ones when applied), ``deferred_rows`` rows whose delete waited for a checkpoint.
+        # ``gets`` counts get CALLS, ``get_keys`` the keys they asked for, ``get_rows`` rows found.
         self.counters = {
-            "puts": 0, "put_rows": 0, "gets": 0, "get_rows": 0, "deletes": 0, "deleted_rows": 0,
+            "puts": 0, "put_rows": 0, "gets": 0, "get_keys": 0, "get_rows": 0, "deletes": 0, "deleted_rows": 0,
             "deferred_rows": 0, "refused_rows": 0, "checkpoints_begun": 0, "checkpoints_ended": 0,
         }
         # Open store checkpoints: token -> partitions covered (None: every partition); and
@@ -392,6 +393,7 @@ class StorageUnit:
         keys = unpack_names(keys, "keys")
         fields = None if fields is None else unpack_names(fields, "fields")
         self.counters["gets"] += 1
+        self.counters["get_keys"] += len(keys)
         index = self.index.get(partition, {})
         reg = self.registry.get(partition)
         failed: dict[str, tuple[str, str]] = {}
