@@ -5,6 +5,12 @@ Scenarios (mass resume, 4-chunk mass resume, arrivals every 5/20 ms, light load 
 modes read the same fields through the same ``get_many_async``. Latency runs from a
 restore's scheduled start to its rows in hand (ms). See docs/design.md, "Benchmarks".
 
+Each scenario runs ``--repeats`` times per mode (default 3; light load ``--light-repeats``);
+``wall_s`` is the slowest run, ``wall_s_median`` the median. A run fails on any restore
+that errs or comes back short, or on a sampled restore whose rows are not bit-exact the
+staged rows (``np.array_equal`` per field read); then ``ok`` is false, ``failures`` says
+what failed, no speedup or ratio is reported and the command exits 1 (:func:`exit_status`).
+
     python -m pipeline bench restore --json
     python -m pipeline.bench.restore --json --workers 64 --restores 32 --tokens 4096
 """
@@ -27,6 +33,7 @@ TARGETS = {"mass_resume_speedup": 7.0, "light_50ms_p50_ratio": 1.1}
 MODES = ("per-request", "coalesced")
 CONTEXT_TOKENS = 16
 TEMPLATES = 8  # distinct payload rows, reused under many keys
+SAMPLE_RESTORES = 3  # restores per run whose rows are compared bit-exact with what was staged
 
 
 def _restore_fields() -> list[str]:
@@ -53,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=positive_int, default=16384, help="prefix tokens T (reference 16,384)")
     p.add_argument("--light-workers", type=positive_int, default=8, help="workers in the light-load scenarios (default 8)")
     p.add_argument("--light-restores", type=positive_int, default=32, help="restores per worker under light load (default 32)")
-    p.add_argument("--repeats", type=positive_int, default=2, help="runs per scenario and mode, alternating order (default 2)")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs per scenario and mode, alternating order (default 3)")
     p.add_argument(
         "--light-repeats", type=positive_int, default=4,
         help="runs per mode of the light-load scenarios (default 4: their p50s differ by less than the machine's drift, so they alternate more)",
@@ -116,8 +123,9 @@ def restore_keys(sc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
-def stage(store, scs: list[dict[str, Any]], tokens: int, args) -> dict[str, int]:
-    """Put every key the scenarios (and the warm-up) read, once per chunking, in puts of <= 64 MB."""
+def stage(store, scs: list[dict[str, Any]], tokens: int, args, expect: dict | None = None) -> dict[str, int]:
+    """Put every key the scenarios (and the warm-up) read, once per chunking, in puts of <= 64 MB.
+    With ``expect``, record for every key the (template batch, row) it was written from."""
     from tasks.packed import PackedBatch
 
     need: dict[int, set] = {1: set()}
@@ -133,7 +141,10 @@ def stage(store, scs: list[dict[str, Any]], tokens: int, args) -> dict[str, int]
         notes("restore", args.quiet)(f"staging {len(keys)} cut rows of {chunk_tokens} tokens ({tmpl.nbytes // len(tmpl) * len(keys) / 1e6:.0f} MB)")
         for i in range(0, len(keys), per_put):
             part = keys[i : i + per_put]
-            batch = tmpl.take(np.arange(len(part)) % len(tmpl))
+            rows = np.arange(len(part)) % len(tmpl)
+            batch = tmpl.take(rows)
+            if expect is not None:
+                expect.update((k, (tmpl, int(r))) for k, r in zip(part, rows))
             res = store.put_many(PackedBatch(part, batch.fields), partition=CUT_PARTITION)
             if res.failed:
                 raise RuntimeError(f"staging failed: {next(iter(res.failed.items()))}")
@@ -144,8 +155,10 @@ def stage(store, scs: list[dict[str, Any]], tokens: int, args) -> dict[str, int]
 # ---- one run ---------------------------------------------------------------------------
 
 
-async def _run_once(store, sc: dict[str, Any], mode: str, chunk_tokens: int) -> dict[str, Any]:
-    """One scenario in one mode, inside the client's event loop."""
+async def _run_once(store, sc: dict[str, Any], mode: str, chunk_tokens: int, expect: dict | None = None) -> dict[str, Any]:
+    """One scenario in one mode, inside the client's event loop. ``problems`` names the
+    first read errors and, with ``expect``, every field of a sampled restore's rows that is
+    not bit-exact what was staged (checked after the timed part)."""
     from ..restore.batcher import unit_grouping
     from ..restore.coalescer import PrefixReadCoalescer
 
@@ -164,6 +177,9 @@ async def _run_once(store, sc: dict[str, Any], mode: str, chunk_tokens: int) -> 
     coalescers = [PrefixReadCoalescer(get, group=group) for _ in range(W)] if mode == "coalesced" else None
     latencies = np.zeros(W * R, dtype=np.float64)
     errors = 0
+    problems: list[str] = []
+    sample = sorted({0, (W * R) // 2, W * R - 1})[:SAMPLE_RESTORES]
+    sampled: dict[int, Any] = {}
     loop = asyncio.get_running_loop()
     t0 = loop.time() + 0.01  # every start is scheduled on this common origin
 
@@ -175,16 +191,27 @@ async def _run_once(store, sc: dict[str, Any], mode: str, chunk_tokens: int) -> 
         if delay > 0:
             await asyncio.sleep(delay)
         ks = keys[w * R + r]
+        rows = None
         try:
             if coalescers is None:
                 res = await get(ks)
+                rows = res.batch
                 ok = not res.failed and len(res.batch) == len(ks)
+                if not ok and len(problems) < 3:
+                    problems.append(f"read {ks[0]}..: " + (f"{len(res.failed)} key(s) failed, e.g. {next(iter(res.failed.items()))}"
+                                                           if res.failed else f"{len(res.batch)} of {len(ks)} rows"))
             else:
                 rows = await coalescers[w].read(ks, chunk_tokens * len(ks))
                 ok = rows.keys == ks
-        except Exception:  # noqa: BLE001 - counted, reported; a benchmark must finish
+                if not ok and len(problems) < 3:
+                    problems.append(f"read {ks[0]}..: rows for keys {rows.keys[:2]}..")
+        except Exception as e:  # noqa: BLE001 - counted, reported; a benchmark must finish
             ok = False
+            if len(problems) < 3:
+                problems.append(f"read {ks[0]}..: {type(e).__name__}: {e}")
         errors += not ok
+        if ok and w * R + r in sample:
+            sampled[w * R + r] = rows
         latencies[w * R + r] = (loop.time() - start) * 1000.0
 
     await asyncio.sleep(max(0.0, t0 - loop.time()))
@@ -193,7 +220,25 @@ async def _run_once(store, sc: dict[str, Any], mode: str, chunk_tokens: int) -> 
         await asyncio.gather(*(one(w, r) for w in range(W) for r in range(R)))
         wall = time.perf_counter() - t_start
     n_keys = W * R * sc["chunks"]
-    return {"gets": gets, "keys": n_keys, "wall_s": wall, "latencies_ms": latencies, "errors": errors, "gc_ms": gc_time.ms}
+    if expect is not None:
+        problems += _check_content(sampled, keys, fields, expect)
+    return {"gets": gets, "keys": n_keys, "wall_s": wall, "latencies_ms": latencies, "errors": errors, "gc_ms": gc_time.ms,
+            "problems": problems}
+
+
+def _check_content(sampled: dict[int, Any], keys: list[list[str]], fields: list[str], expect: dict) -> list[str]:
+    """Each sampled restore's rows, bit-exact (every field read) against the staged rows."""
+    from tasks.packed import PackedBatch
+
+    from .store import compare_rows
+
+    problems: list[str] = []
+    for i, rows in sorted(sampled.items()):
+        for j, k in enumerate(keys[i]):
+            tmpl, r = expect[k]
+            want = PackedBatch([k], tmpl.take([r]).fields)
+            problems += compare_rows(want, rows.take([j]), fields=fields, what="read back ")
+    return problems
 
 
 class _GcTimer:
@@ -231,6 +276,8 @@ def _row(sc: dict[str, Any], mode: str, runs: list[dict[str, Any]], chunk_tokens
         "keys_per_get": round(slow["keys"] / slow["gets"], 2) if slow["gets"] else 0.0,
         "wall_s": round(slow["wall_s"], 3),
         "wall_s_runs": [round(r["wall_s"], 3) for r in runs],  # every run, in order: the spread behind wall_s
+        "wall_s_median": round(float(np.median([r["wall_s"] for r in runs])), 3),
+        "runs": len(runs),
         "p50_ms": round(float(np.percentile(lat, 50)), 2),
         "p99_ms": round(float(np.percentile(lat, 99)), 2),
         "errors": int(sum(r["errors"] for r in runs)),
@@ -246,6 +293,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     scs = scenarios(args)
     with bench_client(args) as client:
         result = _run_scenarios(client, scs, args)
+    failures = result.setdefault("failures", [])
+    result["ok"] = not failures
+    if failures:
+        notes("restore", args.quiet)(f"FAILED ({len(failures)}): {failures[:3]}")
+        return result
     by = {(r["scenario"], r["mode"]): r for r in result["rows"]}
     if ("mass_resume", "coalesced") in by:
         result["mass_resume_speedup"] = round(by["mass_resume", "per-request"]["wall_s"] / by["mass_resume", "coalesced"]["wall_s"], 2)
@@ -283,15 +335,19 @@ def _run_scenarios(client: Any, scs: list[dict[str, Any]], args: argparse.Namesp
         },
         "knobs": {k: config.get(f"restore.{k}") for k in ("window-ms", "batch-size", "max-tokens", "max-concurrent-gets", "get-timeout-s")},
         "rows": [],
+        "failures": [],
     }
+    failures = result["failures"]
+    expect: dict[str, Any] = {}
     store = StagingStore.start(client, n_units=2, memory_limit=args.unit_memory_limit)
     try:
-        staged = stage(store, scs, args.tokens, args)
+        staged = stage(store, scs, args.tokens, args, expect)
         # Open the client's connections to the units before measuring anything: the first
         # burst of concurrent gets pays connection setup, which is no mode's cost.
         warm = dict(name="warm-up", workers=args.workers, restores=args.restores, chunks=1, period_s=0.0)
         for mode in MODES:
-            client.sync(_run_once, store, warm, mode, staged.get(1, args.tokens))
+            out = client.sync(_run_once, store, warm, mode, staged.get(1, args.tokens), expect)
+            failures += [f"warm-up {mode}: {p}" for p in out["problems"]]
         if args.gc == "freeze":
             # Setup's long-lived objects (scheduler, client, imports) out of every later
             # full collection.
@@ -308,8 +364,11 @@ def _run_scenarios(client: Any, scs: list[dict[str, Any]], args: argparse.Namesp
                         gc.collect()  # no run pays for the previous run's survivors
                     # The coroutine runs on the client's own event loop, where the store's
                     # actor futures resolve.
-                    out = client.sync(_run_once, store, sc, mode, chunk_tokens)
+                    out = client.sync(_run_once, store, sc, mode, chunk_tokens, expect)
                     runs[mode].append(out)
+                    if out["errors"] and not out["problems"]:
+                        out["problems"].append(f"{out['errors']} restore(s) failed")
+                    failures += [f"{sc['name']} {mode} run {rep + 1}: {p}" for p in out["problems"]]
                     say(f"{sc['name']:<20} {mode:<12} run {rep + 1}: {out['wall_s']:.3f} s, {out['gets']} gets")
             for mode in MODES:
                 result["rows"].append(_row(sc, mode, runs[mode], chunk_tokens))
@@ -317,6 +376,11 @@ def _run_scenarios(client: Any, scs: list[dict[str, Any]], args: argparse.Namesp
         gc.unfreeze()
         store.close()
     return result
+
+
+def exit_status(result: dict[str, Any]) -> int:
+    """The CLI's exit status: 0 when every restore of every run read its rows intact, else 1."""
+    return 0 if result.get("ok") else 1
 
 
 if __name__ == "__main__":

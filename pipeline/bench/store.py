@@ -8,12 +8,19 @@ stage ``--memory-gb`` of rows into units limited to ``--unit-memory-limit`` each
 each storage worker's peak RSS (psutil, in the worker process) and read every row back.
 ``replication_1024`` puts the 1,024-token rows/s with ``store.replicas`` 2 next to 1.
 
+Each call size runs ``--repeats`` times (default 3), each run on a fresh store; the
+figures are the medians (``*_median``, every run in ``*_runs``). A run fails on any key a
+put or get refuses, or on a sampled row read back that is not bit-exact what was put
+(``np.array_equal`` per field); then ``ok`` is false, ``failures`` says what failed, no
+ratio is reported and the command exits 1 (:func:`exit_status`).
+
     python -m pipeline bench store --json
     python -m pipeline.bench.store --json --memory
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import threading
 import time
@@ -24,7 +31,7 @@ import numpy as np
 from tasks.gate import CaptureGate
 from tasks.packed import PackedBatch, pack_rows
 
-from .common import add_cluster_arguments, bench_client, main
+from .common import add_cluster_arguments, bench_client, main, notes
 
 TARGET_RATIO = 20.0  # 256-row calls vs one-row calls at 1,024 tokens (rows/s)
 
@@ -44,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory", action="store_true", help="also run the memory mode (spill under a memory limit)")
     p.add_argument("--memory-gb", type=positive_float, default=2.0, help="GB of rows staged in memory mode (default 2)")
     p.add_argument("--unit-memory-limit", type=byte_size, default="256MiB", help="per-unit memory limit in memory mode")
+    p.add_argument("--repeats", type=positive_int, default=3, help="runs per mode, each on a fresh store; medians reported (default 3)")
     p.add_argument("--memory-row-tokens", type=positive_int, default=16384, help="tokens per row in memory mode")
     add_cluster_arguments(p, n_workers=2)
 
@@ -79,52 +87,142 @@ def _progress(label: str, total: int, quiet: bool):
 
 # ---- throughput ----------------------------------------------------------------------
 
+SAMPLE_ROWS = 4  # rows per sampled read compared bit-exact with what was written
 
-def _throughput(store, tokens: int, single_rows: int, batched_rows: int, args) -> dict[str, Any]:
+
+def compare_rows(want: PackedBatch, got: PackedBatch, fields: Any = None, what: str = "") -> list[str]:
+    """Bit-exact check of rows read back: row ``i`` of ``got`` against row ``i`` of ``want``
+    (same key, and for every field of ``want``, or ``fields``: same presence, dtype and
+    values by ``np.array_equal``). Returns one problem per differing row and field."""
+    problems: list[str] = []
+    if list(got.keys[: len(want)]) != list(want.keys):
+        return [f"{what}read back keys {list(got.keys)[:3]}.., expected {list(want.keys)[:3]}.."]
+    names = list(fields) if fields is not None else list(want.fields)
+    for i, key in enumerate(want.keys):
+        for name in names:
+            w = want.fields[name].row(i) if name in want.fields else None
+            g = got.fields[name].row(i) if name in got.fields else None
+            if (w is None) != (g is None):
+                problems.append(f"{what}{key}: field {name} {'missing' if g is None else 'unexpected'} in what was read back")
+            elif w is not None and (w.dtype != g.dtype or w.shape != g.shape or not np.array_equal(w, g)):
+                problems.append(f"{what}{key}: field {name} read back differs from what was written")
+    return problems
+
+
+def _refused(what: str, failed: dict) -> str:
+    key, why = next(iter(failed.items()))
+    return f"{what}: {len(failed)} key(s) failed, e.g. {key}: {why}"
+
+
+def _throughput_once(store, template: PackedBatch, tokens: int, single_rows: int, n_batches: int, args,
+                     tag: str, prog, failures: list[str]) -> dict[str, float]:
+    """One run of the four timed loops on fresh keys; per-key failures and content
+    mismatches (on a sample of the rows read back) go to ``failures``."""
+    bs = args.batch_size
+    where = f"{tokens} tokens {tag}: "
+    # Warm the connections and code paths so neither side pays first-call costs.
+    res = store.put_many(with_keys(template, f"w{tag}", 0, min(2, len(template))))
+    if res.failed:
+        failures.append(_refused(where + "warm-up put", res.failed))
+    store.get_many([f"w{tag}0/c0"])
+
+    put_failed: dict = {}
+    t0 = time.perf_counter()
+    for i in range(single_rows):
+        res = store.put_many(with_keys(template, tag + "a", i, 1))
+        if res.failed:
+            put_failed.update(res.failed)
+    put1 = time.perf_counter() - t0
+    if put_failed:
+        failures.append(_refused(where + "put bs1", put_failed))
+    prog.advance(1, "put bs1")
+
+    put_failed = {}
+    t0 = time.perf_counter()
+    for j in range(n_batches):
+        res = store.put_many(with_keys(template, tag + "b", j * bs, bs))
+        if res.failed:
+            put_failed.update(res.failed)
+    putb = time.perf_counter() - t0
+    if put_failed:
+        failures.append(_refused(where + f"put bs{bs}", put_failed))
+    prog.advance(1, f"put bs{bs}")
+
+    get_failed: dict = {}
+    short = 0
+    sample1: list = []
+    t0 = time.perf_counter()
+    for i in range(single_rows):
+        got = store.get_many([f"{tag}a{i}/c0"])
+        if got.failed or len(got.batch) != 1:
+            get_failed.update(got.failed)
+            short += len(got.batch) != 1
+        if i < SAMPLE_ROWS:
+            sample1.append((i, got))
+    get1 = time.perf_counter() - t0
+    if get_failed or short:
+        failures.append(_refused(where + "get bs1", get_failed) if get_failed else f"{where}get bs1: {short} get(s) returned no row")
+    prog.advance(1, "get bs1")
+
+    get_failed, short = {}, 0
+    sampleb: list = []
+    t0 = time.perf_counter()
+    for j in range(n_batches):
+        got = store.get_many([f"{tag}b{j * bs + i}/c0" for i in range(bs)])
+        if got.failed or len(got.batch) != bs:
+            get_failed.update(got.failed)
+            short += len(got.batch) != bs
+        if j in (0, n_batches - 1):
+            sampleb.append((j, got))
+    getb = time.perf_counter() - t0
+    if get_failed or short:
+        failures.append(_refused(where + f"get bs{bs}", get_failed) if get_failed else f"{where}get bs{bs}: {short} get(s) short of rows")
+    prog.advance(1, f"get bs{bs}")
+
+    # Content, outside the timed loops: sampled rows bit-exact against what was put.
+    for i, got in sample1:
+        if len(got.batch) == 1:
+            failures.extend(compare_rows(with_keys(template, tag + "a", i, 1), got.batch, what=where + "get bs1 "))
+    k = min(SAMPLE_ROWS, bs)
+    for j, got in sampleb:
+        if len(got.batch) >= k:
+            want = with_keys(template, tag + "b", j * bs, bs).take(np.arange(k))
+            failures.extend(compare_rows(want, got.batch.take(np.arange(k)), what=where + f"get bs{bs} "))
+    return {"put1": put1, "putb": putb, "get1": get1, "getb": getb}
+
+
+def _throughput(client, tokens: int, single_rows: int, batched_rows: int, args, failures: list[str]) -> dict[str, Any]:
+    """``args.repeats`` runs, each on a fresh store; every figure is the median over the runs."""
+    from ..store import StagingStore
+
     bs = args.batch_size
     template = template_batch(bs, tokens, layers=args.layers, top_k=args.top_k, routes=not args.no_routes)
     row_bytes = template.nbytes / len(template)
-    tag = f"s{tokens}-"
-    out: dict[str, Any] = {"tokens_per_row": tokens, "row_bytes": int(row_bytes), "batch_size": bs}
-    with _progress(f"store {tokens} tok", 4, args.quiet) as prog:
-        # Warm the connections and code paths so neither side pays first-call costs.
-        store.put_many(with_keys(template, f"w{tokens}-", 0, 2))
-        store.get_many([f"w{tokens}-0/c0"])
-
-        t0 = time.perf_counter()
-        for i in range(single_rows):
-            res = store.put_many(with_keys(template, tag + "a", i, 1))
-            assert not res.failed, res.failed
-        put1 = time.perf_counter() - t0
-        prog.advance(1, "put bs1")
-
-        n_batches = max(1, batched_rows // bs)
-        t0 = time.perf_counter()
-        for j in range(n_batches):
-            res = store.put_many(with_keys(template, tag + "b", j * bs, bs))
-            assert not res.failed, next(iter(res.failed.items()))
-        putb = time.perf_counter() - t0
-        prog.advance(1, f"put bs{bs}")
-
-        t0 = time.perf_counter()
-        for i in range(single_rows):
-            got = store.get_many([f"{tag}a{i}/c0"])
-            assert len(got.batch) == 1 and not got.failed
-        get1 = time.perf_counter() - t0
-        prog.advance(1, "get bs1")
-
-        t0 = time.perf_counter()
-        for j in range(n_batches):
-            got = store.get_many([f"{tag}b{j * bs + i}/c0" for i in range(bs)])
-            assert len(got.batch) == bs and not got.failed
-        getb = time.perf_counter() - t0
-        prog.advance(1, f"get bs{bs}")
-
+    n_batches = max(1, batched_rows // bs)
     rows_b = n_batches * bs
-    for op, t1, tb in (("put", put1, putb), ("get", get1, getb)):
-        r1, rb = single_rows / t1, rows_b / tb
+    out: dict[str, Any] = {"tokens_per_row": tokens, "row_bytes": int(row_bytes), "batch_size": bs, "repeats": args.repeats}
+    runs: list[dict[str, float]] = []
+    with _progress(f"store {tokens} tok", 4 * args.repeats, args.quiet) as prog:
+        for rep in range(args.repeats):
+            store = StagingStore.start(client, n_units=2, memory_limit="4GiB")
+            try:
+                runs.append(_throughput_once(store, template, tokens, single_rows, n_batches, args, f"s{tokens}r{rep}-", prog, failures))
+            except Exception as e:  # noqa: BLE001 - a failed run is reported, then fails the command
+                failures.append(f"{tokens} tokens run {rep}: {type(e).__name__}: {e}")
+            finally:
+                store.close()
+    if not runs:
+        return out
+    for op in ("put", "get"):
+        r1s = [single_rows / r[f"{op}1"] for r in runs]
+        rbs = [rows_b / r[f"{op}b"] for r in runs]
+        r1, rb = statistics.median(r1s), statistics.median(rbs)
         out[f"{op}_rows_per_s_bs1"] = round(r1, 1)
         out[f"{op}_rows_per_s_bs{bs}"] = round(rb, 1)
+        out[f"{op}_rows_per_s_bs1_median"] = round(r1, 1)
+        out[f"{op}_rows_per_s_bs{bs}_median"] = round(rb, 1)
+        out[f"{op}_rows_per_s_bs1_runs"] = [round(x, 1) for x in r1s]
+        out[f"{op}_rows_per_s_bs{bs}_runs"] = [round(x, 1) for x in rbs]
         out[f"{op}_mb_per_s_bs1"] = round(r1 * row_bytes / 1e6, 2)
         out[f"{op}_mb_per_s_bs{bs}"] = round(rb * row_bytes / 1e6, 2)
         out[f"{op}_ratio"] = round(rb / r1, 2)
@@ -247,49 +345,73 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run the benchmark; returns one JSON-able dict (see module docstring)."""
     import dask
 
-    from ..store import StagingStore
-
+    failures: list[str] = []
     with bench_client(args) as client:
         n_workers = len(client.scheduler_info(n_workers=-1)["workers"])
-        result: dict[str, Any] = {"benchmark": "store", "workers": n_workers}
+        result: dict[str, Any] = {"benchmark": "store", "workers": n_workers, "repeats": args.repeats}
         for tokens, single, batched in (
             (1024, args.single_rows_1024, args.rows_1024),
             (16384, args.single_rows_16384, args.rows_16384),
         ):
-            store = StagingStore.start(client, n_units=2, memory_limit="4GiB")
-            try:
-                result[str(tokens)] = _throughput(store, tokens, single, batched, args)
-            finally:
-                store.close()
+            result[str(tokens)] = _throughput(client, tokens, single, batched, args, failures)
         r = result["1024"]
         bs = args.batch_size
         result["target_ratio"] = TARGET_RATIO
-        result["meets_target_1024"] = bool(r["put_ratio"] >= TARGET_RATIO and r["get_ratio"] >= TARGET_RATIO)
+        if "put_ratio" in r:
+            result["meets_target_1024"] = bool(r["put_ratio"] >= TARGET_RATIO and r["get_ratio"] >= TARGET_RATIO)
         # Replication cost, same run: the batched rows at 1,024 tokens with replicas=1 (above)
         # next to replicas=2 (every put writes two units; healthy gets read primaries only).
         if n_workers >= 2:
+            rep_failures: list[str] = []
             with dask.config.set({"token-capture.store.replicas": 2}):
-                store = StagingStore.start(client, n_units=2, memory_limit="4GiB")
-                try:
-                    r2 = _throughput(store, 1024, args.single_rows_1024, args.rows_1024, args)
-                finally:
-                    store.close()
-            result["replication_1024"] = {
-                f"{op}_rows_per_s_bs{bs}_replicas{n}": row[f"{op}_rows_per_s_bs{bs}"]
-                for op in ("put", "get") for n, row in ((1, r), (2, r2))
-            } | {
-                f"{op}_rows_per_s_bs1_replicas{n}": row[f"{op}_rows_per_s_bs1"]
-                for op in ("put", "get") for n, row in ((1, r), (2, r2))
-            } | {
-                f"{op}_cost_ratio_bs{bs}": round(r[f"{op}_rows_per_s_bs{bs}"] / r2[f"{op}_rows_per_s_bs{bs}"], 2)
-                for op in ("put", "get")
-            }
+                r2 = _throughput(client, 1024, args.single_rows_1024, args.rows_1024, args, rep_failures)
+            failures.extend(f"replicas=2: {f}" for f in rep_failures)
+            if "put_ratio" in r and "put_ratio" in r2:
+                result["replication_1024"] = {
+                    f"{op}_rows_per_s_bs{bs}_replicas{n}": row[f"{op}_rows_per_s_bs{bs}"]
+                    for op in ("put", "get") for n, row in ((1, r), (2, r2))
+                } | {
+                    f"{op}_rows_per_s_bs1_replicas{n}": row[f"{op}_rows_per_s_bs1"]
+                    for op in ("put", "get") for n, row in ((1, r), (2, r2))
+                } | {
+                    f"{op}_cost_ratio_bs{bs}": round(r[f"{op}_rows_per_s_bs{bs}"] / r2[f"{op}_rows_per_s_bs{bs}"], 2)
+                    for op in ("put", "get")
+                }
+            else:
+                result["replication_1024"] = {"skipped": "a run failed"}
         else:
             result["replication_1024"] = {"skipped": "replicas=2 needs at least 2 workers"}
         if args.memory:
-            result["memory"] = _memory_mode(client, args)
-        result["note"] = f"rows/s of {bs}-row calls vs one-row calls, same store, same run"
+            try:
+                result["memory"] = _memory_mode(client, args)
+                if not result["memory"]["all_rows_read_back"]:
+                    failures.append(f"memory mode: {result['memory']['rows_read_back']} of {result['memory']['rows']} rows read back")
+            except RuntimeError as e:
+                failures.append(f"memory mode: {e}")
+        result["note"] = f"rows/s of {bs}-row calls vs one-row calls, same store, same run; medians of {args.repeats} run(s)"
+    result["failures"] = failures
+    result["ok"] = not failures
+    if failures:
+        _drop_ratios(result)
+        notes("store", args.quiet)(f"FAILED ({len(failures)}): {failures[:3]}")
     return result
+
+
+def _drop_ratios(result: dict[str, Any]) -> None:
+    """No ratio or target verdict computed over failed runs."""
+    for key in ("target_ratio", "meets_target_1024"):
+        result.pop(key, None)
+    for part in ("1024", "16384"):
+        for op in ("put", "get"):
+            result.get(part, {}).pop(f"{op}_ratio", None)
+    rep = result.get("replication_1024", {})
+    for key in [k for k in rep if "ratio" in k]:
+        rep.pop(key)
+
+
+def exit_status(result: dict[str, Any]) -> int:
+    """The CLI's exit status: 0 when no put, get or read-back check failed, else 1."""
+    return 0 if result.get("ok") else 1
 
 
 if __name__ == "__main__":

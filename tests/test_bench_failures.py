@@ -1,0 +1,189 @@
+"""Benchmarks with failed rows, failed gets or mismatched content (issue 12): ``ok`` false,
+the failure named, no ratio or speedup, exit status 1; a healthy tiny run is ``ok``.
+
+Every bench runs at its smallest scale against one shared 2-worker LocalCluster
+(``--scheduler``); failures are made by monkeypatching the controller-side store client.
+No timing is asserted."""
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+
+from pipeline.bench import cut as bench_cut
+from pipeline.bench import restore as bench_restore
+from pipeline.bench import store as bench_store
+from pipeline.store.client import StagingStore
+from pipeline.store.protocol import GetResult, StoreResult
+from tasks.packed import PackedBatch, PackedField
+
+
+@pytest.fixture(scope="module")
+def address(cluster_client):
+    return cluster_client.scheduler.address
+
+
+def parse(module, address: str, *flags: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return p.parse_args(["--scheduler", address, "--quiet", *flags])
+
+
+def ratio_keys(obj, path: str = "") -> list[str]:
+    """Every key anywhere in the result that carries a ratio, speedup or target verdict."""
+    out: list[str] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            if any(w in k for w in ("ratio", "speedup", "meets_target")):
+                out.append(path + k)
+            out += ratio_keys(v, f"{path}{k}.")
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += ratio_keys(v, f"{path}{i}.")
+    return out
+
+
+def assert_failed(module, result: dict, *words: str) -> None:
+    assert result["ok"] is False
+    assert result["failures"], result
+    text = " ".join(result["failures"])
+    for w in words:
+        assert w in text, (w, result["failures"])
+    assert ratio_keys(result) == []
+    assert module.exit_status(result) == 1
+
+
+def assert_healthy(module, result: dict) -> None:
+    assert result["failures"] == [], result["failures"]
+    assert result["ok"] is True
+    assert module.exit_status(result) == 0
+
+
+def refuse_key(monkeypatch, marker: str) -> None:
+    """The store refuses every row whose key contains ``marker`` (as a unit would)."""
+    real = StagingStore.put_many
+
+    def put_many(self, batch, *a, **kw):
+        keep = [i for i, k in enumerate(batch.keys) if marker not in k]
+        if len(keep) == len(batch.keys):
+            return real(self, batch, *a, **kw)
+        res = real(self, batch.take(np.asarray(keep, dtype=np.int64)), *a, **kw) if keep else StoreResult()
+        for k in batch.keys:
+            if marker in k:
+                res.failed[k] = ("refused", "made to fail by the test")
+        return res
+
+    monkeypatch.setattr(StagingStore, "put_many", put_many)
+
+
+def corrupt(batch: PackedBatch, name: str = "logprobs") -> PackedBatch:
+    """A copy of ``batch`` whose ``name`` values differ in one element."""
+    f = batch.fields[name]
+    values = f.values.copy()
+    if values.size:
+        values.reshape(-1)[0] += 1
+    return PackedBatch(list(batch.keys), {**batch.fields, name: PackedField(values, f.offsets, f.present)})
+
+
+# ---- store ---------------------------------------------------------------------------
+
+STORE_FLAGS = ("--batch-size", "2", "--rows-1024", "2", "--rows-16384", "2", "--single-rows-1024", "1",
+               "--single-rows-16384", "1", "--repeats", "1")
+
+
+def test_store_bench_healthy(address):
+    result = bench_store.run(parse(bench_store, address, *STORE_FLAGS, "--repeats", "3"))
+    assert_healthy(bench_store, result)
+    r = result["1024"]
+    assert r["put_ratio"] > 0 and len(r["put_rows_per_s_bs2_runs"]) == 3
+    assert r["get_rows_per_s_bs1_median"] == r["get_rows_per_s_bs1"]
+
+
+def test_store_bench_refused_put_fails(address, monkeypatch):
+    refuse_key(monkeypatch, "b1/c0")  # the second row of each batched put
+    result = bench_store.run(parse(bench_store, address, *STORE_FLAGS))
+    assert_failed(bench_store, result, "put bs2", "b1/c0", "refused", "get bs2")
+
+
+def test_store_bench_corrupt_read_back_fails(address, monkeypatch):
+    real = StagingStore.get_many
+
+    def get_many(self, keys, *a, **kw):
+        got = real(self, keys, *a, **kw)
+        return GetResult(corrupt(got.batch), got.failed) if any("a0/c0" in k for k in keys) else got
+
+    monkeypatch.setattr(StagingStore, "get_many", get_many)
+    result = bench_store.run(parse(bench_store, address, *STORE_FLAGS))
+    assert_failed(bench_store, result, "get bs1", "logprobs", "differs")
+
+
+# ---- cut -----------------------------------------------------------------------------
+
+CUT_FLAGS = ("--rows", "8", "--clients", "2", "--batch-size", "4", "--tokens", "1024", "--repeats", "1")
+
+
+def test_cut_bench_healthy(address):
+    result = bench_cut.run(parse(bench_cut, address, *CUT_FLAGS, "--repeats", "3"))
+    assert_healthy(bench_cut, result)
+    assert result["speedup_1024"] > 0
+    assert [r["rows_per_put"] for r in result["table"]] == [1, 4]
+    for r in result["table"]:
+        assert len(r["wall_s_runs"]) == 3 and r["wall_s"] == r["wall_s_median"] and r["failed"] == 0
+
+
+def test_cut_bench_refused_put_fails(address, monkeypatch):
+    refuse_key(monkeypatch, "c1r2/")  # one call of client 1: its ack is a durable_failure
+    result = bench_cut.run(parse(bench_cut, address, *CUT_FLAGS))
+    assert_failed(bench_cut, result, "durable_failure", "c1r2")
+
+
+def test_cut_bench_corrupt_read_back_fails(address, monkeypatch):
+    real = StagingStore.get_many
+
+    def get_many(self, keys, *a, **kw):
+        got = real(self, keys, *a, **kw)
+        return GetResult(corrupt(got.batch), got.failed)
+
+    monkeypatch.setattr(StagingStore, "get_many", get_many)
+    result = bench_cut.run(parse(bench_cut, address, *CUT_FLAGS))
+    assert_failed(bench_cut, result, "read back", "logprobs", "differs")
+
+
+# ---- restore -------------------------------------------------------------------------
+
+RESTORE_FLAGS = ("--workers", "2", "--restores", "2", "--tokens", "64", "--light-workers", "1", "--light-restores", "2",
+                 "--scenarios", "mass_resume,light_50ms", "--repeats", "1", "--light-repeats", "1", "--gc", "none")
+
+
+def test_restore_bench_healthy(address):
+    result = bench_restore.run(parse(bench_restore, address, *RESTORE_FLAGS, "--repeats", "3", "--light-repeats", "3"))
+    assert_healthy(bench_restore, result)
+    assert result["mass_resume_speedup"] > 0 and "light_50ms_p50_ratio" in result
+    for r in result["rows"]:
+        assert r["errors"] == 0 and r["runs"] == 3 and len(r["wall_s_runs"]) == 3 and "wall_s_median" in r
+
+
+def test_restore_bench_read_errors_fail(address, monkeypatch):
+    real = StagingStore.get_many_async
+
+    async def get_many_async(self, keys, *a, **kw):
+        if any("w1r1" in k for k in keys):
+            raise RuntimeError("unit unreachable (made to fail by the test)")
+        return await real(self, keys, *a, **kw)
+
+    monkeypatch.setattr(StagingStore, "get_many_async", get_many_async)
+    result = bench_restore.run(parse(bench_restore, address, *RESTORE_FLAGS))
+    assert_failed(bench_restore, result, "mass_resume per-request", "mass_resume coalesced", "unit unreachable")
+
+
+def test_restore_bench_corrupt_read_back_fails(address, monkeypatch):
+    real = StagingStore.get_many_async
+
+    async def get_many_async(self, keys, *a, **kw):
+        got = await real(self, keys, *a, **kw)
+        return GetResult(corrupt(got.batch), got.failed)
+
+    monkeypatch.setattr(StagingStore, "get_many_async", get_many_async)
+    result = bench_restore.run(parse(bench_restore, address, *RESTORE_FLAGS))
+    assert_failed(bench_restore, result, "read back", "logprobs", "differs")
