@@ -1,10 +1,19 @@
-"""Finalization: per-rollout fetch + per-token reference verify vs the one-union-fetch graph.
+"""Finalization: per-rollout fetch + per-token verify vs the one-union-fetch graph.
 
 Two workloads (short: 8 x 1 call x 256 tokens; agentic: 8 x 16 calls x 1,024 tokens with
-routes) are staged once and finalized by both modes side by side on the same cluster.
-``baseline`` is one task per group fetching per rollout and verifying with
-:mod:`tasks.finalize.reference`; ``graph`` is :mod:`pipeline.finalize`. Figures and their
-definitions: docs/design.md, "Benchmarks".
+routes) are staged once and finalized by four modes side by side on the same cluster, each
+``--repeats`` times (interleaved; min and median reported, speedups on medians):
+
+- ``baseline``: one task per group, ONE store fetch PER ROLLOUT, the per-token verify as
+  published (the rules of :mod:`tasks.finalize.reference`, checked against it on a sample
+  every run, with linear byte building and routes hashed as one buffer);
+- ``rollout_fetch_vec``: the same fetches, vectorized verify (:mod:`tasks.finalize.verify`);
+- ``union_fetch_token``: ONE fetch per step, the baseline's per-token verify per group;
+- ``graph``: :mod:`pipeline.finalize`.
+
+Every run's output is checked: every rollout accepted, the same tokens in every mode, and
+sampled groups bit-identical to the graph's. Any failure: ``ok: false``, ``failures``, no
+speedups, exit status 1. Figures and their definitions: docs/design.md, "Benchmarks".
 
     python -m pipeline bench finalize --json
     python -m pipeline.bench.finalize --json --agentic-groups 4
@@ -16,10 +25,14 @@ import hashlib
 import statistics
 import sys
 import time
+from collections import Counter
 from typing import Any, Sequence
 
 import numpy as np
 
+from tasks.finalize import reference as ref
+from tasks.finalize.linearize import Linearized
+from tasks.finalize.verify import RolloutResult
 from tasks.gate import CaptureGate
 from tasks.packed import pack_rows
 from tasks.receipts import Receipt
@@ -46,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--groups-per-step", type=non_negative_int, default=0, help="groups per graph step (default 0: all in one step)")
     p.add_argument("--workers", type=positive_int, default=2, help="LocalCluster workers (default 2, one thread each)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="random seed of the staged data")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per mode and workload, interleaved (default 3; min and median reported)")
     add_cluster_arguments(p)
 
 
@@ -87,49 +101,368 @@ def stage_workload(store, name: str, n_groups: int, rng: np.random.Generator, pr
     return groups
 
 
-# ---- baseline: a fetch per rollout + per-token reference --------------------------------
+# ---- the baseline's verify: the per-token path as published --------------------------------
+#
+# tasks/finalize/reference.py is the per-token ORACLE of the tests and is kept as it is; but
+# it builds id bytes quadratically (``out +=``), hashes routes value by value and re-scans
+# the batch's fields for every row, which the published path does not do. The baseline
+# verifies the way the published path did: ``.tolist()`` per token for ids, mask and
+# logprobs, ``bytes()`` for the id fields, hash inputs built linearly (a list of parts and
+# ``b"".join``), float and routes buffers hashed as ONE contiguous buffer each, and the
+# batch's structure checked once per fetch. Same rules, same order, same verdicts as the
+# reference (the benchmark checks that on a sample of rollouts every run).
+
+_ROW_SPECS = {**{k: "u1" for k in ref.ID_NAMES + ref.HASH_NAMES}, **ref.SCALAR_NAMES, **ref.TOKEN_NAMES}
 
 
-def baseline_group(store, receipts: Sequence[Receipt], vocab_size: int, num_experts: int | None) -> dict:
-    """One group the reference way; runs as a Dask task. Returns tokens and fetch count."""
+class _Rows:
+    """A fetched staging batch, indexed by key once; its fields' structure checked once."""
+
+    def __init__(self, batch) -> None:
+        self.batch = batch
+        self.index: dict[str, int] = {}
+        for j, k in enumerate(batch.keys):
+            self.index.setdefault(k, j)  # the first match, as the reference's scan
+        n = len(batch.keys)
+        self.fields_ok = all(ref.field_ok(batch, name, dt, n) for name, dt in _ROW_SPECS.items())
+
+
+class _Routes:
+    """A fetched ``routed_experts`` batch (or ``None``), indexed once, offsets checked once."""
+
+    def __init__(self, routes) -> None:
+        self.index: dict[str, int] = {}
+        self.field = None
+        self.offs: list[int] = []
+        if routes is None:
+            return
+        for j, k in enumerate(routes.keys):
+            self.index.setdefault(k, j)
+        f = routes.fields.get(ROUTES_FIELD)
+        n = len(routes.keys)
+        if f is None or not isinstance(f.values, np.ndarray) or f.offsets.shape != (n + 1,):
+            return
+        offs = f.offsets.tolist()
+        if n and (offs[0] < 0 or offs[-1] > f.values.shape[0] or any(b < a for a, b in zip(offs, offs[1:]))):
+            return
+        self.field, self.offs = f, offs
+
+    def cell(self, key: str) -> np.ndarray | None:
+        idx = self.index.get(key)
+        if idx is None or self.field is None:
+            return None
+        if self.field.present is not None and not bool(self.field.present[idx]):
+            return None
+        return self.field.values[self.offs[idx] : self.offs[idx + 1]]
+
+
+def _read_row(rows: _Rows, i: int) -> dict:
+    if not rows.fields_ok:
+        raise ref._Reject("invalid_staging_row")
+    cells = {}
+    for name in _ROW_SPECS:
+        c = ref.cell(rows.batch, name, i)
+        if c is None:
+            raise ref._Reject("invalid_staging_row")
+        cells[name] = c
+    row: dict[str, Any] = {}
+    for name in ref.ID_NAMES:
+        try:
+            row[name] = bytes(cells[name].tolist()).decode("utf-8")
+        except UnicodeDecodeError:
+            raise ref._Reject("invalid_staging_row") from None
+    for name in ref.SCALAR_NAMES:
+        vals = cells[name].tolist()
+        if len(vals) != 1:
+            raise ref._Reject("invalid_staging_row")
+        row[name] = int(vals[0])
+    for name in ref.HASH_NAMES:
+        b = bytes(cells[name].tolist())
+        if len(b) != 32:
+            raise ref._Reject("invalid_staging_row")
+        row[name] = b
+    if row["schema_version"] != 1 or row["digest_version"] != 1:
+        raise ref._Reject("invalid_staging_row")
+    for name in ref.TOKEN_NAMES:
+        row[name] = cells[name]
+    if row["parent_call_id"] == "":
+        row["parent_call_id"] = None
+    return row
+
+
+def _raw(arr: np.ndarray) -> memoryview:
+    """An array's bytes as ONE contiguous buffer (no per-value work)."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")
+
+
+def _per_token_verify(plan, rows: _Rows, routes: _Routes, vocab_size: int, num_experts: int | None) -> Linearized:
+    u, s = ref.u, ref.s
+    rid = plan.rollout_id
+    chain = plan.chain
+    root_enc = chain[0].routes_encoding
+    lk = None
+    prev_end = 0
+    parent_chain = None
+    prefix = hashlib.sha256(ref.TAG_PREFIX)
+    all_ids: list[int] = []
+    all_mask: list[float] = []
+    all_lps: list[float] = []
+    route_parts: list[np.ndarray] = []
+    spans = []
+    prompt_length = 0
+    row: dict = {}
+    for pos, rec in enumerate(chain):
+        i = rows.index.get(rec.staging_key)
+        if i is None:
+            raise ref._Reject("missing_staging_row")
+        row = _read_row(rows, i)
+        if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
+            raise ref._Reject("identity_mismatch")
+        for name in ref.COMPARED:
+            if row[name] != getattr(rec, name):
+                raise ref._Reject("wrong_" + name)
+        if row["delta_len"] <= 0 or row["prev_len"] < 0 or row["cum_len"] != row["prev_len"] + row["delta_len"]:
+            raise ref._Reject("invalid_staging_row")
+        for name in ref.TOKEN_NAMES:
+            if row[name].shape[0] != row["delta_len"]:
+                raise ref._Reject("invalid_staging_row")
+        experts = None
+        if row["routes_encoding"] != root_enc:
+            raise ref._Reject("invalid_routes")
+        if row["routes_encoding"] == 1:
+            experts = routes.cell(rec.staging_key)
+            if experts is None:
+                raise ref._Reject("missing_routes")
+            if experts.dtype != np.dtype("<i2") or experts.ndim != 3 or experts.shape[0] != row["delta_len"]:
+                raise ref._Reject("invalid_routes")
+            if lk is not None and (experts.shape[1], experts.shape[2]) != lk:
+                raise ref._Reject("invalid_routes")
+            lk = (experts.shape[1], experts.shape[2])
+        ids = row["token_ids"].tolist()  # per token, as published
+        ids_b = b"".join([t.to_bytes(8, "little", signed=True) for t in ids])
+        parent_marker = b"\x00" if row["parent_call_id"] is None else b"\x01" + ref.framed(row["parent_call_id"])
+        parts = [
+            ref.TAG_CALL, u(row["schema_version"] & 0xFFFF, 2), u(row["digest_version"], 2),
+            ref.framed(rid), ref.framed(row["model_call_id"]), parent_marker,
+            s(row["prev_len"], 8), s(row["delta_len"], 8), s(row["cum_len"], 8), s(row["weight_version"], 8),
+            s(row["routes_encoding"], 1), u(len(ids_b), 8), ids_b,
+        ]
+        for name in ("token_mask", "logprobs"):
+            b = _raw(row[name])
+            parts += [u(b.nbytes, 8), b]
+        if row["routes_encoding"] == 1:
+            b = _raw(experts)
+            parts += [u(experts.shape[1], 4), u(experts.shape[2], 4), u(b.nbytes, 8), b]
+        parts += [row["chain_hash"], row["cumulative_hash"]]
+        if hashlib.sha256(b"".join(parts)).digest() != row["digest"]:
+            raise ref._Reject("corrupt_digest")
+        if row["prev_len"] != prev_end:
+            raise ref._Reject("parent_length_mismatch")
+        h = hashlib.sha256(ref.TAG_CHAIN + (b"\x00" if parent_chain is None else b"\x01" + parent_chain))
+        h.update(ids_b)
+        parent_chain = h.digest()
+        if parent_chain != row["chain_hash"]:
+            raise ref._Reject("chain_hash_mismatch")
+        mask = row["token_mask"].tolist()
+        lps = row["logprobs"].tolist()
+        reason = ref.content_reason(ids, mask, lps, vocab_size)
+        if reason:
+            raise ref._Reject(reason)
+        if experts is not None:
+            if num_experts is not None and experts.size and (int(experts.min()) < 0 or int(experts.max()) >= num_experts):
+                raise ref._Reject("invalid_routes")
+            route_parts.append(experts)
+        if pos == 0:
+            for m in mask:
+                if m != 0.0:
+                    break
+                prompt_length += 1
+        spans.append((rec.model_call_id, len(all_ids), len(all_ids) + len(ids)))
+        prefix.update(ids_b)
+        all_ids.extend(ids)
+        all_mask.extend(mask)
+        all_lps.extend(lps)
+        prev_end = row["cum_len"]
+    if prefix.digest() != row["cumulative_hash"]:
+        raise ref._Reject("cumulative_hash_mismatch")
+    if not all_ids or all(m == 0.0 for m in all_mask):
+        raise ref._Reject("empty_training_row")
+    routed = None
+    if root_enc == 1:
+        routed = np.concatenate(route_parts).astype(np.int16, copy=False).reshape(len(all_ids), lk[0], lk[1])
+    return Linearized(
+        np.array(all_ids, dtype=np.int64),
+        np.array(all_mask, dtype=np.float32),
+        np.array(all_lps, dtype=np.float32),
+        routed,
+        prompt_length,
+        spans,
+    )
+
+
+def per_token_verify_rollout(plan, rows, routes, *, vocab_size: int, num_experts: int | None) -> RolloutResult:
+    """The baseline's verify: :func:`tasks.finalize.reference.reference_verify_rollout`'s
+    rules and verdicts, per token, as the published path ran them. ``rows``/``routes``:
+    fetched batches (or their ``_Rows``/``_Routes`` views, built once per fetch)."""
+    rows = rows if isinstance(rows, _Rows) else _Rows(rows)
+    routes = routes if isinstance(routes, _Routes) else _Routes(routes)
+    try:
+        lin = _per_token_verify(plan, rows, routes, vocab_size, num_experts)
+    except ref._Reject as e:
+        return RolloutResult(plan.rollout_id, e.reason, "", None, len(plan.chain))
+    return RolloutResult(plan.rollout_id, "ok", "", lin, len(plan.chain))
+
+
+def same_verdict(a: RolloutResult, b: RolloutResult) -> str | None:
+    """``None`` when two results have the same status and bit-identical training rows,
+    else what differs."""
+    if a.status != b.status:
+        return f"status {a.status!r} vs {b.status!r}"
+    la, lb = a.linearized, b.linearized
+    if (la is None) != (lb is None):
+        return "one has a training row, the other not"
+    if la is None:
+        return None
+    for name in ("input_ids", "token_mask", "logprobs", "routed_experts"):
+        x, y = getattr(la, name), getattr(lb, name)
+        if (x is None) != (y is None):
+            return f"{name}: present in one only"
+        if x is not None and (x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes()):
+            return f"{name} differs"
+    if la.prompt_length != lb.prompt_length:
+        return "prompt_length differs"
+    return None
+
+
+# ---- modes --------------------------------------------------------------------------------
+#
+#   baseline             a fetch per rollout + per-token verify (one task per group)
+#   rollout_fetch_vec    a fetch per rollout + vectorized verify (one task per group)
+#   union_fetch_token    ONE fetch per step + per-token verify (one task per group)
+#   graph                pipeline.finalize: union fetch, packed vectorized verify tasks
+
+MODES = ("baseline", "rollout_fetch_vec", "union_fetch_token", "graph")
+TENSORS = ("input_ids", "input_lengths", "prompt_lengths", "logprobs", "token_mask", "sample_mask", "rewards", "routed_experts", "has_routes")
+
+
+def _group_out(receipts, results, fetches: int, keep: bool) -> dict:
     from tasks.finalize.assemble import assemble_group
+
+    group = assemble_group(results, [r.reward for r in receipts])
+    out = {
+        "tokens": int(group.input_lengths.sum()),
+        "accepted": int(group.sample_mask.sum()),
+        "rollouts": len(group),
+        "rejected": {st: group.status.count(st) for st in set(group.status) if st != "ok"},
+        "fetch_calls": fetches,
+    }
+    if keep:
+        out["group"] = group
+    return out
+
+
+def _plan_one(receipt):
+    """(rollout plan, None) or (None, the rejection as a result) for one receipt."""
     from tasks.finalize.plan import plan_step
-    from tasks.finalize.reference import reference_verify_rollout
     from tasks.finalize.verify import rejected_result
+
+    plan = plan_step([receipt])
+    if not plan.rollouts:
+        rid = plan.order[0]
+        return None, rejected_result(rid, *plan.rejected[rid])
+    return plan.rollouts[0], None
+
+
+def per_rollout_group(store, receipts: Sequence[Receipt], vocab_size: int, num_experts: int | None, vectorized: bool, keep: bool) -> dict:
+    """One group, ONE store fetch PER ROLLOUT; per-token (baseline) or vectorized verify.
+    Runs as a Dask task."""
+    from tasks.finalize.verify import verify_rollout
 
     results, fetches = [], 0
     for receipt in receipts:
-        plan = plan_step([receipt])
-        if not plan.rollouts:
-            rid = plan.order[0]
-            results.append(rejected_result(rid, *plan.rejected[rid]))
+        rp, rejected = _plan_one(receipt)
+        if rp is None:
+            results.append(rejected)
             continue
-        rp = plan.rollouts[0]
         fields = list(ALL_FIELDS) if rp.routes_keys else list(STAGING_FIELDS)
-        got = store.get_many(rp.keys, fields)  # one fetch per rollout
+        got = store.get_many(rp.keys, fields)  # ONE fetch per rollout, in both modes
         fetches += 1
-        results.append(reference_verify_rollout(rp, got.batch, got.batch if rp.routes_keys else None, vocab_size=vocab_size, num_experts=num_experts))
-    group = assemble_group(results, [r.reward for r in receipts])
-    return {"tokens": int(group.input_lengths.sum()), "accepted": int(group.sample_mask.sum()), "fetch_calls": fetches}
+        verify = verify_rollout if vectorized else per_token_verify_rollout
+        results.append(verify(rp, got.batch, got.batch if rp.routes_keys else None, vocab_size=vocab_size, num_experts=num_experts))
+    return _group_out(receipts, results, fetches, keep)
 
 
-def run_baseline(client, store, groups: list[list[Receipt]]) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    futures = [client.submit(baseline_group, store, g, VOCAB, EXPERTS, pure=False, key=f"bench-baseline-{i}-{time.time_ns()}") for i, g in enumerate(groups)]
-    outs = client.gather(futures)
-    wall = time.perf_counter() - t0
+def union_fetch(store, receipts: Sequence[Receipt]):
+    """ONE store get for a whole step's rows (routes included when any are routed)."""
+    from tasks.finalize.plan import plan_step
+
+    plan = plan_step(list(receipts))
+    fields = list(ALL_FIELDS) if plan.routes_keys else list(STAGING_FIELDS)
+    return store.get_many(plan.staging_keys, fields).batch
+
+
+def union_group(batch, receipts: Sequence[Receipt], vocab_size: int, num_experts: int | None, keep: bool) -> dict:
+    """One group verified per token against the step's union fetch. Runs as a Dask task."""
+    rows = _Rows(batch)
+    routes = _Routes(batch if ROUTES_FIELD in batch.fields else None)
+    results = []
+    for receipt in receipts:
+        rp, rejected = _plan_one(receipt)
+        results.append(rejected if rp is None else per_token_verify_rollout(rp, rows, routes, vocab_size=vocab_size, num_experts=num_experts))
+    return _group_out(receipts, results, 0, keep)
+
+
+def _summ(outs: list[dict], wall: float, keep: Sequence[int], groups) -> dict[str, Any]:
+    rejected: Counter = Counter()
+    for o in outs:
+        rejected.update(o["rejected"])
     return {
         "wall_s": wall,
         "tokens": sum(o["tokens"] for o in outs),
         "accepted": sum(o["accepted"] for o in outs),
+        "rollouts": sum(o["rollouts"] for o in outs),
+        "rejected": dict(rejected),
         "fetch_calls_per_group": statistics.mean(o["fetch_calls"] for o in outs),
+        "sample": {groups[i][0].group_id: outs[i]["group"] for i in keep},
     }
+
+
+def _key(mode: str, i: int) -> str:
+    return f"bench-{mode}-{i}-{time.time_ns()}"
+
+
+def run_per_rollout(client, store, groups: list[list[Receipt]], vectorized: bool, keep: Sequence[int] = ()) -> dict[str, Any]:
+    mode = "rollout-fetch-vec" if vectorized else "baseline"
+    t0 = time.perf_counter()
+    futures = [client.submit(per_rollout_group, store, g, VOCAB, EXPERTS, vectorized, i in keep, pure=False, key=_key(mode, i)) for i, g in enumerate(groups)]
+    outs = client.gather(futures)
+    wall = time.perf_counter() - t0
+    return _summ(outs, wall, keep, groups)
+
+
+def run_baseline(client, store, groups: list[list[Receipt]], keep: Sequence[int] = ()) -> dict[str, Any]:
+    return run_per_rollout(client, store, groups, False, keep)
+
+
+def run_union_per_token(client, store, groups: list[list[Receipt]], groups_per_step: int, keep: Sequence[int] = ()) -> dict[str, Any]:
+    per = groups_per_step or len(groups)
+    t0 = time.perf_counter()
+    futures = []
+    for s0 in range(0, len(groups), per):
+        step = groups[s0 : s0 + per]
+        batch = client.submit(union_fetch, store, [r for g in step for r in g], pure=False, key=_key("union-fetch", s0))
+        futures += [client.submit(union_group, batch, g, VOCAB, EXPERTS, s0 + i in keep, pure=False, key=_key("union-verify", s0 + i)) for i, g in enumerate(step)]
+    outs = client.gather(futures)
+    wall = time.perf_counter() - t0
+    out = _summ(outs, wall, keep, groups)
+    out["fetch_calls_per_group"] = -(-len(groups) // per) / len(groups)
+    return out
 
 
 # ---- graph -------------------------------------------------------------------------------
 
 
-def run_graph(client, store, groups: list[list[Receipt]], groups_per_step: int) -> dict[str, Any]:
+def run_graph(client, store, groups: list[list[Receipt]], groups_per_step: int, keep: Sequence[int] = ()) -> dict[str, Any]:
     from pipeline.finalize import Finalizer
 
     fin = Finalizer(client, store, vocab_size=VOCAB, num_experts=EXPERTS)
@@ -140,11 +473,20 @@ def run_graph(client, store, groups: list[list[Receipt]], groups_per_step: int) 
         fin.submit_step({(g[0].group_id or f"g{s + i}"): g for i, g in enumerate(groups[s : s + per])})
     steps = fin.drain()
     wall = time.perf_counter() - t0
-    group_metrics = [g.metrics for st in steps for g in st.groups.values()]
+    all_groups = {gid: g for st in steps for gid, g in st.groups.items()}
+    group_metrics = [g.metrics for g in all_groups.values()]
+    rejected: Counter = Counter()
+    for m in group_metrics:
+        rejected.update(m["rejected_by_reason"])
+        if m.get("internal_errors"):
+            rejected["internal_error"] += m["internal_errors"]
     return {
         "wall_s": wall,
         "tokens": sum(st.metrics["tokens"] for st in steps),
         "accepted": sum(st.metrics["accepted"] for st in steps),
+        "rollouts": sum(st.metrics["rollouts"] for st in steps),
+        "rejected": dict(rejected),
+        "sample": {groups[i][0].group_id: all_groups.get(groups[i][0].group_id) for i in keep},
         "fetch_calls_per_group": statistics.mean(m["fetch_calls"] for m in group_metrics),
         "fetch_calls_per_step": statistics.mean(st.metrics["fetch_calls"] for st in steps),
         "steps": len(steps),
@@ -155,6 +497,56 @@ def run_graph(client, store, groups: list[list[Receipt]], groups_per_step: int) 
         "queue_wait_ms": max(st.metrics["queue_wait_ms"] for st in steps),
         "bytes_fetched": sum(st.metrics["bytes_fetched"] for st in steps),
     }
+
+
+def run_mode(mode: str, client, store, groups, groups_per_step: int, keep: Sequence[int] = ()) -> dict[str, Any]:
+    if mode == "baseline":
+        return run_per_rollout(client, store, groups, False, keep)
+    if mode == "rollout_fetch_vec":
+        return run_per_rollout(client, store, groups, True, keep)
+    if mode == "union_fetch_token":
+        return run_union_per_token(client, store, groups, groups_per_step, keep)
+    if mode == "graph":
+        return run_graph(client, store, groups, groups_per_step, keep)
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def group_diff(a, b) -> str | None:
+    """``None`` when two FinalizedGroups hold bit-identical training rows, else what differs."""
+    if a is None or b is None:
+        return "group missing"
+    if list(a.rollout_ids) != list(b.rollout_ids):
+        return "rollout_ids differ"
+    if list(a.status) != list(b.status):
+        return f"status {a.status} vs {b.status}"
+    for name in TENSORS:
+        x, y = getattr(a, name), getattr(b, name)
+        if (x is None) != (y is None):
+            return f"{name}: present in one only"
+        if x is not None and (x.dtype != y.dtype or tuple(x.shape) != tuple(y.shape) or x.numpy().tobytes() != y.numpy().tobytes()):
+            return f"{name} differs"
+    return None
+
+
+def check_against_reference(store, groups: list[list[Receipt]], sample: Sequence[tuple[int, int]]) -> list[str]:
+    """The baseline's per-token verify vs the reference oracle on sampled rollouts (one
+    fetch each, untimed): same verdict, bit-identical training rows. Problems found."""
+    from tasks.finalize.reference import reference_verify_rollout
+
+    problems = []
+    for gi, ri in sample:
+        rp, _ = _plan_one(groups[gi][ri])
+        if rp is None:
+            continue
+        fields = list(ALL_FIELDS) if rp.routes_keys else list(STAGING_FIELDS)
+        batch = store.get_many(rp.keys, fields).batch
+        routes = batch if rp.routes_keys else None
+        want = reference_verify_rollout(rp, batch, routes, vocab_size=VOCAB, num_experts=EXPERTS)
+        got = per_token_verify_rollout(rp, batch, routes, vocab_size=VOCAB, num_experts=EXPERTS)
+        diff = same_verdict(want, got)
+        if diff:
+            problems.append(f"baseline verify disagrees with the reference on {rp.rollout_id}: {diff}")
+    return problems
 
 
 def verify_vs_hash(store, groups: list[list[Receipt]], repeats: int = 3) -> dict[str, float]:
@@ -188,15 +580,32 @@ def verify_vs_hash(store, groups: list[list[Receipt]], repeats: int = 3) -> dict
 # ---- the run -----------------------------------------------------------------------------
 
 
+def _stats(runs: list[float]) -> dict[str, Any]:
+    return {"wall_s_runs": [round(w, 4) for w in runs], "wall_s_min": round(min(runs), 4), "wall_s_median": round(statistics.median(runs), 4)}
+
+
+def _sample_groups(n: int) -> list[int]:
+    return sorted({0, n - 1})
+
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Stage both workloads, run baseline and graph on each, return the figures."""
+    """Stage both workloads, run every mode ``--repeats`` times on each (interleaved),
+    check every run's output, return the figures (``ok: false`` and ``failures`` when a
+    check failed; no speedups then)."""
+    import dask
+
     from pipeline.store import StagingStore
 
+    repeats = getattr(args, "repeats", 3)
+    if repeats < 3:
+        raise SystemExit("--repeats must be at least 3 (min and median of 3 or more runs)")
     say = notes("finalize", args.quiet)
     rng = np.random.default_rng(args.seed)
     counts = {"short": args.short_groups, "agentic": args.agentic_groups}
-    with bench_client(args, n_workers=args.workers) as client:
+    failures: list[str] = []
+    out: dict[str, Any] = {"benchmark": "finalize", "repeats": repeats, "modes": list(MODES)}
+    # Every mode reads the same staged rows, run after run: the graph must not delete them.
+    with dask.config.set({"token-capture.finalize.clear-staged": False}), bench_client(args, n_workers=args.workers) as client:
         say(f"cluster up: {len(client.scheduler_info()['workers'])} workers")
         store = StagingStore.start(client)
         try:
@@ -204,52 +613,120 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # Warm-up (imports, first-call costs on workers), untimed: one rollout per mode
             # and workload is enough to load every module on both workers.
             for name, groups in staged.items():
-                run_baseline(client, store, [groups[0][:1], groups[-1][:1]])
-                run_graph(client, store, [groups[0][:1], groups[-1][:1]], 0)
+                for mode in MODES:
+                    run_mode(mode, client, store, [groups[0][:1], groups[-1][:1]], 0)
             say("warm-up done")
-            out: dict[str, Any] = {}
             for name, groups in staged.items():
-                base = run_baseline(client, store, groups)
-                say(f"{name}: baseline {base['wall_s']:.2f}s")
-                graph = run_graph(client, store, groups, args.groups_per_step)
-                say(f"{name}: graph {graph['wall_s']:.3f}s")
-                vh = verify_vs_hash(store, groups)
-                if base["tokens"] != graph["tokens"] or base["accepted"] != graph["accepted"]:
-                    raise RuntimeError(f"{name}: modes disagree: baseline {base} vs graph {graph}")
-                rollouts, calls, delta, routes = WORKLOADS[name]
-                out[name] = {
-                    "groups": len(groups),
-                    "rollouts_per_group": rollouts,
-                    "calls_per_rollout": calls,
-                    "tokens_per_delta": delta,
-                    "routes": None if routes is None else list(routes),
-                    "baseline_wall_s": round(base["wall_s"], 4),
-                    "graph_wall_s": round(graph["wall_s"], 4),
-                    "speedup": round(base["wall_s"] / graph["wall_s"], 2),
-                    "fetch_calls_per_group_baseline": base["fetch_calls_per_group"],
-                    "fetch_calls_per_group_graph": graph["fetch_calls_per_group"],
-                    "fetch_calls_per_step_graph": graph["fetch_calls_per_step"],
-                    "graph_steps": graph["steps"],
-                    "graph_fetch_ms": round(graph["fetch_ms"], 2),
-                    "graph_verify_ms": round(graph["verify_ms"], 2),
-                    "graph_verify_tasks": graph["verify_tasks"],
-                    "graph_assemble_ms": round(graph["assemble_ms"], 2),
-                    "graph_queue_wait_ms": round(graph["queue_wait_ms"], 2),
-                    "graph_bytes_fetched": graph["bytes_fetched"],
-                    "tokens": graph["tokens"],
-                    "tokens_per_s_baseline": round(base["tokens"] / base["wall_s"], 1),
-                    "tokens_per_s_graph": round(graph["tokens"] / graph["wall_s"], 1),
-                    "verify_ms_in_process": round(vh["verify_ms"], 3),
-                    "hash_ms": round(vh["hash_ms"], 3),
-                    "hash_bytes": vh["bytes"],
-                    "verify_vs_hash": round(vh["verify_ms"] / vh["hash_ms"], 2),
-                    # The same ratio with the graph's own verify-task time (2 busy workers).
-                    "graph_verify_vs_hash": round(graph["verify_ms"] / vh["hash_ms"], 2),
-                    "targets": TARGETS[name],
-                }
-            return out
+                sample = [(0, 0), (len(groups) - 1, len(groups[-1]) - 1)]
+                failures += [f"{name}: {p}" for p in check_against_reference(store, groups, sample)]
+            runs: dict[str, dict[str, list[dict]]] = {name: {m: [] for m in MODES} for name in staged}
+            for k in range(repeats):
+                for name, groups in staged.items():
+                    keep = _sample_groups(len(groups))
+                    order = MODES[k % len(MODES):] + MODES[: k % len(MODES)]  # interleaved, rotating who goes first
+                    this: dict[str, dict] = {}
+                    for mode in order:
+                        try:
+                            r = run_mode(mode, client, store, groups, args.groups_per_step, keep)
+                        except Exception as e:  # noqa: BLE001 - a failed run is reported, then fails the command
+                            failures.append(f"{name} {mode} run {k}: {type(e).__name__}: {e}")
+                            say(f"{name}: {mode} run {k} FAILED: {type(e).__name__}: {e}")
+                            continue
+                        say(f"{name}: {mode:18s} run {k}: {r['wall_s']:.3f}s")
+                        expected = sum(len(g) for g in groups)
+                        if r["accepted"] != expected or r["rejected"]:
+                            failures.append(f"{name} {mode} run {k}: {expected - r['accepted']} of {expected} rollouts rejected: {r['rejected']}")
+                        this[mode] = r
+                        runs[name][mode].append(r)
+                    # Output checks: the same tokens, and sampled groups bit-identical to the graph's.
+                    ref_mode = "graph" if "graph" in this else next(iter(this), None)
+                    for mode, r in this.items():
+                        if mode == ref_mode:
+                            continue
+                        if r["tokens"] != this[ref_mode]["tokens"]:
+                            failures.append(f"{name} {mode} run {k}: {r['tokens']} tokens, {ref_mode} {this[ref_mode]['tokens']}")
+                        for gid, g in r["sample"].items():
+                            diff = group_diff(this[ref_mode]["sample"].get(gid), g)
+                            if diff:
+                                failures.append(f"{name} {mode} run {k}: group {gid} not bit-identical to {ref_mode}: {diff}")
+            for name, groups in staged.items():
+                try:
+                    vh = verify_vs_hash(store, groups)
+                except Exception as e:  # noqa: BLE001
+                    failures.append(f"{name} verify_vs_hash: {type(e).__name__}: {e}")
+                    vh = None
+                out[name] = _figures(name, groups, runs[name], vh)
         finally:
             store.close()
+    out["failures"] = failures
+    out["ok"] = not failures
+    if failures:
+        say(f"{len(failures)} check(s) failed: {failures[:5]}")
+        for name in staged:
+            for key in [k for k in out[name] if k.startswith("speedup") or k.endswith("vs_hash")]:
+                del out[name][key]
+    return out
+
+
+def _figures(name: str, groups, runs: dict[str, list[dict]], vh: dict | None) -> dict[str, Any]:
+    rollouts, calls, delta, routes = WORKLOADS[name]
+    res: dict[str, Any] = {
+        "groups": len(groups),
+        "rollouts_per_group": rollouts,
+        "calls_per_rollout": calls,
+        "tokens_per_delta": delta,
+        "routes": None if routes is None else list(routes),
+    }
+    modes: dict[str, Any] = {}
+    for mode, rs in runs.items():
+        if not rs:
+            modes[mode] = {"wall_s_runs": []}
+            continue
+        st = _stats([r["wall_s"] for r in rs])
+        st["fetch_calls_per_group"] = rs[0]["fetch_calls_per_group"]
+        st["tokens"] = rs[0]["tokens"]
+        st["tokens_per_s_median"] = round(rs[0]["tokens"] / st["wall_s_median"], 1)
+        modes[mode] = st
+    res["modes"] = modes
+    ok = all(modes[m].get("wall_s_runs") for m in MODES)
+    base = modes["baseline"]
+    if ok:
+        for mode, suffix in (("graph", ""), ("rollout_fetch_vec", "_rollout_fetch_vec"), ("union_fetch_token", "_union_fetch_token")):
+            res[f"speedup_median{suffix}"] = round(base["wall_s_median"] / modes[mode]["wall_s_median"], 2)
+            res[f"speedup_min{suffix}"] = round(base["wall_s_min"] / modes[mode]["wall_s_min"], 2)
+    g = runs["graph"]
+    if g:
+
+        def med(key: str) -> float:
+            return statistics.median(r[key] for r in g)
+
+        res.update({
+            "fetch_calls_per_step_graph": g[0]["fetch_calls_per_step"],
+            "graph_steps": g[0]["steps"],
+            "graph_fetch_ms": round(med("fetch_ms"), 2),
+            "graph_verify_ms": round(med("verify_ms"), 2),
+            "graph_verify_tasks": g[0]["verify_tasks"],
+            "graph_assemble_ms": round(med("assemble_ms"), 2),
+            "graph_queue_wait_ms": round(med("queue_wait_ms"), 2),
+            "graph_bytes_fetched": g[0]["bytes_fetched"],
+        })
+    if vh is not None:
+        res.update({
+            "verify_ms_in_process": round(vh["verify_ms"], 3),
+            "hash_ms": round(vh["hash_ms"], 3),
+            "hash_bytes": vh["bytes"],
+            "verify_vs_hash": round(vh["verify_ms"] / vh["hash_ms"], 2),
+        })
+        if g:
+            # The same ratio with the graph's own verify-task time (2 busy workers; median run).
+            res["graph_verify_vs_hash"] = round(res["graph_verify_ms"] / vh["hash_ms"], 2)
+    res["targets"] = TARGETS[name]
+    return res
+
+
+def exit_status(result: dict[str, Any]) -> int:
+    """The CLI's exit status: 0 when every run of every mode passed its checks, else 1."""
+    return 0 if result.get("ok") else 1
 
 
 if __name__ == "__main__":
