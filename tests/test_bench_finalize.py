@@ -23,12 +23,12 @@ def _args(*argv: str):
     return p.parse_args(["--short-groups", "1", "--agentic-groups", "1", "--quiet", *argv])
 
 
-# ---- the baseline's per-token verify vs the reference oracle (no cluster) ----------------
+# ---- the baseline's per-token verify: the reference oracle (no cluster) --------------------
 
 
 @pytest.mark.parametrize("routes", [None, (4, 2)])
 @pytest.mark.parametrize("kind", [None, R.CORRUPT_DIGEST, R.MISSING_STAGING_ROW, R.CHAIN_HASH_MISMATCH, R.wrong("delta_len")])
-def test_per_token_verify_matches_reference(kind, routes):
+def test_baseline_verify_is_the_reference_and_names_each_tamper(kind, routes):
     rng = np.random.default_rng(7)
     rows, receipt = bench.make_rollout(rng, "t-r0", "t-g0", 3, 48, routes)
     if kind is not None:
@@ -38,10 +38,10 @@ def test_per_token_verify_matches_reference(kind, routes):
     rp = plan.rollouts[0]
     batch = pack_rows(rows)
     routes_batch = batch if routes else None
-    want = reference_verify_rollout(rp, batch, routes_batch, vocab_size=bench.VOCAB, num_experts=bench.EXPERTS)
+    # the baseline IS the reference oracle (one implementation of the per-token path)
+    assert bench.per_token_verify_rollout is reference_verify_rollout
     got = bench.per_token_verify_rollout(rp, batch, routes_batch, vocab_size=bench.VOCAB, num_experts=bench.EXPERTS)
     assert got.status == (kind or R.OK)
-    assert bench.same_verdict(want, got) is None
 
 
 def test_repeats_flag_is_validated():

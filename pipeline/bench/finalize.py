@@ -5,8 +5,8 @@ routes) are staged once and finalized by four modes side by side on the same clu
 ``--repeats`` times (interleaved; min and median reported, speedups on medians):
 
 - ``baseline``: one task per group, ONE store fetch PER ROLLOUT, the per-token verify as
-  published (the rules of :mod:`tasks.finalize.reference`, checked against it on a sample
-  every run, with linear byte building and routes hashed as one buffer);
+  published (:mod:`tasks.finalize.reference`, the tests' oracle: ``.tolist()`` per token,
+  linear byte building, routes hashed as one buffer);
 - ``rollout_fetch_vec``: the same fetches, vectorized verify (:mod:`tasks.finalize.verify`);
 - ``union_fetch_token``: ONE fetch per step, the baseline's per-token verify per group;
 - ``graph``: :mod:`pipeline.finalize`.
@@ -30,9 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from tasks.finalize import reference as ref
-from tasks.finalize.linearize import Linearized
-from tasks.finalize.verify import RolloutResult
+from tasks.finalize.reference import RoutesView, RowsView, reference_verify_rollout
 from tasks.gate import CaptureGate
 from tasks.packed import pack_rows
 from tasks.receipts import Receipt
@@ -101,237 +99,13 @@ def stage_workload(store, name: str, n_groups: int, rng: np.random.Generator, pr
     return groups
 
 
-# ---- the baseline's verify: the per-token path as published --------------------------------
+# ---- the baseline's verify -----------------------------------------------------------------
 #
-# tasks/finalize/reference.py is the per-token ORACLE of the tests and is kept as it is; but
-# it builds id bytes quadratically (``out +=``), hashes routes value by value and re-scans
-# the batch's fields for every row, which the published path does not do. The baseline
-# verifies the way the published path did: ``.tolist()`` per token for ids, mask and
-# logprobs, ``bytes()`` for the id fields, hash inputs built linearly (a list of parts and
-# ``b"".join``), float and routes buffers hashed as ONE contiguous buffer each, and the
-# batch's structure checked once per fetch. Same rules, same order, same verdicts as the
-# reference (the benchmark checks that on a sample of rollouts every run).
+# The per-token path as published (``.tolist()`` per token, ``bytes()`` for ids, hash inputs
+# built linearly, float and routes buffers hashed as one buffer each) is the reference
+# verifier, tasks/finalize/reference.py: the tests' oracle is the benchmark's baseline.
 
-_ROW_SPECS = {**{k: "u1" for k in ref.ID_NAMES + ref.HASH_NAMES}, **ref.SCALAR_NAMES, **ref.TOKEN_NAMES}
-
-
-class _Rows:
-    """A fetched staging batch, indexed by key once; its fields' structure checked once."""
-
-    def __init__(self, batch) -> None:
-        self.batch = batch
-        self.index: dict[str, int] = {}
-        for j, k in enumerate(batch.keys):
-            self.index.setdefault(k, j)  # the first match, as the reference's scan
-        n = len(batch.keys)
-        self.fields_ok = all(ref.field_ok(batch, name, dt, n) for name, dt in _ROW_SPECS.items())
-
-
-class _Routes:
-    """A fetched ``routed_experts`` batch (or ``None``), indexed once, offsets checked once."""
-
-    def __init__(self, routes) -> None:
-        self.index: dict[str, int] = {}
-        self.field = None
-        self.offs: list[int] = []
-        if routes is None:
-            return
-        for j, k in enumerate(routes.keys):
-            self.index.setdefault(k, j)
-        f = routes.fields.get(ROUTES_FIELD)
-        n = len(routes.keys)
-        if f is None or not isinstance(f.values, np.ndarray) or f.offsets.shape != (n + 1,):
-            return
-        offs = f.offsets.tolist()
-        if n and (offs[0] < 0 or offs[-1] > f.values.shape[0] or any(b < a for a, b in zip(offs, offs[1:]))):
-            return
-        self.field, self.offs = f, offs
-
-    def cell(self, key: str) -> np.ndarray | None:
-        idx = self.index.get(key)
-        if idx is None or self.field is None:
-            return None
-        if self.field.present is not None and not bool(self.field.present[idx]):
-            return None
-        return self.field.values[self.offs[idx] : self.offs[idx + 1]]
-
-
-def _read_row(rows: _Rows, i: int) -> dict:
-    if not rows.fields_ok:
-        raise ref._Reject("invalid_staging_row")
-    cells = {}
-    for name in _ROW_SPECS:
-        c = ref.cell(rows.batch, name, i)
-        if c is None:
-            raise ref._Reject("invalid_staging_row")
-        cells[name] = c
-    row: dict[str, Any] = {}
-    for name in ref.ID_NAMES:
-        try:
-            row[name] = bytes(cells[name].tolist()).decode("utf-8")
-        except UnicodeDecodeError:
-            raise ref._Reject("invalid_staging_row") from None
-    for name in ref.SCALAR_NAMES:
-        vals = cells[name].tolist()
-        if len(vals) != 1:
-            raise ref._Reject("invalid_staging_row")
-        row[name] = int(vals[0])
-    for name in ref.HASH_NAMES:
-        b = bytes(cells[name].tolist())
-        if len(b) != 32:
-            raise ref._Reject("invalid_staging_row")
-        row[name] = b
-    if row["schema_version"] != 1 or row["digest_version"] != 1:
-        raise ref._Reject("invalid_staging_row")
-    for name in ref.TOKEN_NAMES:
-        row[name] = cells[name]
-    if row["parent_call_id"] == "":
-        row["parent_call_id"] = None
-    return row
-
-
-def _raw(arr: np.ndarray) -> memoryview:
-    """An array's bytes as ONE contiguous buffer (no per-value work)."""
-    return memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")
-
-
-def _per_token_verify(plan, rows: _Rows, routes: _Routes, vocab_size: int, num_experts: int | None) -> Linearized:
-    u, s = ref.u, ref.s
-    rid = plan.rollout_id
-    chain = plan.chain
-    root_enc = chain[0].routes_encoding
-    lk = None
-    prev_end = 0
-    parent_chain = None
-    prefix = hashlib.sha256(ref.TAG_PREFIX)
-    all_ids: list[int] = []
-    all_mask: list[float] = []
-    all_lps: list[float] = []
-    route_parts: list[np.ndarray] = []
-    spans = []
-    prompt_length = 0
-    row: dict = {}
-    for pos, rec in enumerate(chain):
-        i = rows.index.get(rec.staging_key)
-        if i is None:
-            raise ref._Reject("missing_staging_row")
-        row = _read_row(rows, i)
-        if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
-            raise ref._Reject("identity_mismatch")
-        for name in ref.COMPARED:
-            if row[name] != getattr(rec, name):
-                raise ref._Reject("wrong_" + name)
-        if row["delta_len"] <= 0 or row["prev_len"] < 0 or row["cum_len"] != row["prev_len"] + row["delta_len"]:
-            raise ref._Reject("invalid_staging_row")
-        for name in ref.TOKEN_NAMES:
-            if row[name].shape[0] != row["delta_len"]:
-                raise ref._Reject("invalid_staging_row")
-        experts = None
-        if row["routes_encoding"] != root_enc:
-            raise ref._Reject("invalid_routes")
-        if row["routes_encoding"] == 1:
-            experts = routes.cell(rec.staging_key)
-            if experts is None:
-                raise ref._Reject("missing_routes")
-            if experts.dtype != np.dtype("<i2") or experts.ndim != 3 or experts.shape[0] != row["delta_len"]:
-                raise ref._Reject("invalid_routes")
-            if lk is not None and (experts.shape[1], experts.shape[2]) != lk:
-                raise ref._Reject("invalid_routes")
-            lk = (experts.shape[1], experts.shape[2])
-        ids = row["token_ids"].tolist()  # per token, as published
-        ids_b = b"".join([t.to_bytes(8, "little", signed=True) for t in ids])
-        parent_marker = b"\x00" if row["parent_call_id"] is None else b"\x01" + ref.framed(row["parent_call_id"])
-        parts = [
-            ref.TAG_CALL, u(row["schema_version"] & 0xFFFF, 2), u(row["digest_version"], 2),
-            ref.framed(rid), ref.framed(row["model_call_id"]), parent_marker,
-            s(row["prev_len"], 8), s(row["delta_len"], 8), s(row["cum_len"], 8), s(row["weight_version"], 8),
-            s(row["routes_encoding"], 1), u(len(ids_b), 8), ids_b,
-        ]
-        for name in ("token_mask", "logprobs"):
-            b = _raw(row[name])
-            parts += [u(b.nbytes, 8), b]
-        if row["routes_encoding"] == 1:
-            b = _raw(experts)
-            parts += [u(experts.shape[1], 4), u(experts.shape[2], 4), u(b.nbytes, 8), b]
-        parts += [row["chain_hash"], row["cumulative_hash"]]
-        if hashlib.sha256(b"".join(parts)).digest() != row["digest"]:
-            raise ref._Reject("corrupt_digest")
-        if row["prev_len"] != prev_end:
-            raise ref._Reject("parent_length_mismatch")
-        h = hashlib.sha256(ref.TAG_CHAIN + (b"\x00" if parent_chain is None else b"\x01" + parent_chain))
-        h.update(ids_b)
-        parent_chain = h.digest()
-        if parent_chain != row["chain_hash"]:
-            raise ref._Reject("chain_hash_mismatch")
-        mask = row["token_mask"].tolist()
-        lps = row["logprobs"].tolist()
-        reason = ref.content_reason(ids, mask, lps, vocab_size)
-        if reason:
-            raise ref._Reject(reason)
-        if experts is not None:
-            if num_experts is not None and experts.size and (int(experts.min()) < 0 or int(experts.max()) >= num_experts):
-                raise ref._Reject("invalid_routes")
-            route_parts.append(experts)
-        if pos == 0:
-            for m in mask:
-                if m != 0.0:
-                    break
-                prompt_length += 1
-        spans.append((rec.model_call_id, len(all_ids), len(all_ids) + len(ids)))
-        prefix.update(ids_b)
-        all_ids.extend(ids)
-        all_mask.extend(mask)
-        all_lps.extend(lps)
-        prev_end = row["cum_len"]
-    if prefix.digest() != row["cumulative_hash"]:
-        raise ref._Reject("cumulative_hash_mismatch")
-    if not all_ids or all(m == 0.0 for m in all_mask):
-        raise ref._Reject("empty_training_row")
-    routed = None
-    if root_enc == 1:
-        routed = np.concatenate(route_parts).astype(np.int16, copy=False).reshape(len(all_ids), lk[0], lk[1])
-    return Linearized(
-        np.array(all_ids, dtype=np.int64),
-        np.array(all_mask, dtype=np.float32),
-        np.array(all_lps, dtype=np.float32),
-        routed,
-        prompt_length,
-        spans,
-    )
-
-
-def per_token_verify_rollout(plan, rows, routes, *, vocab_size: int, num_experts: int | None) -> RolloutResult:
-    """The baseline's verify: :func:`tasks.finalize.reference.reference_verify_rollout`'s
-    rules and verdicts, per token, as the published path ran them. ``rows``/``routes``:
-    fetched batches (or their ``_Rows``/``_Routes`` views, built once per fetch)."""
-    rows = rows if isinstance(rows, _Rows) else _Rows(rows)
-    routes = routes if isinstance(routes, _Routes) else _Routes(routes)
-    try:
-        lin = _per_token_verify(plan, rows, routes, vocab_size, num_experts)
-    except ref._Reject as e:
-        return RolloutResult(plan.rollout_id, e.reason, "", None, len(plan.chain))
-    return RolloutResult(plan.rollout_id, "ok", "", lin, len(plan.chain))
-
-
-def same_verdict(a: RolloutResult, b: RolloutResult) -> str | None:
-    """``None`` when two results have the same status and bit-identical training rows,
-    else what differs."""
-    if a.status != b.status:
-        return f"status {a.status!r} vs {b.status!r}"
-    la, lb = a.linearized, b.linearized
-    if (la is None) != (lb is None):
-        return "one has a training row, the other not"
-    if la is None:
-        return None
-    for name in ("input_ids", "token_mask", "logprobs", "routed_experts"):
-        x, y = getattr(la, name), getattr(lb, name)
-        if (x is None) != (y is None):
-            return f"{name}: present in one only"
-        if x is not None and (x.dtype != y.dtype or x.shape != y.shape or x.tobytes() != y.tobytes()):
-            return f"{name} differs"
-    if la.prompt_length != lb.prompt_length:
-        return "prompt_length differs"
-    return None
+per_token_verify_rollout = reference_verify_rollout
 
 
 # ---- modes --------------------------------------------------------------------------------
@@ -403,8 +177,8 @@ def union_fetch(store, receipts: Sequence[Receipt]):
 
 def union_group(batch, receipts: Sequence[Receipt], vocab_size: int, num_experts: int | None, keep: bool) -> dict:
     """One group verified per token against the step's union fetch. Runs as a Dask task."""
-    rows = _Rows(batch)
-    routes = _Routes(batch if ROUTES_FIELD in batch.fields else None)
+    rows = RowsView(batch)
+    routes = RoutesView(batch if ROUTES_FIELD in batch.fields else None)
     results = []
     for receipt in receipts:
         rp, rejected = _plan_one(receipt)
@@ -528,27 +302,6 @@ def group_diff(a, b) -> str | None:
     return None
 
 
-def check_against_reference(store, groups: list[list[Receipt]], sample: Sequence[tuple[int, int]]) -> list[str]:
-    """The baseline's per-token verify vs the reference oracle on sampled rollouts (one
-    fetch each, untimed): same verdict, bit-identical training rows. Problems found."""
-    from tasks.finalize.reference import reference_verify_rollout
-
-    problems = []
-    for gi, ri in sample:
-        rp, _ = _plan_one(groups[gi][ri])
-        if rp is None:
-            continue
-        fields = list(ALL_FIELDS) if rp.routes_keys else list(STAGING_FIELDS)
-        batch = store.get_many(rp.keys, fields).batch
-        routes = batch if rp.routes_keys else None
-        want = reference_verify_rollout(rp, batch, routes, vocab_size=VOCAB, num_experts=EXPERTS)
-        got = per_token_verify_rollout(rp, batch, routes, vocab_size=VOCAB, num_experts=EXPERTS)
-        diff = same_verdict(want, got)
-        if diff:
-            problems.append(f"baseline verify disagrees with the reference on {rp.rollout_id}: {diff}")
-    return problems
-
-
 def verify_vs_hash(store, groups: list[list[Receipt]], repeats: int = 3) -> dict[str, float]:
     """Vectorized verify of every rollout vs ONE SHA-256 pass over the same fetched bytes.
 
@@ -616,9 +369,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for mode in MODES:
                     run_mode(mode, client, store, [groups[0][:1], groups[-1][:1]], 0)
             say("warm-up done")
-            for name, groups in staged.items():
-                sample = [(0, 0), (len(groups) - 1, len(groups[-1]) - 1)]
-                failures += [f"{name}: {p}" for p in check_against_reference(store, groups, sample)]
             runs: dict[str, dict[str, list[dict]]] = {name: {m: [] for m in MODES} for name in staged}
             for k in range(repeats):
                 for name, groups in staged.items():

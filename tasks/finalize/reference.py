@@ -1,10 +1,11 @@
 """A deliberately simple, per-token reference of the verification rules.
 
-Written independently of ``tasks.finalize.verify`` / ``tasks.hashing``: every array goes through
-``.tolist()``, every rule is a Python loop over elements, and each hash input is a
-``bytes`` object built by hand from the layout in ``tasks/hashing.py``'s docstring.
-This is also the baseline of the finalize benchmark: it is the per-token path the
-reference system runs (``[int(t) for t in x.tolist()]``, ``bytes(...)`` per id).
+Written independently of ``tasks.finalize.verify`` / ``tasks.hashing``: ids, mask and
+logprobs go through ``.tolist()`` and every rule is a Python loop over them; each hash
+input is built by hand from the layout in ``tasks/hashing.py``'s docstring (parts joined
+once; float and routes buffers hashed as one contiguous buffer each). It is the tests'
+oracle and, as the per-token path the published system runs, the finalize benchmark's
+baseline.
 
 Rule order is the one documented in ``tasks/reasons.py``.
 """
@@ -57,28 +58,9 @@ def framed(text: str) -> bytes:
     return u(len(b), 4) + b
 
 
-def raw_bytes(arr: np.ndarray) -> bytes:
-    """The array's bytes, one Python int per byte (as the reference system did for ids)."""
-    return bytes([int(x) for x in arr.reshape(-1).view(np.uint8).tolist()])
-
-
 def ids_bytes(ids: list[int]) -> bytes:
-    out = b""
-    for t in ids:
-        out += s(t, 8)
-    return out
-
-
-def flat(nested) -> list:
-    out = []
-    for a in nested:
-        for b in a:
-            for c in b:
-                out.append(c)
-    return out
-
-
-# ---- the batch, read the slow way --------------------------------------------------------
+    """Token ids as ``<i8`` bytes, one Python int at a time, joined once (linear)."""
+    return b"".join([t.to_bytes(8, "little", signed=True) for t in ids])
 
 
 def field_ok(batch, name: str, dtype: str, n: int) -> bool:
@@ -106,89 +88,6 @@ def cell(batch, name: str, i: int) -> np.ndarray | None:
     if f.present is not None and not bool(f.present[i]):
         return None
     return f.values[int(f.offsets[i]) : int(f.offsets[i + 1])]
-
-
-def read_row(batch, i: int) -> dict:
-    n = len(batch.keys)
-    specs = {**{k: "u1" for k in ID_NAMES + HASH_NAMES}, **SCALAR_NAMES, **TOKEN_NAMES}
-    for name, dt in specs.items():
-        if not field_ok(batch, name, dt, n):
-            raise _Reject("invalid_staging_row")
-    cells = {}
-    for name in specs:
-        c = cell(batch, name, i)
-        if c is None:
-            raise _Reject("invalid_staging_row")
-        cells[name] = c
-    row: dict[str, Any] = {}
-    for name in ID_NAMES:
-        try:
-            row[name] = bytes([int(x) for x in cells[name].tolist()]).decode("utf-8")
-        except UnicodeDecodeError:
-            raise _Reject("invalid_staging_row") from None
-    for name in SCALAR_NAMES:
-        vals = cells[name].tolist()
-        if len(vals) != 1:
-            raise _Reject("invalid_staging_row")
-        row[name] = int(vals[0])
-    for name in HASH_NAMES:
-        b = bytes([int(x) for x in cells[name].tolist()])
-        if len(b) != 32:
-            raise _Reject("invalid_staging_row")
-        row[name] = b
-    if row["schema_version"] != 1 or row["digest_version"] != 1:
-        raise _Reject("invalid_staging_row")
-    for name in TOKEN_NAMES:
-        row[name] = cells[name]
-    if row["parent_call_id"] == "":
-        row["parent_call_id"] = None
-    return row
-
-
-def routes_cell(routes, key: str) -> np.ndarray | None:
-    if routes is None:
-        return None
-    idx = -1
-    for j, k in enumerate(routes.keys):
-        if k == key:
-            idx = j
-            break
-    if idx < 0:
-        return None
-    f = routes.fields.get("routed_experts")
-    n = len(routes.keys)
-    if f is None or not isinstance(f.values, np.ndarray) or f.offsets.shape != (n + 1,):
-        return None
-    offs = f.offsets.tolist()
-    if n and (offs[0] < 0 or offs[-1] > f.values.shape[0] or any(b < a for a, b in zip(offs, offs[1:]))):
-        return None
-    if f.present is not None and not bool(f.present[idx]):
-        return None
-    return f.values[offs[idx] : offs[idx + 1]]
-
-
-# ---- the rules -----------------------------------------------------------------------------
-
-
-def call_digest(rid: str, row: dict, experts: np.ndarray | None) -> bytes:
-    data = TAG_CALL
-    data += u(row["schema_version"] & 0xFFFF, 2) + u(row["digest_version"], 2)
-    data += framed(rid) + framed(row["model_call_id"])
-    data += b"\x00" if row["parent_call_id"] is None else b"\x01" + framed(row["parent_call_id"])
-    for name in ("prev_len", "delta_len", "cum_len", "weight_version"):
-        data += s(row[name], 8)
-    data += s(row["routes_encoding"], 1)
-    ids = [int(t) for t in row["token_ids"].tolist()]
-    b = ids_bytes(ids)
-    data += u(len(b), 8) + b
-    for name in ("token_mask", "logprobs"):
-        b = raw_bytes(row[name])
-        data += u(len(b), 8) + b
-    if row["routes_encoding"] == 1:
-        b = b"".join(s(v, 2) for v in flat(experts.tolist()))
-        data += u(experts.shape[1], 4) + u(experts.shape[2], 4) + u(len(b), 8) + b
-    data += row["chain_hash"] + row["cumulative_hash"]
-    return hashlib.sha256(data).digest()
 
 
 def content_reason(ids: list[int], mask: list[float], lps: list[float], vocab_size: int) -> str | None:
@@ -222,26 +121,107 @@ def content_reason(ids: list[int], mask: list[float], lps: list[float], vocab_si
     return None
 
 
-def _verify(plan, rows, routes, vocab_size: int, num_experts: int | None) -> Linearized:
+_ROW_SPECS = {**{k: "u1" for k in ID_NAMES + HASH_NAMES}, **SCALAR_NAMES, **TOKEN_NAMES}
+
+
+class RowsView:
+    """A fetched staging batch, indexed by key once; its fields' structure checked once."""
+
+    def __init__(self, batch) -> None:
+        self.batch = batch
+        self.index: dict[str, int] = {}
+        for j, k in enumerate(batch.keys):
+            self.index.setdefault(k, j)  # the first match, as the reference's scan
+        n = len(batch.keys)
+        self.fields_ok = all(field_ok(batch, name, dt, n) for name, dt in _ROW_SPECS.items())
+
+
+class RoutesView:
+    """A fetched ``routed_experts`` batch (or ``None``), indexed once, offsets checked once."""
+
+    def __init__(self, routes) -> None:
+        self.index: dict[str, int] = {}
+        self.field = None
+        self.offs: list[int] = []
+        if routes is None:
+            return
+        for j, k in enumerate(routes.keys):
+            self.index.setdefault(k, j)
+        f = routes.fields.get("routed_experts")
+        n = len(routes.keys)
+        if f is None or not isinstance(f.values, np.ndarray) or f.offsets.shape != (n + 1,):
+            return
+        offs = f.offsets.tolist()
+        if n and (offs[0] < 0 or offs[-1] > f.values.shape[0] or any(b < a for a, b in zip(offs, offs[1:]))):
+            return
+        self.field, self.offs = f, offs
+
+    def cell(self, key: str) -> np.ndarray | None:
+        idx = self.index.get(key)
+        if idx is None or self.field is None:
+            return None
+        if self.field.present is not None and not bool(self.field.present[idx]):
+            return None
+        return self.field.values[self.offs[idx] : self.offs[idx + 1]]
+
+
+def read_row(rows: RowsView, i: int) -> dict:
+    if not rows.fields_ok:
+        raise _Reject("invalid_staging_row")
+    cells = {}
+    for name in _ROW_SPECS:
+        c = cell(rows.batch, name, i)
+        if c is None:
+            raise _Reject("invalid_staging_row")
+        cells[name] = c
+    row: dict[str, Any] = {}
+    for name in ID_NAMES:
+        try:
+            row[name] = bytes(cells[name].tolist()).decode("utf-8")
+        except UnicodeDecodeError:
+            raise _Reject("invalid_staging_row") from None
+    for name in SCALAR_NAMES:
+        vals = cells[name].tolist()
+        if len(vals) != 1:
+            raise _Reject("invalid_staging_row")
+        row[name] = int(vals[0])
+    for name in HASH_NAMES:
+        b = bytes(cells[name].tolist())
+        if len(b) != 32:
+            raise _Reject("invalid_staging_row")
+        row[name] = b
+    if row["schema_version"] != 1 or row["digest_version"] != 1:
+        raise _Reject("invalid_staging_row")
+    for name in TOKEN_NAMES:
+        row[name] = cells[name]
+    if row["parent_call_id"] == "":
+        row["parent_call_id"] = None
+    return row
+
+
+def _raw(arr: np.ndarray) -> memoryview:
+    """An array's bytes as ONE contiguous buffer (no per-value work)."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")
+
+
+def _verify(plan, rows: RowsView, routes: RoutesView, vocab_size: int, num_experts: int | None) -> Linearized:
     rid = plan.rollout_id
     chain = plan.chain
     root_enc = chain[0].routes_encoding
     lk = None
     prev_end = 0
     parent_chain = None
+    prefix = hashlib.sha256(TAG_PREFIX)
     all_ids: list[int] = []
     all_mask: list[float] = []
     all_lps: list[float] = []
-    all_routes: list = []
+    route_parts: list[np.ndarray] = []
     spans = []
     prompt_length = 0
+    row: dict = {}
     for pos, rec in enumerate(chain):
-        i = -1
-        for j, k in enumerate(rows.keys):
-            if k == rec.staging_key:
-                i = j
-                break
-        if i < 0:
+        i = rows.index.get(rec.staging_key)
+        if i is None:
             raise _Reject("missing_staging_row")
         row = read_row(rows, i)
         if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
@@ -252,13 +232,13 @@ def _verify(plan, rows, routes, vocab_size: int, num_experts: int | None) -> Lin
         if row["delta_len"] <= 0 or row["prev_len"] < 0 or row["cum_len"] != row["prev_len"] + row["delta_len"]:
             raise _Reject("invalid_staging_row")
         for name in TOKEN_NAMES:
-            if len(row[name].tolist()) != row["delta_len"]:
+            if row[name].shape[0] != row["delta_len"]:
                 raise _Reject("invalid_staging_row")
         experts = None
         if row["routes_encoding"] != root_enc:
             raise _Reject("invalid_routes")
         if row["routes_encoding"] == 1:
-            experts = routes_cell(routes, rec.staging_key)
+            experts = routes.cell(rec.staging_key)
             if experts is None:
                 raise _Reject("missing_routes")
             if experts.dtype != np.dtype("<i2") or experts.ndim != 3 or experts.shape[0] != row["delta_len"]:
@@ -266,44 +246,58 @@ def _verify(plan, rows, routes, vocab_size: int, num_experts: int | None) -> Lin
             if lk is not None and (experts.shape[1], experts.shape[2]) != lk:
                 raise _Reject("invalid_routes")
             lk = (experts.shape[1], experts.shape[2])
-        if call_digest(rid, row, experts) != row["digest"]:
+        ids = row["token_ids"].tolist()  # per token, as published
+        ids_b = ids_bytes(ids)
+        parent_marker = b"\x00" if row["parent_call_id"] is None else b"\x01" + framed(row["parent_call_id"])
+        parts = [
+            TAG_CALL, u(row["schema_version"] & 0xFFFF, 2), u(row["digest_version"], 2),
+            framed(rid), framed(row["model_call_id"]), parent_marker,
+            s(row["prev_len"], 8), s(row["delta_len"], 8), s(row["cum_len"], 8), s(row["weight_version"], 8),
+            s(row["routes_encoding"], 1), u(len(ids_b), 8), ids_b,
+        ]
+        for name in ("token_mask", "logprobs"):
+            b = _raw(row[name])
+            parts += [u(b.nbytes, 8), b]
+        if row["routes_encoding"] == 1:
+            b = _raw(experts)
+            parts += [u(experts.shape[1], 4), u(experts.shape[2], 4), u(b.nbytes, 8), b]
+        parts += [row["chain_hash"], row["cumulative_hash"]]
+        if hashlib.sha256(b"".join(parts)).digest() != row["digest"]:
             raise _Reject("corrupt_digest")
         if row["prev_len"] != prev_end:
             raise _Reject("parent_length_mismatch")
-        ids = [int(t) for t in row["token_ids"].tolist()]
-        marker = b"\x00" if parent_chain is None else b"\x01" + parent_chain
-        parent_chain = hashlib.sha256(TAG_CHAIN + marker + ids_bytes(ids)).digest()
+        h = hashlib.sha256(TAG_CHAIN + (b"\x00" if parent_chain is None else b"\x01" + parent_chain))
+        h.update(ids_b)
+        parent_chain = h.digest()
         if parent_chain != row["chain_hash"]:
             raise _Reject("chain_hash_mismatch")
-        mask = [float(m) for m in row["token_mask"].tolist()]
-        lps = [float(p) for p in row["logprobs"].tolist()]
+        mask = row["token_mask"].tolist()
+        lps = row["logprobs"].tolist()
         reason = content_reason(ids, mask, lps, vocab_size)
         if reason:
             raise _Reject(reason)
         if experts is not None:
-            ex = experts.tolist()
-            if num_experts is not None:
-                for e in flat(ex):
-                    if e < 0 or e >= num_experts:
-                        raise _Reject("invalid_routes")
-            all_routes.extend(ex)
+            if num_experts is not None and experts.size and (int(experts.min()) < 0 or int(experts.max()) >= num_experts):
+                raise _Reject("invalid_routes")
+            route_parts.append(experts)
         if pos == 0:
             for m in mask:
                 if m != 0.0:
                     break
                 prompt_length += 1
         spans.append((rec.model_call_id, len(all_ids), len(all_ids) + len(ids)))
+        prefix.update(ids_b)
         all_ids.extend(ids)
         all_mask.extend(mask)
         all_lps.extend(lps)
         prev_end = row["cum_len"]
-    if hashlib.sha256(TAG_PREFIX + ids_bytes(all_ids)).digest() != row["cumulative_hash"]:
+    if prefix.digest() != row["cumulative_hash"]:
         raise _Reject("cumulative_hash_mismatch")
     if not all_ids or all(m == 0.0 for m in all_mask):
         raise _Reject("empty_training_row")
     routed = None
     if root_enc == 1:
-        routed = np.array(all_routes, dtype=np.int16).reshape(len(all_ids), lk[0], lk[1])
+        routed = np.concatenate(route_parts).astype(np.int16, copy=False).reshape(len(all_ids), lk[0], lk[1])
     return Linearized(
         np.array(all_ids, dtype=np.int64),
         np.array(all_mask, dtype=np.float32),
@@ -315,7 +309,12 @@ def _verify(plan, rows, routes, vocab_size: int, num_experts: int | None) -> Lin
 
 
 def reference_verify_rollout(plan, rows, routes, *, vocab_size: int, num_experts: int | None) -> RolloutResult:
-    """Same signature and verdicts as :func:`tasks.finalize.verify.verify_rollout`, per token."""
+    """Same signature and verdicts as :func:`tasks.finalize.verify.verify_rollout`, per token.
+
+    ``rows``/``routes``: fetched batches, or their :class:`RowsView`/:class:`RoutesView`
+    (build them once per fetch when many rollouts share one)."""
+    rows = rows if isinstance(rows, RowsView) else RowsView(rows)
+    routes = routes if isinstance(routes, RoutesView) else RoutesView(routes)
     try:
         lin = _verify(plan, rows, routes, vocab_size, num_experts)
     except _Reject as e:
