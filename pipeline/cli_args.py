@@ -52,53 +52,35 @@ class ArgumentParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _int(text: str, what: str) -> int:
+def _parse(text: str, kind: type, what: str) -> int | float:
+    """``text`` as ``kind`` (int: ``_`` separators allowed; float: finite only)."""
     try:
-        return int(str(text).strip().replace("_", ""))
+        value = int(str(text).strip().replace("_", "")) if kind is int else float(str(text).strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-
-
-def _float(text: str, what: str) -> float:
-    try:
-        value = float(str(text).strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-    if not math.isfinite(value):
+    if kind is float and not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
     return value
 
 
-def positive_int(text: str) -> int:
-    """An integer >= 1."""
-    value = _int(text, "a positive integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+def _bounded(name: str, kind: type, what: str, ok: Callable[[float], bool], doc: str) -> Callable[[str], Any]:
+    """An argparse type: ``text`` parsed as ``kind`` and accepted when ``ok(value)``."""
+
+    def parse(text: str) -> Any:
+        value = _parse(text, kind, what)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+        return value
+
+    parse.__name__ = parse.__qualname__ = name  # argparse names a type by it in some messages
+    parse.__doc__ = doc
+    return parse
 
 
-def non_negative_int(text: str) -> int:
-    """An integer >= 0."""
-    value = _int(text, "a non-negative integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer, got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0."""
-    value = _float(text, "a positive number")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number >= 0."""
-    value = _float(text, "a non-negative number")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative number, got {text!r}")
-    return value
+positive_int = _bounded("positive_int", int, "a positive integer", lambda v: v >= 1, "An integer >= 1.")
+non_negative_int = _bounded("non_negative_int", int, "a non-negative integer", lambda v: v >= 0, "An integer >= 0.")
+positive_float = _bounded("positive_float", float, "a positive number", lambda v: v > 0, "A finite number > 0.")
+non_negative_float = _bounded("non_negative_float", float, "a non-negative number", lambda v: v >= 0, "A finite number >= 0.")
 
 
 def positive_int_list(text: str) -> str:
