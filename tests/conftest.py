@@ -34,3 +34,12 @@ def keep_staged_rows():
 
     with dask.config.set({"token-capture.finalize.clear-staged": False}):
         yield
+
+
+@pytest.fixture(scope="module")
+def inprocess_client():
+    """A Client on an in-process cluster (2 workers x 2 threads): a test can monkeypatch
+    what tasks run, or hold a task until it releases it."""
+    with local_cluster(n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            yield client

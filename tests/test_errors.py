@@ -7,9 +7,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from distributed import Client
 
-from pipeline.cluster import local_cluster
 from pipeline.store import StagingStore
 from tasks import errors
 from tasks.errors import (
@@ -55,11 +53,10 @@ def test_error_classes_are_defined_only_in_tasks_errors():
     assert not defined, f"error classes outside tasks/errors.py: {defined}"
 
 
-@pytest.fixture(scope="module")
-def client():
-    with local_cluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=":0") as cluster:
-        with Client(cluster) as c:
-            yield c
+
+@pytest.fixture
+def client(inprocess_client):
+    return inprocess_client
 
 
 def test_closed_store_is_not_swallowed_by_except_valueerror(client, tmp_path):

@@ -13,9 +13,7 @@ import threading
 import dask
 import numpy as np
 import pytest
-from distributed import Client
 
-from pipeline.cluster import local_cluster
 from pipeline.finalize import Finalizer, clear_rows
 from pipeline.finalize import graph as graph_mod
 from pipeline.store import checkpoint as checkpoint_mod
@@ -180,17 +178,11 @@ def test_clear_staged_false_deletes_nothing(cluster_client, store):
 # ---- ordering: never before the assemble tasks, never under another in-flight step -------
 
 
-@pytest.fixture(scope="module")
-def thread_client():
-    """An in-process cluster, so a test can hold an assemble task until it releases it."""
-    with local_cluster(n_workers=2, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster:
-        with Client(cluster) as client:
-            yield client
 
 
 @pytest.fixture
-def thread_store(thread_client, tmp_path):
-    with store_maker(thread_client, tmp_path / "spill") as make:
+def thread_store(inprocess_client, tmp_path):
+    with store_maker(inprocess_client, tmp_path / "spill") as make:
         yield make(n_units=2)
 
 
@@ -210,7 +202,7 @@ class AssembleGate:
         return self.real(rows, rewards)
 
 
-def test_a_step_is_cleared_only_after_all_its_groups_are_assembled(thread_client, thread_store, monkeypatch):
+def test_a_step_is_cleared_only_after_all_its_groups_are_assembled(inprocess_client, thread_store, monkeypatch):
     store = thread_store
     rng = np.random.default_rng(5)
     g0 = stage(store, make_group(rng, "ord0", 3, n_calls=2))
@@ -219,7 +211,7 @@ def test_a_step_is_cleared_only_after_all_its_groups_are_assembled(thread_client
     gate = AssembleGate({g1[0].rollout_id})
     monkeypatch.setattr(graph_mod, "assemble_group", gate)
     before = unit_deletes(store)
-    fin = Finalizer(thread_client, store, vocab_size=VOCAB, num_experts=None)
+    fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
     with dask.config.set({"token-capture.finalize.clear-staged": True}):
         handle = fin.submit_step({"ord0": [b.receipt for b in g0], "ord1": [b.receipt for b in g1]})
     try:
@@ -239,7 +231,7 @@ def test_a_step_is_cleared_only_after_all_its_groups_are_assembled(thread_client
     assert handle.result().groups["ord1"].status == ["ok"] * 3
 
 
-def test_a_key_another_in_flight_step_reads_survives_until_both_are_done(thread_client, thread_store, monkeypatch):
+def test_a_key_another_in_flight_step_reads_survives_until_both_are_done(inprocess_client, thread_store, monkeypatch):
     store = thread_store
     rng = np.random.default_rng(6)
     only_a = stage(store, make_group(rng, "shA", 2, n_calls=2))
@@ -247,7 +239,7 @@ def test_a_key_another_in_flight_step_reads_survives_until_both_are_done(thread_
     only_b = stage(store, make_group(rng, "shB", 2, n_calls=2))
     gate = AssembleGate({only_b[0].rollout_id})  # step B stays in flight until released
     monkeypatch.setattr(graph_mod, "assemble_group", gate)
-    fin = Finalizer(thread_client, store, vocab_size=VOCAB, num_experts=None)
+    fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
     with dask.config.set({"token-capture.finalize.clear-staged": True}):
         step_a = fin.submit_step([[b.receipt for b in only_a + shared]], step_id="A")
         step_b = fin.submit_step([[b.receipt for b in shared + only_b]], step_id="B")  # resubmitted rollout

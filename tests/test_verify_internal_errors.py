@@ -10,13 +10,11 @@ import logging
 
 import numpy as np
 import pytest
-from distributed import Client
 from rollout_factory import fetch, make_group
 from support import store_maker
 from test_finalize_graph import events_of, readback
 from test_verify import same_rows
 
-from pipeline.cluster import local_cluster
 from pipeline.finalize import Finalizer, timing
 from tasks import reasons as R
 from tasks.finalize import chain, verify
@@ -109,12 +107,6 @@ def test_status_counts_keep_internal_errors_apart():
     assert (accepted, rejected, internal) == (2, {R.CORRUPT_DIGEST: 1}, 2)
 
 
-@pytest.fixture(scope="module")
-def inprocess_client():
-    """In-process workers (threads), so a monkeypatched verifier reaches the verify tasks."""
-    with local_cluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=":0") as cluster:
-        with Client(cluster) as client:
-            yield client
 
 
 def test_graph_reports_internal_errors_in_group_event_and_step(monkeypatch, caplog, inprocess_client, tmp_path):

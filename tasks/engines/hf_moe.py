@@ -31,7 +31,7 @@ from ..errors import InvalidCall, InvalidPolicyConfig, InvalidRecord
 from ..gate import CaptureGate
 from ..schema import ROUTES_DTYPE, StagedRow
 from ..toy.environment import ToolEnvironment
-from ..toy.policy import _torch_threads
+from .threads import torch_threads
 from ..toy.rollouts import GeneratedRollout, RolloutSpec, call_id, parent_call_id, toy_reward
 from ..toy.sampling import STREAM_SAMPLE, rollout_key, uniforms
 
@@ -213,7 +213,7 @@ class HFMoEEngine:
         kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": use_cache, "output_router_logits": True}
         if cache is not None:
             kwargs[self._cache_arg] = cache
-        with torch.inference_mode(), _torch_threads(self.config.threads):
+        with torch.inference_mode(), torch_threads(self.config.threads):
             out = self.model(**kwargs)
             routes = route_experts(out.router_logits, self.config.top_k).view(len(out.router_logits), B, S, -1)
         # The output field is named like the argument (cache in 5.x, past_key_values in 4.x).

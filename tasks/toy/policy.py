@@ -9,13 +9,13 @@ docs/design.md, "The toy engine".
 from __future__ import annotations
 
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass, fields
-from typing import Any, Iterator, Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import torch
 
+from ..engines.threads import torch_threads
 from ..errors import InvalidPolicyConfig
 from .sampling import STREAM_SAMPLE, uniforms
 
@@ -28,20 +28,6 @@ _CLAMP = 1 << 12  # hidden activations are kept in [-4096, 4096]
 _TEMP_DIV = 32  # logit units per table step (the sampling temperature)
 _TABLE_STEPS = 1024  # weights exp(-k / 16) for k in [0, 1023]; beyond: the floor weight
 _TABLE_TAU = 16.0
-
-
-@contextmanager
-def _torch_threads(n: int) -> Iterator[None]:
-    """Run torch ops with ``n`` intra-op threads, restoring the previous count after."""
-    before = torch.get_num_threads()
-    if n <= 0 or n == before:
-        yield
-        return
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @dataclass(frozen=True)
@@ -187,7 +173,7 @@ class MoEPolicy:
 
     def forward(self, windows: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Integer logits int64[B, vocab] and routes int64[B, L, K] for each position."""
-        with _torch_threads(self.config.threads):
+        with torch_threads(self.config.threads):
             return self._forward(windows, positions)
 
     def _forward(self, windows: np.ndarray, positions: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,7 +236,7 @@ class MoEPolicy:
         routes = np.empty((b, n_tokens, L, K), dtype=np.int16)
         win = np.array(windows, dtype=np.int64, copy=True)
         pos = np.array(positions, dtype=np.int64, copy=True)
-        with _torch_threads(self.config.threads):  # once per decode, not per step
+        with torch_threads(self.config.threads):  # once per decode, not per step
             for t in range(n_tokens):
                 s = self.step(win, pos, keys)
                 tokens[:, t], logprobs[:, t], routes[:, t] = s.tokens, s.logprobs, s.routes
