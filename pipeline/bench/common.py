@@ -1,5 +1,6 @@
 """What every ``python -m pipeline bench ...`` shares: cluster flags, the cluster itself,
-progress notes on stderr, and the stand-alone entry point (``python -m pipeline.bench.X``)."""
+progress notes on stderr, the stand-alone entry point (``python -m pipeline.bench.X``) and
+the bit-exact check of rows read back."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +9,11 @@ import json
 import sys
 import time
 from types import ModuleType
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import numpy as np
+
+from tasks.packed import PackedBatch
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -80,3 +85,22 @@ def main(module: ModuleType, argv: Sequence[str] | None = None) -> int:
         return int(module.exit_status(result)) if hasattr(module, "exit_status") else 0
 
     return run_command(go, args)
+
+
+def compare_rows(want: PackedBatch, got: PackedBatch, fields: Any = None, what: str = "") -> list[str]:
+    """Bit-exact check of rows read back: row ``i`` of ``got`` against row ``i`` of ``want``
+    (same key, and for every field of ``want``, or ``fields``: same presence, dtype and
+    values by ``np.array_equal``). Returns one problem per differing row and field."""
+    problems: list[str] = []
+    if list(got.keys[: len(want)]) != list(want.keys):
+        return [f"{what}read back keys {list(got.keys)[:3]}.., expected {list(want.keys)[:3]}.."]
+    names = list(fields) if fields is not None else list(want.fields)
+    for i, key in enumerate(want.keys):
+        for name in names:
+            w = want.fields[name].row(i) if name in want.fields else None
+            g = got.fields[name].row(i) if name in got.fields else None
+            if (w is None) != (g is None):
+                problems.append(f"{what}{key}: field {name} {'missing' if g is None else 'unexpected'} in what was read back")
+            elif w is not None and (w.dtype != g.dtype or w.shape != g.shape or not np.array_equal(w, g)):
+                problems.append(f"{what}{key}: field {name} read back differs from what was written")
+    return problems

@@ -137,7 +137,7 @@ def _check_content(store, receipt, tokens: int, tag: str) -> list[str]:
     from tasks.keys import CUT_PARTITION
     from tasks.packed import PackedBatch, pack_rows
 
-    from .store import compare_rows
+    from .common import compare_rows
 
     acks = [a for a in receipt.acks if a.durable][:SAMPLE_ROWS]
     if not acks:

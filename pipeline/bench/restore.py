@@ -230,7 +230,7 @@ def _check_content(sampled: dict[int, Any], keys: list[list[str]], fields: list[
     """Each sampled restore's rows, bit-exact (every field read) against the staged rows."""
     from tasks.packed import PackedBatch
 
-    from .store import compare_rows
+    from .common import compare_rows
 
     problems: list[str] = []
     for i, rows in sorted(sampled.items()):

@@ -31,7 +31,7 @@ import numpy as np
 from tasks.gate import CaptureGate
 from tasks.packed import PackedBatch, pack_rows
 
-from .common import add_cluster_arguments, bench_client, main, notes
+from .common import add_cluster_arguments, bench_client, compare_rows, main, notes
 
 TARGET_RATIO = 20.0  # 256-row calls vs one-row calls at 1,024 tokens (rows/s)
 
@@ -88,25 +88,6 @@ def _progress(label: str, total: int, quiet: bool):
 # ---- throughput ----------------------------------------------------------------------
 
 SAMPLE_ROWS = 4  # rows per sampled read compared bit-exact with what was written
-
-
-def compare_rows(want: PackedBatch, got: PackedBatch, fields: Any = None, what: str = "") -> list[str]:
-    """Bit-exact check of rows read back: row ``i`` of ``got`` against row ``i`` of ``want``
-    (same key, and for every field of ``want``, or ``fields``: same presence, dtype and
-    values by ``np.array_equal``). Returns one problem per differing row and field."""
-    problems: list[str] = []
-    if list(got.keys[: len(want)]) != list(want.keys):
-        return [f"{what}read back keys {list(got.keys)[:3]}.., expected {list(want.keys)[:3]}.."]
-    names = list(fields) if fields is not None else list(want.fields)
-    for i, key in enumerate(want.keys):
-        for name in names:
-            w = want.fields[name].row(i) if name in want.fields else None
-            g = got.fields[name].row(i) if name in got.fields else None
-            if (w is None) != (g is None):
-                problems.append(f"{what}{key}: field {name} {'missing' if g is None else 'unexpected'} in what was read back")
-            elif w is not None and (w.dtype != g.dtype or w.shape != g.shape or not np.array_equal(w, g)):
-                problems.append(f"{what}{key}: field {name} read back differs from what was written")
-    return problems
 
 
 def _refused(what: str, failed: dict) -> str:
