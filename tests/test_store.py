@@ -323,7 +323,8 @@ def test_adopted_puts_read_back_bit_exact(store_factory):
     with dask.config.set({"token-capture.store.max-call-bytes": 3 * SHARED_BYTES}):
         res = store.put_many(batch.take(rest), adopt=True)
     assert sorted(res.ok) == sorted(batch.keys[i] for i in rest) and not res.failed
-    assert not copy.put_many(pack_rows(rows)).failed
+    with dask.config.set({"token-capture.store.adopt-received": False}):  # the copied reference
+        assert not copy.put_many(pack_rows(rows)).failed
     assert_rows_exact(store, rows)
     stats, copy_stats = store.stats(), copy.stats()
     # Adopted rows weigh exactly what copied rows weigh; nothing is pinned while every row lives.
@@ -571,3 +572,41 @@ def test_in_process_adopt_across_units_reads_back_exact(inproc_store):
     assert_rows_exact(store, rows[1::2])
     stats = store.stats()
     assert all(s["pinned_bytes"] <= s["memory_bytes"] for s in stats), "pins never exceed live bytes"
+
+
+def test_units_adopt_batches_received_over_the_wire(store_factory):
+    """A put that crossed a TCP connection arrives in buffers only the unit holds: the unit
+    keeps its rows as views of them (one shared group per call, no copy per row) even
+    without ``adopt=True``; ``store.adopt-received: false`` makes it copy every row."""
+    import dask
+
+    rows = make_rows(6, calls=2, tokens=TOKENS, seed=5)
+    batch = pack_rows(rows)
+    store = store_factory(n_units=1)
+    assert store.unit_workers[0].startswith("tcp://")
+    assert not store.put_many(batch).failed
+    assert store.stats()[0]["shared_groups"] == 1
+    copied = store_factory(n_units=1)
+    with dask.config.set({"token-capture.store.adopt-received": False}):
+        assert not copied.put_many(batch).failed
+    assert copied.stats()[0]["shared_groups"] == 0
+    assert_rows_exact(store, rows)
+    assert_rows_exact(copied, rows)
+
+
+def test_in_process_units_copy_what_they_are_given(inprocess_client, tmp_path):
+    """In-process (``inproc://``) calls hand the caller's own arrays to the unit: it must
+    copy them, or a caller reusing its buffers would change staged rows."""
+    from pipeline.store import StagingStore
+
+    rows = make_rows(4, calls=1, tokens=TOKENS, seed=6)
+    batch = pack_rows(rows)
+    store = StagingStore.start(inprocess_client, n_units=1, spill_directory=str(tmp_path))
+    try:
+        assert store.unit_workers[0].startswith("inproc://")
+        assert not store.put_many(batch).failed
+        assert store.stats()[0]["shared_groups"] == 0
+        batch.fields["token_ids"].values[:] = -1  # the caller reuses its buffer
+        assert_rows_exact(store, rows)
+    finally:
+        store.close()

@@ -31,9 +31,12 @@ import numpy as np
 from tasks.gate import CaptureGate
 from tasks.packed import PackedBatch, pack_rows
 
+from . import loopback
 from .common import add_cluster_arguments, bench_client, compare_rows, main, notes
 
 TARGET_RATIO = 20.0  # 256-row calls vs one-row calls at 1,024 tokens (rows/s)
+# Batched put/get bytes/s over raw loopback TCP's for the same bytes, per row size (tokens).
+LOOPBACK_TARGET = {1024: 0.25, 16384: 0.7}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -101,11 +104,13 @@ def _throughput_once(store, template: PackedBatch, tokens: int, single_rows: int
     mismatches (on a sample of the rows read back) go to ``failures``."""
     bs = args.batch_size
     where = f"{tokens} tokens {tag}: "
-    # Warm the connections and code paths so neither side pays first-call costs.
-    res = store.put_many(with_keys(template, f"w{tag}", 0, min(2, len(template))))
+    # Warm the connections, code paths and the unit's answer buffers with one full call
+    # each way, so no timed loop pays first-call costs.
+    warm = with_keys(template, f"w{tag}", 0, len(template))
+    res = store.put_many(warm)
     if res.failed:
         failures.append(_refused(where + "warm-up put", res.failed))
-    store.get_many([f"w{tag}0/c0"])
+    store.get_many(warm.keys)
 
     put_failed: dict = {}
     t0 = time.perf_counter()
@@ -183,7 +188,8 @@ def _throughput(client, tokens: int, single_rows: int, batched_rows: int, args, 
     rows_b = n_batches * bs
     out: dict[str, Any] = {"tokens_per_row": tokens, "row_bytes": int(row_bytes), "batch_size": bs, "repeats": args.repeats}
     runs: list[dict[str, float]] = []
-    with _progress(f"store {tokens} tok", 4 * args.repeats, args.quiet) as prog:
+    wire: list[dict[str, float]] = []
+    with _progress(f"store {tokens} tok", 5 * args.repeats, args.quiet) as prog:
         for rep in range(args.repeats):
             store = StagingStore.start(client, n_units=2, memory_limit="4GiB")
             try:
@@ -192,6 +198,10 @@ def _throughput(client, tokens: int, single_rows: int, batched_rows: int, args, 
                 failures.append(f"{tokens} tokens run {rep}: {type(e).__name__}: {e}")
             finally:
                 store.close()
+            # The same bytes in the same call sizes over raw loopback TCP, right after, so
+            # machine load hits the store and its ceiling alike.
+            wire.append(loopback.measure(int(template.nbytes), n_batches))
+            prog.advance(1, "loopback")
     if not runs:
         return out
     for op in ("put", "get"):
@@ -207,6 +217,14 @@ def _throughput(client, tokens: int, single_rows: int, batched_rows: int, args, 
         out[f"{op}_mb_per_s_bs1"] = round(r1 * row_bytes / 1e6, 2)
         out[f"{op}_mb_per_s_bs{bs}"] = round(rb * row_bytes / 1e6, 2)
         out[f"{op}_ratio"] = round(rb / r1, 2)
+        # The store's batched bytes/s over raw loopback TCP's for the same call bytes.
+        side = "send" if op == "put" else "recv"
+        wire_bps = statistics.median(w[f"{side}_bytes_per_s"] for w in wire)
+        out[f"loopback_{side}_mb_per_s"] = round(wire_bps / 1e6, 1)
+        out[f"loopback_{side}_mb_per_s_runs"] = [round(w[f"{side}_bytes_per_s"] / 1e6, 1) for w in wire]
+        out[f"{op}_vs_loopback"] = round(rb * row_bytes / wire_bps, 3)
+    out["loopback_target"] = LOOPBACK_TARGET[tokens]
+    out["meets_loopback_target"] = bool(min(out["put_vs_loopback"], out["get_vs_loopback"]) >= LOOPBACK_TARGET[tokens])
     out["rows_bs1"] = single_rows
     out[f"rows_bs{bs}"] = rows_b
     return out
@@ -385,6 +403,8 @@ def _drop_ratios(result: dict[str, Any]) -> None:
     for part in ("1024", "16384"):
         for op in ("put", "get"):
             result.get(part, {}).pop(f"{op}_ratio", None)
+            result.get(part, {}).pop(f"{op}_vs_loopback", None)
+        result.get(part, {}).pop("meets_loopback_target", None)
     rep = result.get("replication_1024", {})
     for key in [k for k in rep if "ratio" in k]:
         rep.pop(key)

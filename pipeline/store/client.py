@@ -159,7 +159,11 @@ class StagingStore:
             where[i] = unit_for_key(keys[i], n_units)
         return where, failed
 
-    def _plan_put(self, batch: PackedBatch) -> tuple[list[tuple[int, PackedBatch]], dict]:
+    def _plan_put(self, batch: PackedBatch) -> tuple[list[tuple[int, np.ndarray]], dict]:
+        """(unit, batch row indices) per actor call, and the keys failed before any call.
+
+        The sub-batches are cut by :meth:`_part` as each call is sent, so the copy of one
+        overlaps the transfer of the previous one (see :meth:`_put_once`)."""
         if not isinstance(batch, PackedBatch):
             raise InvalidStoreRequest(f"put_many needs a PackedBatch, got {type(batch).__name__}")
         for name, f in batch.fields.items():
@@ -178,14 +182,26 @@ class StagingStore:
             idx = np.flatnonzero(where == u) if copy is None else np.flatnonzero((where == u) | (copy == u))
             # Cap bytes per actor call: several calls in flight pipeline the transfer of
             # one with the unit's copy of another, and no call needs a huge fresh buffer.
-            for chunk in _chunks_by_bytes(idx, row_bytes, max_bytes):
-                if len(chunk) == len(batch):
-                    parts.append((u, batch))  # one unit, one call: no copy
-                elif chunk[-1] - chunk[0] + 1 == len(chunk):
-                    parts.append((u, slice_rows(batch, int(chunk[0]), int(chunk[-1]) + 1)))  # a run: views
-                else:
-                    parts.append((u, take_rows([batch], np.zeros(len(chunk), np.int64), chunk)))
+            parts.extend((u, chunk) for chunk in _chunks_by_bytes(idx, row_bytes, max_bytes))
         return parts, failed
+
+    @staticmethod
+    def _part(batch: PackedBatch, chunk: np.ndarray) -> PackedBatch:
+        """Rows ``chunk`` (ascending) of ``batch``: the batch itself, a view of a run, or a gather."""
+        if len(chunk) == len(batch):
+            return batch  # one unit, one call: no copy
+        if chunk[-1] - chunk[0] + 1 == len(chunk):
+            return slice_rows(batch, int(chunk[0]), int(chunk[-1]) + 1)  # a run: views
+        return take_rows([batch], np.zeros(len(chunk), np.int64), chunk)
+
+    def _unit_adopts(self, u: int, adopt: bool) -> bool:
+        """Whether unit ``u`` may keep the put's buffers: when the caller hands them over,
+        or when the call crosses a wire, whose receiving end holds its own fresh copy
+        (``store.adopt-received``). In-process (``inproc://``) calls share the caller's
+        arrays, so they are copied by the unit."""
+        if adopt:
+            return True
+        return bool(config.get("store.adopt-received")) and not str(self.unit_workers[u]).startswith("inproc://")
 
     def _plan_keys(self, keys: Sequence[str]) -> tuple[list[str], list[tuple[int, list[str]]], dict]:
         uniq = list(dict.fromkeys(keys))
@@ -242,9 +258,14 @@ class StagingStore:
         return result
 
     def _put_once(self, batch: PackedBatch, partition: str, adopt: bool, end: float | None) -> StoreResult:
-        parts, failed = self._plan_put(batch)
-        futures = [self.units[u].put_many(partition, sub, adopt) for u, sub in parts]
-        results = [self._settle(u, waiter(f, end), sub.keys, StoreResult) for (u, sub), f in zip(parts, futures)]
+        plan, failed = self._plan_put(batch)
+        calls = []
+        for u, chunk in plan:
+            # Each call is sent as soon as its rows are cut: the event loop serializes and
+            # writes it while this thread gathers the next unit's rows.
+            sub = self._part(batch, chunk)
+            calls.append((u, sub.keys, self.units[u].put_many(partition, sub, self._unit_adopts(u, adopt))))
+        results = [self._settle(u, waiter(f, end), keys, StoreResult) for u, keys, f in calls]
         return self._merge_puts(batch, results, failed)
 
     def get_many(
@@ -376,9 +397,10 @@ class StagingStore:
         return result
 
     async def _put_once_async(self, batch: PackedBatch, partition: str, adopt: bool, end: float | None) -> StoreResult:
-        parts, failed = self._plan_put(batch)
+        plan, failed = self._plan_put(batch)
+        parts = [(u, self._part(batch, chunk)) for u, chunk in plan]
         results = await asyncio.gather(
-            *(bounded(self.units[u].put_many(partition, sub, adopt), end) for u, sub in parts), return_exceptions=True
+            *(bounded(self.units[u].put_many(partition, sub, self._unit_adopts(u, adopt)), end) for u, sub in parts), return_exceptions=True
         )
         return self._merge_puts(batch, [self._settle(u, r, sub.keys, StoreResult) for (u, sub), r in zip(parts, results)], failed)
 
