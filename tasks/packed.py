@@ -341,13 +341,14 @@ def concat_aligned(batches: Sequence[PackedBatch]) -> PackedBatch:
     return PackedBatch.concat(align_fields(batches))
 
 
-def take_rows(batches: Sequence[PackedBatch], src: np.ndarray, rows: np.ndarray) -> PackedBatch:
+def take_rows(batches: Sequence[PackedBatch], src: np.ndarray, rows: np.ndarray, out: Allocator | None = None) -> PackedBatch:
     """Row ``rows[i]`` of ``batches[src[i]]`` for every ``i``, as ONE new packed batch.
 
     The batches must carry the same fields (see :func:`align_fields`). Does the work of
     ``PackedBatch.concat`` + ``take`` in one copy per field. Long rows (token fields) are
     copied as row slices (a memcpy each) instead of building an element index as large
-    as the data, which is what makes ``take`` slow on them.
+    as the data, which is what makes ``take`` slow on them; ``out(dtype, shape)`` supplies
+    their values' buffers (e.g. views of a pooled slab) instead of fresh allocations.
     """
     keys = [batches[b].keys[j] for b, j in zip(src.tolist(), rows.tolist())]
     fields = {}
@@ -376,7 +377,8 @@ def take_rows(batches: Sequence[PackedBatch], src: np.ndarray, rows: np.ndarray)
         offsets = np.zeros(len(src) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
         proto = parts[0].values
-        values = np.empty((int(offsets[-1]),) + proto.shape[1:], dtype=proto.dtype)
+        shape = (int(offsets[-1]),) + proto.shape[1:]
+        values = np.empty(shape, dtype=proto.dtype) if out is None else out(proto.dtype, shape)
         if slices:
             np.concatenate(slices, out=values)
         if all(p.present is None for p in parts):

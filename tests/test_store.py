@@ -610,3 +610,27 @@ def test_in_process_units_copy_what_they_are_given(inprocess_client, tmp_path):
         assert_rows_exact(store, rows)
     finally:
         store.close()
+
+
+def test_merged_gets_reuse_pooled_buffers_but_never_one_a_caller_holds(store_factory):
+    """A get over several units merges their answers into a pooled slab: the next get
+    reuses it once the caller dropped the previous answer (no fresh memory per get), and
+    never while the caller still holds it (its rows stay what they were)."""
+    from pipeline.store import client as store_client
+
+    rows = make_rows(16, calls=1, tokens=4096, seed=9)  # big enough to pool
+    store = store_factory(n_units=2)
+    assert not store.put_many(pack_rows(rows)).failed
+    keys = [r.staging_key for r in rows]
+    assert len({unit_for_key(k, 2) for k in keys}) == 2, "the get must merge two units"
+    pool = store_client._merge_buffers()
+    first = store.get_many(keys)
+    held = first.batch.fields["token_ids"].values.copy()
+    reused, allocated = pool.reused, pool.allocated
+    second = store.get_many(keys)  # `first` still held: a new slab
+    assert pool.allocated == allocated + 1 and pool.reused == reused
+    assert np.array_equal(first.batch.fields["token_ids"].values, held)
+    del first, second
+    store.get_many(keys)  # both dropped: a slab is reused
+    assert pool.reused == reused + 1
+    assert_rows_exact(store, rows)

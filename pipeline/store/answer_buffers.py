@@ -8,6 +8,8 @@ reused only once nothing refers to it any more (its reference count says so).
 from __future__ import annotations
 
 import sys
+import threading
+from typing import Iterable
 
 import numpy as np
 
@@ -44,6 +46,7 @@ class AnswerBuffers:
         # code path as the check (robust to how the interpreter counts argument refs).
         probe = [np.empty(0, np.uint8)]
         self._free_refs = self._refs(probe, 0)
+        self._lock = threading.Lock()  # a client process may merge gets on several threads
 
     @staticmethod
     def _refs(slabs: list, i: int) -> int:
@@ -101,22 +104,29 @@ class AnswerBuffers:
     def carver(self, cols: dict[str, list]) -> Allocator | None:
         """``out(dtype, shape)`` for :meth:`PackedField.from_arrays`, handing out consecutive views of
         one slab sized for every big field of ``cols``; ``None`` for a small answer."""
+        return self.allocator(sum(a.nbytes for a in arrays if a is not None) for arrays in cols.values())
+
+    def allocator(self, field_nbytes: Iterable[int]) -> Allocator | None:
+        """``out(dtype, shape)`` handing out consecutive views of ONE slab sized for the
+        fields of ``field_nbytes`` (bytes each) big enough to pool; ``None`` for a small
+        answer or with pooling off. A request the slab has no room for (never, when the
+        sizes were right) is a plain allocation."""
         if self.max_bytes <= 0:
             return None  # pooling off: plain allocations
         total = 0
-        for arrays in cols.values():
-            nb = sum(a.nbytes for a in arrays if a is not None)
+        for nb in field_nbytes:
             if nb >= self.FIELD_MIN_BYTES:
                 total += -(-nb // self.ALIGN) * self.ALIGN
         if total < self.min_bytes:
             return None
-        slab = self.take(total)
+        with self._lock:
+            slab = self.take(total)
         pos = 0
 
         def out(dtype: np.dtype, shape: tuple) -> np.ndarray:
             nonlocal pos
             nb = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
-            if nb < self.FIELD_MIN_BYTES or pos + nb > slab.nbytes:  # small field (or, never, no room left)
+            if nb < self.FIELD_MIN_BYTES or pos + nb > slab.nbytes:  # small field (or no room left)
                 return np.empty(shape, dtype=dtype)
             view = slab[pos : pos + nb].view(dtype).reshape(shape)
             pos += -(-nb // self.ALIGN) * self.ALIGN

@@ -32,6 +32,7 @@ from .protocol import (
     pack_names,
     split_valid_keys,  # issue 11 #5
 )
+from .answer_buffers import AnswerBuffers
 from .deadline import bounded, deadline, waiter
 from .directory import UnitDirectory, UnitTable
 from .replication import merge_copies, merge_deletes, partners, replica_map
@@ -713,5 +714,20 @@ def _merge_gets(keys: Sequence[str], results: list[GetResult], failed: dict) -> 
     rows = np.fromiter((p[1] for p in picks), dtype=np.int64, count=len(picks))
     if len(aligned) == 1 and np.array_equal(rows, np.arange(len(aligned[0]))):
         return GetResult(aligned[0], failed)  # already one batch in request order
-    return GetResult(take_rows(aligned, src, rows), failed)
+    # The merged values go into a pooled slab: memory this process has already touched,
+    # not a fresh mapping that page-faults on every get (the merge's main cost otherwise).
+    sizes = (sum(b.fields[n].values.nbytes for b in aligned) for n in names)
+    return GetResult(take_rows(aligned, src, rows, out=_merge_buffers().allocator(sizes)), failed)
+
+
+_MERGE_BUFFERS: list[AnswerBuffers] = []
+
+
+def _merge_buffers() -> AnswerBuffers:
+    """This process's pool for merged get answers (``store.merge-buffer-bytes``, read now)."""
+    if not _MERGE_BUFFERS:
+        _MERGE_BUFFERS.append(AnswerBuffers(0))
+    pool = _MERGE_BUFFERS[0]
+    pool.max_bytes = config.get_bytes("store.merge-buffer-bytes")
+    return pool
 
