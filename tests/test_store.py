@@ -634,3 +634,27 @@ def test_merged_gets_reuse_pooled_buffers_but_never_one_a_caller_holds(store_fac
     store.get_many(keys)  # both dropped: a slab is reused
     assert pool.reused == reused + 1
     assert_rows_exact(store, rows)
+
+
+def test_batch_computed_row_weights_equal_each_rows_own_weight(tmp_path):
+    """The unit weighs a put's rows for the whole batch at once; every weight must be what
+    row_nbytes says of the row itself (rows with and without routes), so capacity and
+    spilling count exactly."""
+    from pipeline.store.spill import row_nbytes
+    from pipeline.store.unit import ROW_OVERHEAD_BYTES, StorageUnit, key_nbytes
+
+    with_routes = make_rows(3, calls=1, tokens=32, routes=True, seed=1, prefix="a")
+    without = make_rows(2, calls=1, tokens=32, routes=False, seed=2, prefix="b")
+    batch = pack_rows(with_routes + without)
+    f = batch.fields["routed_experts"]
+    assert f.present is not None and not f.present.all()
+    unit = StorageUnit(0, 1 << 30, 1 << 31, spill_directory=str(tmp_path))
+    try:
+        assert not unit.put_many("staging", batch).failed
+        expected = sum(
+            row_nbytes(unit.rows[unit.index["staging"][k]]) + key_nbytes(k) + ROW_OVERHEAD_BYTES for k in batch.keys
+        )
+        assert unit.used_bytes == expected
+        assert unit.rows.fast.total_weight == sum(row_nbytes(unit.rows[s]) for s in unit.index["staging"].values())
+    finally:
+        unit.close()

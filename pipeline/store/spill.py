@@ -123,7 +123,15 @@ class SpillMapping(zict.Buffer):
     def __init__(self, directory: str, memory_limit: int):
         self.directory = str(directory)
         self.disk = _DiskRows(self.directory)
-        super().__init__(fast={}, slow=self.disk, n=int(memory_limit), weight=lambda k, v: row_nbytes(v))
+        # A row stored through put_row comes with its weight (computed for a whole batch
+        # at once); any other insert (reads back from disk) is weighed here.
+        self._known_weight: tuple[str, int] | None = None
+
+        def weight(key: str, row: Row) -> int:
+            known = self._known_weight
+            return known[1] if known is not None and known[0] == key else row_nbytes(row)
+
+        super().__init__(fast={}, slow=self.disk, n=int(memory_limit), weight=weight)
         self.spill_errors = 0
         # The LRU discards a key before every insert; for a key it does not hold that is a
         # raised-and-caught KeyError per row. Same semantics, checked first.
@@ -149,6 +157,14 @@ class SpillMapping(zict.Buffer):
             logger.error("spill to %s failed; keeping row in memory", self.directory, exc_info=True)
             if key not in self:
                 raise
+
+    def put_row(self, key: str, row: Row, nbytes: int) -> None:
+        """``self[key] = row`` for a row whose :func:`row_nbytes` is already known (``nbytes``)."""
+        self._known_weight = (key, nbytes)
+        try:
+            self[key] = row
+        finally:
+            self._known_weight = None
 
     def peek(self, key: str) -> Row:
         """A row without promoting it from disk to memory (for scans like checkpoints)."""

@@ -24,6 +24,8 @@ import uuid
 import weakref
 from typing import Any, Sequence
 
+import numpy as np
+
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
 from tasks.keys import unit_for_key
 from tasks.packed import PackedBatch, PackedField
@@ -49,7 +51,7 @@ from .protocol import (
     unpack_names,
 )
 from .registry import FieldRegistry, PartitionRegistry
-from .spill import Row, SpillMapping, row_nbytes
+from .spill import ARRAY_OVERHEAD_BYTES, Row, SpillMapping
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +310,16 @@ class StorageUnit:
                 if adopt:
                     shared.append(name)
 
+        # Every row's in-memory weight (row_nbytes) at once: its arrays' bytes plus the
+        # per-array overhead, for the fields it has.
+        arrays = np.zeros(n, dtype=np.int64)
+        payload = np.zeros(n, dtype=np.int64)
+        for name, values, _, present, _, _ in cols:
+            per_element = values.itemsize * int(np.prod(values.shape[1:], dtype=np.int64))
+            has = 1 if present is None else np.asarray(present, dtype=np.int64)
+            payload += np.diff(batch.fields[name].offsets) * per_element * has
+            arrays += has
+        row_weights = (payload + ARRAY_OVERHEAD_BYTES * arrays).tolist()
         stored_rows: list[int] = []  # batch rows stored under a NEW slot
         stored_slots: list[str] = []
         for i, key in enumerate(batch.keys):
@@ -326,7 +338,7 @@ class StorageUnit:
                 for name, values, off, present, _, copy in cols
                 if present is None or present[i]
             }
-            outcome, slot = self._store_row(partition, index, key, row)
+            outcome, slot = self._store_row(partition, index, key, row, row_weights[i])
             if outcome is None:
                 result.ok.append(key)
                 if slot is not None:
@@ -345,9 +357,12 @@ class StorageUnit:
         self.counters["refused_rows"] += len(result.failed)
         return result
 
-    def _store_row(self, partition: str, index: dict[str, str], key: str, row: Row) -> tuple[tuple[str, str] | None, str | None]:
+    def _store_row(
+        self, partition: str, index: dict[str, str], key: str, row: Row, nbytes: int
+    ) -> tuple[tuple[str, str] | None, str | None]:
         """(failure or None, the new slot when the row was stored: None for an identical re-put).
 
+        ``nbytes`` is the row's :func:`row_nbytes` (computed per batch by the caller).
         A new row's weight (capacity, bytes) is its arrays, its key's UTF-8 bytes and
         :data:`ROW_OVERHEAD_BYTES`; deleting it frees exactly that weight."""
         slot = index.get(key)
@@ -360,7 +375,7 @@ class StorageUnit:
             if same_row(existing, row):
                 return None, None
             return (KEY_CONFLICT, f"{key!r} already holds different content in partition {partition!r}"), None
-        weight = row_nbytes(row) + key_nbytes(key) + ROW_OVERHEAD_BYTES
+        weight = nbytes + key_nbytes(key) + ROW_OVERHEAD_BYTES
         pinned = self.adopted.pinned_bytes
         if self.used_bytes + pinned + weight > self.capacity:
             return (
@@ -371,7 +386,7 @@ class StorageUnit:
         slot = str(self._next_slot)
         self._next_slot += 1
         try:
-            self.rows[slot] = row
+            self.rows.put_row(slot, row, nbytes)
         except Exception as e:
             if slot not in self.rows:
                 return (STORE_ERROR, f"{key!r}: storing failed: {e!r}"), None
