@@ -14,6 +14,7 @@ BENCHMARKS = {
     "restore": "restore reads, per-request gets vs the coalescing PrefixReadBatcher",
     "capture": "capture-client staging (gate + batched puts) vs a direct put_many of pre-packed rows",
     "soak": "200+ steps in flight: store bytes/rows, scheduler tasks and RSS stay flat (exit 1 if not)",
+    "limits": "this machine's physical limits: loopback TCP, memcpy, first touch of fresh memory, SHA-256 per core",
 }
 
 

@@ -1,0 +1,19 @@
+"""``bench limits`` measures this machine's ceilings with real sockets and buffers."""
+from __future__ import annotations
+
+import argparse
+
+from pipeline.bench import limits, loopback
+
+
+def test_limits_reports_every_figure_from_real_runs():
+    out = limits.run(argparse.Namespace(repeats=1, messages=1, quiet=True))
+    for name in ("loopback_send", "loopback_recv", "memcpy", "first_touch", "sha256"):
+        assert out[f"{name}_gb_per_s"] > 0
+        assert len(out[f"{name}_gb_per_s_runs"]) == 1
+
+
+def test_loopback_moves_every_byte_both_ways():
+    # 3 MiB messages: several recv_into calls each, so a short read would hang or fail.
+    out = loopback.measure(3 << 20, 2)
+    assert out["send_bytes_per_s"] > 0 and out["recv_bytes_per_s"] > 0
