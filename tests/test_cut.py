@@ -409,7 +409,7 @@ class PackProbe:
         self.active = self.max_active = self.calls = 0
         self.overlap = threading.Event()
 
-    def __call__(self, chunks):
+    def __call__(self, chunks, *args):
         with self.lock:
             self.active += 1
             self.calls += 1
@@ -420,7 +420,7 @@ class PackProbe:
         try:
             if first:
                 self.overlap.wait(self.hold_s)
-            return self.real(chunks)
+            return self.real(chunks, *args)
         finally:
             with self.lock:
                 self.active -= 1

@@ -16,7 +16,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from tasks import hashing
-from tasks.cut.batching import Part, PrefixChunk, Signature
+from tasks.cut.batching import ROW_FIXED_BYTES, CallIdentity, Part, PrefixChunk, Signature, chunk_signature, token_nbytes
 from tasks.cut.receipt import (
     COMPLETED,
     CUT_ERROR,
@@ -29,7 +29,7 @@ from tasks.cut.receipt import (
     prefix_state,
 )
 from tasks.errors import InvalidCall
-from tasks.keys import CUT_PREFIX, check_id
+from tasks.keys import CUT_PREFIX, check_id, unit_for_rollout
 from tasks.schema import StagedRow
 
 # A call's lifecycle state: plain strings (they appear as such in ``info()``/``output()``).
@@ -145,6 +145,12 @@ class CallBuffer:
         self._run_pdig = prefix_state()
         self._run_chain = hashing.chain_state(None)
         self._feed(self.context_ids)
+        # What every chunk of the call shares, made once (a freeze only reads them).
+        self._identity = CallIdentity.of(self.rollout_id, self.model_call_id, self.parent_call_id)
+        self._key_stem = f"{self.rollout_id}/{self.model_call_id}/"  # cut key after the checkpoint root
+        self._signature = chunk_signature(self.routes_shape)
+        self._token_nbytes = token_nbytes(self.routes_shape)  # bytes per token of a packed row
+        self._unit = (0, 0)  # (n_units, storage unit of the call's rows): unit() caches it
 
     @property
     def key(self) -> str:
@@ -153,6 +159,12 @@ class CallBuffer:
     @property
     def call(self) -> CallId:
         return (self.rollout_id, self.model_call_id)
+
+    def unit(self, n_units: int) -> int:
+        """The storage unit of the call's rows among ``n_units`` (:func:`~tasks.keys.unit_for_rollout`)."""
+        if self._unit[0] != n_units:
+            self._unit = (n_units, unit_for_rollout(self.rollout_id, n_units))
+        return self._unit[1]
 
     # ---- decoding side ----
 
@@ -294,6 +306,11 @@ class CallBuffer:
         there is nothing to write: the call already completed or failed, or nothing is new
         since its last sealed cut (its existing prefix is durable as is).
         """
+        return self.freeze_under(cut_key_root(checkpoint_id))
+
+    def freeze_under(self, key_root: str) -> FrozenChunk | CallAck:
+        """:meth:`freeze` with the checkpoint's key root already made by
+        :func:`cut_key_root` (a cut checks its checkpoint id once, not per call)."""
         with self.lock:
             if self.state == COMPLETED_STATE:
                 return self._completed_ack_locked()
@@ -304,7 +321,11 @@ class CallBuffer:
             first = not self.cut_keys
             if not first and not self._active:
                 return self._durable_ack_locked()
-            if first and not len(self.context_ids) and not any(len(p[0]) for p in self._active):
+            n_ctx = len(self.context_ids) if first else 0
+            tokens = n_ctx
+            for p in self._active:  # a few pieces per call
+                tokens += len(p[0])
+            if first and not tokens:
                 # A zero-token row would be advertised, then refused on restore: skip the put.
                 return CallAck.failure(self.call, EMPTY_PREFIX, "no context and no generated token yet")
             parts, self._active = self._active, []
@@ -316,29 +337,20 @@ class CallBuffer:
             pdigest = self._run_pdig.digest()
             chain_state, self._run_chain = self._run_chain, hashing.chain_state(chain)  # next chunk extends this one
             frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state)
-        # Outside the lock: describe the row (no copy, no hashing: pack_chunks does both once).
-        first_ctx = first and len(self.context_ids)
-        # == cut_key(...): the ids were checked when the buffer was made, the checkpoint id here.
-        frozen.key = f"{CUT_PREFIX}/{check_id(checkpoint_id, 'checkpoint_id')}/{self.rollout_id}/{self.model_call_id}/{seq}"
-        frozen.chunk = PrefixChunk(
-            key=frozen.key,
-            rollout_id=self.rollout_id,
-            model_call_id=self.model_call_id,
-            parent_call_id=self.parent_call_id,
-            prev_len=prev,
-            weight_version=self.weight_version,
-            context_ids=self.context_ids if first_ctx else None,
-            context_routes=self.context_routes if first_ctx else None,
-            parts=parts,
-            routes_shape=self.routes_shape,
-            chain_hash=chain,
-            cumulative_hash=cumulative,
+        # Outside the lock: describe the row (no copy, no hashing: pack_chunks does both
+        # once). Its pieces are valid by construction (converted on append): no re-check.
+        # The key == cut_key(...): ids checked when the buffer was made, the checkpoint's in key_root.
+        frozen.key = key = f"{key_root}{self._key_stem}{seq}"
+        frozen.chunk = PrefixChunk.trusted(
+            key, self.rollout_id, self.model_call_id, self.parent_call_id, prev, self.weight_version,
+            self.context_ids if n_ctx else None, self.context_routes if n_ctx else None, parts, self.routes_shape,
+            chain, cumulative, tokens, self._identity,
         )
-        frozen.tokens = frozen.chunk.delta_len
-        frozen.prefix_tokens = prev + frozen.tokens
+        frozen.tokens = tokens
+        frozen.prefix_tokens = prev + tokens
         frozen.prefix_digest = pdigest
-        frozen.nbytes = frozen.chunk.nbytes
-        frozen.signature = frozen.chunk.signature
+        frozen.nbytes = tokens * self._token_nbytes + self._identity.id_nbytes + ROW_FIXED_BYTES
+        frozen.signature = self._signature
         frozen.frozen_at = time.perf_counter()
         return frozen
 
@@ -393,6 +405,12 @@ class CallBuffer:
     def _completed_ack_locked(self) -> CallAck:
         return CallAck(self.rollout_id, self.model_call_id, COMPLETED,
                        total_tokens=len(self.context_ids) + self.generated)
+
+
+def cut_key_root(checkpoint_id: str) -> str:
+    """``"__cut__/{checkpoint_id}/"``: what every cut key of the checkpoint starts with
+    (:func:`~tasks.keys.cut_key`); raises :class:`~tasks.errors.InvalidKey` for a bad id."""
+    return f"{CUT_PREFIX}/{check_id(checkpoint_id, 'checkpoint_id')}/"
 
 
 def _bytes(ids: np.ndarray) -> memoryview:

@@ -4,12 +4,16 @@
 calls as prefix rows of the ``cut`` partition, a batch of rows per ``put_many``, and
 answers one :class:`~tasks.cut.receipt.CallAck` per call in a :class:`~tasks.cut.receipt.CutReceipt`.
 A call's prefix is sealed only once its row is acknowledged; on failure, deadline or
-interruption no unsealed key stays advertised. Plain Python: runs on a worker (inside
-the generation actor) or in a controller. Deadlines are clock seconds; stats ms and bytes.
+interruption no unsealed key stays advertised. Batches pack into the process's pooled
+slabs (:func:`pack_buffers`, ``cut.pack-buffer-bytes``): memory already mapped, no page
+faults per batch. Plain Python: runs on a worker (inside the generation actor) or in a
+controller. Deadlines are clock seconds; stats ms and bytes.
 """
 from __future__ import annotations
 
 import contextlib
+import operator
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
@@ -26,18 +30,20 @@ from tasks.cut.receipt import (
     CallId,
     CutReceipt,
 )
-from tasks.keys import CUT_PARTITION, check_id, unit_for_rollout
+from tasks.keys import CUT_PARTITION, check_id
 from tasks.packed import PackedBatch
 
 from .. import config
+from ..store.answer_buffers import AnswerBuffers
 from ..store.deadline import takes_timeout
-from .call_buffer import CallBuffer, FrozenChunk
+from .call_buffer import CallBuffer, FrozenChunk, cut_key_root
 from .cpu_gate import cpu_gate
 
 if TYPE_CHECKING:
     from ..store.protocol import StoreResult
 
 Clock = Callable[[], float]  # seconds
+_UNIT = operator.attrgetter("unit")
 
 
 class CutStore(Protocol):
@@ -57,6 +63,25 @@ def limits_from_config() -> BatchLimits:
         max_tokens=int(config.get("cut.generation-prefix-batch-max-tokens")),
         max_bytes=int(config.get_bytes("cut.generation-prefix-batch-max-bytes")),
     )
+
+
+_PACK_BUFFERS: list[AnswerBuffers] = []
+_PACK_BUFFERS_LOCK = threading.Lock()
+
+
+def pack_buffers() -> AnswerBuffers:
+    """This process's pool of slabs cut batches pack into (``cut.pack-buffer-bytes``, read now).
+
+    A batch's token buffers are views of one slab, handed out again only once nothing
+    refers to it (its put done, the batch dropped): cut after cut, packing writes to
+    memory already mapped instead of page-faulting a fresh allocation per batch.
+    """
+    with _PACK_BUFFERS_LOCK:
+        if not _PACK_BUFFERS:
+            _PACK_BUFFERS.append(AnswerBuffers(0))
+        pool = _PACK_BUFFERS[0]
+        pool.max_bytes = config.get_bytes("cut.pack-buffer-bytes")
+    return pool
 
 
 @dataclass
@@ -81,6 +106,7 @@ class _Cut:
         self.in_gate = False
         self.store = store
         self.checkpoint_id = checkpoint_id
+        self.key_root = cut_key_root(checkpoint_id)  # every key of the cut starts with it
         self.deadline = deadline
         self.clock = clock
         self.limits = limits
@@ -90,6 +116,7 @@ class _Cut:
         self.frozen: list[FrozenChunk] = []
         self.written: set[str] = set()  # keys the store accepted and nobody owns yet
         self.n_units = len(getattr(store, "units", None) or ())  # 0: a store without visible units
+        self.buffers = pack_buffers()  # batches pack into memory already mapped (no page faults)
         # Store calls are bounded by the time left to the deadline (a hung unit fails its
         # keys, so the cut and the worker's cut lock are released by the deadline).
         self.put_bounded = takes_timeout(store.put_many)
@@ -128,16 +155,26 @@ class _Cut:
     def _put(self, chunks: Sequence[FrozenChunk]) -> tuple[StoreResult | None, str, int]:
         """One ``put_many`` of ``chunks``: (result or None if it raised, error, batch bytes)."""
         # Rows ordered by storage unit: the store then sends each unit a contiguous slice
-        # of the batch buffers (no re-split copy). Freshly packed buffers nobody else holds:
-        # the units may keep views into them instead of copying each row (adopt).
+        # of the batch buffers (no re-split copy).
         if self.n_units > 1:
-            chunks = sorted(chunks, key=lambda c: c.unit)
-        batch = pack_chunks([c.chunk for c in chunks])
+            chunks = sorted(chunks, key=_UNIT)
+        pooled: list[bool] = []
+
+        def allocate(sizes: Sequence[int]):
+            out = self.buffers.allocator(sizes)
+            pooled.append(out is not None)
+            return out
+
+        batch = pack_chunks([c.chunk for c in chunks], allocate)
+        # Fresh buffers nobody else holds: a unit may keep views into them instead of
+        # copying each row (adopt). A pooled slab is the next batches' memory once this
+        # put is done: an in-process unit copies it (one over the wire keeps what it received).
+        adopt = not any(pooled)
         self.stats.put_calls += 1
         try:
             with self._io():
                 bound = {"timeout": self.time_left()} if self.put_bounded else {}
-                result = self.store.put_many(batch, partition=self.partition, adopt=True, **bound)
+                result = self.store.put_many(batch, partition=self.partition, adopt=adopt, **bound)
         except Exception as e:  # the whole put failed: no per-key answer
             return None, f"put_many raised {type(e).__name__}: {e}", batch.nbytes
         return result, "", batch.nbytes
@@ -166,8 +203,7 @@ class _Cut:
         result, error, nbytes = self._put(chunks)
         keys = [c.key for c in chunks]
         if result is not None:
-            wanted = set(keys)
-            self.written.update(k for k in result.ok if k in wanted)
+            self.written.update(set(keys).intersection(result.ok))
         if result is not None and not result.failed:
             self._ack_and_seal(chunks, result, nbytes)
             return True
@@ -196,29 +232,31 @@ class _Cut:
         failed = result.failed or {}
         acked_at = time.perf_counter()
         # 1. Validate every ack of the batch before sealing any call.
-        good: list[FrozenChunk] = []
-        clear: list[str] = []
-        for c in chunks:
-            if c.key in failed or c.key not in ok:
-                clear.append(c.key)
-                self._fail(c, CUT_ERROR, "ack invalid: " + (f"{failed[c.key]}" if c.key in failed else "key not acknowledged"))
-            else:
-                good.append(c)
+        if not failed and ok.issuperset([c.key for c in chunks]):
+            good, clear = chunks, []  # the usual case: every row acknowledged
+        else:
+            good, clear = [], []
+            for c in chunks:
+                if c.key in failed or c.key not in ok:
+                    clear.append(c.key)
+                    self._fail(c, CUT_ERROR, "ack invalid: " + (f"{failed[c.key]}" if c.key in failed else "key not acknowledged"))
+                else:
+                    good.append(c)
         self.stats.rows_written += len(good)
         self.stats.bytes_written += nbytes
         # 2. Seal; a call that failed or completed meanwhile (or a failed seal) clears its row.
+        waits, acks, sealed = self.stats.row_wait_ms, self.acks, []
         for c in good:
-            self.stats.row_wait_ms.append((acked_at - c.frozen_at) * 1e3)
+            waits.append((acked_at - c.frozen_at) * 1e3)
+            buf = c.buffer
             try:
-                ack = c.buffer.seal(c)
+                ack = buf.seal(c)
             except Exception as e:
-                c.buffer.rollback(c)
-                ack = CallAck.failure(c.buffer.call, CUT_ERROR, f"seal failed: {type(e).__name__}: {e}")
-            self.acks[c.buffer.call] = ack
-            if ack.status == DURABLE_PREFIX:
-                self.written.discard(c.key)
-            else:
-                clear.append(c.key)
+                buf.rollback(c)
+                ack = CallAck.failure(buf.call, CUT_ERROR, f"seal failed: {type(e).__name__}: {e}")
+            acks[buf.call] = ack
+            (sealed if ack.status == DURABLE_PREFIX else clear).append(c.key)
+        self.written.difference_update(sealed)
         self._delete(clear)
 
     def _fail(self, c: FrozenChunk, reason: str, detail: str) -> None:
@@ -238,13 +276,13 @@ class _Cut:
                 stopped = True
                 break
             reached += 1
-            got = buf.freeze(self.checkpoint_id)
+            got = buf.freeze_under(self.key_root)
             if isinstance(got, CallAck):
                 self.acks[call_id] = got
                 continue
             idx = len(self.frozen)
             if self.n_units > 1:
-                got.unit = unit_for_rollout(buf.rollout_id, self.n_units)
+                got.unit = buf.unit(self.n_units)
             self.frozen.append(got)
             for b in planner.add(idx, got.tokens, got.nbytes, got.signature):
                 if not self.put_batch([self.frozen[i] for i in b.rows]):

@@ -3,19 +3,22 @@
 A cut writes one prefix row per in-flight call, in batches of one ``put_many`` each,
 bounded by rows, tokens and payload bytes (routes included) per put. :class:`BatchPlanner`
 plans incrementally (a batch is put as soon as it is full); :func:`pack_chunks` writes a
-batch of :class:`PrefixChunk` straight into one buffer per field and digests each row over
-its slices. Per-row Python only, never per token. docs/design.md, "Checkpoint cuts".
+batch of :class:`PrefixChunk` straight into one buffer per field (optionally views of a
+pooled slab) and digests each row over its slices, from its call's identity encoded once
+(:class:`CallIdentity`). Per-row Python only, never per token. docs/design.md, "Checkpoint cuts".
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
 
 import numpy as np
 
 from .. import hashing
 from ..errors import BatchLimitError, InvalidChunk
-from ..packed import PackedBatch, PackedField
+from ..packed import Allocator, PackedBatch, PackedField
 from ..schema import (
     HASH_BYTES,
     HASH_FIELDS,
@@ -169,8 +172,43 @@ def plan_rows(rows: Iterable[StagedRow], *, limits: BatchLimits) -> list[Planned
 # (ids <i8[n], logprobs <f4[n], routes <i2[n, L, K] or None): one piece of generated tokens.
 Part = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 _IDS = TOKEN_FIELDS["token_ids"]
+_MASK = TOKEN_FIELDS["token_mask"]
 _LOGPROBS = TOKEN_FIELDS["logprobs"]
+# ``allocate(field sizes in bytes)`` -> an allocator for those fields' buffers, or None
+# for fresh arrays (e.g. ``AnswerBuffers.allocator`` of the store: pooled slabs).
+BufferSource = Callable[[Sequence[int]], Allocator | None]
 _TOKEN_SIGNATURE = tuple((name, dt.str, ()) for name, dt in TOKEN_FIELDS.items())
+# Digest v1 (tasks/hashing.py) after its identity part: <q prev_len> <q delta_len>
+# <q cum_len> <q weight_version> <b routes_encoding>, then the ids' <Q nbytes>.
+_DIGEST_LENGTHS = struct.Struct("<qqqqb")
+_DIGEST_LENGTHS_IDS = struct.Struct("<qqqqbQ")
+_NBYTES = struct.Struct("<Q")
+_ROUTES_HEAD = struct.Struct("<IIQ")
+
+
+@dataclass(frozen=True, eq=False)
+class CallIdentity:
+    """What every chunk of one call shares, encoded once per call (not per row).
+
+    ``rollout_id``/``model_call_id``/``parent_call_id`` are the ids' UTF-8 bytes
+    (``parent_call_id`` ``None`` for a root); ``digest_head`` is the digest v1 header
+    up to its lengths (tag, versions, ids, parent marker); ``id_nbytes`` the ids' bytes
+    a packed row carries.
+    """
+
+    rollout_id: bytes
+    model_call_id: bytes
+    parent_call_id: bytes | None
+    digest_head: bytes
+    id_nbytes: int
+
+    @classmethod
+    def of(cls, rollout_id: str, model_call_id: str, parent_call_id: str | None) -> "CallIdentity":
+        """The identity of a call with these (already checked) ids."""
+        rid, mid = rollout_id.encode("utf-8"), model_call_id.encode("utf-8")
+        pid = None if parent_call_id is None else parent_call_id.encode("utf-8")
+        head = hashing.digest_header(SCHEMA_VERSION, hashing.DIGEST_VERSION, rid, mid, pid, 0, 0, 0, 0, 0)
+        return cls(rid, mid, pid, head[: -_DIGEST_LENGTHS.size], len(rid) + len(mid) + len(pid or b""))
 
 
 @dataclass(eq=False)
@@ -181,7 +219,8 @@ class PrefixChunk:
     carried tokens, written with mask 0 and logprob 0. ``parts`` are the generated pieces
     (mask 1) in order. ``prev_len`` (tokens) is the prefix already sealed before this
     chunk; ``chain_hash``/``cumulative_hash`` are the running states read at freeze time.
-    Arrays are little-endian and contiguous (``CallBuffer`` guarantees it).
+    Arrays are little-endian and contiguous (``CallBuffer`` guarantees it). ``identity``
+    encodes the ids as given at construction: a chunk's ids are not reassigned after it.
     """
 
     key: str
@@ -197,6 +236,36 @@ class PrefixChunk:
     chain_hash: bytes
     cumulative_hash: bytes
     delta_len: int = 0  # tokens (filled by __post_init__)
+    identity: CallIdentity | None = field(default=None, repr=False)  # the ids encoded (filled by __post_init__)
+
+    @classmethod
+    def trusted(
+        cls,
+        key: str,
+        rollout_id: str,
+        model_call_id: str,
+        parent_call_id: str | None,
+        prev_len: int,
+        weight_version: int,
+        context_ids: np.ndarray | None,
+        context_routes: np.ndarray | None,
+        parts: Sequence[Part],
+        routes_shape: tuple[int, int] | None,
+        chain_hash: bytes,
+        cumulative_hash: bytes,
+        delta_len: int,
+        identity: CallIdentity,
+    ) -> "PrefixChunk":
+        """A chunk built without :meth:`__post_init__`'s checks, for a writer whose pieces
+        are valid by construction (:class:`~pipeline.generation.call_buffer.CallBuffer`
+        converts every piece on append): ``delta_len`` (tokens) and ``identity`` given."""
+        self = object.__new__(cls)
+        d = self.__dict__
+        d["key"], d["rollout_id"], d["model_call_id"], d["parent_call_id"] = key, rollout_id, model_call_id, parent_call_id
+        d["prev_len"], d["weight_version"], d["context_ids"], d["context_routes"] = prev_len, weight_version, context_ids, context_routes
+        d["parts"], d["routes_shape"], d["chain_hash"], d["cumulative_hash"] = parts, routes_shape, chain_hash, cumulative_hash
+        d["delta_len"], d["identity"] = delta_len, identity
+        return self
 
     def __post_init__(self) -> None:
         # Checked per piece (a few per call, never per token): pack_chunks copies with
@@ -241,6 +310,8 @@ class PrefixChunk:
                 raise InvalidChunk(f"{self.key}: {name} must be {HASH_BYTES} bytes, got {type(h).__name__} "
                                    f"of length {len(h) if isinstance(h, (bytes, bytearray)) else '?'}")
         self.delta_len = n
+        if self.identity is None:
+            self.identity = CallIdentity.of(self.rollout_id, self.model_call_id, self.parent_call_id)
 
     def _check(self, what: str, a: object, dtype: np.dtype, length: int | None) -> int:
         """Length (tokens) of ``a`` if it is a 1-D ``dtype`` array of ``length``, else raise."""
@@ -263,23 +334,30 @@ class PrefixChunk:
     @property
     def signature(self) -> Signature:
         """Same value as :func:`row_signature` of the row this chunk packs to."""
-        if self.routes_shape is None:
-            return _TOKEN_SIGNATURE
-        return _TOKEN_SIGNATURE + ((ROUTES_FIELD, ROUTES_DTYPE.str, tuple(self.routes_shape)),)
+        return chunk_signature(self.routes_shape)
 
     @property
     def nbytes(self) -> int:
         """Same value as :func:`put_nbytes` of the row this chunk packs to (bytes)."""
-        per_token = 16 + (0 if self.routes_shape is None else 2 * self.routes_shape[0] * self.routes_shape[1])
-        ids = len(self.rollout_id.encode("utf-8")) + len(self.model_call_id.encode("utf-8"))
-        ids += len((self.parent_call_id or "").encode("utf-8"))
-        return self.delta_len * per_token + ids + ROW_FIXED_BYTES
+        return self.delta_len * token_nbytes(self.routes_shape) + self.identity.id_nbytes + ROW_FIXED_BYTES
 
     def to_row(self) -> StagedRow:
         """The chunk as a :class:`StagedRow` (concatenated, digest set): what a put stores."""
         from ..packed import unpack_rows
 
         return unpack_rows(pack_chunks([self]))[0]
+
+
+def chunk_signature(routes_shape: tuple[int, int] | None) -> Signature:
+    """The planner signature of every chunk with ``routes_shape`` (:func:`row_signature`)."""
+    if routes_shape is None:
+        return _TOKEN_SIGNATURE
+    return _TOKEN_SIGNATURE + ((ROUTES_FIELD, ROUTES_DTYPE.str, tuple(routes_shape)),)
+
+
+def token_nbytes(routes_shape: tuple[int, int] | None) -> int:
+    """Bytes one token adds to a packed row: ids, mask, logprobs (and routed experts)."""
+    return 16 + (0 if routes_shape is None else 2 * routes_shape[0] * routes_shape[1])
 
 
 def _utf8_field(encoded: Sequence[bytes]) -> PackedField:
@@ -289,8 +367,12 @@ def _utf8_field(encoded: Sequence[bytes]) -> PackedField:
     return PackedField(np.frombuffer(bytearray(b"".join(encoded)), dtype=np.uint8), offsets)
 
 
-def _concat(pieces: list[np.ndarray], total: int, trailing: tuple, dtype: np.dtype) -> np.ndarray:
-    out = np.empty((total,) + trailing, dtype=dtype)
+def _fresh(dtype: np.dtype, shape: tuple) -> np.ndarray:
+    return np.empty(shape, dtype=dtype)
+
+
+def _concat(pieces: list[np.ndarray], out: np.ndarray) -> np.ndarray:
+    """``pieces`` copied back to back into ``out`` (one numpy call); returns ``out``."""
     if len(pieces) > 1:
         np.concatenate(pieces, out=out)
     elif pieces:
@@ -298,96 +380,131 @@ def _concat(pieces: list[np.ndarray], total: int, trailing: tuple, dtype: np.dty
     return out
 
 
-def pack_chunks(chunks: Sequence[PrefixChunk]) -> PackedBatch:
+def pack_chunks(chunks: Sequence[PrefixChunk], allocate: BufferSource | None = None) -> PackedBatch:
     """Pack ``chunks`` as one :class:`PackedBatch` keyed by ``chunk.key`` (rows in order).
 
     Byte-identical to ``pack_rows([c.to_row() for c in chunks])`` with the keys replaced,
     but each token is copied once (piece -> batch buffer) and each digest is hashed over
     the batch buffer's row slices. Chunks of one batch share a routes shape (or none):
-    the planner groups them by :attr:`PrefixChunk.signature`.
+    the planner groups them by :attr:`PrefixChunk.signature`. ``allocate(sizes)``, given
+    the token fields' sizes (bytes), may supply an allocator for their buffers (e.g.
+    views of a pooled slab, memory already mapped); by default they are fresh arrays.
     """
     n = len(chunks)
     shapes = {c.routes_shape for c in chunks}
     if len(shapes) > 1:
         raise InvalidChunk(f"chunks of one batch must share a routes shape, got {sorted(map(str, shapes))}")
     routes_shape = shapes.pop() if shapes else None
-    lengths = [c.delta_len for c in chunks]
-    offsets = np.zeros(n + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    total = int(offsets[-1])
-    # Pieces in row order, copied by ONE concatenate per field (no per-row numpy call):
-    # context (mask 0, logprob 0) then the generated parts (mask 1).
-    ctx_lens = [0 if c.context_ids is None else len(c.context_ids) for c in chunks]
-    zeros = np.zeros(max(ctx_lens, default=0), dtype=TOKEN_FIELDS["logprobs"])
+    with_routes = routes_shape is not None
+    # One pass over the chunks (a few list appends per row, nothing per token): the
+    # pieces in row order, context (mask 0, logprob 0) then generated parts (mask 1),
+    # and each row's lengths, identity and scalars.
+    keys: list[str] = []
+    lengths: list[int] = []
+    ctx_lens: list[int] = []
+    idents: list[CallIdentity] = []
+    prevs: list[int] = []
+    versions: list[int] = []
+    chains: list[bytes] = []
+    cums: list[bytes] = []
     id_pieces: list[np.ndarray] = []
     lp_pieces: list[np.ndarray] = []
     route_pieces: list[np.ndarray] = []
-    for c, k in zip(chunks, ctx_lens):
+    zeros = np.zeros(max((0 if c.context_ids is None else len(c.context_ids) for c in chunks), default=0), dtype=_LOGPROBS)
+    for c in chunks:
+        chain, cum = c.chain_hash, c.cumulative_hash
+        if len(chain) != HASH_BYTES or len(cum) != HASH_BYTES:
+            # Checked per chunk: a per-batch length check passes 31 + 33 bytes.
+            raise InvalidChunk(f"{c.key}: chain_hash and cumulative_hash must be {HASH_BYTES} bytes each")
+        keys.append(c.key)
+        lengths.append(c.delta_len)
+        idents.append(c.identity)
+        prevs.append(c.prev_len)
+        versions.append(c.weight_version)
+        chains.append(chain)
+        cums.append(cum)
+        ctx = c.context_ids
+        k = 0 if ctx is None else len(ctx)
+        ctx_lens.append(k)
         if k:
-            id_pieces.append(c.context_ids)
+            id_pieces.append(ctx)
             lp_pieces.append(zeros[:k])
-            if routes_shape is not None:
+            if with_routes:
                 route_pieces.append(c.context_routes)
         for p in c.parts:
             id_pieces.append(p[0])
             lp_pieces.append(p[1])
-            if routes_shape is not None:
+            if with_routes:
                 route_pieces.append(p[2])
-    ids = _concat(id_pieces, total, (), TOKEN_FIELDS["token_ids"])
-    lps = _concat(lp_pieces, total, (), TOKEN_FIELDS["logprobs"])
-    routes = None if routes_shape is None else _concat(route_pieces, total, tuple(routes_shape), ROUTES_DTYPE)
-    seg = np.empty(2 * n, dtype=np.int64)  # per row: context length, generated length
-    seg[0::2] = ctx_lens
-    seg[1::2] = np.asarray(lengths, dtype=np.int64) - seg[0::2]
-    mask = np.repeat(np.tile(np.array([0.0, 1.0], dtype=TOKEN_FIELDS["token_mask"]), n), seg)
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    total = int(offsets[-1])
+    route_shape = () if routes_shape is None else tuple(routes_shape)
+    out = None
+    if allocate is not None:
+        sizes = [total * _IDS.itemsize, total * _MASK.itemsize, total * _LOGPROBS.itemsize]
+        out = allocate(sizes if routes_shape is None else sizes + [total * ROUTES_DTYPE.itemsize * routes_shape[0] * routes_shape[1]])
+    out = out or _fresh
+    # Copied by ONE concatenate per field (no per-row numpy call).
+    ids = _concat(id_pieces, out(_IDS, (total,)))
+    mask = out(_MASK, (total,))
+    lps = _concat(lp_pieces, out(_LOGPROBS, (total,)))
+    routes = None if routes_shape is None else _concat(route_pieces, out(ROUTES_DTYPE, (total,) + route_shape))
+    # Mask: 1 for generated tokens, 0 for each row's context (its first tokens).
+    mask.fill(1.0)
+    delta = np.array(lengths, dtype=np.int64)
+    ctx = np.array(ctx_lens, dtype=np.int64)
+    n_ctx = int(ctx.sum())
+    if n_ctx:
+        ctx_start = np.cumsum(ctx) - ctx  # where each row's context starts among all context tokens
+        mask[np.repeat(offsets[:-1] - ctx_start, ctx) + np.arange(n_ctx, dtype=np.int64)] = 0.0
     ids_b, mask_b, lps_b = memoryview(ids).cast("B"), memoryview(mask).cast("B"), memoryview(lps).cast("B")
     routes_b = None if routes is None else memoryview(routes.reshape(-1)).cast("B")
     per_route = 0 if routes_shape is None else 2 * routes_shape[0] * routes_shape[1]  # bytes per token
     enc = ROUTES_NONE if routes is None else ROUTES_INT16
-    rid = [c.rollout_id.encode("utf-8") for c in chunks]
-    mid = [c.model_call_id.encode("utf-8") for c in chunks]
-    pid = [None if c.parent_call_id is None else c.parent_call_id.encode("utf-8") for c in chunks]
+    # One digest per row over its slices of the batch buffers (digest v1, tasks/hashing.py):
+    # the call's encoded identity head, then lengths and buffers; a few calls per row.
     digests: list[bytes] = []
     bounds = offsets.tolist()
-    for i, c in enumerate(chunks):
-        if len(c.chain_hash) != HASH_BYTES or len(c.cumulative_hash) != HASH_BYTES:
-            # Checked per chunk: a per-batch length check passes 31 + 33 bytes.
-            raise InvalidChunk(f"{c.key}: chain_hash and cumulative_hash must be {HASH_BYTES} bytes each")
+    sha256, lengths_ids, nbytes = hashlib.sha256, _DIGEST_LENGTHS_IDS.pack, _NBYTES.pack
+    for i in range(n):
         a, b = bounds[i], bounds[i + 1]
-        header = hashing.digest_header(SCHEMA_VERSION, hashing.DIGEST_VERSION, rid[i], mid[i], pid[i],
-                                       c.prev_len, b - a, c.prev_len + b - a, c.weight_version, enc)
-        r = None if routes is None else (routes_shape[0], routes_shape[1], routes_b[a * per_route : b * per_route])
-        digests.append(hashing.digest_raw(header, ids_b[a * 8 : b * 8], mask_b[a * 4 : b * 4],
-                                          lps_b[a * 4 : b * 4], r, c.chain_hash, c.cumulative_hash))
+        k, p = b - a, prevs[i]
+        h = sha256(idents[i].digest_head + lengths_ids(p, k, p + k, versions[i], enc, 8 * k))
+        h.update(ids_b[8 * a : 8 * b])
+        q = nbytes(4 * k)
+        h.update(q)
+        h.update(mask_b[4 * a : 4 * b])
+        h.update(q)
+        h.update(lps_b[4 * a : 4 * b])
+        if routes_b is not None:
+            h.update(_ROUTES_HEAD.pack(routes_shape[0], routes_shape[1], per_route * k))
+            h.update(routes_b[per_route * a : per_route * b])
+        h.update(chains[i] + cums[i])
+        digests.append(h.digest())
     arange = np.arange(n + 1, dtype=np.int64)
-    prev = np.fromiter((c.prev_len for c in chunks), dtype=np.int64, count=n)
-    delta = np.asarray(lengths, dtype=np.int64)
+    prev = np.array(prevs, dtype=np.int64)
     scalars = {
         "prev_len": prev,
         "delta_len": delta,
         "cum_len": prev + delta,
-        "weight_version": np.fromiter((c.weight_version for c in chunks), dtype=np.int64, count=n),
+        "weight_version": np.array(versions, dtype=np.int64),
         "routes_encoding": np.full(n, enc),
         "schema_version": np.full(n, SCHEMA_VERSION),
         "digest_version": np.full(n, hashing.DIGEST_VERSION),
     }
     fields: dict[str, PackedField] = {
-        "rollout_id": _utf8_field(rid),
-        "model_call_id": _utf8_field(mid),
-        "parent_call_id": _utf8_field([b"" if p is None else p for p in pid]),
+        "rollout_id": _utf8_field([d.rollout_id for d in idents]),
+        "model_call_id": _utf8_field([d.model_call_id for d in idents]),
+        "parent_call_id": _utf8_field([d.parent_call_id or b"" for d in idents]),
     }
     for name, dt in SCALAR_FIELDS.items():
         fields[name] = PackedField(scalars[name].astype(dt, copy=False), arange.copy())
-    hashes = {"digest": digests, "chain_hash": [c.chain_hash for c in chunks],
-              "cumulative_hash": [c.cumulative_hash for c in chunks]}
-    for name in HASH_FIELDS:
-        buf = b"".join(hashes[name])
-        if len(buf) != n * HASH_BYTES:
-            raise ValueError(f"{name}: every chunk needs {HASH_BYTES} bytes")
-        fields[name] = PackedField(np.frombuffer(bytearray(buf), dtype=np.uint8), arange * HASH_BYTES)
+    for name, values in (("digest", digests), ("chain_hash", chains), ("cumulative_hash", cums)):
+        fields[name] = PackedField(np.frombuffer(bytearray(b"".join(values)), dtype=np.uint8), arange * HASH_BYTES)
     fields["token_ids"] = PackedField(ids, offsets)
     fields["token_mask"] = PackedField(mask, offsets.copy())
     fields["logprobs"] = PackedField(lps, offsets.copy())
     if routes is not None:
         fields[ROUTES_FIELD] = PackedField(routes, offsets.copy())
-    return PackedBatch([c.key for c in chunks], fields)
+    return PackedBatch(keys, fields)

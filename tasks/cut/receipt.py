@@ -20,6 +20,7 @@ from ..keys import check_id
 CUT_RECEIPT_VERSION = 1
 TAG_CUT_PREFIX = b"token-capture/cut-prefix/v1\x00"
 TAG_INVENTORY = b"token-capture/cut-inventory/v1\x00"
+_U32 = struct.Struct("<I")
 
 DURABLE_PREFIX = "durable_prefix"
 DURABLE_FAILURE = "durable_failure"
@@ -96,9 +97,12 @@ def inventory_digest(inventory: Iterable[InventoryEntry] | None) -> bytes:
     if pairs is None:
         h.update(b"*")
         return h.digest()
+    pieces: list[bytes] = []
+    u32 = _U32.pack
     for r, c in sorted(pairs):
         rb, cb = r.encode("utf-8"), c.encode("utf-8")
-        h.update(struct.pack("<I", len(rb)) + rb + struct.pack("<I", len(cb)) + cb)
+        pieces += (u32(len(rb)), rb, u32(len(cb)), cb)
+    h.update(b"".join(pieces))  # the same bytes as one update per pair, in one call
     return h.digest()
 
 
