@@ -623,7 +623,7 @@ def test_merged_gets_reuse_pooled_buffers_but_never_one_a_caller_holds(store_fac
     assert not store.put_many(pack_rows(rows)).failed
     keys = [r.staging_key for r in rows]
     assert len({unit_for_key(k, 2) for k in keys}) == 2, "the get must merge two units"
-    pool = store_client._merge_buffers()
+    pool = store_client.client_buffers()
     first = store.get_many(keys)
     held = first.batch.fields["token_ids"].values.copy()
     reused, allocated = pool.reused, pool.allocated
@@ -658,3 +658,29 @@ def test_batch_computed_row_weights_equal_each_rows_own_weight(tmp_path):
         assert unit.rows.fast.total_weight == sum(row_nbytes(unit.rows[s]) for s in unit.index["staging"].values())
     finally:
         unit.close()
+
+
+def test_a_put_gathers_each_units_rows_into_pooled_buffers(store_factory):
+    """Rows interleaving the units are gathered per unit into the client's pooled buffers
+    (memory the process already touched), reused across puts once a call is done; the
+    rows stored are what was put."""
+    import gc
+
+    from pipeline.store import client as store_client
+
+    made = make_rows(16, calls=1, tokens=4096, seed=13)
+    by_unit = [[r for r in made if unit_for_key(r.staging_key, 2) == u] for u in (0, 1)]
+    rows = [r for pair in zip(*by_unit) for r in pair]  # units alternate: every put gathers
+    assert len(rows) >= 8
+    store = store_factory(n_units=2)
+    pool = store_client.client_buffers()
+    before = pool.allocated + pool.reused
+    first = pack_rows(rows[:4])
+    assert not store.put_many(first).failed
+    taken = pool.allocated + pool.reused
+    assert taken > before, "the per-unit gathers came from the pool"
+    gc.collect()  # an actor call's arguments may sit in a reference cycle until collected
+    reused = pool.reused
+    assert not store.put_many(pack_rows(rows[4:8])).failed  # the same sizes: the same slabs
+    assert pool.reused > reused
+    assert_rows_exact(store, rows[:8])

@@ -193,7 +193,9 @@ class StagingStore:
             return batch  # one unit, one call: no copy
         if chunk[-1] - chunk[0] + 1 == len(chunk):
             return slice_rows(batch, int(chunk[0]), int(chunk[-1]) + 1)  # a run: views
-        return take_rows([batch], np.zeros(len(chunk), np.int64), chunk)
+        # Gathered into pooled memory: a fresh buffer per call page-faults on every put.
+        sizes = (int(payload_bytes_per_row(PackedBatch(batch.keys, {n: f}))[chunk].sum()) for n, f in batch.fields.items())
+        return take_rows([batch], np.zeros(len(chunk), np.int64), chunk, out=client_buffers().allocator(sizes))
 
     def _unit_adopts(self, u: int, adopt: bool) -> bool:
         """Whether unit ``u`` may keep the put's buffers: when the caller hands them over,
@@ -717,17 +719,19 @@ def _merge_gets(keys: Sequence[str], results: list[GetResult], failed: dict) -> 
     # The merged values go into a pooled slab: memory this process has already touched,
     # not a fresh mapping that page-faults on every get (the merge's main cost otherwise).
     sizes = (sum(b.fields[n].values.nbytes for b in aligned) for n in names)
-    return GetResult(take_rows(aligned, src, rows, out=_merge_buffers().allocator(sizes)), failed)
+    return GetResult(take_rows(aligned, src, rows, out=client_buffers().allocator(sizes)), failed)
 
 
-_MERGE_BUFFERS: list[AnswerBuffers] = []
+_CLIENT_BUFFERS: list[AnswerBuffers] = []
 
 
-def _merge_buffers() -> AnswerBuffers:
-    """This process's pool for merged get answers (``store.merge-buffer-bytes``, read now)."""
-    if not _MERGE_BUFFERS:
-        _MERGE_BUFFERS.append(AnswerBuffers(0))
-    pool = _MERGE_BUFFERS[0]
-    pool.max_bytes = config.get_bytes("store.merge-buffer-bytes")
+def client_buffers() -> AnswerBuffers:
+    """This process's pool for the buffers a store client fills itself (a put's rows
+    gathered per unit, a get's answers merged): memory the process already touched, reused
+    once nothing refers to it (``store.client-buffer-bytes``, read now)."""
+    if not _CLIENT_BUFFERS:
+        _CLIENT_BUFFERS.append(AnswerBuffers(0))
+    pool = _CLIENT_BUFFERS[0]
+    pool.max_bytes = config.get_bytes("store.client-buffer-bytes")
     return pool
 
