@@ -27,6 +27,7 @@ digest v1
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 
@@ -95,6 +96,18 @@ _HEAD = struct.Struct("<HH")
 _LENGTHS = struct.Struct("<qqqqb")
 _NBYTES = struct.Struct("<Q")
 _ROUTES_HEAD = struct.Struct("<IIQ")
+_U32 = struct.Struct("<I")
+# The digest's field encodings, for a verifier that builds the header inline (same bytes).
+U32, LENGTHS, NBYTES, ROUTES_HEAD = _U32, _LENGTHS, _NBYTES, _ROUTES_HEAD
+
+
+@functools.lru_cache(maxsize=4096)
+def call_head(schema_version: int, rollout_id: bytes) -> bytes:
+    """The digest's first bytes: TAG_CALL, ``<H schema_version> <H digest_version>`` and
+    ``<I len> rollout_id`` (shared by every call of a rollout; digest v1)."""
+    if not 0 <= schema_version <= 0xFFFF:
+        raise ValueError(f"schema_version {schema_version} outside the 16-bit field of digest v1")
+    return TAG_CALL + _HEAD.pack(schema_version, DIGEST_VERSION) + _U32.pack(len(rollout_id)) + rollout_id
 
 
 def digest_header(

@@ -204,3 +204,47 @@ def test_step_of_only_unusable_receipts_fetches_nothing(cluster_client, store):
     assert step.groups["g"].sample_mask.tolist() == [0.0, 0.0]
     assert step.metrics["fetch_calls"] == 0 and step.metrics["bytes_fetched"] == 0
     assert step.metrics["rejected"] == {"invalid_receipt": 1, "missing_terminal": 1}
+
+
+class _Int(int):
+    pass
+
+
+class _Str(str):
+    pass
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        (None, None),  # the record as made: the fast path takes it
+        ("prev_len", True), ("delta_len", _Int(4)), ("cum_len", np.int64(8)), ("weight_version", 2**63),
+        ("prev_len", -1), ("delta_len", 0), ("cum_len", 7), ("weight_version", -(2**63)),
+        ("routes_encoding", 2), ("routes_encoding", True), ("routes_encoding", 1),
+        ("digest", bytearray(32)), ("chain_hash", b"\x00" * 31), ("cumulative_hash", "x" * 32),
+        ("model_call_id", _Str("c9")), ("model_call_id", ""), ("model_call_id", "a/b"), ("model_call_id", "__cut__"),
+        ("model_call_id", "x" * 600), ("model_call_id", "\ud800"), ("parent_call_id", ""), ("parent_call_id", "p0"),
+        ("staging_key", b"k"), ("staging_key", _Str("k")),
+    ],
+)
+def test_call_record_fast_path_agrees_with_the_field_by_field_checks(field, value):
+    """Receipts parse their call records on a fast path when every field has its exact type;
+    any record gives the same record, or the same rejection, as the named checks."""
+    import dataclasses
+
+    from tasks.finalize import plan as P
+    from tasks.receipts import CallRecord
+
+    base = CallRecord("c1", None, 4, 4, 8, 3, b"d" * 32, b"c" * 32, b"u" * 32, 0, "r/c1")
+    raw = base if field is None else dataclasses.replace(base, **{field: value})
+
+    def outcome(r):
+        try:
+            return ("ok", P._record(r, 0))
+        except P._Bad as e:
+            return (e.reason, e.detail)
+
+    got, want = outcome(raw), outcome(dataclasses.asdict(raw))  # a dict takes the named checks
+    assert got == want
+    if got[0] == "ok":
+        assert all(type(getattr(got[1], f.name)) is type(getattr(want[1], f.name)) for f in dataclasses.fields(CallRecord))

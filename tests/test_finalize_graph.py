@@ -1,7 +1,9 @@
 """Finalization as a Dask graph on a real LocalCluster (finalize slots, zict spill to tmp_path)."""
 from __future__ import annotations
 
+import copy
 import time
+from collections import Counter
 
 import dask
 import numpy as np
@@ -11,6 +13,7 @@ from rollout_factory import make_group
 
 from pipeline import events
 from pipeline.finalize import FinalizeError, Finalizer
+from tasks.keys import unit_for_rollout
 from tasks.packed import pack_rows
 from tasks.schema import ALL_FIELDS, ROUTES_FIELD
 
@@ -78,6 +81,13 @@ def events_of(client, step_id, kind, n, timeout=10.0):
         time.sleep(0.05)
 
 
+def sites(store, builts) -> int:
+    """Workers hosting the units that hold ``builts``' rows: the step reads each site once
+    (one union fetch of the staging fields per site, plus one of routes)."""
+    workers = list(store.unit_workers)
+    return len({workers[unit_for_rollout(b.rollout_id, len(workers))] for b in builts})
+
+
 METRIC_KEYS = (
     "fetch_ms", "verify_ms", "assemble_ms", "queue_wait_ms", "queue_depth",
     "calls_per_rollout", "fetch_calls", "bytes_fetched",
@@ -98,7 +108,8 @@ def test_step_with_routes_one_union_fetch_plus_routes(cluster_client, store):
         m = group.metrics
         for key in METRIC_KEYS:
             assert key in m, key
-        assert m["fetch_calls"] == 2  # one union fetch of STAGING_FIELDS + one of routed_experts
+        # One union fetch of STAGING_FIELDS + one of routed_experts, per site holding its rows.
+        assert m["fetch_calls"] == 2 * sites(store, bs)
         # Only chain rows are fetched (the off-chain branch call is not).
         chain_rows = [b.row(c) for b in bs for c in b.chain_ids]
         assert m["bytes_fetched"] == row_bytes(chain_rows, with_routes=True)
@@ -107,7 +118,8 @@ def test_step_with_routes_one_union_fetch_plus_routes(cluster_client, store):
         assert m["fetch_ms"] > 0 and m["verify_ms"] > 0 and m["assemble_ms"] > 0 and m["queue_wait_ms"] >= 0
 
     sm = step.metrics
-    assert sm["fetch_calls"] == 2 and sm["groups"] == 3 and sm["rollouts"] == 12 and sm["accepted"] == 12
+    n_sites = sites(store, [b for bs in groups.values() for b in bs])
+    assert sm["fetch_calls"] == 2 * n_sites and sm["groups"] == 3 and sm["rollouts"] == 12 and sm["accepted"] == 12
     assert sm["bytes_fetched"] == sum(step.groups[g].metrics["bytes_fetched"] for g in groups)
     assert sm["tokens"] == sum(int(step.groups[g].input_lengths.sum()) for g in groups)
     assert sm["queue_depth"] == 3 and sm["queue_depth_after"] == 0
@@ -117,7 +129,7 @@ def test_step_with_routes_one_union_fetch_plus_routes(cluster_client, store):
     assert sum(s.get("spilled_bytes", 0) + s.get("disk_bytes", 0) for s in store.stats()) > 0
 
     step_events = events_of(cluster_client, "routed", "step", 1)
-    assert len(step_events) == 1 and step_events[0]["fetch_calls"] == 2
+    assert len(step_events) == 1 and step_events[0]["fetch_calls"] == 2 * n_sites
     group_events = events_of(cluster_client, "routed", "group", 3)
     assert sorted(e["group_id"] for e in group_events) == ["g0", "g1", "g2"]
     assert all(not any(k.startswith("_") for k in e) for e in group_events + step_events)
@@ -131,7 +143,7 @@ def test_step_without_routes_fetches_once(cluster_client, store):
     group = step.groups["g0"]
     assert_group_matches(store, group, bs)
     assert group.routed_experts is None
-    assert group.metrics["fetch_calls"] == 1 and step.metrics["fetch_calls"] == 1
+    assert group.metrics["fetch_calls"] == sites(store, bs) and step.metrics["fetch_calls"] == sites(store, bs)
     assert group.metrics["bytes_fetched"] == row_bytes([b.row(c) for b in bs for c in b.chain_ids], with_routes=False)
 
 
@@ -155,7 +167,8 @@ def test_each_verify_task_receives_only_its_rollouts_rows(cluster_client, store)
         }
 
     dep_map = cluster_client.run_on_scheduler(deps, keys=verify_keys)
-    assert len(fetch_keys) == 2
+    # One staging and one routes fetch per site (each site here holds several rollouts).
+    assert len(fetch_keys) == 2 * sites(store, [b for bs in groups for b in bs])
     for k, ds in dep_map.items():
         assert len(ds) == 2, ds  # its staging piece and its routes piece
         assert not ({d for d, _ in ds} & {str(x) for x in fetch_keys})
@@ -227,3 +240,142 @@ def test_cluster_without_finalize_slots_is_refused():
     with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0", worker_dashboard_address="127.0.0.1:0") as c, Client(c) as client:
         with pytest.raises(FinalizeError, match="finalize"):
             Finalizer(client, store=None)
+
+
+# ---- where the work runs, and what travels (issue 12) ---------------------------------------
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 40])
+def test_rows_are_fetched_and_verified_on_the_worker_that_holds_them(cluster_client, store, budget):
+    rng = np.random.default_rng(6)
+    groups = {f"g{g}": stage(store, make_group(rng, f"g{g}", 4, rollout_prefix=f"s6g{g}", n_calls=2, routes=(L, K, E))) for g in range(4)}
+    builts = [b for bs in groups.values() for b in bs]
+    workers = list(store.unit_workers)
+    site_of = {b.rollout_id: workers[unit_for_rollout(b.rollout_id, len(workers))] for b in builts}
+    assert len(set(site_of.values())) == 2  # both sites hold rows, or the check proves nothing
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, keep_intermediates=True)
+    with dask.config.set({"token-capture.finalize.verify-token-budget": budget}):
+        handle = fin.submit_step({g: [b.receipt for b in bs] for g, bs in groups.items()})
+    graph = handle.graph
+    wait(handle.futures)
+
+    def placement(dask_scheduler, keys):
+        out = {}
+        for k in keys:
+            ts = dask_scheduler.tasks[k]
+            out[str(k)] = {
+                "restrictions": sorted(ts.worker_restrictions or ()),
+                "loose": ts.loose_restrictions,
+                "deps": [str(d.key) for d in ts.dependencies],
+                "resources": ts.resource_restrictions,
+            }
+        return out
+
+    keys = [f.key for f in graph.fetch_futures + graph.piece_futures + graph.verify_futures + handle.futures]
+    where = cluster_client.run_on_scheduler(placement, keys=keys)
+    held = cluster_client.who_has(graph.fetch_futures)
+    rollouts = graph.plan.rollouts
+    # One staging and one routes fetch per site, pinned (loosely) to the site and run there;
+    # a piece stays with its fetch.
+    for kind in ("tc-fetch-staging", "tc-fetch-routes"):
+        fetches = [f for f in graph.fetch_futures if f.key[0].startswith(kind)]
+        assert sorted(w for f in fetches for w in where[str(f.key)]["restrictions"]) == sorted(set(site_of.values())), kind
+        for f in fetches:
+            assert where[str(f.key)]["loose"] and list(held[f.key]) == where[str(f.key)]["restrictions"]
+    site_of_key = {str(f.key): where[str(f.key)]["restrictions"] for f in graph.fetch_futures}
+    for f in graph.piece_futures:
+        (dep,) = where[str(f.key)]["deps"]
+        site_of_key[str(f.key)] = where[str(f.key)]["restrictions"]
+        assert site_of_key[str(f.key)] == site_of_key[dep]
+    # A verify task's rollouts share a site and it reads only that site's rows, in a slot.
+    for t, task in enumerate(graph.verify_layout):
+        sites = {site_of[rollouts[r].rollout_id] for r in task}
+        assert len(sites) == 1
+        info = where[str(graph.verify_futures[t].key)]
+        assert info["resources"] == {"finalize": 1} and info["restrictions"] == []
+        assert {w for d in info["deps"] for w in site_of_key[d]} == sites
+    # Each group is assembled on one of the sites (a hint): a small step on the site holding
+    # most of its rows (only the other site's rows cross), one holding more than a verify
+    # budget of rows on both.
+    hints = [where[str(f.key)]["restrictions"] for f in handle.futures]
+    assert all(len(h) == 1 and h[0] in site_of.values() for h in hints)
+    if budget == 40:
+        assert len({h[0] for h in hints}) == 2
+    else:
+        tokens = Counter()
+        for p in rollouts:
+            tokens[site_of[p.rollout_id]] += p.n_tokens
+        (assembler,) = {h[0] for h in hints}
+        assert tokens[assembler] == max(tokens.values())
+    step = handle.result()
+    for gid, bs in groups.items():
+        assert_group_matches(store, step.groups[gid], bs)
+
+
+def test_a_finalized_group_travels_as_its_buffers():
+    """A group goes over the wire as its arrays (out-of-band frames), whatever the pickle
+    protocol (the scheduler's comms use 4), and comes back bit-identical."""
+    import pickle
+
+    import torch
+    from distributed.protocol.serialize import merge_and_deserialize, serialize_and_split
+
+    import pipeline.finalize.graph  # noqa: F401  registers the serializer
+    from tasks.finalize.assemble import FinalizedGroup
+
+    n, t = 3, 1000
+    g = FinalizedGroup(
+        ["a", "b", "c"], torch.arange(n * t, dtype=torch.int64).reshape(n, t), torch.tensor([t, t, 0]),
+        torch.tensor([2, 3, 0]), torch.rand(n, t), torch.ones(n, t), torch.tensor([1.0, 1.0, 0.0]),
+        torch.tensor([0.5, -1.0, 2.0]), torch.zeros(n, t, L, K, dtype=torch.int16), torch.tensor([True, True, False]),
+        ["ok", "ok", "corrupt_digest"], ["", "", "call 'c0': ..."], {"accepted": 2, "nested": {"x": [1, 2]}},
+    )
+    copies = [pickle.loads(pickle.dumps(g, protocol=p)) for p in (4, 5)]
+    for context in ({"pickle-protocol": 4}, None):
+        header, frames = serialize_and_split(g, context=context)
+        assert header["serializer"] == "dask"
+        assert max(len(memoryview(f).cast("B")) for f in frames) >= n * t * 8  # ids: a frame of their own
+        copies.append(merge_and_deserialize(header, [bytearray(f) for f in frames]))
+    for c in copies:
+        assert c.rollout_ids == g.rollout_ids and c.status == g.status and c.details == g.details and c.metrics == g.metrics
+        for name in ("input_ids", "input_lengths", "prompt_lengths", "logprobs", "token_mask", "sample_mask", "rewards", "routed_experts", "has_routes"):
+            a, b = getattr(g, name), getattr(c, name)
+            assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), name
+    no_routes = copy.copy(g)
+    no_routes.routed_experts = None
+    assert pickle.loads(pickle.dumps(no_routes)).routed_experts is None
+
+
+def test_groups_are_gathered_straight_from_the_workers_unless_the_client_says_otherwise():
+    from pipeline.finalize.controller import _gather
+
+    class FakeClient:
+        def __init__(self, direct_to_workers):
+            self.direct_to_workers = direct_to_workers
+            self.calls = []
+
+        def gather(self, futures, errors, direct):
+            self.calls.append(direct)
+            return list(futures)
+
+    for setting, own, want in ((True, None, True), (False, None, False), (True, False, False), (False, True, True)):
+        client = FakeClient(own)
+        with dask.config.set({"token-capture.finalize.gather-direct": setting}):
+            assert _gather(client, [], None) == []
+        assert client.calls == [want]
+
+
+def test_packing_ends_a_full_enough_task_where_a_group_ends():
+    from tasks.finalize.plan import pack_verify_tasks
+
+    class P:
+        def __init__(self, n):
+            self.n_tokens = n
+
+    plans = [P(10) for _ in range(6)]
+    # Without groups: greedy up to the budget.
+    assert [len(t) for t in pack_verify_tasks(plans, 40)] == [4, 2]
+    # With groups: a task holding half the budget or more ends where a new group starts.
+    assert [len(t) for t in pack_verify_tasks(plans, 40, ["a", "a", "b", "b", "b", "c"])] == [2, 3, 1]
+    assert [len(t) for t in pack_verify_tasks(plans, 40, ["a", "b", "c", "d", "e", "f"])] == [2, 2, 2]
+    assert [len(t) for t in pack_verify_tasks(plans, 1000, ["a"] * 3 + ["b"] * 3)] == [6]

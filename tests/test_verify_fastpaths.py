@@ -2,7 +2,8 @@
 
 - the whole-buffer content pre-scan (reductions + 1 -> 0 steps) against the per-row rules;
 - training rows carved from one output arena: right values, never a view of the batch,
-  writable, independent of each other.
+  writable, independent of each other;
+- ``views=True`` (the finalize graph): the same verdicts and rows, as views of the batch.
 """
 from __future__ import annotations
 
@@ -89,6 +90,32 @@ def test_arena_rows_are_values_not_views():
     assert all(np.array_equal(a, b) for a, b in zip(arrays[1:], before[1:]))
     for plan, res in zip(step.rollouts[1:], got[1:]):
         assert same_rows(res.linearized, reference_verify_rollout(plan, rows, routes, vocab_size=VOCAB, num_experts=6).linearized)
+
+
+def test_rows_as_views_give_the_same_verdicts_and_rows():
+    """``views=True`` (the finalize graph owns its fetched rows): the same verdicts and bit-
+    identical rows as the copying path, the rows of back-to-back calls views of the batch."""
+    from dataclasses import replace
+
+    from tasks.toy.tamper import TAMPER_KINDS, tamper
+
+    rng = np.random.default_rng(4)
+    builts = [make_rollout(rng, f"v{k}", n_calls=3, n_branches=1, routes=(2, 2, 6)) for k in range(6)]
+    for k, kind in enumerate(k for k in TAMPER_KINDS if k != R.WRONG_GROUP):
+        b = make_rollout(rng, f"t{k}", n_calls=3, n_branches=0, routes=(2, 2, 6))
+        t = tamper(kind, b.rows, b.receipt, other_group="elsewhere")
+        builts.append(replace(b, rows=list(t.rows), receipt=t.receipt))
+    step = plan_step([b.receipt for b in builts])
+    rows, routes = fetch(builts, step.staging_keys, step.routes_keys)
+    copied = verify_many(step.rollouts, rows, routes, vocab_size=VOCAB, num_experts=6)
+    viewed = verify_many(step.rollouts, rows, routes, vocab_size=VOCAB, num_experts=6, views=True)
+    assert [(r.status, r.detail) for r in copied] == [(r.status, r.detail) for r in viewed]
+    assert any(r.status != R.OK for r in viewed) and any(r.status == R.OK for r in viewed)
+    for a, b in zip(copied, viewed):
+        assert same_rows(a.linearized, b.linearized)
+        if b.status == R.OK:
+            assert np.shares_memory(b.linearized.input_ids, rows.fields["token_ids"].values)
+            assert not np.shares_memory(a.linearized.input_ids, rows.fields["token_ids"].values)
 
 
 def test_arena_slot_overflow_falls_back():

@@ -1,4 +1,4 @@
-"""Finalization as a Dask task graph: one union fetch, per-rollout verify, per-group assembly.
+"""Finalization as a Dask task graph: one union fetch per storage site, verify, per-group assembly.
 
     fin = Finalizer(client, store)
     step = fin.submit_step({"g0": receipts}).result()   # StepResult(step_id, groups, metrics)

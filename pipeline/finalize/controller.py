@@ -197,7 +197,7 @@ class StepHandle:
             if self._result is not None:
                 return self._result
             client = self._finalizer.client
-            groups = client.gather(self.futures, errors="raise") if timeout is None else _gather_timeout(client, self.futures, timeout)
+            groups = _gather(client, self.futures, timeout)
             by_id = dict(zip(self.group_ids, groups))
             collected_s = timing.wall_s()
             metrics = timing.step_metrics(
@@ -235,11 +235,19 @@ class StepHandle:
             )
 
 
-def _gather_timeout(client: Any, futures: list[Any], timeout: float) -> list[Any]:
+def _gather(client: Any, futures: list[Any], timeout: float | None) -> list[Any]:
+    """The groups' results, in order, straight from the workers holding them
+    (``finalize.gather-direct``, unless the client was made with ``direct_to_workers``
+    set): through the scheduler each group's tensors would cross the network twice.
+    ``timeout`` (s) bounds the wait for every group."""
     from distributed import wait
 
-    wait(futures, timeout=timeout)
-    return client.gather(futures, errors="raise")
+    direct = getattr(client, "direct_to_workers", None)
+    if direct is None:
+        direct = bool(config.get("finalize.gather-direct"))
+    if timeout is not None:
+        wait(futures, timeout=timeout)
+    return client.gather(futures, errors="raise", direct=direct)
 
 
 class Finalizer:

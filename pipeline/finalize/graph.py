@@ -1,10 +1,11 @@
-"""Finalization of one training step as ONE Dask task graph.
+"""Finalization of one training step as ONE Dask task graph, submitted in one message.
 
-Per submission: one union fetch of the staging rows (and at most one of routes) next to
-the storage units, cut into one piece per verify task; one verify task per packed set of
-rollouts (``finalize`` resource slot); one assemble task per group, which publishes the
-group's finalize event. One bad row rejects only its rollout; a verifier failure marks
-its rollouts ``internal_error`` and is counted apart (``internal_errors``).
+Per storage site (a worker hosting storage units): one union fetch of the staging rows
+the site holds (and at most one of routes), pinned loosely to that worker, cut into one
+piece per verify task as views; verify tasks (``finalize`` resource slot) run where their
+pieces are, so fetched rows never cross workers. One assemble task per group publishes
+the group's finalize event. One bad row rejects only its rollout; a verifier failure
+marks its rollouts ``internal_error`` and is counted apart (``internal_errors``).
 """
 from __future__ import annotations
 
@@ -18,9 +19,9 @@ import numpy as np
 
 from tasks.errors import FinalizeError
 from tasks import reasons
-from tasks.finalize.assemble import FinalizedGroup, assemble_group
+from tasks.finalize.assemble import FinalizedGroup, assemble_group, rebuild_group
 from tasks.keys import STAGING_PARTITION, unit_for_key
-from tasks.packed import PackedBatch
+from tasks.packed import PackedBatch, slice_rows
 from tasks.finalize.plan import pack_verify_tasks, plan_step
 from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
 from tasks.finalize.verify import RolloutResult, internal_error_result, rejected_result, verify_many
@@ -72,6 +73,50 @@ def _row_payload_bytes(batch: PackedBatch) -> np.ndarray:
     return total
 
 
+def _linearized_bytes(result: RolloutResult) -> int:
+    lin = result.linearized
+    if lin is None:
+        return 0
+    arrays = (lin.input_ids, lin.token_mask, lin.logprobs, lin.routed_experts)
+    return sum(int(a.nbytes) for a in arrays if a is not None)
+
+
+def _register_serializers() -> None:
+    """Send a :class:`FinalizedGroup` as its numpy buffers, frame by frame, whatever the
+    pickle protocol: Dask's scheduler talks protocol 4 (in-band copies of every tensor).
+    And tell Dask what the objects between tasks weigh (it would take each for ~56 bytes:
+    work stealing would move "free" pieces, memory accounting would miss them)."""
+    from dask.sizeof import sizeof
+    from distributed.protocol import dask_deserialize, dask_serialize, deserialize, serialize
+
+    @sizeof.register(Piece)
+    def _piece_bytes(piece: Piece) -> int:
+        return int(piece.batch.nbytes) + int(piece.row_bytes.nbytes) + 64 * len(piece.batch.keys)
+
+    @sizeof.register(VerifyOut)
+    def _verify_out_bytes(out: VerifyOut) -> int:
+        return sum(_linearized_bytes(r) + 256 for r in out.results.values())
+
+    @sizeof.register(FinalizedGroup)
+    def _group_bytes(group: FinalizedGroup) -> int:
+        tensors = (getattr(group, n) for n in ("input_ids", "input_lengths", "prompt_lengths", "logprobs", "token_mask",
+                                               "sample_mask", "rewards", "routed_experts", "has_routes"))
+        return sum(t.element_size() * t.nelement() for t in tensors if t is not None) + 256 * len(group.status)
+
+    @dask_serialize.register(FinalizedGroup)
+    def _dumps(group: FinalizedGroup) -> tuple[dict, list]:
+        _, args = group.__reduce__()
+        header, frames = serialize(args, serializers=("dask", "pickle"), on_error="raise")
+        return {"sub": header}, frames
+
+    @dask_deserialize.register(FinalizedGroup)
+    def _loads(header: dict, frames: list) -> FinalizedGroup:
+        return rebuild_group(*deserialize(header["sub"], frames))
+
+
+_register_serializers()
+
+
 # ---- task bodies (run on workers) ---------------------------------------------------------
 
 
@@ -82,10 +127,12 @@ def fetch_pieces(
     layout: list[list[tuple[int, list[str]]]],
     kind: str,
     partition: str = STAGING_PARTITION,
+    site: int = 0,
 ) -> Piece | tuple[Piece, ...]:
     """ONE ``store.get_many`` over ``keys``, cut into one :class:`Piece` per verify task.
 
-    ``layout[t]`` lists ``(rollout index, that rollout's keys)`` for verify task ``t``.
+    ``layout[t]`` lists ``(rollout index, that rollout's keys)`` for verify task ``t``;
+    ``keys`` are in layout order, so each piece is a run of rows: views, no copy.
     Returns the single piece when there is one task, else a tuple (read by getitem tasks).
     """
     # Bounded by finalize.fetch-timeout-s: a hung unit's keys come back unit_unavailable
@@ -99,6 +146,7 @@ def fetch_pieces(
         pos = {k: i for i, k in enumerate(batch.keys)}
         info: dict[str, Any] = {
             "kind": kind,
+            "id": f"{kind}-{site}",
             "start_s": sw.start_s,
             "fetch_ms": sw.ms,
             "keys": len(keys),
@@ -120,8 +168,10 @@ def fetch_pieces(
                     if k in res.failed:
                         failed[k] = res.failed[k]
                 bounds[r] = (start, len(idx))
-            if len(layout) == 1 and idx == list(range(len(batch))):
-                sub, sub_bytes = batch, row_bytes  # the whole fetch is this task's: no copy
+            lo = idx[0] if idx else 0
+            if idx == list(range(lo, lo + len(idx))):
+                # A run of rows (keys were asked in layout order): views of the fetch.
+                sub, sub_bytes = slice_rows(batch, lo, lo + len(idx)), row_bytes[lo : lo + len(idx)]
             else:
                 index = np.asarray(idx, dtype=np.int64)
                 sub, sub_bytes = batch.take(index), row_bytes[index]
@@ -156,7 +206,7 @@ def verify_piece(
         try:
             results = verify_many(
                 [p for _, p in plans], rows, None if routes is None else routes.batch,
-                vocab_size=vocab_size, num_experts=num_experts,
+                vocab_size=vocab_size, num_experts=num_experts, views=True,
             )
         except Exception as e:  # verify_many never raises on data: a bug, not a rejection
             logger.error("verify_many raised in verify task %d (internal error)", task, exc_info=True)
@@ -169,7 +219,7 @@ def verify_piece(
         out.results[r] = result
         out.verify_ms[r] = sw.ms * float(frac)
         out.bytes_fetched[r] = _rollout_bytes(staging, r) + _rollout_bytes(routes, r)
-    out.timing = {"task": task, "start_s": sw.start_s, "ms": sw.ms, "rollouts": len(plans)}
+    out.timing = {"task": task, "start_s": sw.start_s, "ms": sw.ms, "cpu_ms": sw.cpu_ms, "rollouts": len(plans)}
     out.fetch_timings = [p.timing for p in (staging, routes) if p is not None]
     return out
 
@@ -206,7 +256,6 @@ def assemble_piece(
     slots: list[Slot],
     submitted_s: float,
     queue_depth: int,
-    fetch_calls: int,
     *verify_outs: VerifyOut,
 ) -> FinalizedGroup:
     """Assemble one group (keeps its shape: rejected rows get ``sample_mask`` 0) and attach
@@ -223,7 +272,7 @@ def assemble_piece(
             bytes_fetched[r] = vo.bytes_fetched[r]
             task_of[r] = vo.timing
         for ft in vo.fetch_timings:
-            fetch_timings[ft["kind"]] = ft
+            fetch_timings[ft.get("id", ft["kind"])] = ft
     with timing.Stopwatch() as sw, timing.meter(timing.METER_ASSEMBLE):
         rows: list[RolloutResult] = []
         for s in slots:
@@ -253,7 +302,7 @@ def assemble_piece(
         "queue_wait_ms": timing.queue_wait_ms(submitted_s, min((t["start_s"] for t in tasks_used.values()), default=None)),
         "queue_depth": queue_depth,
         "calls_per_rollout": calls / len(mine) if mine else 0.0,
-        "fetch_calls": fetch_calls if mine else 0,
+        "fetch_calls": len(fetch_timings) if mine else 0,
         "bytes_fetched": int(sum(bytes_fetched[r] for r in mine)),
         "rejected_details": timing.detail_sample(group.status, group.details),
         # Private bookkeeping for the step's aggregate (stripped from events).
@@ -295,6 +344,41 @@ def affinity(store: PlacedStoreLike, keys: Sequence[str]) -> list[str]:
         return []
     units = {unit_for_key(k, len(workers)) for k in keys}
     return sorted({workers[u] for u in units})
+
+
+def sites(store: PlacedStoreLike, rollouts: Sequence[Any]) -> list[tuple[str | None, list[int]]]:
+    """The step's rollouts (indices, plan order) by the worker hosting their rows' unit.
+
+    A rollout's rows all live on one unit (placed by rollout id), so each site's fetch
+    reads only units of that worker: one get per unit per step, and its verify tasks run
+    where the rows landed (no bytes cross between workers before verification).
+    Without unit placement every rollout is one site (``None``).
+    """
+    workers = list(getattr(store, "unit_workers", None) or ())
+    if not workers:
+        return [(None, list(range(len(rollouts))))] if rollouts else []
+    by_worker: dict[str, list[int]] = {}
+    for r, p in enumerate(rollouts):
+        by_worker.setdefault(workers[unit_for_key(p.keys[0], len(workers))], []).append(r)
+    order = list(dict.fromkeys(workers))  # unit order: a stable site numbering
+    return [(w, by_worker[w]) for w in order if w in by_worker]
+
+
+def assembly_clusters(tokens: Sequence[int], k: int) -> list[int]:
+    """Split groups (``tokens[g]``: group ``g``'s planned tokens, submission order) into
+    ``k`` runs of about equal tokens: group ``g`` is in run ``result[g]``.
+
+    Each run is assembled on one site; every site verifies its rows run by run, the runs
+    assembled elsewhere first, so a row crosses to its assembling worker once, while that
+    worker still verifies, and ``k`` sites share the assembly.
+    """
+    total = sum(tokens)
+    out, before = [], 0
+    for n in tokens:
+        mid = before + n / 2
+        out.append(min(k - 1, int(k * mid / total)) if total else 0)
+        before += n
+    return out
 
 
 # ---- task keys ---------------------------------------------------------------------------
@@ -378,8 +462,14 @@ def submit_graph(
     Knobs not given are read from config now: ``finalize.verify-token-budget`` (tokens),
     ``finalize.retries``. Tasks of a step share ``priority`` (the controller gives older
     steps a higher one, so several steps in flight drain in order).
+
+    Placement (soft hints, see :func:`sites` and :func:`assembly_clusters`): each site's
+    fetches on the worker hosting its units; verify tasks where their pieces are; each
+    group's assemble on the site chosen for its run of groups.
     """
     import dask
+    from dask.task_spec import Task, TaskRef
+    from dask.highlevelgraph import HighLevelGraph, MaterializedLayer
     from distributed import span
 
     if not groups:
@@ -403,65 +493,116 @@ def submit_graph(
         pos += len(receipts)
 
     rollouts = list(plan.rollouts)
-    position = {id(p): r for r, p in enumerate(rollouts)}
-    layout = [[position[id(p)] for p in task] for task in pack_verify_tasks(rollouts, token_budget)] if rollouts else []
-    staging_layout = [[(r, list(rollouts[r].keys)) for r in task] for task in layout]
-    routes_layout = [[(r, list(rollouts[r].routes_keys)) for r in task] for task in layout]
+    group_of = {s.index: gid for gid in group_ids for s in slots[gid] if s.index is not None}
+    site_list = sites(store, rollouts)
+    # Which site assembles each group (placed stores only): the groups split into runs, one
+    # per assembling site, the sites holding the most rows first. One site assembles the
+    # whole step unless a site holds more than a verify budget of rows: a cluster is one
+    # more verify task per site, which costs more than it saves on a small step.
+    site_tokens = [sum(rollouts[r].n_tokens for r in rs) for _, rs in site_list]
+    assemblers = sorted(range(len(site_list)), key=lambda s: -site_tokens[s])
+    k = min(len(site_list), max(1, -(-max(site_tokens, default=0) // token_budget)))
+    tokens = [sum(rollouts[s.index].n_tokens for s in slots[gid] if s.index is not None) for gid in group_ids]
+    placed = bool(site_list) and site_list[0][0] is not None
+    cluster = {g: assemblers[c] for g, c in zip(group_ids, assembly_clusters(tokens, k))} if placed else {}
+    # Per site: its rollouts of each cluster (those assembled elsewhere first) packed into
+    # verify tasks (group-aligned), numbered globally; ``ships`` are those sent elsewhere.
+    layout: list[list[int]] = []
+    site_tasks: list[tuple[str | None, list[int]]] = []
+    ships: set[int] = set()
+    for site, (worker, rs) in enumerate(site_list):
+        first = len(layout)
+        order = sorted(set(cluster.get(group_of[r], site) for r in rs), key=lambda c: (c == site, c))
+        for c in order:
+            mine = [r for r in rs if cluster.get(group_of[r], site) == c]
+            at = 0
+            for task in pack_verify_tasks([rollouts[r] for r in mine], token_budget, [group_of[r] for r in mine]):
+                if c != site:
+                    ships.add(len(layout))
+                layout.append(mine[at : at + len(task)])
+                at += len(task)
+        site_tasks.append((worker, list(range(first, len(layout)))))
 
     submitted_s = timing.wall_s()
-    common = dict(retries=retries, priority=priority, pure=False)
-    fetch_futures: list[Any] = []
-    piece_futures: list[Any] = []
-    verify_futures: list[Any] = []
-    group_futures: dict[str, Any] = {}
+    # The whole step goes to the scheduler as ONE graph (one message, however many tasks):
+    # a layer per site (fetches and pieces, loosely pinned to the site's worker), one of
+    # verify tasks (a finalize slot each) and one of assemble tasks.
+    layers: dict[str, dict[Any, Task]] = {}
+    annotations: dict[str, dict[str, Any]] = {}
+    fetch_keys: list[Any] = []
+    piece_keys: list[Any] = []
+    verify_keys: list[Any] = [None] * len(layout)
+
+    def add(layer: str, key: Any, func: Any, *args: Any) -> TaskRef:
+        layers.setdefault(layer, {})[key] = Task(key, func, *args)
+        return TaskRef(key)
+
+    def fetch(layer: str, kind: str, fields: list[str], keys_of: Any, site: int, tasks: list[int]) -> TaskRef | None:
+        """The site's fetch of ``kind`` for its verify ``tasks`` (keys in task order), or
+        None when no task needs a row of that kind."""
+        task_layout = [[(r, list(keys_of(rollouts[r]))) for r in layout[t]] for t in tasks]
+        keys = [k for tl in task_layout for _, ks in tl for k in ks]
+        if not keys:
+            return None
+        key = task_key(FETCH_STAGING if kind == "staging" else FETCH_ROUTES, token, site)
+        fetch_keys.append(key)
+        return add(layer, key, fetch_pieces, store, keys, fields, task_layout, kind, STAGING_PARTITION, site)
+
+    def piece(layer: str, ref: TaskRef | None, t: int, j: int, n: int, kind: str) -> TaskRef | None:
+        """Verify task ``t``'s piece: the fetch itself when its site has one task. In the
+        site's layer: unpinned, Dask would take these getitem tasks for root tasks and run
+        them on any worker, moving the whole fetch there."""
+        if ref is None or n == 1:
+            return ref
+        key = task_key(f"{PIECE}-{kind}", token, t)
+        piece_keys.append(key)
+        return add(layer, key, operator.getitem, ref, j)
+
+    task_of_rollout: dict[int, int] = {}
+    for site, (worker, tasks) in enumerate(site_tasks):
+        layer = f"{FETCH_STAGING}-{token}-site{site}"
+        annotations[layer] = {"workers": [worker], "allow_other_workers": True} if worker else {}
+        staging = fetch(layer, "staging", list(STAGING_FIELDS), lambda p: p.keys, site, tasks)
+        routes = fetch(layer, "routes", [ROUTES_FIELD], lambda p: p.routes_keys, site, tasks)
+        for j, t in enumerate(tasks):
+            has_routes = routes is not None and any(rollouts[r].routes_keys for r in layout[t])
+            # No worker restriction: the scheduler runs it where its pieces are.
+            verify_keys[t] = task_key(VERIFY, token, t)
+            add(
+                f"{VERIFY}-{token}-ships" if t in ships else VERIFY, verify_keys[t],
+                verify_piece, t, [(r, rollouts[r]) for r in layout[t]],
+                piece(layer, staging, t, j, len(tasks), "staging"),
+                piece(layer, routes, t, j, len(tasks), "routes") if has_routes else None,
+                vocab_size, num_experts,
+            )
+            for r in layout[t]:
+                task_of_rollout[r] = t
+    annotations[VERIFY] = {"resources": {"finalize": 1}, "priority": priority}
+    # Rows assembled on another worker are verified first (a step keeps its own priority).
+    annotations[f"{VERIFY}-{token}-ships"] = {"resources": {"finalize": 1}, "priority": priority + 0.5}
+    group_keys = [task_key(ASSEMBLE, token, g) for g in range(len(group_ids))]
+    for gid, key in zip(group_ids, group_keys):
+        needed = sorted({task_of_rollout[s.index] for s in slots[gid] if s.index is not None})
+        worker = site_tasks[cluster[gid]][0] if gid in cluster and needed else None
+        layer = ASSEMBLE if worker is None else f"{ASSEMBLE}-{token}-site{cluster[gid]}"
+        annotations[layer] = {"workers": [worker], "allow_other_workers": True} if worker else {}
+        deps = [TaskRef(verify_keys[t]) for t in needed]
+        add(layer, key, assemble_piece, step_id, gid, slots[gid], submitted_s, queue_depth, *deps)
+    names = list(layers)
+    graph = HighLevelGraph(
+        {name: MaterializedLayer(layers[name], annotations=annotations[name] or None) for name in names},
+        {name: set(names[:i]) for i, name in enumerate(names)},
+    )
+    wanted = group_keys + (fetch_keys + piece_keys + verify_keys if keep_intermediates else [])
     with span("token-capture", "finalize", step_id):
         span_annotation = dask.get_annotations().get("span")
-        staging_f = routes_f = None
-        if layout:
-            keys = list(plan.staging_keys)
-            staging_f = client.submit(
-                fetch_pieces, store, keys, list(STAGING_FIELDS), staging_layout, "staging",
-                key=task_key(FETCH_STAGING, token), workers=affinity(store, keys) or None,
-                allow_other_workers=True, **common,
-            )
-            fetch_futures.append(staging_f)
-            if plan.routes_keys:
-                rkeys = list(plan.routes_keys)
-                routes_f = client.submit(
-                    fetch_pieces, store, rkeys, [ROUTES_FIELD], routes_layout, "routes",
-                    key=task_key(FETCH_ROUTES, token), workers=affinity(store, rkeys) or None,
-                    allow_other_workers=True, **common,
-                )
-                fetch_futures.append(routes_f)
-
-        def piece(fut: Any, t: int, kind: str) -> Any:
-            if fut is None or len(layout) == 1:
-                return fut
-            f = client.submit(operator.getitem, fut, t, key=task_key(f"{PIECE}-{kind}", token, t), **common)
-            piece_futures.append(f)
-            return f
-
-        task_of_rollout: dict[int, int] = {}
-        for t, task in enumerate(layout):
-            has_routes = routes_f is not None and any(routes_layout[t][j][1] for j in range(len(task)))
-            verify_futures.append(
-                client.submit(
-                    verify_piece, t, [(r, rollouts[r]) for r in task],
-                    piece(staging_f, t, "staging"), piece(routes_f, t, "routes") if has_routes else None,
-                    vocab_size, num_experts,
-                    key=task_key(VERIFY, token, t), resources={"finalize": 1}, **common,
-                )
-            )
-            for r in task:
-                task_of_rollout[r] = t
-        fetch_calls = len(fetch_futures)
-        for gid in group_ids:
-            needed = sorted({task_of_rollout[s.index] for s in slots[gid] if s.index is not None})
-            group_futures[gid] = client.submit(
-                assemble_piece, step_id, gid, slots[gid], submitted_s, queue_depth, fetch_calls,
-                *[verify_futures[t] for t in needed],
-                key=task_key(ASSEMBLE, token, group_ids.index(gid)), **common,
-            )
+        futures = client.get(graph, wanted, sync=False, retries=retries or None, priority=priority, fifo_timeout="100ms")
+    by_key = dict(zip(wanted, futures))
+    group_futures = {gid: by_key[k] for gid, k in zip(group_ids, group_keys)}
+    fetch_futures = [by_key[k] for k in fetch_keys] if keep_intermediates else []
+    piece_futures = [by_key[k] for k in piece_keys] if keep_intermediates else []
+    verify_futures = [by_key[k] for k in verify_keys] if keep_intermediates else []
+    fetch_calls = len(fetch_keys)
     return StepGraph(
         step_id=step_id,
         token=token,
@@ -470,9 +611,9 @@ def submit_graph(
         slots=slots,
         submitted_s=submitted_s,
         queue_depth=queue_depth,
-        fetch_futures=fetch_futures if keep_intermediates else [],
-        piece_futures=piece_futures if keep_intermediates else [],
-        verify_futures=verify_futures if keep_intermediates else [],
+        fetch_futures=fetch_futures,
+        piece_futures=piece_futures,
+        verify_futures=verify_futures,
         group_futures=group_futures,
         fetch_calls=fetch_calls,
         verify_layout=layout,

@@ -48,18 +48,22 @@ def meter(label: str) -> Iterator[None]:
 
 
 class Stopwatch:
-    """``with Stopwatch() as sw: ...`` then ``sw.ms`` (perf_counter) and ``sw.start_s`` (wall)."""
+    """``with Stopwatch() as sw: ...`` then ``sw.ms`` (perf_counter), ``sw.cpu_ms`` (this
+    thread's CPU time: what the block computed, whatever else ran on the machine) and
+    ``sw.start_s`` (wall)."""
 
-    __slots__ = ("start_s", "ms", "_t0")
+    __slots__ = ("start_s", "ms", "cpu_ms", "_t0", "_c0")
 
     def __enter__(self) -> "Stopwatch":
         self.start_s = wall_s()
+        self._c0 = time.thread_time()
         self._t0 = time.perf_counter()
-        self.ms = 0.0
+        self.ms = self.cpu_ms = 0.0
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.ms = (time.perf_counter() - self._t0) * 1e3
+        self.cpu_ms = (time.thread_time() - self._c0) * 1e3
 
 
 def _min_or_none(values: Iterable[float | None]) -> float | None:
@@ -118,7 +122,7 @@ def step_metrics(
     ``group_metrics`` are the dicts the assemble tasks put on each group; their private
     ``_verify_tasks`` / ``_fetch_timings`` lists let each shared task count once here.
     """
-    fetch_by_kind: dict[str, Mapping[str, Any]] = {}
+    fetch_by_id: dict[str, Mapping[str, Any]] = {}
     verify_tasks: dict[Any, Mapping[str, Any]] = {}
     rollouts = accepted = tokens = internal_errors = 0
     rejected: Counter = Counter()
@@ -129,7 +133,7 @@ def step_metrics(
         for t in m.get("_verify_tasks", ()):
             verify_tasks[t["task"]] = t
         for t in m.get("_fetch_timings", ()):
-            fetch_by_kind[t["kind"]] = t
+            fetch_by_id[t.get("id", t["kind"])] = t
         rollouts += m["rollouts"]
         accepted += m["accepted"]
         tokens += m["tokens"]
@@ -139,7 +143,7 @@ def step_metrics(
         planned += m["_planned"]
         assemble_ms += m["assemble_ms"]
         bytes_fetched += m["bytes_fetched"]
-    fetch_timings = list(fetch_by_kind.values())
+    fetch_timings = list(fetch_by_id.values())
     fetch_ms = sum(t["fetch_ms"] for t in fetch_timings)
     verify_ms = sum(t["ms"] for t in verify_tasks.values())
     wall_ms = max(0.0, (collected_s - submitted_s) * 1e3)
@@ -155,6 +159,7 @@ def step_metrics(
         "fetch_ms": fetch_ms,
         "split_ms": sum(t.get("split_ms", 0.0) for t in fetch_timings),
         "verify_ms": verify_ms,
+        "verify_cpu_ms": sum(t.get("cpu_ms", 0.0) for t in verify_tasks.values()),
         "verify_tasks": len(verify_tasks),
         "assemble_ms": assemble_ms,
         "queue_wait_ms": queue_wait_ms(submitted_s, _min_or_none(t["start_s"] for t in verify_tasks.values())),

@@ -48,6 +48,35 @@ class FinalizedGroup:
     def __len__(self) -> int:
         return len(self.status)
 
+    def __reduce__(self) -> tuple:
+        # Tensors travel as numpy arrays (zero-copy views): pickle protocol 5 then sends
+        # their buffers out of band instead of copying each through torch's own pickling.
+        state = {n: _to_numpy(getattr(self, n)) for n in _TENSOR_FIELDS}
+        return rebuild_group, (self.rollout_ids, state, self.status, self.details, self.metrics)
+
+
+_TENSOR_FIELDS = (
+    "input_ids", "input_lengths", "prompt_lengths", "logprobs", "token_mask",
+    "sample_mask", "rewards", "routed_experts", "has_routes",
+)
+
+
+def _to_numpy(t: Any) -> Any:
+    if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.requires_grad and t.layout == torch.strided:
+        return t.numpy()
+    return t
+
+
+def _from_numpy(a: Any) -> Any:
+    if not isinstance(a, np.ndarray):
+        return a
+    return torch.from_numpy(a if a.flags.writeable else a.copy())
+
+
+def rebuild_group(rollout_ids: list[str], tensors: dict[str, Any], status: list[str], details: list[str], metrics: dict) -> FinalizedGroup:
+    """A :class:`FinalizedGroup` from its pickled parts (numpy arrays as tensors' buffers)."""
+    return FinalizedGroup(rollout_ids, **{n: _from_numpy(a) for n, a in tensors.items()}, status=status, details=details, metrics=metrics)
+
 
 def assemble_group(
     results: Sequence[RolloutResult],
@@ -86,19 +115,29 @@ def assemble_group(
         lengths[i] = lins[i].length
         prompts[i] = lins[i].prompt_length
     max_len = int(lengths.max()) if n else 0
-    ids = np.full((n, max_len), pad_id, dtype=np.int64)
-    mask = np.zeros((n, max_len), dtype=np.float32)
-    lps = np.zeros((n, max_len), dtype=np.float32)
+    # Every element is written once: a row's tokens, then its padding (no zero-fill pass
+    # over the whole buffer before the rows are copied in).
+    ids = np.empty((n, max_len), dtype=np.int64)
+    mask = np.empty((n, max_len), dtype=np.float32)
+    lps = np.empty((n, max_len), dtype=np.float32)
     has_routes = np.zeros(n, dtype=bool)
-    routes = None if route_shape is None else np.zeros((n, max_len) + tuple(route_shape), dtype=ROUTES_DTYPE)
-    for i in accepted:
+    routes = None if route_shape is None else np.empty((n, max_len) + tuple(route_shape), dtype=ROUTES_DTYPE)
+    for i in range(n):
         lin, t = lins[i], int(lengths[i])
-        ids[i, :t] = lin.input_ids
-        mask[i, :t] = lin.token_mask
-        lps[i, :t] = lin.logprobs
-        if lin.routed_experts is not None:
-            routes[i, :t] = lin.routed_experts
-            has_routes[i] = True
+        if lin is not None:
+            ids[i, :t] = lin.input_ids
+            mask[i, :t] = lin.token_mask
+            lps[i, :t] = lin.logprobs
+        ids[i, t:] = pad_id
+        mask[i, t:] = 0.0
+        lps[i, t:] = 0.0
+        if routes is not None:
+            if lin is not None and lin.routed_experts is not None:
+                routes[i, :t] = lin.routed_experts
+                has_routes[i] = True
+                routes[i, t:] = 0
+            else:
+                routes[i] = 0
     sample_mask = np.zeros(n, dtype=np.float32)
     sample_mask[accepted] = 1.0
     rejected = Counter(s for s in status if s != R.OK and s != R.INTERNAL_ERROR)

@@ -8,6 +8,7 @@ next (parent chain hash, parent length, routes shape). A failed rule raises
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable
 
 from .. import hashing
@@ -179,7 +180,8 @@ def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts
     The closure reads every table through a local name (no attribute look-ups per row):
     this is the verifier's hot loop. It returns None, before changing any state, when a
     row differs from its receipt or its routes are not pre-cleared: the named checks
-    then find the exact reason.
+    then find the exact reason. The digest's header is built inline here (the layout of
+    :func:`tasks.hashing.digest_header`, whose checks a cleared row already passed).
     """
     offs, raw, scal = rows.offsets, rows.raw_bytes, rows.scalars
     o_rid, o_cid, o_par = offs.get("rollout_id"), offs.get("model_call_id"), offs.get("parent_call_id")
@@ -194,6 +196,12 @@ def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts
     ids_v = rows.values.get("token_ids")
     mask_v = rows.values.get("token_mask")
     lps_v = rows.values.get("logprobs")
+    r_index, r_sound, r_present, r_offsets = routes.index, routes.sound, routes.present, routes.offsets
+    r_mv, r_bpt, r_shape, r_in_range = routes.mv, routes.bytes_per_token, routes.route_shape, routes.in_range
+    sha256, head, u32, lengths, nbytes, routes_head = (
+        hashlib.sha256, hashing.call_head, hashing.U32.pack, hashing.LENGTHS.pack, hashing.NBYTES.pack, hashing.ROUTES_HEAD.pack,
+    )
+    tag_chain, root, linked = hashing.TAG_CHAIN + hashing.ROOT_MARKER, hashing.ROOT_MARKER, b"\x01"
 
     def lean(rec: CallRecord, i: int, st: ChainCheck, rids: bytes | None) -> int | None:
         row_rid = b_rid[o_rid[i] : o_rid[i + 1]]
@@ -202,7 +210,7 @@ def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts
         # Ids equal to the UTF-8 of the receipt's strings decode to them (UTF-8 is
         # canonical), so byte equality covers decoding, identity and wrong_parent_call_id.
         rec_par = rec.parent_call_id
-        prev, delta, cum, enc = s_prev[i], s_delta[i], s_cum[i], s_enc[i]
+        prev, delta, cum, enc, wv = s_prev[i], s_delta[i], s_cum[i], s_enc[i], s_wv[i]
         dig, chh, cuh = b_dig[o_dig[i] : o_dig[i + 1]], b_ch[o_ch[i] : o_ch[i + 1]], b_cu[o_cu[i] : o_cu[i + 1]]
         if (
             row_rid != rids
@@ -212,7 +220,7 @@ def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts
             or prev != rec.prev_len
             or delta != rec.delta_len
             or cum != rec.cum_len
-            or s_wv[i] != rec.weight_version
+            or wv != rec.weight_version
             or enc != rec.routes_encoding
             or dig != rec.digest
             or chh != rec.chain_hash
@@ -223,42 +231,50 @@ def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts
         j = -1
         route_buf = None
         if enc != ROUTES_NONE:
-            j = routes.index.get(rec.staging_key, -1)
-            if not (
-                enc == ROUTES_INT16
-                and routes.sound
-                and j >= 0
-                and routes.present[j]
-                and routes.offsets[j + 1] - routes.offsets[j] == delta
-            ):
+            j = r_index.get(rec.staging_key, -1)
+            if not (enc == ROUTES_INT16 and r_sound and j >= 0 and r_present[j] and r_offsets[j + 1] - r_offsets[j] == delta):
                 return None
-            rb = routes.bytes_per_token
-            lk = routes.route_shape
-            route_buf = (lk[0], lk[1], routes.mv[routes.offsets[j] * rb : routes.offsets[j + 1] * rb])
+            route_buf = r_mv[r_offsets[j] * r_bpt : r_offsets[j + 1] * r_bpt]
         # From here on a failing rule rejects directly: the named checks would find the
         # same first failure, everything before it having passed.
-        a_ids, a_mask, a_lps = o_ids[i], o_mask[i], o_lps[i]
+        a_ids = o_ids[i]
         ids_b = mv_ids[a_ids * 8 : (a_ids + delta) * 8]
-        header = hashing.digest_header(
-            s_sv[i], hashing.DIGEST_VERSION, row_rid, row_cid, row_par or None, prev, delta, cum, s_wv[i], enc
-        )
+        a_mask, a_lps = o_mask[i], o_lps[i]
         mask_b = mv_mask[a_mask * 4 : (a_mask + delta) * 4]
         lps_b = mv_lps[a_lps * 4 : (a_lps + delta) * 4]
-        if hashing.digest_raw(header, ids_b, mask_b, lps_b, route_buf, chh, cuh) != dig:
+        # digest v1 (tasks.hashing.digest_raw's layout), fed in as few updates as it takes.
+        h = sha256(b"".join((
+            head(s_sv[i], row_rid), u32(len(row_cid)), row_cid,
+            linked + u32(len(row_par)) + row_par if row_par else root,
+            lengths(prev, delta, cum, wv, enc), nbytes(len(ids_b)),
+        )))
+        h.update(ids_b)
+        h.update(nbytes(len(mask_b)))
+        h.update(mask_b)
+        h.update(nbytes(len(lps_b)))
+        h.update(lps_b)
+        if route_buf is not None:
+            h.update(routes_head(r_shape[0], r_shape[1], len(route_buf)))
+            h.update(route_buf)
+        h.update(chh + cuh)
+        if h.digest() != dig:
             raise RuleFailed(R.CORRUPT_DIGEST, f"call {rec.model_call_id!r}: recomputed digest differs from the stored one")
         if prev != st.prev_cum:
             raise RuleFailed(
                 R.PARENT_LENGTH_MISMATCH, f"call {rec.model_call_id!r}: prev_len {prev}, parent ends at {st.prev_cum}"
             )
-        st.parent_chain = hashing.chain_hash_raw(st.parent_chain, ids_b)
+        parent = st.parent_chain
+        c = sha256(tag_chain if parent is None else hashing.TAG_CHAIN + linked + parent)
+        c.update(ids_b)
+        st.parent_chain = c.digest()
         if st.parent_chain != chh:
             raise RuleFailed(R.CHAIN_HASH_MISMATCH, f"call {rec.model_call_id!r}: recomputed chain hash differs")
         if content_ok is None or not content_ok[i]:
             ids_a, mask_a = ids_v[a_ids : a_ids + delta], mask_v[a_mask : a_mask + delta]
             check_content(rec, rows, i, ids_a, mask_a, lps_v[a_lps : a_lps + delta], vocab_size)
         if j >= 0:
-            st.routes_shape = st.routes_shape or routes.route_shape
-            if num_experts is not None and (routes.in_range is None or not routes.in_range[j]):
+            st.routes_shape = st.routes_shape or r_shape
+            if num_experts is not None and (r_in_range is None or not r_in_range[j]):
                 problem = check_routes(enc, routes.field.row(j), delta, num_experts, st.routes_shape)
                 if problem:
                     raise RuleFailed(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")

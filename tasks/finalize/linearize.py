@@ -103,16 +103,26 @@ def _empty(shape: tuple, dtype: np.dtype) -> np.ndarray:
     return np.empty(shape, dtype=dtype)
 
 
+def VIEWS(shape: tuple, dtype: np.dtype) -> np.ndarray:  # noqa: N802 - a marker allocator
+    """The allocator that lets :func:`gather_ranges` return a view of the batch buffer
+    when the ranges are back to back (else it allocates like ``np.empty``). Only for a
+    caller that owns the batch and never changes it while the rows live."""
+    return np.empty(shape, dtype=dtype)
+
+
 def gather_ranges(
     values: np.ndarray, starts: Sequence[int], ends: Sequence[int], dtype: np.dtype, alloc: Alloc = _empty
 ) -> np.ndarray:
     """``values[starts[k]:ends[k]]`` for every k, concatenated into one NEW array.
 
     The output comes from ``alloc`` and is filled by slice assignment (back-to-back
-    ranges: one copy). It never aliases ``values`` (a training row outlives its batch).
+    ranges: one copy). It never aliases ``values`` (a training row outlives its batch),
+    except with ``alloc=VIEWS``: back-to-back ranges of ``dtype`` come back as a view.
     """
     n = len(starts)
     contiguous = all(starts[k + 1] == ends[k] for k in range(n - 1))
+    if alloc is VIEWS and n and contiguous and values.dtype == dtype:
+        return values[starts[0] : ends[-1]]
     total = ends[-1] - starts[0] if n and contiguous else sum(e - s for s, e in zip(starts, ends))
     out = alloc((total,) + values.shape[1:], dtype)
     if contiguous:

@@ -12,7 +12,7 @@ from typing import Any, Mapping, Sequence
 
 from .. import reasons as R
 from ..errors import InvalidKey
-from ..keys import check_id, staging_key
+from ..keys import CUT_PREFIX, MAX_ID_BYTES, check_id, staging_key
 from ..receipts import RECEIPT_VERSION, CallRecord, Receipt
 from ..schema import HASH_BYTES, HASH_FIELDS, ROUTES_INT16, ROUTES_NONE
 
@@ -154,8 +154,43 @@ def _hash(v: Any, what: str) -> bytes:
     return bytes(v)
 
 
+def _plain_id(v: Any) -> bool:
+    """``v`` is an exact ``str`` that :func:`tasks.keys.check_id` accepts (the fast path)."""
+    if type(v) is not str or not v or "/" in v or v == CUT_PREFIX:
+        return False
+    try:
+        return len(v.encode("utf-8")) <= MAX_ID_BYTES
+    except UnicodeEncodeError:
+        return False
+
+
+def _plain_record(raw: CallRecord) -> CallRecord | None:
+    """:func:`_record` of a CallRecord whose fields all have their exact types and pass
+    every check (the common case, checked in one go), else None: the field-by-field path
+    then finds the first failure. Equal to that path's result when not None."""
+    r = raw
+    p, d, c, w, e = r.prev_len, r.delta_len, r.cum_len, r.weight_version, r.routes_encoding
+    par = r.parent_call_id
+    if not (
+        type(p) is int and type(d) is int and type(c) is int and type(w) is int and type(e) is int
+        and 0 <= p <= _I64_MAX and 0 < d <= _I64_MAX and c == p + d and c <= _I64_MAX and _I64_MIN <= w <= _I64_MAX
+        and (e == ROUTES_NONE or e == ROUTES_INT16)
+        and type(r.digest) is bytes and len(r.digest) == HASH_BYTES
+        and type(r.chain_hash) is bytes and len(r.chain_hash) == HASH_BYTES
+        and type(r.cumulative_hash) is bytes and len(r.cumulative_hash) == HASH_BYTES
+        and type(r.staging_key) is str
+        and _plain_id(r.model_call_id) and (par is None or _plain_id(par))
+    ):
+        return None
+    return raw  # frozen, and every field an exact immutable type: the record as given
+
+
 def _record(raw: Any, i: int) -> CallRecord:
     """One call record, type- and range-checked (lengths consistent, hashes 32 bytes)."""
+    if type(raw) is CallRecord:
+        plain = _plain_record(raw)
+        if plain is not None:
+            return plain
     if isinstance(raw, CallRecord):
         get = lambda n: getattr(raw, n)  # noqa: E731
     elif isinstance(raw, Mapping):
@@ -374,28 +409,36 @@ def plan_group(receipts: Sequence[ReceiptLike], group_id: str | None = None) -> 
     return plan_step(receipts if group_id is None else {group_id: receipts})
 
 
-def pack_verify_tasks(plans: Sequence[RolloutPlan], token_budget: int) -> list[list[RolloutPlan]]:
+def pack_verify_tasks(
+    plans: Sequence[RolloutPlan], token_budget: int, groups: Sequence[Any] | None = None
+) -> list[list[RolloutPlan]]:
     """Pack rollouts into verify tasks of at most ``token_budget`` tokens each.
 
     A rollout of ``token_budget`` tokens or more gets a task alone; shorter ones are
     packed greedily in submission order (a task of many short rollouts amortizes the
     ~1 ms per-task scheduling overhead). Every rollout is still verified on its own.
+    With ``groups`` (each plan's group label), a task holding at least half the budget
+    also ends where a new group starts, so a group's assemble task depends on (and
+    receives) few rows of other groups.
     """
     if token_budget <= 0:
         raise ValueError(f"token_budget must be positive, got {token_budget}")
     tasks: list[list[RolloutPlan]] = []
     current: list[RolloutPlan] = []
     used = 0
-    for p in plans:
+    last: Any = None
+    for k, p in enumerate(plans):
         n = p.n_tokens
+        g = None if groups is None else groups[k]
         if n >= token_budget:
             tasks.append([p])
             continue
-        if current and used + n > token_budget:
+        if current and (used + n > token_budget or (groups is not None and g != last and 2 * used >= token_budget)):
             tasks.append(current)
             current, used = [], 0
         current.append(p)
         used += n
+        last = g
     if current:
         tasks.append(current)
     return tasks

@@ -18,7 +18,7 @@ from ..errors import RuleFailed
 from ..packed import PackedBatch
 from ..schema import ROUTES_NONE
 from .chain import CallRules, ChainCheck
-from .linearize import Alloc, Linearized, OutputArena, linearize_ranges, row_bytes
+from .linearize import VIEWS, Alloc, Linearized, OutputArena, linearize_ranges, row_bytes
 from .plan import RolloutPlan, StepPlan
 from .tables import RoutesTable, RowTable
 
@@ -140,8 +140,15 @@ def verify_many(
     *,
     vocab_size: int,
     num_experts: int | None,
+    views: bool = False,
 ) -> list[RolloutResult]:
-    """:func:`verify_rollout` for a packed verify task: the batch is indexed and scanned once."""
+    """:func:`verify_rollout` for a packed verify task: the batch is indexed and scanned once.
+
+    ``views=True``: a training row whose calls are back-to-back rows of the batch is a view
+    of its buffers, not a copy; only for a caller that owns ``rows``/``routes`` and never
+    changes them while the results live (the finalize graph: fetched rows, assembled into
+    new tensors). Verdicts are the same either way.
+    """
     needed = [k for p in plans for k in p.keys]
     try:
         table = RowTable(rows, vocab_size, needed)
@@ -152,6 +159,8 @@ def verify_many(
             for p in plans
         ]
     rules = CallRules(table, rtable, vocab_size, num_experts)
+    if views:
+        return [_verdict(p, rules, VIEWS) for p in plans]
     arena = _arena(plans, table, rtable)
     if arena is None:
         return [_verdict(p, rules) for p in plans]
