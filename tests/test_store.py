@@ -684,3 +684,34 @@ def test_a_put_gathers_each_units_rows_into_pooled_buffers(store_factory):
     assert not store.put_many(pack_rows(rows[4:8])).failed  # the same sizes: the same slabs
     assert pool.reused > reused
     assert_rows_exact(store, rows[:8])
+
+
+def _read_on_unit_worker(store, keys: list[str], local_reads: bool) -> tuple[bool, bool]:
+    """Runs as a task on the unit's worker: (rows read back right, served from the unit's
+    own pooled answer buffer, i.e. in-process)."""
+    import dask
+    from distributed import get_worker
+
+    with dask.config.set({"token-capture.store.local-reads": local_reads}):
+        got = store.get_many(keys)
+    unit = get_worker().state.actors[store.units[0].key]
+    slabs = [s for slabs in unit.answers._classes.values() for s in slabs]
+    values = got.batch.fields["token_ids"].values
+    return (not got.failed and got.batch.keys == keys), any(np.shares_memory(values, s) for s in slabs)
+
+
+def test_reads_on_the_units_own_worker_skip_the_socket(store_factory, cluster_client):
+    """A get from a task on the worker hosting the unit is served in-process, on the unit's
+    actor thread: the answer IS the unit's pooled buffer (no copy over a socket); with
+    ``store.local-reads: false`` it comes over TCP into fresh buffers. Same rows."""
+    rows = make_rows(8, calls=1, tokens=4096, seed=14)
+    store = store_factory(n_units=1)
+    assert not store.put_many(pack_rows(rows)).failed
+    keys = [r.staging_key for r in rows]
+    where = [store.unit_workers[0]]
+    ok, local = cluster_client.submit(_read_on_unit_worker, store, keys, True, workers=where, pure=False).result()
+    assert ok and local
+    ok, local = cluster_client.submit(_read_on_unit_worker, store, keys, False, workers=where, pure=False).result()
+    assert ok and not local
+    assert store.stats()[0]["gets"] == 2
+    assert_rows_exact(store, rows)

@@ -19,7 +19,7 @@ from tasks.keys import STAGING_PARTITION as DEFAULT_PARTITION, unit_for_key
 from tasks.packed import PackedBatch, PackedField, payload_bytes_per_row, slice_rows, take_rows
 
 from .. import config
-from ..actors import current_workers, start_pinned_actors
+from ..actors import current_workers, local_call, start_pinned_actors
 from . import checkpoint as _checkpoint
 from .protocol import (
     DTYPE_MISMATCH,
@@ -296,7 +296,7 @@ class StagingStore:
         return _merge_gets(keys, results, failed)
 
     def _get_parts(self, parts, partition: str, wire_fields, end: float | None) -> list[GetResult]:
-        futures = [self.units[u].get_many(partition, pack_names(ks), wire_fields) for u, ks in parts]
+        futures = [self._get_call(u)(partition, pack_names(ks), wire_fields) for u, ks in parts]
         results = [self._settle(u, waiter(f, end), ks, _empty_get) for (u, ks), f in zip(parts, futures)]
         if self.replica is None:
             return results
@@ -306,6 +306,16 @@ class StagingStore:
         futures = [self.units[r].get_many(partition, pack_names(ks), wire_fields) for r, ks in again]
         second = [self._settle(r, waiter(f, end), ks, _empty_get) for (r, ks), f in zip(again, futures)]
         return _after_failover(results, second)
+
+    def _get_call(self, u: int) -> Any:
+        """Unit ``u``'s ``get_many``: in-process on its actor thread when this code runs on
+        the unit's own worker (``store.local-reads``; no socket, no serialization, the answer
+        is the unit's pooled buffer itself), else the actor call."""
+        if config.get("store.local-reads"):
+            local = local_call(self.units[u], "get_many")
+            if local is not None:
+                return local
+        return self.units[u].get_many
 
     def delete(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION, timeout: float | None = None) -> StoreResult:
         """Delete ``keys`` (ONE call per unit involved, whatever the number of keys; with
