@@ -7,6 +7,7 @@ reused only once nothing refers to it any more (its reference count says so).
 """
 from __future__ import annotations
 
+import gc
 import sys
 import threading
 from typing import Iterable
@@ -42,6 +43,7 @@ class AnswerBuffers:
         self.reused = 0  # answers packed into a reused slab
         self.allocated = 0  # slabs allocated for the pool
         self.unpooled = 0  # answers packed into a plain allocation (the pool was full)
+        self.collections = 0  # garbage collections run because the pool was full
         # References a slab has when only this pool holds it, measured through the same
         # code path as the check (robust to how the interpreter counts argument refs).
         probe = [np.empty(0, np.uint8)]
@@ -69,9 +71,22 @@ class AnswerBuffers:
                 slabs.append(slab)  # now the most recently handed out
                 self.reused += 1
                 return slab
-        slab = np.empty(cap, dtype=np.uint8)
         if self.held_bytes + cap > self.max_bytes:
             self._release_idle(self.held_bytes + cap - self.max_bytes, but=cap)
+        if self.held_bytes + cap > self.max_bytes:
+            # Full of slabs something still refers to: often only a finished actor call's
+            # arguments waiting in a reference cycle. One young-generation collection frees
+            # those (milliseconds), then idle slabs can go or be reused.
+            gc.collect(1)
+            self.collections += 1
+            for i in range(min(len(slabs), self.SCAN)):
+                if self._refs(slabs, i) <= self._free_refs:
+                    slab = slabs.pop(i)
+                    slabs.append(slab)
+                    self.reused += 1
+                    return slab
+            self._release_idle(self.held_bytes + cap - self.max_bytes, but=cap)
+        slab = np.empty(cap, dtype=np.uint8)
         if self.held_bytes + cap <= self.max_bytes:
             slabs.append(slab)
             self.held_bytes += cap
