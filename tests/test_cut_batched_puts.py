@@ -13,7 +13,6 @@ import gc
 import dask
 import numpy as np
 import pytest
-from distributed import Client, LocalCluster
 
 from pipeline.bench import cut as bench_cut
 from pipeline.generation import CallBuffer, run_cut
@@ -28,31 +27,18 @@ from tasks.cut.receipt import DURABLE_PREFIX, inventory_digest
 from tasks.keys import unit_for_key
 from tasks.packed import pack_rows, unpack_rows
 
+from support import store_maker
+
 pytestmark = pytest.mark.timeout(180)
 
 L, K = 2, 2
 
 
-@pytest.fixture(scope="module")
-def client():
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=False, dashboard_address=None,
-                      worker_dashboard_address="127.0.0.1:0") as cluster:
-        with Client(cluster) as c:
-            yield c
-
-
 @pytest.fixture
-def make_store(client, tmp_path):
-    made = []
-
-    def make(n_units: int = 2) -> StagingStore:
-        s = StagingStore.start(client, n_units=n_units, spill_directory=str(tmp_path / f"spill{len(made)}"))
-        made.append(s)
-        return s
-
-    yield make
-    for s in made:
-        s.close()
+def make_store(inprocess_client, tmp_path):
+    """``make(n_units=2)`` -> a StagingStore on the shared in-process cluster (closed after)."""
+    with store_maker(inprocess_client, tmp_path) as make:
+        yield make
 
 
 def calls(n: int, *, prefix: str, gen: int = 24, routes_every: int = 0, seed: int = 0) -> list[CallBuffer]:
