@@ -175,6 +175,7 @@ class OneGetStore:
     async def get_many(self, keys: list[str]) -> GetResult:
         b = PackedBatch.from_rows(list(keys), [self.rows[k] for k in keys], NAMES)
         self.answers.append(b)
+        await asyncio.sleep(0)  # a real get waits for its answer at least one loop turn
         return GetResult(b, {})
 
 
@@ -185,13 +186,15 @@ def test_coalesced_requests_are_views_with_read_only_offsets():
 
     async def main():
         co = PrefixReadCoalescer(store.get_many, window_ms=1000.0)
-        # Same loop turn: all six requests join one get.
+        # Same loop turn: the first request finds the coalescer idle and goes at once
+        # (its answer is the get's batch itself); the other five join one get.
         return await asyncio.gather(*(co.read(ks, 128) for ks in requests))
 
     outs = asyncio.run(main())
-    assert len(store.answers) == 1
-    answer = store.answers[0]
-    for ks, got in zip(requests, outs):
+    assert len(store.answers) == 2
+    assert outs[0] is store.answers[0]
+    answer = store.answers[1]
+    for ks, got in zip(requests[1:], outs[1:]):
         lo = answer.keys.index(ks[0])
         want = slice_rows(answer, lo, lo + len(ks))
         assert got.keys == ks

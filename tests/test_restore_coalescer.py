@@ -51,6 +51,7 @@ class FakeStore:
     async def get_many(self, keys: list[str]) -> FakeResult:
         self.calls.append(list(keys))
         self.started.set()
+        await asyncio.sleep(0)  # a real get always waits for its answer at least one loop turn
         if self.gate is not None:
             await self.gate.wait()
         if self.hang & set(keys):
@@ -124,43 +125,145 @@ def test_same_tick_burst_shares_one_get_and_keeps_chain_order():
     async def main():
         keys = [f"r{i}/c" for i in range(10)]
         store = FakeStore(rows_for(keys))
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
+        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, eager_inflight=4, timer=ManualTimer())
         requests = [keys[0:3][::-1], keys[2:6], keys[5:10], [keys[9], keys[0], keys[9]]]
         outs = await asyncio.gather(*(c.read(r) for r in requests))
-        assert len(store.calls) == 1
-        assert sorted(store.calls[0]) == sorted(keys)  # deduplicated: each key read once
-        assert len(store.calls[0]) == len(set(store.calls[0]))
+        # The first request found the coalescer idle: its own get, at once (its keys are
+        # its own). The rest of the same loop turn shared the next one, deduplicated.
+        assert store.calls == [requests[0], [keys[i] for i in (2, 3, 4, 5, 6, 7, 8, 9, 0)]]
         for req, out in zip(requests, outs):
             assert out.keys == req
             for i, k in enumerate(req):
                 np.testing.assert_array_equal(out.fields["token_ids"].row(i), store.rows[k]["token_ids"])
-        assert c.stats.keys_deduplicated == 4
+        assert c.stats.keys_deduplicated == 2 and c.stats.immediate_gets == 2
 
     run(main())
 
 
 def test_window_coalesces_while_a_get_is_in_flight_and_dedups_against_it():
     async def main():
-        keys = [f"k{i}" for i in range(6)]
+        keys = [f"k{i}" for i in range(6)] + ["k9"]
         store = FakeStore(rows_for(keys))
         store.gate = asyncio.Event()
         timer = ManualTimer()
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=timer)
+        # eager_inflight=1: one get in flight already counts as load.
+        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, eager_inflight=1, timer=timer)
+        # k9 finds the coalescer idle: its own get, at once. k0/k1, same turn, wait a window.
+        lone = asyncio.create_task(c.read(["k9"]))
         first = asyncio.create_task(c.read(["k0", "k1"]))
-        await store.started.wait()
-        assert store.calls == [["k0", "k1"]]
-        # A get is in flight: these wait for the window and share one get; k1 is already
-        # being read, so it is not read again.
-        later = [asyncio.create_task(c.read(r)) for r in (["k2", "k1"], ["k3", "k4"], ["k5", "k2"])]
         await settle()
-        assert len(store.calls) == 1 and c.stats.window_waits == 1
+        assert store.calls == [["k9"]] and c.stats.window_waits == 1
         assert timer.fire() == 1
         await settle()
-        assert store.calls[1] == ["k2", "k3", "k4", "k5"]
+        assert store.calls == [["k9"], ["k0", "k1"]]
+        # Gets in flight: these wait for the window and share one get; k1 is already
+        # being read by a shared get, so it is not read again.
+        later = [asyncio.create_task(c.read(r)) for r in (["k2", "k1"], ["k3", "k4"], ["k5", "k2"])]
+        await settle()
+        assert len(store.calls) == 2 and c.stats.window_waits == 2
+        assert timer.fire() == 1
+        await settle()
+        assert store.calls[2] == ["k2", "k3", "k4", "k5"]
         store.gate.set()
-        outs = await asyncio.gather(first, *later)
-        assert [o.keys for o in outs] == [["k0", "k1"], ["k2", "k1"], ["k3", "k4"], ["k5", "k2"]]
-        assert len(store.calls) == 2
+        outs = await asyncio.gather(lone, first, *later)
+        assert [o.keys for o in outs] == [["k9"], ["k0", "k1"], ["k2", "k1"], ["k3", "k4"], ["k5", "k2"]]
+        assert len(store.calls) == 3 and c.stats.keys_deduplicated == 2
+
+    run(main())
+
+
+def test_light_load_issues_at_once_while_slots_are_free_and_saturation_merges():
+    async def main():
+        keys = [f"k{i}" for i in range(8)]
+        store = FakeStore(rows_for(keys))
+        store.gate = asyncio.Event()
+        timer = ManualTimer()
+        # eager_inflight == max_concurrent (the defaults' shape): no request ever waits
+        # for a window while a slot is free.
+        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 3_600_000.0, 4, 30.0, eager_inflight=4, timer=timer)
+        tasks = []
+        for i, k in enumerate(keys[:4]):  # each in its own loop turn, while the others are in flight
+            tasks.append(asyncio.create_task(c.read([k])))
+            await asyncio.sleep(0)  # the request's first step: its get is issued right there
+            assert store.calls == [[k] for k in keys[: i + 1]]
+        assert c.stats.immediate_gets == 4 and c.stats.window_waits == 0 and timer.pending == []
+        # Every slot busy: later requests queue, still no window.
+        for k in keys[4:]:
+            tasks.append(asyncio.create_task(c.read([k])))
+            await settle()
+        assert len(store.calls) == 4 and c.queued == 4 and c.dispatch_state().decide().value == "wait_slot"
+        assert c.stats.slot_waits == 1 and timer.pending == []
+        store.gate.set()
+        outs = await asyncio.gather(*tasks)
+        assert [o.keys for o in outs] == [[k] for k in keys]
+        # The queue went as ONE get at the first free slot.
+        assert store.calls[4:] == [keys[4:]] and c.stats.gets == 5
+
+    run(main())
+
+
+def test_eager_inflight_zero_always_coalesces_and_is_read_at_call_time():
+    import dask
+
+    async def main():
+        store = FakeStore(rows_for(["a", "b"]))
+        timer = ManualTimer()
+        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=timer)
+        with dask.config.set({"token-capture.restore.eager-inflight": 0}):
+            t = asyncio.create_task(c.read(["a"]))
+            await settle()
+            assert store.calls == [] and c.stats.window_waits == 1  # a lone request waits too
+            assert timer.fire() == 1
+            assert (await t).keys == ["a"]
+        # The knob is read at call time: back to the default, a lone request goes at once.
+        assert (await c.read(["b"])).keys == ["b"]
+        assert c.stats.window_waits == 1 and c.stats.immediate_gets == 1
+
+    run(main())
+
+
+def test_load_dropping_below_eager_ends_the_window_wait():
+    async def main():
+        store = FakeStore(rows_for(["a", "b", "c"]))
+        store.gate = asyncio.Event()
+        timer = ManualTimer()
+        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 3_600_000.0, 4, 30.0, eager_inflight=1, timer=timer)
+        first = asyncio.create_task(c.read(["a"]))
+        await store.started.wait()
+        second = asyncio.create_task(c.read(["b"]))
+        await settle()
+        third = asyncio.create_task(c.read(["c", "b"]))
+        await settle()
+        assert c.stats.window_waits == 1 and c.dispatch_state().decide().value == "wait_window"
+        # The get in flight finishes: nothing is in flight any more, so what waited goes
+        # now, as one get, without waiting out its (hour-long) window.
+        store.gate.set()
+        assert (await first).keys == ["a"] and (await second).keys == ["b"] and (await third).keys == ["c", "b"]
+        assert store.calls == [["a"], ["b", "c"]]
+
+    run(main())
+
+
+def test_a_request_cancelled_before_taking_the_queue_leaves_it_to_the_others():
+    async def main():
+        store = FakeStore(rows_for(["a", "x", "b", "c"]))
+        store.gate = asyncio.Event()
+        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, eager_inflight=4, timer=ManualTimer())
+        first = asyncio.create_task(c.read(["a"]))
+        await store.started.wait()
+        # One loop turn: "x" (first of the turn) issues its own get at once; "b" will take
+        # the queue one loop turn later; "c" leaves that to it. "b" is cancelled first.
+        x = asyncio.create_task(c.read(["x"]))
+        b = asyncio.create_task(c.read(["b"]))
+        cc = asyncio.create_task(c.read(["c"]))
+        await asyncio.sleep(0)  # all registered; b waits out its loop turn
+        assert store.calls == [["a"], ["x"]]
+        b.cancel()
+        store.gate.set()
+        assert (await cc).keys == ["c"] and (await first).keys == ["a"] and (await x).keys == ["x"]
+        with pytest.raises(asyncio.CancelledError):
+            await b
+        assert store.calls == [["a"], ["x"], ["c"]] and c.inflight == 0 and c.stats.dropped_keys == 1
 
     run(main())
 
@@ -190,23 +293,23 @@ def test_batch_size_and_max_tokens_respected():
 
 def test_bad_row_fails_only_its_requesters_and_batch_rereads_each_key_once():
     async def main():
-        keys = ["a", "b", "bad", "c"]
+        keys = ["a", "b", "bad", "c", "d"]
         store = FakeStore(rows_for(keys))
         store.poison = {"bad"}  # the shared get raises; alone, only "bad" is refused
         store.poison_alone = {"bad"}
         c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
         results = await asyncio.gather(
-            c.read(["a", "b"]), c.read(["bad", "a"]), c.read(["c"]), return_exceptions=True
+            c.read(["a", "b"]), c.read(["bad", "a"]), c.read(["c"]), c.read(["d"]), return_exceptions=True
         )
         assert results[0].keys == ["a", "b"]
-        assert results[2].keys == ["c"]
+        assert results[2].keys == ["c"] and results[3].keys == ["d"]
         assert isinstance(results[1], PrefixReadError)
         assert set(results[1].failed) == {"bad"}
         assert results[1].failed["bad"][0] == "read_failed"
-        # One shared get, then each of its keys alone exactly once.
-        assert store.calls[0] == ["a", "b", "bad", "c"]
-        solo = store.calls[1:]
-        assert sorted(solo) == [["a"], ["b"], ["bad"], ["c"]]
+        # The first request alone (idle coalescer), the rest in one shared get, which
+        # fails; then each of its keys alone, exactly once.
+        assert store.calls[:2] == [["a", "b"], ["bad", "a", "c", "d"]]
+        assert sorted(store.calls[2:]) == [["a"], ["bad"], ["c"], ["d"]]
         assert c.stats.solo_rereads == 4 and c.stats.failed_requests == 1
 
     run(main())
@@ -219,28 +322,40 @@ def test_store_reported_missing_key_fails_only_requesters_without_reread():
         ok, bad = await asyncio.gather(c.read(["a", "b"]), c.read(["b", "gone"]), return_exceptions=True)
         assert ok.keys == ["a", "b"]
         assert isinstance(bad, PrefixReadError) and bad.failed == {"gone": ("missing_key", "gone not staged")}
-        assert len(store.calls) == 1  # the store answered per key: nothing to re-read
+        assert store.calls == [["a", "b"], ["b", "gone"]]  # the store answered per key: nothing re-read
+        assert c.stats.solo_rereads == 0
 
     run(main())
 
 
-def test_cancelling_one_request_does_not_cancel_the_shared_get():
+def test_cancelling_one_request_never_fails_another():
     async def main():
-        store = FakeStore(rows_for(["a", "b", "c"]))
+        store = FakeStore(rows_for(["a", "b", "x"]))
         store.gate = asyncio.Event()
         c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
-        # Both requests need "b", the first key of the one that gets cancelled.
+        # One loop turn: x (first) issues its own get; t1 runs the next, shared get itself.
+        tx = asyncio.create_task(c.read(["x"]))
         t1 = asyncio.create_task(c.read(["b", "a"]))
-        t2 = asyncio.create_task(c.read(["c", "b"]))
-        await store.started.wait()
-        assert store.calls == [["b", "a", "c"]]
+        await settle()
+        assert store.calls == [["x"], ["b", "a"]]
+        # t2 and t3 join t1's keys in flight.
+        t2 = asyncio.create_task(c.read(["a", "b"]))
+        t3 = asyncio.create_task(c.read(["b"]))
+        await settle()
+        assert len(store.calls) == 2 and c.stats.keys_deduplicated == 3
+        # Cancelling a request that only joined leaves the get alone.
+        t2.cancel()
+        await settle()
+        assert t2.cancelled() and len(store.calls) == 2
+        # Cancelling t1 stops the get it runs: the key t3 still waits for is read again
+        # (not "a": nobody wants it any more); t3 gets its row, no failure.
         t1.cancel()
         await settle()
         assert t1.cancelled()
         store.gate.set()
-        out = await t2
-        assert out.keys == ["c", "b"]
-        assert len(store.calls) == 1 and c.stats.cancelled_requests == 1
+        assert (await t3).keys == ["b"] and (await tx).keys == ["x"]
+        assert store.calls == [["x"], ["b", "a"], ["b"]]
+        assert c.stats.cancelled_requests == 2 and c.stats.failed_keys == 0 and c.inflight == 0
 
     run(main())
 
@@ -250,7 +365,7 @@ def test_queued_keys_of_cancelled_requests_are_not_read():
         store = FakeStore(rows_for(["a", "b", "c"]))
         store.gate = asyncio.Event()
         timer = ManualTimer()
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=timer)
+        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, eager_inflight=1, timer=timer)
         first = asyncio.create_task(c.read(["a"]))
         await store.started.wait()
         only_b = asyncio.create_task(c.read(["b"]))
@@ -316,12 +431,19 @@ def test_close_fails_pending_requests():
         store = FakeStore(rows_for(["a"]))
         store.gate = asyncio.Event()
         c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
+        # t's own task runs its get; so does "joined" (a lone request's keys are private).
         t = asyncio.create_task(c.read(["a"]))
         await store.started.wait()
+        joined = asyncio.create_task(c.read(["a"]))
+        await settle()
+        assert store.calls == [["a"], ["a"]]
         await c.close()
-        with pytest.raises(PrefixReadError) as err:
-            await t
-        assert err.value.failed["a"][0] == "closed"
+        for task in (t, joined):
+            with pytest.raises(PrefixReadError) as err:
+                await task
+            assert err.value.failed["a"][0] == "closed"
+        if hasattr(t, "cancelling"):  # Python >= 3.11: the owner's task is not left cancelling
+            assert t.cancelling() == 0
         with pytest.raises(PrefixReadError):
             await c.read(["a"])
 
@@ -338,6 +460,8 @@ def test_bad_arguments_are_typed_errors():
         assert (await c.read([])).keys == []
         with pytest.raises(ValueError, match="batch-size"):
             PrefixReadCoalescer(FakeStore({}).get_many, batch_size=0)
+        with pytest.raises(ValueError, match="eager-inflight must be >= 0"):
+            PrefixReadCoalescer(FakeStore({}).get_many, eager_inflight=-1)
 
     run(main())
 
@@ -349,7 +473,7 @@ def test_knobs_default_from_config():
         with dask.config.set({"token-capture.restore.batch-size": 3}):
             store = FakeStore(rows_for([f"k{i}" for i in range(7)]))
             c = PrefixReadCoalescer(store.get_many, timer=ManualTimer())
-            assert c.batch_size == 3 and c.window_s == pytest.approx(0.002)
+            assert c.batch_size == 3 and c.window_s == pytest.approx(0.002) and c.eager_inflight == 4
             await c.read([f"k{i}" for i in range(7)])
             assert [len(k) for k in store.calls] == [3, 3, 1]
 
@@ -375,18 +499,21 @@ def test_prefix_read_error_pickles():
 
 def test_answers_are_views_when_rows_sit_together_and_copies_otherwise():
     async def main():
-        keys = [f"k{i}" for i in range(6)]
+        keys = [f"k{i}" for i in range(6)] + ["k9"]
         store = FakeStore(rows_for(keys, n=5))
         c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
-        together, apart = await asyncio.gather(c.read(["k0", "k1", "k2"]), c.read(["k5", "k3"]))
-        assert len(store.calls) == 1
+        # k9's get goes alone (idle coalescer); the next three share [k0, k1, k2, k3, k4, k5].
+        _, together, _, apart = await asyncio.gather(
+            c.read(["k9"]), c.read(["k0", "k1", "k2"]), c.read(["k3", "k4"]), c.read(["k5", "k3"]))
+        assert store.calls == [["k9"], ["k0", "k1", "k2", "k3", "k4", "k5"]]
         assert together.keys == ["k0", "k1", "k2"] and apart.keys == ["k5", "k3"]
         f = together.fields["token_ids"]
         assert f.offsets[0] == 0 and f.offsets[-1] == len(f.values) == 15
         for i, k in enumerate(["k5", "k3"]):
             np.testing.assert_array_equal(apart.fields["token_ids"].row(i), store.rows[k]["token_ids"])
-        # k4 was not asked for: k3 and k5 are not adjacent in the get, so they were gathered.
-        assert apart.fields["token_ids"].values.base is None or len(apart.fields["token_ids"].values) == 10
+        # k3 and k5 are not adjacent (in that order) in the get: gathered, a copy of 10 values.
+        a = apart.fields["token_ids"].values
+        assert len(a) == 10 and not np.shares_memory(a, f.values)
 
     run(main())
 

@@ -1,8 +1,9 @@
 """Restore side of checkpoint cuts: coalesced prefix reads.
 
 * :class:`~pipeline.restore.coalescer.PrefixReadCoalescer`: the pure-asyncio core that
-  merges concurrent prefix reads into bounded, deduplicated gets (its pending keys and
-  queue: :mod:`~pipeline.restore.pending`; its sliced get answers: :mod:`~pipeline.restore.answer`);
+  merges concurrent prefix reads into bounded, deduplicated gets (when it issues, by load:
+  :mod:`~pipeline.restore.dispatch`; its pending keys and queue:
+  :mod:`~pipeline.restore.pending`; its sliced get answers: :mod:`~pipeline.restore.answer`);
 * :class:`~pipeline.restore.batcher.PrefixReadBatcher`: the Dask actor (one per generation
   worker) wrapping a coalescer over a StagingStore's ``cut`` partition, which also
   verifies a restored prefix (:mod:`tasks.cut.prefix`) before a call resumes from it.

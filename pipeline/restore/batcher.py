@@ -6,6 +6,7 @@ store's ``cut`` partition, and verification runs in a thread off the loop.
 
     batchers = start_batchers(client, store)        # {worker address: actor}
     verdict = batchers[addr].restore(ack).result()   # PrefixVerdict: usable, or a reason
+    verdict = await local_batcher(handle).restore(ack)  # on the batcher's own worker: in-process
 
 Usage and statistics: docs/design.md, "Restore".
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import time
+import uuid
 from typing import Any, Callable, Sequence
 
 from tasks import reasons
@@ -32,7 +34,7 @@ class PrefixReadBatcher:
     """Dask actor: coalesced prefix reads and prefix verification for one worker.
 
     ``store`` is a :class:`~pipeline.store.client.StagingStore` (anything with
-    ``get_many_async(keys, fields, partition=)``). Coalescer knobs left ``None`` are read
+    ``get_many_async(keys, fields, partition=, timeout=)``). Coalescer knobs left ``None`` are read
     from ``token-capture.restore.*`` when used. ``vocab_size``/``num_experts``/
     ``routes_shape`` are the defaults for verification (``None``: not checked).
     """
@@ -48,6 +50,7 @@ class PrefixReadBatcher:
         window_ms: float | None = None,
         max_concurrent: int | None = None,
         timeout_s: float | None = None,
+        eager_inflight: int | None = None,
         vocab_size: int | None = None,
         num_experts: int | None = None,
         routes_shape: tuple[int, int] | None = None,
@@ -58,13 +61,13 @@ class PrefixReadBatcher:
         self.fields = None if fields is None else list(fields)
         self._knobs = dict(
             batch_size=batch_size, max_tokens=max_tokens, window_ms=window_ms,
-            max_concurrent=max_concurrent, timeout_s=timeout_s,
+            max_concurrent=max_concurrent, timeout_s=timeout_s, eager_inflight=eager_inflight,
         )
         self._verify_kw = dict(vocab_size=vocab_size, num_experts=num_experts, routes_shape=routes_shape)
         self._name = name
         self._coalescer: PrefixReadCoalescer | None = None
         self._verdicts: dict[str, int] = {}  # "ok" or reason -> count
-        self._last_publish = 0.0
+        self._next_publish = 0.0  # time.monotonic() after which the next read publishes
         # Request latency histogram since start (published in RESTORE events): upper bounds
         # in seconds (metrics.buckets-seconds), one count per bucket plus +Inf, sum in s.
         self._lat_bounds = [float(b) for b in config.get("metrics.buckets-seconds")]
@@ -80,12 +83,13 @@ class PrefixReadBatcher:
     def _co(self) -> PrefixReadCoalescer:
         # Built on first use, inside the event loop that serves the actor's async methods.
         if self._coalescer is None:
-            self._coalescer = PrefixReadCoalescer(self._get_many, **self._knobs, group=unit_grouping(self.store))
+            # The store call is bounded by get-timeout-s (a hung unit fails its keys
+            # unit_unavailable, after trying a replica): no second timer around it.
+            self._coalescer = PrefixReadCoalescer(self._get_many, **self._knobs, bounded=True, group=unit_grouping(self.store))
         return self._coalescer
 
-    async def _get_many(self, keys: list[str]) -> Any:
-        # The store call itself is bounded by get-timeout-s too: a hung unit fails its keys.
-        return await self.store.get_many_async(keys, self.fields, partition=self.partition, timeout=self._co().timeout_s)
+    async def _get_many(self, keys: list[str], timeout_s: float) -> Any:
+        return await self.store.get_many_async(keys, self.fields, partition=self.partition, timeout=timeout_s)
 
     # ---- reads ----------------------------------------------------------------------
 
@@ -94,8 +98,16 @@ class PrefixReadBatcher:
 
         Raises :class:`~pipeline.restore.coalescer.PrefixReadError` naming unreadable keys.
         """
+        # _timed_read, inlined: one coroutine less on every restore read's path.
+        t0 = time.perf_counter()
         try:
-            return await self._timed_read(keys, tokens)
+            out = await self._co().read(keys, tokens)
+            if len(keys):
+                self._observe_latency(time.perf_counter() - t0)
+            return out
+        except PrefixReadError:
+            self._observe_latency(time.perf_counter() - t0)
+            raise
         finally:
             self._maybe_publish()
 
@@ -160,7 +172,8 @@ class PrefixReadBatcher:
     async def stats(self) -> dict:
         """Coalescer counters (``p50_ms``/``p99_ms`` request latency in ms) and verdicts."""
         out = self._co().stats.summary()
-        out.update(worker=self.name, verdicts=dict(self._verdicts), inflight=self._co().inflight, queued=self._co().queued)
+        out.update(worker=self.name, verdicts=dict(self._verdicts), inflight=self._co().inflight, queued=self._co().queued,
+                   decision=self._co().dispatch_state().decide().value)
         return out
 
     async def close(self) -> None:
@@ -170,9 +183,9 @@ class PrefixReadBatcher:
 
     def _maybe_publish(self) -> None:
         now = time.monotonic()
-        if now - self._last_publish < float(config.get("restore.publish-interval-s")):
+        if now < self._next_publish:
             return
-        self._last_publish = now
+        self._next_publish = now + float(config.get("restore.publish-interval-s"))
         s = self._co().stats.summary()
         failures = {k: v for k, v in self._verdicts.items() if k != "ok"}
         events.publish(
@@ -206,13 +219,32 @@ def unit_grouping(store: AsyncStoreLike) -> Callable[[str], int] | None:
     return lambda key: unit_for_key(key, n)
 
 
+def local_batcher(handle: Any) -> Any:
+    """The :class:`PrefixReadBatcher` itself when ``handle``'s actor lives in this worker
+    process, else ``handle``: a generation worker then calls its own worker's batcher
+    in-process (no loopback round trip, no serialization of the rows), as distributed does
+    for actor-to-actor calls on one worker. Await its async methods either way, from a
+    coroutine on the worker's event loop (an async actor method)."""
+    from distributed import get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:  # not on a worker (the driver, a test): calls go through the handle
+        return handle
+    instance = worker.state.actors.get(getattr(handle, "key", None))
+    return handle if instance is None else instance
+
+
 def start_batchers(client: Any, store: AsyncStoreLike, workers: Sequence[str] | None = None, **kwargs: Any) -> dict[str, Any]:
     """One :class:`PrefixReadBatcher` actor on each worker (default: every worker now).
 
     Returns ``{worker address: actor handle}``; ``kwargs`` go to the constructor.
     """
     workers = current_workers(client) if workers is None else list(workers)
-    keys = [f"PrefixReadBatcher-{addr}-{id(store):x}" for addr in workers]
+    # A fresh tag per call: a key reused (e.g. a later store at the same id()) could hand
+    # back a batcher closed earlier whose release has not reached the scheduler yet.
+    tag = uuid.uuid4().hex[:12]
+    keys = [f"PrefixReadBatcher-{addr}-{tag}" for addr in workers]
     # Verdicts carry prefix arrays: the handles talk to their worker directly.
     actors, _ = start_pinned_actors(client, PrefixReadBatcher, workers, args=[(store,)] * len(workers), keys=keys, **kwargs)
     return dict(zip(workers, actors))

@@ -3,8 +3,10 @@
 :class:`PrefixReadCoalescer` merges the keys of concurrent ``read(keys)`` requests into
 few deduplicated ``get_many`` calls, each at most ``batch_size`` keys and ``max_tokens``
 tokens within one group (storage unit), at most ``max_concurrent`` at once, each bounded
-by ``timeout_s`` seconds; a failure fails only the keys (and requests) it concerns. No
-Dask here (knobs come from ``dask.config``): ``get_many`` is any async ``(keys) -> GetResult``-like callable.
+by ``timeout_s`` seconds; a failure fails only the keys (and requests) it concerns. When
+queued keys go (at once under light load, after a window or a free slot under load) is
+:meth:`~pipeline.restore.dispatch.DispatchState.decide`'s call. No Dask here (knobs come
+from ``dask.config``): ``get_many`` is any async ``(keys) -> GetResult``-like callable.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import asyncio
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable, Coroutine, Hashable, Sequence
+from typing import Any, Awaitable, Callable, Coroutine, Hashable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -22,11 +24,12 @@ from tasks.packed import PackedBatch, align_fields, take_rows
 from .. import config
 from ..store.protocol import ABSENT_FIELD
 from .answer import GetAnswer
-from .pending import PendingKey, PendingQueue, ReadRequest, consume_exception, notify, token_hints
+from .dispatch import Action, DispatchState
+from .pending import PendingKey, PendingQueue, ReadRequest, notify, token_hints
 
 _timeout = getattr(asyncio, "timeout", None)  # Python >= 3.11
 
-GetMany = Callable[[list[str]], Awaitable[Any]]
+GetMany = Callable[..., Awaitable[Any]]  # (keys) -> GetResult; bounded: (keys, timeout_s)
 Timer = Callable[[float, Callable[[], None]], Any]  # (delay seconds, callback) -> handle with .cancel()
 
 # Store reasons for which the row is still served (e.g. a row without routed_experts):
@@ -43,6 +46,18 @@ class _KeyFailure(Exception):
         self.detail = detail
 
 
+class Knobs(NamedTuple):
+    """The coalescer's knobs at one moment (``window_s``/``timeout_s`` in seconds); a
+    tuple: it is built on every request."""
+
+    batch_size: int  # keys per get
+    max_tokens: int  # tokens per get
+    window_s: float
+    max_concurrent: int  # gets in flight
+    timeout_s: float
+    eager_inflight: int  # below this many gets in flight a request is issued at once
+
+
 @dataclass
 class CoalescerStats:
     """Counters (counts; ``latencies_ms`` in milliseconds) since the coalescer started."""
@@ -52,8 +67,9 @@ class CoalescerStats:
     keys_deduplicated: int = 0  # keys that joined an already pending or in-flight read
     gets: int = 0  # get_many calls, solo re-reads included
     keys_fetched: int = 0  # keys over all get_many calls
-    immediate_gets: int = 0  # issued without a window wait (nothing else pending)
-    window_waits: int = 0  # coalescing windows opened
+    immediate_gets: int = 0  # issued as their request arrived (light load: no window, no slot wait)
+    window_waits: int = 0  # coalescing windows opened (loaded: eager-inflight gets or more in flight)
+    slot_waits: int = 0  # times the queue waited for a free slot (saturated: max-concurrent-gets in flight)
     failed_gets: int = 0  # multi- or single-key gets that raised or timed out
     timeouts: int = 0
     solo_rereads: int = 0
@@ -79,9 +95,13 @@ class PrefixReadCoalescer:
 
     Create it inside the event loop that will use it. Knobs left ``None`` are read from
     ``token-capture.restore.*`` each time they are used (``window_ms`` in ms,
-    ``timeout_s`` in seconds, ``max_tokens`` in tokens). ``timer`` replaces
-    ``loop.call_later`` for the window (tests drive it by hand). ``group(key)`` (e.g. the
-    key's storage unit) keeps each get within one group; groups take turns.
+    ``timeout_s`` in seconds, ``max_tokens`` in tokens, ``eager_inflight`` in gets: below
+    it a request is issued at once, see :mod:`~pipeline.restore.dispatch`). ``bounded``:
+    ``get_many(keys, timeout_s)`` enforces the timeout itself (the batcher's store call
+    does), so the coalescer sets no timer of its own per get (on a busy worker loop one
+    costs ~50 us, ~2% of a light-load read). ``timer`` replaces ``loop.call_later`` for
+    the window (tests drive it by hand). ``group(key)`` (e.g. the key's storage unit)
+    keeps each get within one group; groups take turns.
     """
 
     def __init__(
@@ -93,11 +113,14 @@ class PrefixReadCoalescer:
         max_concurrent: int | None = None,
         timeout_s: float | None = None,
         *,
+        eager_inflight: int | None = None,
+        bounded: bool = False,
         timer: Timer | None = None,
         group: Callable[[str], Hashable] | None = None,
         latency_samples: int = 4096,
     ) -> None:
         self._get_many = get_many
+        self._bounded = bounded
         self._group = group
         self._overrides = {
             "batch-size": batch_size,
@@ -105,47 +128,66 @@ class PrefixReadCoalescer:
             "window-ms": window_ms,
             "max-concurrent-gets": max_concurrent,
             "get-timeout-s": timeout_s,
+            "eager-inflight": eager_inflight,
         }
         for name, value in self._overrides.items():
-            if value is not None and not value > 0:
-                raise ValueError(f"restore {name} must be > 0, got {value!r}")
+            # eager-inflight 0 is meaningful: never issue at once, always coalesce.
+            if value is not None and not (value >= 0 if name == "eager-inflight" else value > 0):
+                raise ValueError(f"restore {name} must be {'>= 0' if name == 'eager-inflight' else '> 0'}, got {value!r}")
         self._loop = asyncio.get_running_loop()
         self._timer: Timer = timer or self._loop.call_later
         self._entries: dict[str, PendingKey] = {}  # every pending or in-flight key
         self._queue = PendingQueue()  # keys not yet issued
         self._inflight = 0
         self._window: Any = None  # timer handle while a window is open
-        self._window_expired = False  # queued keys have waited their window: issue at the next free slot
-        self._immediate_scheduled = False
+        self._waited = False  # queued keys have waited (window over, or slots full): issue at the next free slot
+        self._immediate_scheduled = False  # an arriving request takes the queue after one loop turn
+        self._turn_busy = False  # a request arrived in this loop turn already (cleared by the next turn)
+        self._owners: dict[asyncio.Task, ReadRequest | None] = {}  # requests' tasks running a get themselves
+        self._closing: set[asyncio.Task] = set()  # owner tasks close() cancelled
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self.stats = CoalescerStats(latencies_ms=collections.deque(maxlen=latency_samples))
 
     # ---- knobs (read at call time) ------------------------------------------------------
 
-    def _knob(self, name: str) -> Any:
-        v = self._overrides[name]
-        return config.get(f"restore.{name}") if v is None else v
+    def knobs(self) -> Knobs:
+        """Every knob as it stands now: overrides, else ``token-capture.restore.*`` (one
+        config read for all of them: a request's path reads them a few times)."""
+        c = config.get("restore")
+        o = self._overrides
+        return Knobs(
+            int(c["batch-size"] if o["batch-size"] is None else o["batch-size"]),
+            int(c["max-tokens"] if o["max-tokens"] is None else o["max-tokens"]),
+            float(c["window-ms"] if o["window-ms"] is None else o["window-ms"]) / 1000.0,
+            int(c["max-concurrent-gets"] if o["max-concurrent-gets"] is None else o["max-concurrent-gets"]),
+            float(c["get-timeout-s"] if o["get-timeout-s"] is None else o["get-timeout-s"]),
+            int(c["eager-inflight"] if o["eager-inflight"] is None else o["eager-inflight"]),
+        )
 
     @property
     def batch_size(self) -> int:
-        return int(self._knob("batch-size"))
+        return self.knobs().batch_size
 
     @property
     def max_tokens(self) -> int:
-        return int(self._knob("max-tokens"))
+        return self.knobs().max_tokens
 
     @property
     def window_s(self) -> float:
-        return float(self._knob("window-ms")) / 1000.0
+        return self.knobs().window_s
 
     @property
     def max_concurrent(self) -> int:
-        return int(self._knob("max-concurrent-gets"))
+        return self.knobs().max_concurrent
 
     @property
     def timeout_s(self) -> float:
-        return float(self._knob("get-timeout-s"))
+        return self.knobs().timeout_s
+
+    @property
+    def eager_inflight(self) -> int:
+        return self.knobs().eager_inflight
 
     @property
     def inflight(self) -> int:
@@ -178,20 +220,30 @@ class PrefixReadCoalescer:
         if not keys:
             return PackedBatch([], {})
         t0 = time.perf_counter()
+        # The first request of this loop turn, nothing queued, and it fits one get that
+        # decide() issues now: it issues the get itself, as a per-request get would.
+        # Later arrivals of the same turn share the next get.
+        alone = self._alone(keys, hints)
+        if not self._turn_busy:
+            self._turn_busy = True
+            self._loop.call_soon(self._end_turn)
+        if alone is not None:
+            try:
+                return await self._read_alone(keys, *alone)
+            finally:
+                self.stats.latencies_ms.append((time.perf_counter() - t0) * 1000.0)
         mine: dict[str, PendingKey] = {}
         req = ReadRequest(self._loop)
-        added = False
+        n_added = 0
         for k, t in zip(keys, hints):
             if k in mine:
                 continue
             e = self._entries.get(k)
             if e is None:
                 e = PendingKey(self._loop.create_future(), t, self._group_of(k))
-                # Nobody may be left to look at a failure (all requesters cancelled).
-                e.future.add_done_callback(consume_exception)
                 self._entries[k] = e
                 self._queue.add(k, e)
-                added = True
+                n_added += 1
             else:
                 self.stats.keys_deduplicated += 1
                 if not e.issued and t > e.tokens:
@@ -202,20 +254,31 @@ class PrefixReadCoalescer:
                 e.waiting.append(req)
                 req.pending += 1
         self.stats.keys_requested += len(mine)
-        if added:
-            self._on_arrival()
-        if req.pending:
+        owner = self._dispatch(arrival=True) if n_added else None
+        if req.pending or owner is not None:
             try:
-                # Only this request's own waiter is awaited (and cancelled with it): the
-                # shared futures and the gets behind them run on for the other requesters.
-                await req.waiter
+                if owner is not None:
+                    await self._run_owned(req, owner)
+                if req.pending:
+                    # Only this request's own waiter is awaited (and cancelled with it): the
+                    # shared futures and the gets behind them run on for the other requesters.
+                    await req.waiter
             except asyncio.CancelledError:
-                self.stats.cancelled_requests += 1
-                for e in mine.values():
-                    if req in e.waiting:
-                        e.waiting.remove(req)
-                self._release(mine)
-                raise
+                task = asyncio.current_task()
+                if task not in self._closing:
+                    self.stats.cancelled_requests += 1
+                    for e in mine.values():
+                        if req in e.waiting:
+                            e.waiting.remove(req)
+                    self._release(mine)
+                    self._dispatch()  # keys this request's get carried for others go again
+                    raise
+                # close() stopped the get this request ran: its keys failed "closed" (below).
+                self._closing.discard(task)
+                if hasattr(task, "uncancel"):  # Python >= 3.11: the caller sees no cancellation
+                    task.uncancel()
+                if req.pending:
+                    await req.waiter
         self._release(mine)
         try:
             return self._assemble(keys, mine)
@@ -224,6 +287,89 @@ class PrefixReadCoalescer:
             raise
         finally:
             self.stats.latencies_ms.append((time.perf_counter() - t0) * 1000.0)
+
+    def _alone(self, keys: list[str], hints: list[int]) -> tuple[list[str], Knobs] | None:
+        """(distinct keys, knobs) when this is the loop turn's first request, nothing is
+        queued and :meth:`DispatchState.decide` issues ``keys`` now, in one get (one group,
+        within the limits); else None (the request goes through the queue)."""
+        if self._turn_busy or self._queue or self._immediate_scheduled or self._closed:
+            return None
+        k = self.knobs()
+        distinct = keys if len(keys) == 1 else list(dict.fromkeys(keys))
+        n = len(distinct)
+        tokens = sum(hints) if n == len(keys) else sum(dict(zip(keys, hints)).values())
+        state = DispatchState(queued=n, inflight=self._inflight, max_concurrent=k.max_concurrent,
+                              eager_inflight=k.eager_inflight, queue_full=n >= k.batch_size or tokens >= k.max_tokens)
+        if state.decide() is not Action.ISSUE or n > k.batch_size or (n > 1 and tokens > k.max_tokens):
+            return None
+        if self._entries and any(x in self._entries for x in distinct):
+            return None  # it joins a read in flight instead
+        if n > 1 and self._group is not None and len({self._group_of(x) for x in distinct}) > 1:
+            return None
+        return distinct, k
+
+    async def _read_alone(self, keys: list[str], distinct: list[str], k: Knobs) -> PackedBatch:
+        """A request's own get (see :meth:`_alone`), with none of the shared bookkeeping:
+        its keys stay private (a request arriving meanwhile for one of them reads it
+        again: restores rarely share keys), so cancelling it cancels only its own get.
+        Failures are handled exactly as for a shared get (:meth:`_deliver`,
+        :meth:`_reread_alone`)."""
+        self.stats.keys_requested += len(distinct)
+        self.stats.immediate_gets += 1
+        self._inflight += 1
+        self.stats.max_inflight = max(self.stats.max_inflight, self._inflight)
+        task = asyncio.current_task()
+        self._owners[task] = None
+        mine: dict[str, PendingKey] = {}
+        try:
+            try:
+                self.stats.gets += 1  # (_get inlined: one coroutine less on the light-load path)
+                self.stats.keys_fetched += len(distinct)
+                if self._bounded:
+                    result = _checked(await self._get_many(list(distinct), k.timeout_s))
+                else:
+                    result = await self._get(distinct, k.timeout_s, counted=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - per key below, as for a shared get
+                self.stats.failed_gets += 1
+                if isinstance(exc, asyncio.TimeoutError):
+                    self.stats.timeouts += 1
+                mine = self._private(distinct)
+                if len(distinct) == 1:
+                    self._fail(list(mine.items()), *_failure_of(exc, k.timeout_s))
+                else:
+                    await self._reread_alone(list(mine.items()), k.timeout_s)
+            else:
+                if not result.failed and result.batch.keys == keys:
+                    return result.batch  # the usual case: exactly the rows asked for, in order
+                mine = self._private(distinct)
+                self._deliver(list(mine.items()), result)
+        except asyncio.CancelledError:
+            if task not in self._closing:
+                self.stats.cancelled_requests += 1
+                raise
+            self._closing.discard(task)  # close() stopped it: answer "closed", not cancelled
+            if hasattr(task, "uncancel"):
+                task.uncancel()
+            mine = self._private(distinct)
+            self._fail(list(mine.items()), "closed", "the prefix read coalescer was closed during the get")
+        finally:
+            self._owners.pop(task, None)
+            self._inflight -= 1
+            self._dispatch()
+        try:
+            return self._assemble(keys, mine)
+        except PrefixReadError:
+            self.stats.failed_requests += 1
+            raise
+
+    def _private(self, keys: list[str]) -> dict[str, PendingKey]:
+        """Entries for keys nobody else shares (never registered, never queued)."""
+        return {key: PendingKey(self._loop.create_future(), 0, None, refs=1, issued=True) for key in keys}
+
+    def _end_turn(self) -> None:
+        self._turn_busy = False
 
     def _group_of(self, key: str) -> Hashable:
         if self._group is None:
@@ -249,35 +395,70 @@ class PrefixReadCoalescer:
 
     # ---- scheduling ---------------------------------------------------------------------
 
-    def _on_arrival(self) -> None:
-        if self._immediate_scheduled:
-            return  # joins the flush already due this loop turn
-        if self._inflight == 0 and self._window is None and not self._window_expired:
-            # Nothing to coalesce with: issue on the next loop turn (requests arriving in
-            # this same turn still join), never after the window. The get's own task takes
-            # its batch on its first step: no extra loop turn in the light-load path.
-            self._immediate_scheduled = True
-            self._inflight += 1  # the slot is reserved for that task
-            self._spawn(self._immediate_get())
-            return
-        if self._window is None and not self._window_expired:
-            self.stats.window_waits += 1
-            self._window = self._timer(self.window_s, self._on_window)
-        if self._queue_full():
-            self._pump(force=True)  # a full batch gains nothing by waiting
+    def dispatch_state(self, k: Knobs | None = None) -> DispatchState:
+        """The load :meth:`DispatchState.decide` judges (knobs ``k``, default: read now)."""
+        k = k or self.knobs()
+        return DispatchState(
+            queued=len(self._queue),
+            inflight=self._inflight,
+            max_concurrent=k.max_concurrent,
+            eager_inflight=k.eager_inflight,
+            queue_full=self._queue.full(k.batch_size, k.max_tokens),
+            window_open=self._window is not None,
+            waited=self._waited,
+        )
 
-    async def _immediate_get(self) -> None:
+    def _dispatch(self, *, arrival: bool = False) -> Knobs | None:
+        """Act on the dispatch decision for the queue as it is now (after an arrival, a
+        window's end or a finished get). Knobs (not None): the arriving request runs the
+        next get itself with them (:meth:`_run_owned`; its slot is reserved now)."""
+        if self._closed or self._immediate_scheduled or not self._queue:
+            return None  # closed, or an arriving request takes the queue this turn, or idle
+        k = self.knobs()
+        action = self.dispatch_state(k).decide()
+        if action is Action.ISSUE:
+            if arrival:
+                # The request's own task runs the get (no task to start, no wake-up turn
+                # for its answer), one loop turn from now: same-turn arrivals share it.
+                self._immediate_scheduled = True
+                self._inflight += 1
+                return k
+            self._issue(k)
+        elif action is Action.OPEN_WINDOW:
+            self.stats.window_waits += 1
+            self._window = self._timer(k.window_s, self._on_window)
+        elif action is Action.WAIT_SLOT and not self._waited:
+            self.stats.slot_waits += 1
+            self._waited = True  # it coalesces while it waits: no window once a slot frees
+        return None
+
+    async def _run_owned(self, req: ReadRequest, k: Knobs) -> None:
+        """An arriving request runs the queue's next get (its reserved slot) in its own
+        task, one loop turn from now (same-turn arrivals join), with knobs ``k``.
+
+        Cancelled mid-get, it hands the get's keys back to the queue, so requests that
+        joined them are re-read, never failed (:meth:`_run_get`)."""
+        try:
+            await asyncio.sleep(0)  # same-turn arrivals join the queue it is about to take
+        except asyncio.CancelledError:
+            self._immediate_scheduled = False
+            self._inflight -= 1
+            raise
         self._immediate_scheduled = False
-        batch = self._next_batch() if self._queue and not self._closed else []
+        batch = self._next_batch(k) if self._queue and not self._closed else []
         if not batch:  # every requester cancelled already, or closed
             self._inflight -= 1
-            self._pump()
+            self._dispatch()
             return
         self.stats.immediate_gets += 1
-        self._pump(force=True, immediate=True)  # what the same turn queued beyond one get
-        if self._queue and self._window is None:
-            self._window_expired = True  # slots are full: the rest goes at the next free slot
-        await self._run_get(batch)
+        self.stats.max_inflight = max(self.stats.max_inflight, self._inflight)
+        self._issue(k, immediate=True)  # what the same turn queued beyond one get
+        task = asyncio.current_task()
+        self._owners[task] = req
+        try:
+            await self._run_get(batch, k, owner=req)
+        finally:
+            self._owners.pop(task, None)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = self._loop.create_task(coro)
@@ -286,63 +467,65 @@ class PrefixReadCoalescer:
 
     def _on_window(self) -> None:
         self._window = None
-        self._window_expired = True
-        self._pump()
+        self._waited = True
+        self._dispatch()
 
     def _close_window(self) -> None:
         if self._window is not None:
             self._window.cancel()
             self._window = None
-        self._window_expired = False
+        self._waited = False
 
-    def _queue_full(self) -> bool:
-        return self._queue.full(self.batch_size, self.max_tokens)
-
-    def _pump(self, *, force: bool = False, immediate: bool = False) -> None:
-        """Issue gets while slots are free and the queue may go (window over, or full)."""
+    def _issue(self, k: Knobs, *, immediate: bool = False) -> None:
+        """Issue the queued keys as gets while slots are free (the decision was ISSUE)."""
         if self._closed:
             return
-        max_concurrent = self.max_concurrent
-        while self._queue and self._inflight < max_concurrent:
-            if not (force or self._window_expired or self._queue_full()):
-                break
-            batch = self._next_batch()
+        while self._queue and self._inflight < k.max_concurrent:
+            batch = self._next_batch(k)
             if not batch:
                 continue
             self._inflight += 1
             self.stats.max_inflight = max(self.stats.max_inflight, self._inflight)
             if immediate:
                 self.stats.immediate_gets += 1
-            self._spawn(self._run_get(batch))
-        if not self._queue:
+            self._spawn(self._run_get(batch, k))
+        if self._queue:
+            if not self._waited:
+                self.stats.slot_waits += 1
+            self._waited = True  # slots are full: the rest goes at the next free slot
+        else:
             self._close_window()
 
-    def _next_batch(self) -> list[tuple[str, PendingKey]]:
+    def _next_batch(self, k: Knobs) -> list[tuple[str, PendingKey]]:
         """Queued keys of one group in arrival order, up to batch_size keys and max_tokens."""
-        batch = self._queue.pop_batch(self.batch_size, self.max_tokens)
+        batch = self._queue.pop_batch(k.batch_size, k.max_tokens)
         for _, e in batch:
             e.issued = True
         return batch
 
     # ---- gets ---------------------------------------------------------------------------
 
-    async def _get(self, keys: list[str]) -> Any:
-        self.stats.gets += 1
-        self.stats.keys_fetched += len(keys)
-        if _timeout is not None:  # no extra task around the get (wait_for makes one)
-            async with _timeout(self.timeout_s):
+    async def _get(self, keys: list[str], timeout_s: float, counted: bool = False) -> Any:
+        if not counted:
+            self.stats.gets += 1
+            self.stats.keys_fetched += len(keys)
+        if self._bounded:
+            result = await self._get_many(list(keys), timeout_s)
+        elif _timeout is not None:  # no extra task around the get (wait_for makes one)
+            async with _timeout(timeout_s):
                 result = await self._get_many(list(keys))
         else:
-            result = await asyncio.wait_for(self._get_many(list(keys)), self.timeout_s)
-        if not isinstance(getattr(result, "batch", None), PackedBatch) or not isinstance(getattr(result, "failed", None), dict):
-            raise TypeError(f"get_many returned {type(result).__name__}, expected a GetResult (batch, failed)")
-        return result
+            result = await asyncio.wait_for(self._get_many(list(keys)), timeout_s)
+        return _checked(result)
 
-    async def _run_get(self, batch: list[tuple[str, PendingKey]]) -> None:
-        keys = [k for k, _ in batch]
+    async def _run_get(self, batch: list[tuple[str, PendingKey]], k: Knobs, owner: ReadRequest | None = None) -> None:
+        """One get for ``batch``, its answer delivered to every request waiting on its keys.
+        ``owner``: the request whose own task runs it (see :meth:`_run_owned`)."""
+        keys = [key for key, _ in batch]
+        handed_over = False
         try:
             try:
-                result = await self._get(keys)
+                result = await self._get(keys, k.timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - any failure of a shared get is per key below
@@ -350,21 +533,32 @@ class PrefixReadCoalescer:
                 if isinstance(exc, asyncio.TimeoutError):
                     self.stats.timeouts += 1
                 if len(keys) == 1:
-                    self._fail(batch, *_failure_of(exc, self.timeout_s))
+                    self._fail(batch, *_failure_of(exc, k.timeout_s))
                 else:
-                    await self._reread_alone(batch)
+                    await self._reread_alone(batch, k.timeout_s)
             else:
                 self._deliver(batch, result)
         except asyncio.CancelledError:
-            self._fail(batch, "closed", "the prefix read coalescer was closed during the get")
+            if owner is not None and not self._closed:
+                # Its owner was cancelled, not the coalescer: the keys go back to the queue;
+                # the owner's release drops those nobody else holds, then dispatches.
+                handed_over = True
+                for key, e in batch:
+                    if not e.future.done():
+                        e.issued = False
+                        self._queue.add(key, e)
+            else:
+                self._fail(batch, "closed", "the prefix read coalescer was closed during the get")
             raise
         finally:
-            for k, _ in batch:
-                self._entries.pop(k, None)
+            for key, e in batch:
+                if e.issued and self._entries.get(key) is e:
+                    del self._entries[key]
             self._inflight -= 1
-            self._pump()
+            if not handed_over:
+                self._dispatch()
 
-    async def _reread_alone(self, batch: list[tuple[str, PendingKey]]) -> None:
+    async def _reread_alone(self, batch: list[tuple[str, PendingKey]], timeout_s: float) -> None:
         """Each key of a failed batch once, on its own, so a bad row fails only its requesters.
 
         The solo gets run concurrently (each under ``get-timeout-s``) inside the failed
@@ -374,14 +568,14 @@ class PrefixReadCoalescer:
 
         async def one(k: str, e: PendingKey) -> None:
             try:
-                result = await self._get([k])
+                result = await self._get([k], timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001
                 self.stats.failed_gets += 1
                 if isinstance(exc, asyncio.TimeoutError):
                     self.stats.timeouts += 1
-                self._fail([(k, e)], *_failure_of(exc, self.timeout_s))
+                self._fail([(k, e)], *_failure_of(exc, timeout_s))
             else:
                 self._deliver([(k, e)], result)
 
@@ -409,6 +603,7 @@ class PrefixReadCoalescer:
             if not e.future.done():
                 self.stats.failed_keys += 1
                 e.future.set_exception(_KeyFailure(reason, detail))
+                e.future.exception()  # seen: every requester may be gone (cancelled) already
                 notify(e)
 
     # ---- answers ------------------------------------------------------------------------
@@ -460,8 +655,19 @@ class PrefixReadCoalescer:
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
+        # Requests running a get themselves: stop it; they answer "closed" (see read).
+        for t in list(self._owners):
+            self._closing.add(t)
+            t.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _checked(result: Any) -> Any:
+    """``result`` if it is a GetResult (``batch``, ``failed``), else ``TypeError``."""
+    if not isinstance(getattr(result, "batch", None), PackedBatch) or not isinstance(getattr(result, "failed", None), dict):
+        raise TypeError(f"get_many returned {type(result).__name__}, expected a GetResult (batch, failed)")
+    return result
 
 
 def _failure_of(exc: BaseException, timeout_s: float) -> tuple[str, str]:

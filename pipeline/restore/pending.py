@@ -130,6 +130,8 @@ def token_hints(keys: list[str], tokens: None | int | Sequence[int]) -> list[int
     n = len(keys)
     if tokens is None:
         return [0] * n
+    if n == 1 and type(tokens) is int and tokens >= 0:  # a one-chunk restore: every read's path
+        return [tokens]
     if isinstance(tokens, (int, np.integer)):
         if tokens < 0:
             raise ValueError(f"tokens must be >= 0, got {tokens}")
@@ -149,9 +151,3 @@ def notify(e: PendingKey) -> None:
     waiting, e.waiting = e.waiting, []
     for req in waiting:
         req.key_done()
-
-
-def consume_exception(fut: asyncio.Future) -> None:
-    """Done callback: mark a key future's failure as seen (its requesters may all be gone)."""
-    if not fut.cancelled():
-        fut.exception()
