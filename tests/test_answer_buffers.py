@@ -29,3 +29,16 @@ def test_a_full_pool_collects_cycles_before_allocating_past_its_cap():
         assert pool.unpooled == 1 and other is not held
     finally:
         gc.enable()
+
+
+def test_process_pools_are_one_per_config_key_and_read_their_cap_at_call_time():
+    import dask
+
+    from pipeline.generation.cut import pack_buffers
+    from pipeline.store.answer_buffers import process_buffers
+    from pipeline.store.client import client_buffers
+
+    assert client_buffers() is process_buffers("store.client-buffer-bytes") is client_buffers()
+    assert pack_buffers() is not client_buffers()
+    with dask.config.set({"token-capture.store.client-buffer-bytes": "3MiB"}):
+        assert client_buffers().max_bytes == 3 << 20

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import operator
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
@@ -34,7 +33,7 @@ from tasks.keys import CUT_PARTITION, check_id
 from tasks.packed import PackedBatch
 
 from .. import config
-from ..store.answer_buffers import AnswerBuffers
+from ..store.answer_buffers import AnswerBuffers, process_buffers
 from ..store.deadline import takes_timeout
 from .call_buffer import CallBuffer, FrozenChunk, cut_key_root
 from .cpu_gate import cpu_gate
@@ -65,23 +64,14 @@ def limits_from_config() -> BatchLimits:
     )
 
 
-_PACK_BUFFERS: list[AnswerBuffers] = []
-_PACK_BUFFERS_LOCK = threading.Lock()
-
-
 def pack_buffers() -> AnswerBuffers:
-    """This process's pool of slabs cut batches pack into (``cut.pack-buffer-bytes``, read now).
+    """This process's pool of slabs cut batches pack into (``cut.pack-buffer-bytes``).
 
     A batch's token buffers are views of one slab, handed out again only once nothing
     refers to it (its put done, the batch dropped): cut after cut, packing writes to
     memory already mapped instead of page-faulting a fresh allocation per batch.
     """
-    with _PACK_BUFFERS_LOCK:
-        if not _PACK_BUFFERS:
-            _PACK_BUFFERS.append(AnswerBuffers(0))
-        pool = _PACK_BUFFERS[0]
-        pool.max_bytes = config.get_bytes("cut.pack-buffer-bytes")
-    return pool
+    return process_buffers("cut.pack-buffer-bytes")
 
 
 @dataclass

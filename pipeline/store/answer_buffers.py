@@ -148,3 +148,21 @@ class AnswerBuffers:
             return view
 
         return out
+
+
+_PROCESS_POOLS: dict[str, AnswerBuffers] = {}
+_PROCESS_POOLS_LOCK = threading.Lock()
+
+
+def process_buffers(config_key: str) -> AnswerBuffers:
+    """This process's pool capped by ``token-capture.<config_key>`` (bytes, read now): one
+    per key, shared by every caller in the process (the store client's gathers and merges,
+    the cut's packing), so each keeps writing to memory the process already touched."""
+    from .. import config
+
+    with _PROCESS_POOLS_LOCK:
+        pool = _PROCESS_POOLS.get(config_key)
+        if pool is None:
+            pool = _PROCESS_POOLS[config_key] = AnswerBuffers(0)
+        pool.max_bytes = config.get_bytes(config_key)
+    return pool

@@ -32,7 +32,7 @@ from .protocol import (
     pack_names,
     split_valid_keys,  # issue 11 #5
 )
-from .answer_buffers import AnswerBuffers
+from .answer_buffers import AnswerBuffers, process_buffers
 from .deadline import bounded, deadline, waiter
 from .directory import UnitDirectory, UnitTable
 from .replication import merge_copies, merge_deletes, partners, replica_map
@@ -732,16 +732,8 @@ def _merge_gets(keys: Sequence[str], results: list[GetResult], failed: dict) -> 
     return GetResult(take_rows(aligned, src, rows, out=client_buffers().allocator(sizes)), failed)
 
 
-_CLIENT_BUFFERS: list[AnswerBuffers] = []
-
-
 def client_buffers() -> AnswerBuffers:
     """This process's pool for the buffers a store client fills itself (a put's rows
-    gathered per unit, a get's answers merged): memory the process already touched, reused
-    once nothing refers to it (``store.client-buffer-bytes``, read now)."""
-    if not _CLIENT_BUFFERS:
-        _CLIENT_BUFFERS.append(AnswerBuffers(0))
-    pool = _CLIENT_BUFFERS[0]
-    pool.max_bytes = config.get_bytes("store.client-buffer-bytes")
-    return pool
+    gathered per unit, a get's answers merged), ``store.client-buffer-bytes``."""
+    return process_buffers("store.client-buffer-bytes")
 
