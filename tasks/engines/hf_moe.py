@@ -31,6 +31,7 @@ from ..errors import InvalidCall, InvalidPolicyConfig, InvalidRecord
 from ..gate import CaptureGate
 from ..schema import ROUTES_DTYPE, StagedRow
 from ..toy.environment import ToolEnvironment
+from .shapes import ConfigShapes
 from .threads import torch_threads
 from ..toy.rollouts import GeneratedRollout, RolloutSpec, call_id, parent_call_id, toy_reward
 from ..toy.sampling import STREAM_SAMPLE, rollout_key, uniforms
@@ -167,7 +168,7 @@ def _as_int64(a: Any) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-class HFMoEEngine:
+class HFMoEEngine(ConfigShapes):
     """A tiny HF MoE causal LM in eval mode, float32, built from :class:`HFMoEConfig`.
 
     Every process building it from the same config gets the same weights (checked by
@@ -190,18 +191,6 @@ class HFMoEEngine:
             h.update(p.detach().contiguous().numpy().tobytes())
         self.fingerprint = h.hexdigest()
 
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def num_experts(self) -> int:
-        return self.config.experts
-
-    @property
-    def routes_shape(self) -> tuple[int, int]:
-        """``(L, K)``: the trailing shape of routed experts."""
-        return (self.config.layers, self.config.top_k)
 
     def forward(self, input_ids: torch.Tensor, cache: Any = None, *, use_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, Any]:
         """One forward over ``input_ids`` int64 ``[B, S]`` after ``cache`` (None: from 0).

@@ -15,6 +15,7 @@ from typing import Any, Mapping
 import numpy as np
 import torch
 
+from ..engines.shapes import ConfigShapes
 from ..engines.threads import torch_threads
 from ..errors import InvalidPolicyConfig
 from .sampling import STREAM_SAMPLE, uniforms
@@ -101,7 +102,7 @@ class Step:
     routes: np.ndarray
 
 
-class MoEPolicy:
+class MoEPolicy(ConfigShapes):
     """The toy MoE policy. Stateless after construction; safe to share between threads.
 
     Inputs are ``windows`` int64[B, window] (the tokens before each position, oldest
@@ -136,20 +137,7 @@ class MoEPolicy:
         self._table = np.array([math.exp(-k / _TABLE_TAU) for k in range(_TABLE_STEPS)], dtype=np.float64)
         self._log_table = -np.arange(_TABLE_STEPS, dtype=np.float64) / _TABLE_TAU
 
-    # ---- shapes ------------------------------------------------------------------------
-
-    @property
-    def vocab_size(self) -> int:
-        return self.config.vocab_size
-
-    @property
-    def num_experts(self) -> int:
-        return self.config.experts
-
-    @property
-    def routes_shape(self) -> tuple[int, int]:
-        """``(L, K)``: trailing shape of routed experts per token."""
-        return self.config.layers, self.config.top_k
+    # ---- shapes (vocab_size, num_experts, routes_shape: ConfigShapes) ------------------
 
     @property
     def window(self) -> int:

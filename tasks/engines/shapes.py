@@ -1,0 +1,24 @@
+"""The shapes an engine answers from its config: vocabulary, experts, routes ``(L, K)``."""
+from __future__ import annotations
+
+from typing import Any
+
+
+class ConfigShapes:
+    """Mixin for an engine holding ``self.config`` with ``vocab_size``, ``experts``,
+    ``layers`` and ``top_k`` (the toy policy's and the HF MoE engine's configs)."""
+
+    config: Any
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.experts
+
+    @property
+    def routes_shape(self) -> tuple[int, int]:
+        """``(L, K)``: the trailing shape of routed experts per token."""
+        return (self.config.layers, self.config.top_k)
