@@ -286,13 +286,23 @@ def _rebuild_batch(keys: list, layout: list[tuple], blob: Any, *bigs: Any) -> Pa
 # ---- operations on batches: row ranges, alignment, gathers ----------------------------
 
 
+def element_bytes(f: PackedField) -> int:
+    """Bytes of one element of ``f`` along axis 0 (its itemsize times its trailing shape)."""
+    return f.values.itemsize * int(np.prod(f.values.shape[1:], dtype=np.int64))
+
+
 def payload_bytes_per_row(batch: PackedBatch) -> np.ndarray:
     """Payload bytes of each row of ``batch`` (all fields, offsets excluded), vectorized."""
     total = np.zeros(len(batch), dtype=np.int64)
     for f in batch.fields.values():
-        per_element = f.values.itemsize * int(np.prod(f.values.shape[1:], dtype=np.int64))
-        total += np.diff(f.offsets) * per_element
+        total += np.diff(f.offsets) * element_bytes(f)
     return total
+
+
+def gathered_nbytes(batch: PackedBatch, rows: np.ndarray) -> list[int]:
+    """Bytes of each field's values for rows ``rows`` of ``batch``: what gathering them
+    (:func:`take_rows`) allocates per field."""
+    return [int(np.diff(f.offsets)[rows].sum()) * element_bytes(f) for f in batch.fields.values()]
 
 
 def slice_rows(batch: PackedBatch, lo: int, hi: int) -> PackedBatch:

@@ -77,3 +77,12 @@ def test_a_malformed_batch_pickles_as_is_for_the_unit_to_refuse():
     bad = PackedBatch(["a"], {"x": PackedField([1, 2], np.array([0, 2]))})
     back = pickle.loads(pickle.dumps(bad, protocol=5))
     assert back.fields["x"].values == [1, 2]
+
+
+def test_gathered_nbytes_is_what_take_rows_allocates_per_field():
+    from tasks.packed import gathered_nbytes, take_rows
+
+    batch = _batch(n=12, tokens=40)
+    rows = np.array([1, 3, 4, 9])
+    got = take_rows([batch], np.zeros(len(rows), np.int64), rows)
+    assert gathered_nbytes(batch, rows) == [f.values.nbytes for f in got.fields.values()]

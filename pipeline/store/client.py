@@ -16,7 +16,7 @@ import numpy as np
 
 from tasks.errors import InvalidStoreRequest, StoreError, StoreUnavailable
 from tasks.keys import STAGING_PARTITION as DEFAULT_PARTITION, unit_for_key
-from tasks.packed import PackedBatch, PackedField, payload_bytes_per_row, slice_rows, take_rows
+from tasks.packed import PackedBatch, PackedField, gathered_nbytes, payload_bytes_per_row, slice_rows, take_rows
 
 from .. import config
 from ..actors import current_workers, local_call, start_pinned_actors
@@ -194,8 +194,8 @@ class StagingStore:
         if chunk[-1] - chunk[0] + 1 == len(chunk):
             return slice_rows(batch, int(chunk[0]), int(chunk[-1]) + 1)  # a run: views
         # Gathered into pooled memory: a fresh buffer per call page-faults on every put.
-        sizes = (int(payload_bytes_per_row(PackedBatch(batch.keys, {n: f}))[chunk].sum()) for n, f in batch.fields.items())
-        return take_rows([batch], np.zeros(len(chunk), np.int64), chunk, out=client_buffers().allocator(sizes))
+        out = client_buffers().allocator(gathered_nbytes(batch, chunk))
+        return take_rows([batch], np.zeros(len(chunk), np.int64), chunk, out=out)
 
     def _unit_adopts(self, u: int, adopt: bool) -> bool:
         """Whether unit ``u`` may keep the put's buffers: when the caller hands them over,

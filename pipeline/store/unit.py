@@ -28,7 +28,7 @@ import numpy as np
 
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
 from tasks.keys import unit_for_key
-from tasks.packed import PackedBatch, PackedField
+from tasks.packed import PackedBatch, PackedField, element_bytes
 
 from . import batch_file
 from .adopted import AdoptedGroups
@@ -314,10 +314,10 @@ class StorageUnit:
         # per-array overhead, for the fields it has.
         arrays = np.zeros(n, dtype=np.int64)
         payload = np.zeros(n, dtype=np.int64)
-        for name, values, _, present, _, _ in cols:
-            per_element = values.itemsize * int(np.prod(values.shape[1:], dtype=np.int64))
+        for name, _, _, present, _, _ in cols:
+            f = batch.fields[name]
             has = 1 if present is None else np.asarray(present, dtype=np.int64)
-            payload += np.diff(batch.fields[name].offsets) * per_element * has
+            payload += np.diff(f.offsets) * element_bytes(f) * has
             arrays += has
         row_weights = (payload + ARRAY_OVERHEAD_BYTES * arrays).tolist()
         stored_rows: list[int] = []  # batch rows stored under a NEW slot
