@@ -155,14 +155,10 @@ class PrefixReadCoalescer:
         """Every knob as it stands now: overrides, else ``token-capture.restore.*`` (one
         config read for all of them: a request's path reads them a few times)."""
         c = config.get("restore")
-        o = self._overrides
+        v = {name: c[name] if over is None else over for name, over in self._overrides.items()}
         return Knobs(
-            int(c["batch-size"] if o["batch-size"] is None else o["batch-size"]),
-            int(c["max-tokens"] if o["max-tokens"] is None else o["max-tokens"]),
-            float(c["window-ms"] if o["window-ms"] is None else o["window-ms"]) / 1000.0,
-            int(c["max-concurrent-gets"] if o["max-concurrent-gets"] is None else o["max-concurrent-gets"]),
-            float(c["get-timeout-s"] if o["get-timeout-s"] is None else o["get-timeout-s"]),
-            int(c["eager-inflight"] if o["eager-inflight"] is None else o["eager-inflight"]),
+            int(v["batch-size"]), int(v["max-tokens"]), float(v["window-ms"]) / 1000.0,
+            int(v["max-concurrent-gets"]), float(v["get-timeout-s"]), int(v["eager-inflight"]),
         )
 
     @property
