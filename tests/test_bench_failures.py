@@ -100,12 +100,26 @@ def test_store_bench_healthy(address):
     r = result["1024"]
     assert r["put_ratio"] > 0 and len(r["put_rows_per_s_bs2_runs"]) == 3
     assert r["get_rows_per_s_bs1_median"] == r["get_rows_per_s_bs1"]
+    # Dask's own ceiling for the same calls, measured in the same run.
+    assert r["dask_put_mb_per_s"] > 0 and len(r["dask_get_mb_per_s_runs"]) == 3
+    assert r["put_vs_dask"] > 0 and r["dask_get_vs_loopback"] > 0
+
+
+def test_store_bench_failed_bare_actor_run_fails(address, monkeypatch):
+    def broken(*a, **kw):
+        raise RuntimeError("bare actor ceiling: worker 0 answered frames that differ from what was put")
+
+    monkeypatch.setattr(bench_store.actor_ceiling, "measure", broken)
+    result = bench_store.run(parse(bench_store, address, *STORE_FLAGS))
+    assert_failed(bench_store, result, "bare Dask actors", "differ")
+    assert "put_vs_dask" not in result["1024"]
 
 
 def test_store_bench_refused_put_fails(address, monkeypatch):
     refuse_key(monkeypatch, "b1/c0")  # the second row of each batched put
     result = bench_store.run(parse(bench_store, address, *STORE_FLAGS))
     assert_failed(bench_store, result, "put bs2", "b1/c0", "refused", "get bs2")
+    assert not any("vs_dask" in k or "vs_loopback" in k for k in result["1024"])
 
 
 def test_store_bench_corrupt_read_back_fails(address, monkeypatch):

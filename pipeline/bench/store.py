@@ -1,20 +1,19 @@
 """Staging-store throughput: one row per call vs 256 rows per call, side by side.
 
-Puts and gets of 1,024- and 16,384-token rows (ids, mask, logprobs and int16 routed
-experts [T, L, K], plus the scalar, id and hash fields of a staged row) on a LocalCluster
-of 2 workers with one storage unit each. Both call sizes run in the same process against
-the same store, so the ratios compare like with like. ``--memory`` adds the memory mode:
-stage ``--memory-gb`` of rows into units limited to ``--unit-memory-limit`` each, sample
-each storage worker's peak RSS (psutil, in the worker process) and read every row back.
-``replication_1024`` puts the 1,024-token rows/s with ``store.replicas`` 2 next to 1.
-After each run, the same bytes in the same call sizes go over raw loopback TCP
-(:mod:`.loopback`): ``put_vs_loopback`` / ``get_vs_loopback`` are the batched bytes/s over it.
+Puts and gets of 1,024- and 16,384-token rows (ids, mask, logprobs, int16 routed experts
+[T, L, K], and a staged row's scalar, id and hash fields) on a LocalCluster of 2 workers
+with one storage unit each, both call sizes against the same store. ``--memory`` adds the
+memory mode: stage ``--memory-gb`` of rows into units limited to ``--unit-memory-limit``,
+sample each storage worker's peak RSS and read every row back. ``replication_1024``: the
+1,024-token rows/s with ``store.replicas`` 2 next to 1. After each run the same bytes go
+over raw loopback TCP (:mod:`.loopback`; ``put_vs_loopback``, ``get_vs_loopback``) and
+through bare Dask actors on the same workers (:mod:`.actor_ceiling`; ``put_vs_dask``,
+``get_vs_dask``: the store's share of what Dask moves; ``dask_*_vs_loopback``: Dask's).
 
-Each call size runs ``--repeats`` times (default 3), each run on a fresh store; the
-figures are the medians (``*_median``, every run in ``*_runs``). A run fails on any key a
-put or get refuses, or on a sampled row read back that is not bit-exact what was put
-(``np.array_equal`` per field); then ``ok`` is false, ``failures`` says what failed, no
-ratio is reported and the command exits 1 (:func:`exit_status`).
+Each call size runs ``--repeats`` times (default 3), each on a fresh store; figures are
+medians (every run in ``*_runs``). A run fails on any key a put or get refuses or on a
+sampled row read back that is not bit-exact what was put; then ``ok`` is false,
+``failures`` says what failed, no ratio is reported and the command exits 1.
 
     python -m pipeline bench store --json
     python -m pipeline.bench.store --json --memory
@@ -33,7 +32,8 @@ import numpy as np
 from tasks.gate import CaptureGate
 from tasks.packed import PackedBatch, pack_rows
 
-from . import loopback
+from .. import config
+from . import actor_ceiling, loopback
 from .common import add_cluster_arguments, bench_client, compare_rows, main, notes
 
 TARGET_RATIO = 20.0  # 256-row calls vs one-row calls at 1,024 tokens (rows/s)
@@ -199,7 +199,8 @@ def _throughput(
     out: dict[str, Any] = {"tokens_per_row": tokens, "row_bytes": int(row_bytes), "batch_size": bs, "repeats": args.repeats}
     runs: list[dict[str, float]] = []
     wire: list[dict[str, float]] = []
-    with _progress(f"store {tokens} tok", (5 if with_loopback else 4) * args.repeats, args.quiet) as prog:
+    bare: list[dict[str, float]] = []
+    with _progress(f"store {tokens} tok", (6 if with_loopback else 4) * args.repeats, args.quiet) as prog:
         for rep in range(args.repeats):
             store = StagingStore.start(client, n_units=2, memory_limit="4GiB")
             try:
@@ -213,6 +214,13 @@ def _throughput(
                 # machine load hits the store and its ceiling alike.
                 wire.append(loopback.measure(int(template.nbytes), n_batches))
                 prog.advance(1, "loopback")
+                # And through bare Dask actors on the same workers, shaped like the store's
+                # calls: what Dask itself moves when the receiver keeps the bytes.
+                try:
+                    bare.append(actor_ceiling.measure(client, template, n_batches, config.get_bytes("store.max-call-bytes")))
+                except Exception as e:  # noqa: BLE001 - reported, then fails the command
+                    failures.append(f"{tokens} tokens run {rep} bare Dask actors: {type(e).__name__}: {e}")
+                prog.advance(1, "bare Dask actors")
     if not runs:
         return out
     for op in ("put", "get"):
@@ -236,6 +244,14 @@ def _throughput(
         out[f"loopback_{side}_mb_per_s"] = round(wire_bps / 1e6, 1)
         out[f"loopback_{side}_mb_per_s_runs"] = [round(w[f"{side}_bytes_per_s"] / 1e6, 1) for w in wire]
         out[f"{op}_vs_loopback"] = round(rb * row_bytes / wire_bps, 3)
+        if not bare:
+            continue
+        # Dask's own ceiling for the same calls, and how far the store is from it.
+        dask_bps = statistics.median(b[f"{op}_bytes_per_s"] for b in bare)
+        out[f"dask_{op}_mb_per_s"] = round(dask_bps / 1e6, 1)
+        out[f"dask_{op}_mb_per_s_runs"] = [round(b[f"{op}_bytes_per_s"] / 1e6, 1) for b in bare]
+        out[f"dask_{op}_vs_loopback"] = round(dask_bps / wire_bps, 3)
+        out[f"{op}_vs_dask"] = round(rb * row_bytes / dask_bps, 3)
     if wire:
         out["loopback_target"] = LOOPBACK_TARGET[tokens]
         out["meets_loopback_target"] = bool(min(out["put_vs_loopback"], out["get_vs_loopback"]) >= LOOPBACK_TARGET[tokens])
@@ -420,7 +436,8 @@ def _drop_ratios(result: dict[str, Any]) -> None:
     for part in ("1024", "16384"):
         for op in ("put", "get"):
             result.get(part, {}).pop(f"{op}_ratio", None)
-            result.get(part, {}).pop(f"{op}_vs_loopback", None)
+            for key in (f"{op}_vs_loopback", f"{op}_vs_dask", f"dask_{op}_vs_loopback"):
+                result.get(part, {}).pop(key, None)
         result.get(part, {}).pop("meets_loopback_target", None)
     rep = result.get("replication_1024", {})
     for key in [k for k in rep if "ratio" in k]:
