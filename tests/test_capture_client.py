@@ -270,6 +270,42 @@ def test_close_puts_every_queued_row(store_factory):
     assert not rc.finish(1.0).poisoned
 
 
+UNCLOSED_ENGINE = """
+import sys
+import numpy as np
+from pipeline.client import CaptureClient
+cap = CaptureClient.connect(sys.argv[1], name=sys.argv[2], flush_calls=10_000, flush_ms=600_000)
+rc = cap.open("exit-r0", "g", vocab_size=64, num_experts=None)
+mask = np.array([0, 1, 1], np.float32)
+for t in range(3):
+    rc.stage(f"c{t}", None if t == 0 else f"c{t - 1}", token_ids=np.arange(3) + t, token_mask=mask,
+             logprobs=np.array([0.0, -0.5, -0.25], np.float32))
+assert cap.stats()["queued"] == 3  # nothing put yet: the thresholds are far away
+print("exiting without close", flush=True)
+"""
+
+
+def test_an_engine_that_never_closes_still_stores_every_row_at_exit(cluster_client, store_factory):
+    # The flusher is a daemon thread; without the exit handler these rows would be lost.
+    store = store_factory(n_units=2)
+    name = "tc-test-store-exit"
+    publish_store(cluster_client, store, name=name)
+    try:
+        env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        proc = subprocess.run(
+            [sys.executable, "-c", UNCLOSED_ENGINE, cluster_client.scheduler.address, name],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        )
+    finally:
+        unpublish_store(cluster_client, name)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "exiting without close" in proc.stdout
+    assert "never closed: putting its 3 unsettled row(s)" in proc.stderr  # the fix is named
+    got = store.get_many([f"exit-r0/c{t}" for t in range(3)], fields=["token_ids"])
+    assert not got.failed and len(got.batch) == 3
+    assert np.array_equal(got.batch.fields["token_ids"].row(2), np.arange(3) + 2)
+
+
 # ---- (6) many engine threads ----------------------------------------------------------------
 
 

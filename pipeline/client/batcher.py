@@ -5,13 +5,16 @@ row as ONE ``put_many`` once ``capture-client.flush-calls`` rows are queued or
 ``capture-client.flush-ms`` milliseconds after the oldest queued row, whichever comes
 first (or at once on :meth:`flush` / :meth:`close`). While a put is in flight new rows
 queue for the next one. Each row's outcome (stored, refused, or its put raised) is
-reported to the row's owner; a put that raises fails only its own batch.
+reported to the row's owner; a put that raises fails only its own batch. A batcher never
+closed is closed at interpreter exit (its rows are put, with a warning naming the fix).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
@@ -25,6 +28,22 @@ from ..store.protocol import StoreLike
 from .refusals import MISSING_ACK, Refusal, put_error
 
 logger = logging.getLogger(__name__)
+
+
+# Batchers whose flusher runs and that were not closed: closed at interpreter exit.
+_OPEN: "weakref.WeakSet[RowBatcher]" = weakref.WeakSet()
+_exit_handler = threading.Lock()  # held once the handler is registered
+
+
+def close_open_batchers() -> None:
+    """Interpreter exit: put every row a batcher that was never closed still holds.
+
+    The flusher is a daemon thread (it must not keep a process alive), so without this a
+    program that forgot :meth:`RowBatcher.close` would lose its queued rows. Registered
+    when the first flusher starts, after the store's Dask client exists, so it runs
+    before Dask's own exit handlers (last registered, first run): the store is reachable."""
+    for batcher in list(_OPEN):
+        batcher.close_at_exit()
 
 
 class RowOwner(Protocol):
@@ -123,10 +142,28 @@ class RowBatcher:
             self._closing = True
             self._cond.notify_all()
             thread = self._thread
+        _OPEN.discard(self)
         if thread is not None:
             thread.join(timeout_s)
             return not thread.is_alive()
         return True
+
+    def close_at_exit(self) -> bool:
+        """:meth:`close` for a batcher its owner never closed (see :func:`close_open_batchers`),
+        waiting at most ``capture-client.exit-timeout-s`` seconds; says what it did."""
+        with self._cond:
+            unsettled = self._next_seq - self._settled_seq
+        if unsettled:
+            logger.warning(
+                "a capture client was never closed: putting its %d unsettled row(s) at interpreter exit; "
+                "call close() or use it as a context manager", unsettled,
+            )
+        done = self.close(float(config.get("capture-client.exit-timeout-s")))
+        if not done:
+            with self._cond:
+                lost = self._next_seq - self._settled_seq
+            logger.error("capture client: %d row(s) were not stored before interpreter exit (put still running)", lost)
+        return done
 
     def stats(self) -> dict[str, int]:
         """Counters (rows and bytes put, puts, refused rows, failed puts) and queue depth."""
@@ -147,6 +184,9 @@ class RowBatcher:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="token-capture-flusher", daemon=True)
             self._thread.start()
+            _OPEN.add(self)
+            if _exit_handler.acquire(blocking=False):
+                atexit.register(close_open_batchers)
 
     def _take(self) -> list[_Queued] | None:
         """Wait until a flush is due; take the whole queue (``None``: closed and empty)."""
