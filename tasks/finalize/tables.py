@@ -210,7 +210,7 @@ def _scan_all_valid(ids: np.ndarray, mask: np.ndarray, lps: np.ndarray, vocab_si
     n = mask.size
     if not n:
         return np.zeros(0, dtype=np.int64)
-    if ids.min() < 0 or ids.max() >= vocab_size:
+    if not _all_below(ids, vocab_size):
         return None
     # NaN fails both comparisons (min/max propagate it); -inf fails the first.
     if not (lps.min() > -np.inf and lps.max() <= 0.0):
@@ -248,6 +248,14 @@ def _zeros_then_ones(off: np.ndarray, mask: np.ndarray, drops: np.ndarray) -> np
             r, p = r[inside], drops[inside]
             ok[r[p + 1 < end[r]]] = False
     return ok
+
+
+def _all_below(v: np.ndarray, bound: int) -> bool:
+    """Every element of the integer array ``v`` is in ``[0, bound)``; one reduction where
+    a negative value viewed unsigned is surely ``>= bound``."""
+    if v.dtype.kind == "i" and 0 < bound <= 1 << (8 * v.itemsize - 1) and v.flags.c_contiguous:
+        return int(v.view(v.dtype.str.replace("i", "u")).max()) < bound
+    return bool(v.min() >= 0 and v.max() < bound)
 
 
 class RoutesTable:
@@ -301,7 +309,7 @@ class RoutesTable:
             self.offsets = f.offsets.tolist()
             self.present = [True] * n if f.present is None else f.present.tolist()
         if num_experts is not None and v.ndim == 3 and v.dtype.kind in "iu":
-            if not v.size or (v.min() >= 0 and v.max() < num_experts):
+            if not v.size or _all_below(v, num_experts):
                 self.in_range = [True] * n  # one pass over the whole buffer: the common case
             else:
                 bad = ((v < 0) | (v >= num_experts)).any(axis=(1, 2))  # per token
