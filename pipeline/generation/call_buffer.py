@@ -51,17 +51,18 @@ class FrozenChunk:
     __slots__ = ("buffer", "seq", "key", "parts", "chunk", "prefix_tokens", "prefix_digest", "_chain_state",
                  "frozen_at", "tokens", "nbytes", "signature", "unit", "_row")
 
-    def __init__(self, buffer: CallBuffer, seq: int, parts: list[Part], chain_state: "hashlib._Hash"):
+    def __init__(self, buffer: CallBuffer, seq: int, parts: list[Part], chain_state: "hashlib._Hash",
+                 tokens: int = 0, prefix_tokens: int = 0, prefix_digest: bytes = b""):
         self.buffer = buffer
         self.seq = seq
         self.key = ""
         self.parts = parts  # generated (ids, logprobs, routes) pieces of this chunk, in order
         self.chunk: PrefixChunk | None = None
-        self.prefix_tokens = 0  # prefix length once sealed (tokens)
-        self.prefix_digest = b""  # prefix digest through this chunk (committed on seal)
+        self.prefix_tokens = prefix_tokens  # prefix length once sealed (tokens)
+        self.prefix_digest = prefix_digest  # prefix digest through this chunk (committed on seal)
         self._chain_state = chain_state  # the chunk's running chain state (for rollback)
         self.frozen_at = 0.0  # time.perf_counter() when frozen (s), for row-wait stats
-        self.tokens = 0  # tokens in this chunk
+        self.tokens = tokens  # tokens in this chunk
         self.nbytes = 0  # packed row size (bytes), for batch limits
         self.signature: Signature = None
         self.unit = 0  # storage unit of the row (orders a batch so the store splits it without copies)
@@ -111,6 +112,7 @@ class CallBuffer:
         self.rollout_id = check_id(rollout_id, "rollout_id")
         self.model_call_id = check_id(model_call_id, "model_call_id")
         self.parent_call_id = None if parent_call_id is None else check_id(parent_call_id, "parent_call_id")
+        self._call: CallId = (self.rollout_id, self.model_call_id)
         ctx = np.asarray(context_ids)
         if ctx.ndim != 1 or not (ctx.size == 0 or np.issubdtype(ctx.dtype, np.integer)):
             raise InvalidCall("invalid_argument", f"context_ids of {self.key}: need a 1-D integer array, got {ctx.dtype}{ctx.shape}")
@@ -158,7 +160,8 @@ class CallBuffer:
 
     @property
     def call(self) -> CallId:
-        return (self.rollout_id, self.model_call_id)
+        """``(rollout_id, model_call_id)``: made once (a cut keys its acks by it per row)."""
+        return self._call
 
     def unit(self, n_units: int) -> int:
         """The storage unit of the call's rows among ``n_units`` (:func:`~tasks.keys.unit_for_rollout`)."""
@@ -334,9 +337,8 @@ class CallBuffer:
             # The running states already cover every token: reading them is O(1).
             chain = self._run_chain.digest()
             cumulative = self._run_cum.digest()
-            pdigest = self._run_pdig.digest()
             chain_state, self._run_chain = self._run_chain, hashing.chain_state(chain)  # next chunk extends this one
-            frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state)
+            frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state, tokens, prev + tokens, self._run_pdig.digest())
         # Outside the lock: describe the row (no copy, no hashing: pack_chunks does both
         # once). Its pieces are valid by construction (converted on append): no re-check.
         # The key == cut_key(...): ids checked when the buffer was made, the checkpoint's in key_root.
@@ -346,9 +348,6 @@ class CallBuffer:
             self.context_ids if n_ctx else None, self.context_routes if n_ctx else None, parts, self.routes_shape,
             chain, cumulative, tokens, self._identity,
         )
-        frozen.tokens = tokens
-        frozen.prefix_tokens = prev + tokens
-        frozen.prefix_digest = pdigest
         frozen.nbytes = tokens * self._token_nbytes + self._identity.id_nbytes + ROW_FIXED_BYTES
         frozen.signature = self._signature
         frozen.frozen_at = time.perf_counter()

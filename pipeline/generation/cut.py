@@ -15,9 +15,8 @@ import contextlib
 import operator
 import time
 from dataclasses import dataclass, field
+from statistics import fmean
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
-
-import numpy as np
 
 from tasks.cut.batching import BatchLimits, BatchPlanner, pack_chunks
 from tasks.cut.receipt import (
@@ -53,6 +52,22 @@ class CutStore(Protocol):
     def put_many(self, batch: PackedBatch, partition: str = ..., adopt: bool = ...) -> StoreResult: ...
 
     def delete(self, keys: Sequence[str], partition: str = ...) -> object: ...
+
+
+_TAKES_TIMEOUT: dict[Callable, bool] = {}  # a store class's method -> whether it takes timeout=
+
+
+def _takes_timeout(method: Callable) -> bool:
+    """:func:`~pipeline.store.deadline.takes_timeout` of a store method, asked once per
+    process for a method of a class (its signature is the class's), not at every cut;
+    a plain callable attribute (no ``__func__``) is asked every time."""
+    func = getattr(method, "__func__", None)
+    if func is None:
+        return takes_timeout(method)
+    got = _TAKES_TIMEOUT.get(func)
+    if got is None:
+        got = _TAKES_TIMEOUT[func] = takes_timeout(method)
+    return got
 
 
 def limits_from_config() -> BatchLimits:
@@ -109,8 +124,8 @@ class _Cut:
         self.buffers = pack_buffers()  # batches pack into memory already mapped (no page faults)
         # Store calls are bounded by the time left to the deadline (a hung unit fails its
         # keys, so the cut and the worker's cut lock are released by the deadline).
-        self.put_bounded = takes_timeout(store.put_many)
-        self.delete_bounded = takes_timeout(store.delete)
+        self.put_bounded = _takes_timeout(store.put_many)
+        self.delete_bounded = _takes_timeout(store.delete)
 
     def enter_gate(self) -> None:
         self.gate.acquire()
@@ -121,14 +136,19 @@ class _Cut:
             self.in_gate = False
             self.gate.release()
 
+    def take_gate(self) -> None:
+        """Hold a CPU slot for the next freeze or pack (no-op if already held)."""
+        if not self.in_gate:
+            self.enter_gate()
+
     @contextlib.contextmanager
     def _io(self) -> Iterator[None]:
-        """Leave the CPU gate while waiting on the store (other cuts pack meanwhile)."""
+        """Leave the CPU gate while waiting on the store (other cuts pack meanwhile). The
+        cut takes a slot again only for its next freeze or pack (:meth:`take_gate`), not
+        to seal what the store answered: a cut whose put is done is not queued behind
+        every cut still packing (its rows' wait and its batch's slab end sooner)."""
         self.leave_gate()
-        try:
-            yield
-        finally:
-            self.enter_gate()
+        yield
 
     def time_left(self) -> float:
         """Seconds to the deadline (0 once passed); bounds each store call."""
@@ -155,6 +175,7 @@ class _Cut:
             pooled.append(out is not None)
             return out
 
+        self.take_gate()
         batch = pack_chunks([c.chunk for c in chunks], allocate)
         # Fresh buffers nobody else holds: a unit may keep views into them instead of
         # copying each row (adopt). A pooled slab is the next batches' memory once this
@@ -257,29 +278,36 @@ class _Cut:
         planner = BatchPlanner(self.limits)
         stopped = False
         reached = 0
+        # Per call: a deadline check, a freeze and a planner step (names bound once: the
+        # loop runs once per in-flight call of the worker).
+        key_root, n_units = self.key_root, self.n_units
+        frozen, acks, add = self.frozen, self.acks, planner.add
         for call_id, buf in calls:
             if buf is None:
-                self.acks[call_id] = CallAck.failure(call_id, UNKNOWN_CALL, "no such call on this worker")
+                acks[call_id] = CallAck.failure(call_id, UNKNOWN_CALL, "no such call on this worker")
                 reached += 1
                 continue
             if self.past_deadline():
                 stopped = True
                 break
             reached += 1
-            got = buf.freeze_under(self.key_root)
+            self.take_gate()
+            got = buf.freeze_under(key_root)
             if isinstance(got, CallAck):
-                self.acks[call_id] = got
+                acks[call_id] = got
                 continue
-            idx = len(self.frozen)
-            if self.n_units > 1:
-                got.unit = buf.unit(self.n_units)
-            self.frozen.append(got)
-            for b in planner.add(idx, got.tokens, got.nbytes, got.signature):
-                if not self.put_batch([self.frozen[i] for i in b.rows]):
-                    stopped = True
+            idx = len(frozen)
+            if n_units > 1:
+                got.unit = buf.unit(n_units)
+            frozen.append(got)
+            ready = add(idx, got.tokens, got.nbytes, got.signature)
+            if ready:
+                for b in ready:
+                    if not self.put_batch([frozen[i] for i in b.rows]):
+                        stopped = True
+                        break
+                if stopped:
                     break
-            if stopped:
-                break
         if not stopped:
             for b in planner.flush():
                 if not self.put_batch([self.frozen[i] for i in b.rows]):
@@ -353,6 +381,6 @@ def run_cut(
         bytes_written=s.bytes_written,
         wall_ms=(time.perf_counter() - t0) * 1e3,
         deadline_passed=s.deadline_passed,
-        mean_row_wait_ms=float(np.mean(s.row_wait_ms)) if s.row_wait_ms else 0.0,
+        mean_row_wait_ms=fmean(s.row_wait_ms) if s.row_wait_ms else 0.0,
     )
     return receipt, s

@@ -10,6 +10,7 @@ pooled slab) and digests each row over its slices, from its call's identity enco
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Sequence
@@ -184,6 +185,11 @@ _DIGEST_LENGTHS = struct.Struct("<qqqqb")
 _DIGEST_LENGTHS_IDS = struct.Struct("<qqqqbQ")
 _NBYTES = struct.Struct("<Q")
 _ROUTES_HEAD = struct.Struct("<IIQ")
+# What pack_chunks reads of every chunk, in one C-level call per chunk.
+_CHUNK_FIELDS = operator.attrgetter(
+    "key", "delta_len", "identity", "prev_len", "weight_version", "chain_hash", "cumulative_hash", "context_ids"
+)
+_HASH_LEN = {HASH_BYTES}
 
 
 @dataclass(frozen=True, eq=False)
@@ -259,12 +265,13 @@ class PrefixChunk:
         """A chunk built without :meth:`__post_init__`'s checks, for a writer whose pieces
         are valid by construction (:class:`~pipeline.generation.call_buffer.CallBuffer`
         converts every piece on append): ``delta_len`` (tokens) and ``identity`` given."""
+        # Plain attribute stores: the instance keeps its values inline (reading
+        # ``__dict__`` would allocate a dict per chunk, one more object for the GC).
         self = object.__new__(cls)
-        d = self.__dict__
-        d["key"], d["rollout_id"], d["model_call_id"], d["parent_call_id"] = key, rollout_id, model_call_id, parent_call_id
-        d["prev_len"], d["weight_version"], d["context_ids"], d["context_routes"] = prev_len, weight_version, context_ids, context_routes
-        d["parts"], d["routes_shape"], d["chain_hash"], d["cumulative_hash"] = parts, routes_shape, chain_hash, cumulative_hash
-        d["delta_len"], d["identity"] = delta_len, identity
+        self.key, self.rollout_id, self.model_call_id, self.parent_call_id = key, rollout_id, model_call_id, parent_call_id
+        self.prev_len, self.weight_version, self.context_ids, self.context_routes = prev_len, weight_version, context_ids, context_routes
+        self.parts, self.routes_shape, self.chain_hash, self.cumulative_hash = parts, routes_shape, chain_hash, cumulative_hash
+        self.delta_len, self.identity = delta_len, identity
         return self
 
     def __post_init__(self) -> None:
@@ -396,46 +403,32 @@ def pack_chunks(chunks: Sequence[PrefixChunk], allocate: BufferSource | None = N
         raise InvalidChunk(f"chunks of one batch must share a routes shape, got {sorted(map(str, shapes))}")
     routes_shape = shapes.pop() if shapes else None
     with_routes = routes_shape is not None
-    # One pass over the chunks (a few list appends per row, nothing per token): the
-    # pieces in row order, context (mask 0, logprob 0) then generated parts (mask 1),
-    # and each row's lengths, identity and scalars.
-    keys: list[str] = []
-    lengths: list[int] = []
-    ctx_lens: list[int] = []
-    idents: list[CallIdentity] = []
-    prevs: list[int] = []
-    versions: list[int] = []
-    chains: list[bytes] = []
-    cums: list[bytes] = []
+    # Each row's scalars, identity and hashes read in one C-level pass (no per-row
+    # Python), then the pieces in row order: context (mask 0, logprob 0) then generated
+    # parts (mask 1), a few list appends per row, nothing per token.
+    rows = list(map(_CHUNK_FIELDS, chunks))
+    keys, lengths, idents, prevs, versions, chains, cums, ctxs = map(list, zip(*rows)) if n else ([] for _ in range(8))
+    if n and (set(map(len, chains)) != _HASH_LEN or set(map(len, cums)) != _HASH_LEN):
+        # Checked per chunk (a per-batch length check passes 31 + 33 bytes); named on failure.
+        bad = next(c for c in chunks if len(c.chain_hash) != HASH_BYTES or len(c.cumulative_hash) != HASH_BYTES)
+        raise InvalidChunk(f"{bad.key}: chain_hash and cumulative_hash must be {HASH_BYTES} bytes each")
+    ctx_lens = [0 if ctx is None else len(ctx) for ctx in ctxs]
+    zeros = np.zeros(max(ctx_lens, default=0), dtype=_LOGPROBS)
     id_pieces: list[np.ndarray] = []
     lp_pieces: list[np.ndarray] = []
     route_pieces: list[np.ndarray] = []
-    zeros = np.zeros(max((0 if c.context_ids is None else len(c.context_ids) for c in chunks), default=0), dtype=_LOGPROBS)
-    for c in chunks:
-        chain, cum = c.chain_hash, c.cumulative_hash
-        if len(chain) != HASH_BYTES or len(cum) != HASH_BYTES:
-            # Checked per chunk: a per-batch length check passes 31 + 33 bytes.
-            raise InvalidChunk(f"{c.key}: chain_hash and cumulative_hash must be {HASH_BYTES} bytes each")
-        keys.append(c.key)
-        lengths.append(c.delta_len)
-        idents.append(c.identity)
-        prevs.append(c.prev_len)
-        versions.append(c.weight_version)
-        chains.append(chain)
-        cums.append(cum)
-        ctx = c.context_ids
-        k = 0 if ctx is None else len(ctx)
-        ctx_lens.append(k)
+    add_id, add_lp, add_route = id_pieces.append, lp_pieces.append, route_pieces.append
+    for c, ctx, k in zip(chunks, ctxs, ctx_lens):
         if k:
-            id_pieces.append(ctx)
-            lp_pieces.append(zeros[:k])
+            add_id(ctx)
+            add_lp(zeros[:k])
             if with_routes:
-                route_pieces.append(c.context_routes)
+                add_route(c.context_routes)
         for p in c.parts:
-            id_pieces.append(p[0])
-            lp_pieces.append(p[1])
+            add_id(p[0])
+            add_lp(p[1])
             if with_routes:
-                route_pieces.append(p[2])
+                add_route(p[2])
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     total = int(offsets[-1])
@@ -465,12 +458,12 @@ def pack_chunks(chunks: Sequence[PrefixChunk], allocate: BufferSource | None = N
     # One digest per row over its slices of the batch buffers (digest v1, tasks/hashing.py):
     # the call's encoded identity head, then lengths and buffers; a few calls per row.
     digests: list[bytes] = []
-    bounds = offsets.tolist()
+    add_digest = digests.append
     sha256, lengths_ids, nbytes = hashlib.sha256, _DIGEST_LENGTHS_IDS.pack, _NBYTES.pack
-    for i in range(n):
-        a, b = bounds[i], bounds[i + 1]
-        k, p = b - a, prevs[i]
-        h = sha256(idents[i].digest_head + lengths_ids(p, k, p + k, versions[i], enc, 8 * k))
+    starts, ends = offsets[:-1].tolist(), offsets[1:].tolist()
+    for ident, p, version, chain, cum, a, b in zip(idents, prevs, versions, chains, cums, starts, ends):
+        k = b - a
+        h = sha256(ident.digest_head + lengths_ids(p, k, p + k, version, enc, 8 * k))
         h.update(ids_b[8 * a : 8 * b])
         q = nbytes(4 * k)
         h.update(q)
@@ -480,8 +473,8 @@ def pack_chunks(chunks: Sequence[PrefixChunk], allocate: BufferSource | None = N
         if routes_b is not None:
             h.update(_ROUTES_HEAD.pack(routes_shape[0], routes_shape[1], per_route * k))
             h.update(routes_b[per_route * a : per_route * b])
-        h.update(chains[i] + cums[i])
-        digests.append(h.digest())
+        h.update(chain + cum)
+        add_digest(h.digest())
     arange = np.arange(n + 1, dtype=np.int64)
     prev = np.array(prevs, dtype=np.int64)
     scalars = {

@@ -1,0 +1,191 @@
+"""The cut's use of the process CPU gate and its per-cut setup, with in-process stores.
+
+A cut takes its CPU slot for freezing and packing only: once a batch's put is answered
+it seals that batch without waiting for a slot again (it takes one for its next freeze or
+pack), so a cut whose store answered is not queued behind every cut still packing. A
+store's method signature (does it take ``timeout=``) is inspected once per store class.
+"""
+from __future__ import annotations
+
+import threading
+
+import dask
+import numpy as np
+
+from pipeline.generation import cut as cut_module
+from pipeline.generation.call_buffer import CallBuffer
+from pipeline.generation.cut import run_cut
+from pipeline.store.protocol import StoreResult
+from tasks.cut.batching import BatchLimits
+from tasks.cut.receipt import DURABLE_PREFIX
+
+WAIT_S = 30.0  # bounds every wait (a broken gate fails the test instead of hanging it)
+
+
+def _buffers(n: int, prefix: str) -> list[CallBuffer]:
+    out = []
+    for i in range(n):
+        b = CallBuffer(f"{prefix}{i}", "call-0", np.arange(4, dtype=np.int64))
+        b.append(np.arange(8, dtype=np.int64), -np.ones(8, dtype=np.float32))
+        out.append(b)
+    return out
+
+
+def _cut(bufs, store, checkpoint_id: str, limits=BatchLimits(64, 1 << 22, 1 << 28)):
+    return run_cut([(b.call, b) for b in bufs], store, checkpoint_id=checkpoint_id, inventory_digest=b"",
+                   limits=limits)
+
+
+class MemoryStore:
+    """Acknowledges every put (counted); a put carrying a key containing ``hold`` first
+    signals ``entered`` and waits for ``release``."""
+
+    def __init__(self, hold: str = "\0"):
+        self.hold = hold
+        self.entered, self.release = threading.Event(), threading.Event()
+        self.puts = 0
+
+    def put_many(self, batch, partition: str = "", adopt: bool = False, timeout: float | None = None) -> StoreResult:
+        self.puts += 1
+        if any(self.hold in k for k in batch.keys):
+            self.entered.set()
+            assert self.release.wait(WAIT_S), "held put never released"
+        return StoreResult(ok=list(batch.keys))
+
+    def delete(self, keys, partition: str = "", timeout: float | None = None) -> StoreResult:
+        return StoreResult(ok=list(keys))
+
+
+class HeldPack:
+    """Wraps ``pack_chunks``: a pack of a chunk whose key contains ``hold`` signals
+    ``entered`` and waits for ``release`` (holding its cut's CPU slot meanwhile)."""
+
+    def __init__(self, real, hold: str):
+        self.real, self.hold = real, hold
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def __call__(self, chunks, *args):
+        if any(self.hold in c.key for c in chunks):
+            self.entered.set()
+            assert self.release.wait(WAIT_S), "held pack never released"
+        return self.real(chunks, *args)
+
+
+def test_a_cut_whose_put_is_answered_seals_without_waiting_for_a_cpu_slot(monkeypatch):
+    store = MemoryStore(hold="/gate-a/")
+    pack = HeldPack(cut_module.pack_chunks, hold="/gate-b/")
+    monkeypatch.setattr(cut_module, "pack_chunks", pack)
+    a, b = _buffers(3, "ga"), _buffers(3, "gb")
+    results: dict = {}
+    with dask.config.set({"token-capture.cut.cpu-slots": 1}):
+        ta = threading.Thread(target=lambda: results.setdefault("a", _cut(a, store, "gate-a")), daemon=True)
+        tb = threading.Thread(target=lambda: results.setdefault("b", _cut(b, store, "gate-b")), daemon=True)
+        ta.start()
+        try:
+            assert store.entered.wait(WAIT_S), "cut A reached its put"
+            tb.start()
+            # B holds the only slot (held in its pack) when A's put is answered.
+            assert pack.entered.wait(WAIT_S), "cut B reached its pack"
+            store.release.set()
+            ta.join(WAIT_S)
+            assert not ta.is_alive(), "cut A sealed its answered batch without the slot B holds"
+            assert tb.is_alive() and "b" not in results
+        finally:
+            store.release.set()
+            pack.release.set()
+            ta.join(WAIT_S)
+            tb.join(WAIT_S)
+    assert not ta.is_alive() and not tb.is_alive()
+    for key, bufs in (("a", a), ("b", b)):
+        receipt, stats = results[key]
+        assert receipt.counts() == {DURABLE_PREFIX: 3} and stats.put_calls == 1
+        assert all(buf.info()["cut_keys"] for buf in bufs)
+    assert store.puts == 2
+
+
+def test_a_cut_with_several_batches_takes_the_slot_again_to_pack_the_next(monkeypatch):
+    """After sealing batch 1 (no slot), the cut's next pack waits for the slot: with one
+    slot, a second cut's held pack keeps the first cut from packing its batch 2."""
+    store = MemoryStore(hold="/multi-a/")
+    pack = HeldPack(cut_module.pack_chunks, hold="/multi-b/")
+    monkeypatch.setattr(cut_module, "pack_chunks", pack)
+    calls = []
+    real = pack.real
+
+    def counting(chunks, *args):
+        calls.append(chunks[0].key.split("/")[1])
+        return real(chunks, *args)
+
+    pack.real = counting
+    a, b = _buffers(4, "ma"), _buffers(2, "mb")
+    results: dict = {}
+    with dask.config.set({"token-capture.cut.cpu-slots": 1}):
+        ta = threading.Thread(target=lambda: results.setdefault("a", _cut(a, store, "multi-a", BatchLimits(2, 1 << 22, 1 << 28))),
+                              daemon=True)
+        tb = threading.Thread(target=lambda: results.setdefault("b", _cut(b, store, "multi-b")), daemon=True)
+        ta.start()
+        try:
+            assert store.entered.wait(WAIT_S), "cut A reached its first put"
+            tb.start()
+            assert pack.entered.wait(WAIT_S), "cut B reached its pack"
+            store.release.set()
+            ta.join(0.5)  # A seals batch 1, then waits for the slot to freeze/pack batch 2
+            assert ta.is_alive() and calls == ["multi-a"], "A's second pack waited for the slot"
+        finally:
+            store.release.set()
+            pack.release.set()
+            ta.join(WAIT_S)
+            tb.join(WAIT_S)
+    assert not ta.is_alive() and not tb.is_alive()
+    assert calls.count("multi-a") == 2 and calls.count("multi-b") == 1
+    assert results["a"][0].counts() == {DURABLE_PREFIX: 4} and results["a"][1].put_calls == 2
+    assert results["b"][0].counts() == {DURABLE_PREFIX: 2}
+
+
+def test_store_signature_is_inspected_once_per_store_class(monkeypatch):
+    asked = []
+    real = cut_module.takes_timeout
+
+    def counting(method):
+        asked.append(getattr(method, "__name__", "?"))
+        return real(method)
+
+    monkeypatch.setattr(cut_module, "takes_timeout", counting)
+    monkeypatch.setattr(cut_module, "_TAKES_TIMEOUT", {})
+    for i in range(3):  # three cuts, two instances of one store class
+        receipt, _ = _cut(_buffers(2, f"sig{i}-"), MemoryStore() if i < 2 else MemoryStore(), f"sig-{i}")
+        assert receipt.counts() == {DURABLE_PREFIX: 2}
+    assert sorted(asked) == ["delete", "put_many"]
+
+    # A store whose methods are plain callables (no class method to key on): asked per cut.
+    class Plain:
+        def __init__(self):
+            inner = MemoryStore()
+            self.put_many = lambda batch, partition="", adopt=False: inner.put_many(batch, partition, adopt)
+            self.delete = lambda keys, partition="": inner.delete(keys, partition)
+
+    for i in range(2):
+        receipt, _ = _cut(_buffers(2, f"plain{i}-"), Plain(), f"plain-{i}")
+        assert receipt.counts() == {DURABLE_PREFIX: 2}
+    assert len(asked) == 2 + 2 * 2
+
+
+def test_store_timeout_answer_is_the_store_classes_own():
+    """A class whose put_many takes no ``timeout=`` is called without one, even after a
+    class whose put_many does (the cache is per method, not per cut)."""
+
+    class NoTimeout(MemoryStore):
+        def put_many(self, batch, partition: str = "", adopt: bool = False) -> StoreResult:
+            return super().put_many(batch, partition, adopt)
+
+        def delete(self, keys, partition: str = "") -> StoreResult:
+            return super().delete(keys, partition)
+
+    for store in (MemoryStore(), NoTimeout(), MemoryStore()):
+        receipt, stats = _cut(_buffers(2, f"to-{type(store).__name__}-{id(store)}-"), store, f"to-{id(store)}")
+        assert receipt.counts() == {DURABLE_PREFIX: 2} and store.puts == 1
+
+
+def test_call_id_is_made_once():
+    buf = _buffers(1, "cid")[0]
+    assert buf.call == ("cid0", "call-0") and buf.call is buf.call
