@@ -18,7 +18,7 @@ from pipeline.bench import cut as bench_cut
 from pipeline.generation import CallBuffer, run_cut
 from pipeline.generation.cut import pack_buffers
 from pipeline.store import StagingStore
-from pipeline.store.answer_buffers import AnswerBuffers
+from pipeline.store.slab_pool import SlabPool
 from pipeline.store.protocol import StoreResult
 from tasks import hashing
 from tasks.cut.batching import BatchLimits, pack_chunks, plan_rows
@@ -121,7 +121,7 @@ def test_batches_reach_the_store_as_one_buffer_per_field(make_store):
 def test_pack_chunks_into_pooled_slabs_is_byte_identical():
     bufs = calls(12, prefix="pool", gen=3000, routes_every=1)
     chunks = [b.freeze("ck").chunk for b in bufs]
-    pool = AnswerBuffers(1 << 26)
+    pool = SlabPool(1 << 26)
     got = pack_chunks(chunks, pool.allocator)
     want = pack_chunks(chunks)
     assert pool.allocated == 1, "the token fields came from one pooled slab"

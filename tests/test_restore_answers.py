@@ -1,6 +1,6 @@
 """Restore-side copies: pooled get-answer buffers on the unit, sliced answers in the coalescer.
 
-* ``AnswerBuffers`` (pipeline/store/answer_buffers.py): a slab is never handed out again while any
+* ``SlabPool`` (pipeline/store/slab_pool.py): a slab is never handed out again while any
   view of an earlier answer lives (that would overwrite rows a caller still reads), is
   reused once released, and the pool keeps at most ``max_bytes`` of slabs.
 * A real in-process cluster (answers reach the caller by reference, the case where reuse
@@ -21,7 +21,7 @@ from distributed import Client
 from pipeline.cluster import local_cluster
 from pipeline.restore.coalescer import PrefixReadCoalescer
 from pipeline.store import StagingStore
-from pipeline.store.answer_buffers import AnswerBuffers
+from pipeline.store.slab_pool import SlabPool
 from pipeline.store.protocol import GetResult
 from pipeline.store.unit import pack_stored_rows
 from tasks.keys import cut_key
@@ -59,7 +59,7 @@ def slab_of(batch: PackedBatch) -> np.ndarray:
 
 
 def test_slab_not_reused_while_any_view_lives_then_reused():
-    pool = AnswerBuffers(max_bytes=64 << 20)
+    pool = SlabPool(max_bytes=64 << 20)
     rows = stored_rows(8)
     keys = [f"k{i}" for i in range(4)]
     a = pack_stored_rows(keys, rows[:4], NAMES, None, pool)
@@ -86,7 +86,7 @@ def test_slab_not_reused_while_any_view_lives_then_reused():
 
 
 def test_small_field_kept_does_not_pin_the_slab():
-    pool = AnswerBuffers(max_bytes=64 << 20)
+    pool = SlabPool(max_bytes=64 << 20)
     rows = stored_rows(2)
     a = pack_stored_rows(["a", "b"], rows, NAMES, None, pool)
     digest = a.fields["digest"].values  # e.g. a verifier keeping the hashes
@@ -97,8 +97,8 @@ def test_small_field_kept_does_not_pin_the_slab():
 
 def test_pool_is_bounded_and_releases_idle_slabs_of_other_sizes():
     rows = stored_rows(4)
-    one = AnswerBuffers.size_class(2 * TOKENS * 16)  # the slab of a two-row answer
-    pool = AnswerBuffers(max_bytes=2 * one)
+    one = SlabPool.size_class(2 * TOKENS * 16)  # the slab of a two-row answer
+    pool = SlabPool(max_bytes=2 * one)
     held = [pack_stored_rows(["a", "b"], rows[:2], NAMES, None, pool) for _ in range(4)]
     # Two slabs pooled; the pool full, the other two answers are plain allocations.
     assert (pool.allocated, pool.unpooled, pool.held_bytes) == (2, 2, 2 * one)
@@ -109,18 +109,18 @@ def test_pool_is_bounded_and_releases_idle_slabs_of_other_sizes():
     # A four-row answer (twice the size): the idle two-row slabs make room for it.
     big = pack_stored_rows(["a", "b", "c", "d"], rows, NAMES, None, pool)
     assert (pool.allocated, pool.unpooled) == (3, 2)
-    assert pool.held_bytes == AnswerBuffers.size_class(4 * TOKENS * 16) <= pool.max_bytes
+    assert pool.held_bytes == SlabPool.size_class(4 * TOKENS * 16) <= pool.max_bytes
     del big
 
 
 def test_zero_bytes_turns_pooling_off():
-    pool = AnswerBuffers(max_bytes=0)
+    pool = SlabPool(max_bytes=0)
     b = pack_stored_rows(["a", "b"], stored_rows(2), NAMES, None, pool)
     assert pool.allocated == 0 and b.fields["token_ids"].values.base is None
 
 
 def test_small_answers_are_plain_allocations():
-    pool = AnswerBuffers(max_bytes=64 << 20)
+    pool = SlabPool(max_bytes=64 << 20)
     b = pack_stored_rows(["a"], stored_rows(1, tokens=16), NAMES, None, pool)
     assert pool.allocated == 0 and b.fields["token_ids"].values.base is None
 

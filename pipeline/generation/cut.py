@@ -32,7 +32,7 @@ from tasks.keys import CUT_PARTITION, check_id
 from tasks.packed import PackedBatch
 
 from .. import config
-from ..store.answer_buffers import AnswerBuffers, process_buffers
+from ..store.slab_pool import SlabPool, process_pool
 from ..store.deadline import takes_timeout
 from .call_buffer import CallBuffer, FrozenChunk, cut_key_root
 from .cpu_gate import cpu_gate
@@ -79,14 +79,14 @@ def limits_from_config() -> BatchLimits:
     )
 
 
-def pack_buffers() -> AnswerBuffers:
+def pack_buffers() -> SlabPool:
     """This process's pool of slabs cut batches pack into (``cut.pack-buffer-bytes``).
 
     A batch's token buffers are views of one slab, handed out again only once nothing
     refers to it (its put done, the batch dropped): cut after cut, packing writes to
     memory already mapped instead of page-faulting a fresh allocation per batch.
     """
-    return process_buffers("cut.pack-buffer-bytes")
+    return process_pool("cut.pack-buffer-bytes")
 
 
 @dataclass

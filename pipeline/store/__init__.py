@@ -2,7 +2,7 @@
 
 ``client.py`` (:class:`StagingStore`, the API); ``unit.py`` (:class:`StorageUnit`, the
 Dask actor); ``protocol.py`` (per-key results and reasons, request checks,
-:class:`StoreLike`); ``answer_buffers.py`` (pooled slabs for get answers);
+:class:`StoreLike`); ``slab_pool.py`` (pooled slabs: get answers, gathers, merges);
 ``adopted.py`` (rows kept as views of adopted put buffers); ``spill.py`` (zict storage:
 memory up to a byte limit, then disk); ``registry.py`` (field dtypes pinned per
 partition); ``batch_file.py`` (the packed batch file format); ``checkpoint.py``

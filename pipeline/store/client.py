@@ -32,7 +32,7 @@ from .protocol import (
     pack_names,
     split_valid_keys,  # issue 11 #5
 )
-from .answer_buffers import AnswerBuffers, process_buffers
+from .slab_pool import SlabPool, process_pool
 from .deadline import bounded, deadline, waiter
 from .directory import UnitDirectory, UnitTable
 from .replication import merge_copies, merge_deletes, partners, replica_map
@@ -732,8 +732,8 @@ def _merge_gets(keys: Sequence[str], results: list[GetResult], failed: dict) -> 
     return GetResult(take_rows(aligned, src, rows, out=client_buffers().allocator(sizes)), failed)
 
 
-def client_buffers() -> AnswerBuffers:
+def client_buffers() -> SlabPool:
     """This process's pool for the buffers a store client fills itself (a put's rows
     gathered per unit, a get's answers merged), ``store.client-buffer-bytes``."""
-    return process_buffers("store.client-buffer-bytes")
+    return process_pool("store.client-buffer-bytes")
 

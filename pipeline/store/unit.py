@@ -32,7 +32,7 @@ from tasks.packed import PackedBatch, PackedField, element_bytes
 
 from . import batch_file
 from .adopted import AdoptedGroups
-from .answer_buffers import AnswerBuffers
+from .slab_pool import SlabPool
 from .protocol import (
     ABSENT_FIELD,
     DTYPE_MISMATCH,
@@ -75,7 +75,7 @@ def pack_stored_rows(
     rows: Sequence[Row],
     names: Sequence[str],
     reg: FieldRegistry | None,
-    buffers: AnswerBuffers | None = None,
+    buffers: SlabPool | None = None,
 ) -> PackedBatch:
     """Rows held by a unit as one packed batch with fields ``names`` (always copies, so a
     caller never holds a view of stored rows; the registry's spec types a field no row has).
@@ -232,7 +232,7 @@ class StorageUnit:
         # per partition the keys whose delete waits until no open checkpoint covers it.
         self.open_checkpoints: dict[str, frozenset[str] | None] = {}
         self.deferred: dict[str, dict[str, None]] = {}
-        self.answers = AnswerBuffers(_answer_buffer_bytes())
+        self.answers = SlabPool(_answer_buffer_bytes())
         self.closed = False
         self.worker_address: str | None = None
         self.reporter: StoreReporter | None = None
@@ -618,7 +618,7 @@ class StorageUnit:
         self.adopted.clear()
         self.open_checkpoints.clear()
         self.deferred.clear()
-        self.answers = AnswerBuffers(0)
+        self.answers = SlabPool(0)
         self.used_bytes = 0
         self.closed = True
         return final

@@ -176,7 +176,7 @@ _IDS = TOKEN_FIELDS["token_ids"]
 _MASK = TOKEN_FIELDS["token_mask"]
 _LOGPROBS = TOKEN_FIELDS["logprobs"]
 # ``allocate(field sizes in bytes)`` -> an allocator for those fields' buffers, or None
-# for fresh arrays (e.g. ``AnswerBuffers.allocator`` of the store: pooled slabs).
+# for fresh arrays (e.g. ``SlabPool.allocator`` of the store: pooled slabs).
 BufferSource = Callable[[Sequence[int]], Allocator | None]
 _TOKEN_SIGNATURE = tuple((name, dt.str, ()) for name, dt in TOKEN_FIELDS.items())
 # Digest v1 (tasks/hashing.py) after its identity part: <q prev_len> <q delta_len>

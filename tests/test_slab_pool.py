@@ -1,9 +1,9 @@
-"""AnswerBuffers: pooled slabs, reused only when nothing refers to them."""
+"""SlabPool: pooled slabs, reused only when nothing refers to them."""
 from __future__ import annotations
 
 import gc
 
-from pipeline.store.answer_buffers import AnswerBuffers
+from pipeline.store.slab_pool import SlabPool
 
 
 class _Cycle:
@@ -18,7 +18,7 @@ class _Cycle:
 def test_a_full_pool_collects_cycles_before_allocating_past_its_cap():
     gc.disable()  # only the pool's own collection may free the cycle
     try:
-        pool = AnswerBuffers(max_bytes=1 << 20, min_bytes=1)
+        pool = SlabPool(max_bytes=1 << 20, min_bytes=1)
         slab = pool.take(1 << 20)
         _Cycle(slab[:10])  # unreachable, but alive until collected
         del slab
@@ -35,10 +35,10 @@ def test_process_pools_are_one_per_config_key_and_read_their_cap_at_call_time():
     import dask
 
     from pipeline.generation.cut import pack_buffers
-    from pipeline.store.answer_buffers import process_buffers
+    from pipeline.store.slab_pool import process_pool
     from pipeline.store.client import client_buffers
 
-    assert client_buffers() is process_buffers("store.client-buffer-bytes") is client_buffers()
+    assert client_buffers() is process_pool("store.client-buffer-bytes") is client_buffers()
     assert pack_buffers() is not client_buffers()
     with dask.config.set({"token-capture.store.client-buffer-bytes": "3MiB"}):
         assert client_buffers().max_bytes == 3 << 20

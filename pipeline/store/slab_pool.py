@@ -1,9 +1,11 @@
-"""Pooled buffers for the values of a storage unit's get answers.
+"""Pooled slabs: memory a process already touched, for buffers it fills again and again.
 
-:class:`AnswerBuffers` keeps reusable ``uint8`` slabs (sizes in bytes, at most
-``max_bytes`` of them) and carves one slab per answer into the answer's big fields, so a
-get packs into memory already mapped instead of a fresh allocation per field. A slab is
-reused only once nothing refers to it any more (its reference count says so).
+:class:`SlabPool` keeps reusable ``uint8`` slabs (sizes in bytes, at most ``max_bytes``
+of them) and carves one slab per batch into its big fields, so a storage unit's get
+answers, the store client's put gathers and get merges, and a cut's packed batches are
+written into memory already mapped instead of a fresh allocation per field (which page-
+faults). A slab is reused only once nothing refers to it any more (its reference count).
+:func:`process_pool` is the one pool per config key shared by a process.
 """
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ import numpy as np
 from tasks.packed import Allocator
 
 
-class AnswerBuffers:
-    """Reusable slabs (bytes) for the values of get answers, at most ``max_bytes`` of them.
+class SlabPool:
+    """Reusable slabs (bytes) for packed batches' values, at most ``max_bytes`` of them.
 
     A slab is handed out again only when nothing refers to it any more: every field
     value is a numpy view whose ``base`` is the slab, and every later view, memoryview or
@@ -150,11 +152,11 @@ class AnswerBuffers:
         return out
 
 
-_PROCESS_POOLS: dict[str, AnswerBuffers] = {}
+_PROCESS_POOLS: dict[str, SlabPool] = {}
 _PROCESS_POOLS_LOCK = threading.Lock()
 
 
-def process_buffers(config_key: str) -> AnswerBuffers:
+def process_pool(config_key: str) -> SlabPool:
     """This process's pool capped by ``token-capture.<config_key>`` (bytes, read now): one
     per key, shared by every caller in the process (the store client's gathers and merges,
     the cut's packing), so each keeps writing to memory the process already touched."""
@@ -163,6 +165,6 @@ def process_buffers(config_key: str) -> AnswerBuffers:
     with _PROCESS_POOLS_LOCK:
         pool = _PROCESS_POOLS.get(config_key)
         if pool is None:
-            pool = _PROCESS_POOLS[config_key] = AnswerBuffers(0)
+            pool = _PROCESS_POOLS[config_key] = SlabPool(0)
         pool.max_bytes = config.get_bytes(config_key)
     return pool
