@@ -11,12 +11,15 @@ Figures in bytes/s; a sample read back is compared bit-exact with what was sent.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Sequence
 
 import numpy as np
 
 from tasks.packed import PackedBatch
+
+from ..store import receive_pool
 
 
 class Sink:
@@ -83,6 +86,9 @@ def measure(client: Any, batch: PackedBatch, calls: int, max_call_bytes: int, si
         return [f.result() for f in futures]
 
     try:
+        # Plain Dask: frames into fresh buffers, whatever the store client installed.
+        stack = contextlib.ExitStack()
+        stack.enter_context(receive_pool.suspended())
         warm = put_all()
         _check(frames, get_all(warm))
         numbers = []
@@ -96,6 +102,7 @@ def measure(client: Any, batch: PackedBatch, calls: int, max_call_bytes: int, si
         get_s = time.perf_counter() - t0
         _check(frames, got)
     finally:
+        stack.close()
         del sinks
     return {"put_bytes_per_s": nbytes * calls / put_s, "get_bytes_per_s": nbytes * calls / get_s}
 

@@ -47,7 +47,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--batch-size", type=positive_int, default=256, help="rows per call in the batched runs (default 256)")
     p.add_argument("--rows-1024", type=positive_int, default=4096, help="rows moved by batched calls at 1,024 tokens")
-    p.add_argument("--rows-16384", type=positive_int, default=512, help="rows moved by batched calls at 16,384 tokens")
+    p.add_argument("--rows-16384", type=positive_int, default=2048, help="rows moved by batched calls at 16,384 tokens (default 2048: 8 timed calls each way)")
     p.add_argument("--single-rows-1024", type=positive_int, default=400, help="rows moved one per call at 1,024 tokens")
     p.add_argument("--single-rows-16384", type=positive_int, default=100, help="rows moved one per call at 16,384 tokens")
     p.add_argument("--layers", type=positive_int, default=4, help="routed-experts L (default 4)")

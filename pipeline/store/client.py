@@ -21,6 +21,7 @@ from tasks.packed import PackedBatch, PackedField, gathered_nbytes, payload_byte
 from .. import config
 from ..actors import current_workers, local_call, start_pinned_actors
 from . import checkpoint as _checkpoint
+from . import receive_pool
 from .protocol import (
     DTYPE_MISMATCH,
     INVALID_BATCH,
@@ -285,6 +286,7 @@ class StagingStore:
         (one batched get per replica unit)."""
         self._check_partition(partition)
         fields = self._check_fields(fields)
+        receive_pool.install()  # the answers' frames land in reused memory (not on workers)
         end, v0 = deadline(timeout), self.version
         wire_fields = None if fields is None else pack_names(fields)
         _, parts, failed = self._plan_keys(keys)
@@ -426,6 +428,7 @@ class StagingStore:
     ) -> GetResult:
         self._check_partition(partition)
         fields = self._check_fields(fields)
+        receive_pool.install()
         end, v0 = deadline(timeout), self.version
         _, parts, failed = self._plan_keys(keys)
         # Keys and fields travel as one msgpack buffer each (pack_names: a list argument

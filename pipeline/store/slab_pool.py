@@ -62,8 +62,11 @@ class SlabPool:
         granule = 1 << max(0, (nbytes - 1).bit_length() - 4)
         return -(-nbytes // granule) * granule
 
-    def take(self, nbytes: int) -> np.ndarray:
-        """A ``uint8`` buffer of at least ``nbytes`` that nothing else refers to."""
+    def take(self, nbytes: int, collect: bool = True) -> np.ndarray:
+        """A ``uint8`` buffer of at least ``nbytes`` that nothing else refers to.
+
+        ``collect=False``: when the pool is full of slabs in use, a plain allocation at
+        once, without the young-generation collection that might free some."""
         cap = self.size_class(max(self.min_bytes, int(nbytes)))
         slabs = self._classes.setdefault(cap, [])
         # The oldest handed out are the likeliest free; past SCAN of them, all are taken.
@@ -75,7 +78,7 @@ class SlabPool:
                 return slab
         if self.held_bytes + cap > self.max_bytes:
             self._release_idle(self.held_bytes + cap - self.max_bytes, but=cap)
-        if self.held_bytes + cap > self.max_bytes:
+        if self.held_bytes + cap > self.max_bytes and collect:
             # Full of slabs something still refers to: often only a finished actor call's
             # arguments waiting in a reference cycle. One young-generation collection frees
             # those (milliseconds), then idle slabs can go or be reused.

@@ -1,0 +1,87 @@
+"""Pooled receive buffers for the large Dask frames a store client reads and drops.
+
+Dask's TCP comm reads every frame into a fresh buffer (``read_bytes_rw`` ->
+``host_array`` in ``distributed.comm.tcp``). In a store client's process (the controller,
+a trainer, a benchmark) a get's frames live only until the answers are merged or dropped,
+and a fresh buffer's pages fault in on first touch: on a VM that hands freed memory back
+to its host, about as slowly as the wire itself. :func:`install` has frames of at least
+``store.receive-pool-min-bytes`` carved out of one :class:`SlabPool` of at most
+``store.receive-buffer-bytes`` instead: memory the process already touched, handed out
+again only when nothing refers to it. Worker processes are left alone: the frames they
+receive become stored rows, which would hold the slabs for good.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Iterator
+
+from .slab_pool import SlabPool
+
+_POOL = SlabPool(0)
+_STATE = {"installed": False, "min_bytes": 1 << 20, "suspended": 0}
+_LOCK = threading.Lock()
+
+
+def pool() -> SlabPool:
+    """This process's receive pool (its counters: ``reused``, ``allocated``, ``unpooled``)."""
+    return _POOL
+
+
+def install() -> bool:
+    """Serve this process's large Dask frames from the receive pool, unless it is a Dask
+    worker or ``store.receive-buffer-bytes`` is 0; re-reads both knobs (bytes) each call.
+    Returns whether the pool is in use. Idempotent and cheap: the store client calls it
+    at each get."""
+    from .. import config
+
+    size = config.get_bytes("store.receive-buffer-bytes")
+    with _LOCK:
+        _POOL.max_bytes = size
+        _STATE["min_bytes"] = max(1, config.get_bytes("store.receive-pool-min-bytes"))
+        if _STATE["installed"]:
+            return size > 0
+        if size <= 0 or _on_worker():  # asked again each time: in-process clusters come and go
+            return False
+        import distributed.comm.tcp as tcp
+
+        plain = getattr(tcp, "host_array", None)
+        if plain is None:  # a Dask that reads frames some other way: nothing to pool
+            return False
+
+        def host_array(n: int) -> memoryview:
+            if n < _STATE["min_bytes"] or _STATE["suspended"] or _POOL.max_bytes <= 0:
+                return plain(n)
+            with _POOL._lock:
+                # Full of buffers the caller still holds: a fresh one, no garbage collection
+                # on the event loop (the pool is an optimization, never a stall).
+                slab = _POOL.take(n, collect=False)
+            return slab[:n].data
+
+        tcp.host_array = host_array
+        _STATE["installed"] = True
+        return True
+
+
+def _on_worker() -> bool:
+    """This process hosts a Dask worker (asked from a task, an actor or the event loop)."""
+    from distributed import Worker, get_worker
+
+    try:
+        get_worker()
+        return True
+    except ValueError:  # not in a task's thread: any worker living in this process counts
+        return bool(getattr(Worker, "_instances", ()))
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """Frames read meanwhile get fresh buffers, as plain Dask gives them (for measuring
+    Dask itself, e.g. ``bench store``'s bare-actor ceiling)."""
+    with _LOCK:
+        _STATE["suspended"] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            _STATE["suspended"] -= 1

@@ -1,0 +1,97 @@
+"""The store client's receive pool (pipeline/store/receive_pool.py): a get's large frames
+land in reused memory of the client process, never in memory an answer still holds; worker
+processes are left alone; config and ``suspended()`` turn it off. No timing is asserted."""
+from __future__ import annotations
+
+import dask
+import numpy as np
+import pytest
+
+from pipeline.bench.store import template_batch, with_keys
+from pipeline.store import receive_pool
+
+TOKENS = 8192  # 64 rows of ~180 KB: each unit's answer has frames of a few MB
+
+
+@pytest.fixture(scope="module")
+def template():
+    return template_batch(64, TOKENS, layers=2, top_k=2, routes=True)
+
+
+@pytest.fixture
+def store(store_factory, template):
+    s = store_factory(n_units=2)
+    assert not s.put_many(with_keys(template, "rp", 0, len(template))).failed
+    return s
+
+
+def keys(template) -> list[str]:
+    return list(with_keys(template, "rp", 0, len(template)).keys)
+
+
+def in_pool(a: np.ndarray) -> bool:
+    slabs = [s for group in receive_pool.pool()._classes.values() for s in group]
+    return any(np.shares_memory(a, s) for s in slabs)
+
+
+def counters() -> tuple[int, int, int]:
+    p = receive_pool.pool()
+    return p.reused, p.allocated, p.unpooled
+
+
+def test_answers_are_read_into_pooled_memory_and_reused_once_dropped(store, template):
+    got = store.get_many(keys(template))
+    assert receive_pool.install()  # the test process is a client, not a worker
+    first = store.get_many(keys(template))
+    assert not first.failed
+    # One unit's answer comes back as the batch itself when it alone serves the keys; here
+    # two units answer and the client merges, so look at what the wire delivered: the
+    # counters moved, and a slab is handed out again only after its answer is gone.
+    before = counters()
+    del got, first
+    again = store.get_many(keys(template))
+    after = counters()
+    assert after[0] > before[0]  # reused slabs, not new ones
+    assert np.array_equal(again.batch.fields["token_ids"].values, template.fields["token_ids"].values)
+
+
+def test_a_held_answer_is_never_overwritten(store, template, store_factory):
+    one = store_factory(n_units=1)  # one unit: the answer IS the received frames
+    assert not one.put_many(with_keys(template, "rp", 0, len(template))).failed
+    held = one.get_many(keys(template))
+    ids = held.batch.fields["token_ids"].values
+    assert in_pool(ids)  # the frame came from the pool
+    for _ in range(4):
+        other = one.get_many(keys(template)[::-1])  # same sizes, other content order
+        assert not np.shares_memory(other.batch.fields["token_ids"].values, ids)
+        del other
+    assert np.array_equal(ids, template.fields["token_ids"].values)
+
+
+def test_worker_processes_keep_plain_dask_buffers(cluster_client):
+    def on_worker():
+        import distributed.comm.tcp as tcp
+        from distributed.protocol import utils
+
+        return receive_pool.install(), tcp.host_array is utils.host_array
+
+    for installed, plain in cluster_client.run(on_worker).values():
+        assert installed is False and plain is True
+
+
+def test_config_zero_and_suspended_give_fresh_buffers(store, template):
+    store.get_many(keys(template))
+    with dask.config.set({"token-capture.store.receive-buffer-bytes": 0}):
+        before = counters()
+        got = store.get_many(keys(template))
+        assert counters() == before
+        assert not in_pool(got.batch.fields["token_ids"].values)
+    store.get_many(keys(template))  # the default again: installs / re-arms
+    with receive_pool.suspended():
+        before = counters()
+        store.get_many(keys(template))
+        assert counters() == before
+    with dask.config.set({"token-capture.store.receive-pool-min-bytes": "1GiB"}):
+        before = counters()
+        store.get_many(keys(template))
+        assert counters() == before
