@@ -1,6 +1,6 @@
 """The store client's receive pool (pipeline/store/receive_pool.py): a get's large frames
-land in reused memory of the client process, never in memory an answer still holds; worker
-processes are left alone; config and ``suspended()`` turn it off. No timing is asserted."""
+land in reused memory, never in memory an answer still holds; config and ``suspended()``
+turn it off. No timing is asserted."""
 from __future__ import annotations
 
 import dask
@@ -41,7 +41,7 @@ def counters() -> tuple[int, int, int]:
 
 def test_answers_are_read_into_pooled_memory_and_reused_once_dropped(store, template):
     got = store.get_many(keys(template))
-    assert receive_pool.install()  # the test process is a client, not a worker
+    assert receive_pool.install()
     first = store.get_many(keys(template))
     assert not first.failed
     # One unit's answer comes back as the batch itself when it alone serves the keys; here
@@ -68,7 +68,7 @@ def test_a_held_answer_is_never_overwritten(store, template, store_factory):
     assert np.array_equal(ids, template.fields["token_ids"].values)
 
 
-def test_worker_processes_keep_plain_dask_buffers(cluster_client):
+def test_workers_pool_their_frames_too(cluster_client):
     def on_worker():
         import distributed.comm.tcp as tcp
         from distributed.protocol import utils
@@ -76,7 +76,7 @@ def test_worker_processes_keep_plain_dask_buffers(cluster_client):
         return receive_pool.install(), tcp.host_array is utils.host_array
 
     for installed, plain in cluster_client.run(on_worker).values():
-        assert installed is False and plain is True
+        assert installed is True and plain is False
 
 
 def test_config_zero_and_suspended_give_fresh_buffers(store, template):

@@ -1,14 +1,14 @@
-"""Pooled receive buffers for the large Dask frames a store client reads and drops.
+"""Pooled receive buffers for the large Dask frames a process reads and drops again.
 
 Dask's TCP comm reads every frame into a fresh buffer (``read_bytes_rw`` ->
-``host_array`` in ``distributed.comm.tcp``). In a store client's process (the controller,
-a trainer, a benchmark) a get's frames live only until the answers are merged or dropped,
-and a fresh buffer's pages fault in on first touch: on a VM that hands freed memory back
-to its host, about as slowly as the wire itself. :func:`install` has frames of at least
-``store.receive-pool-min-bytes`` carved out of one :class:`SlabPool` of at most
-``store.receive-buffer-bytes`` instead: memory the process already touched, handed out
-again only when nothing refers to it. Worker processes are left alone: the frames they
-receive become stored rows, which would hold the slabs for good.
+``host_array`` in ``distributed.comm.tcp``), whose pages fault in on first touch: on a
+VM that hands freed memory back to its host, about as slowly as the wire itself. Most
+large frames of this pipeline are read and dropped soon after: a get's answers (merged,
+sliced into restores, verified), a finalized group. :func:`install` has frames of at least
+``store.receive-pool-min-bytes`` carved out of one :class:`SlabPool` per process of at
+most ``store.receive-buffer-bytes`` instead: memory the process already touched, handed
+out again only when nothing refers to it. A frame something keeps (a put's rows, adopted
+by a unit) holds its slab until the rows go; a full pool gives plain buffers, never stalls.
 """
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def pool() -> SlabPool:
 
 
 def install() -> bool:
-    """Serve this process's large Dask frames from the receive pool, unless it is a Dask
-    worker or ``store.receive-buffer-bytes`` is 0; re-reads both knobs (bytes) each call.
-    Returns whether the pool is in use. Idempotent and cheap: the store client calls it
-    at each get."""
+    """Serve this process's large Dask frames from the receive pool, unless
+    ``store.receive-buffer-bytes`` is 0; re-reads both knobs (bytes) each call. Returns
+    whether the pool is in use. Idempotent and cheap: the store client calls it at each
+    get, in the controller and on workers (restore batchers, finalize fetches) alike."""
     from .. import config
 
     size = config.get_bytes("store.receive-buffer-bytes")
@@ -41,7 +41,7 @@ def install() -> bool:
         _STATE["min_bytes"] = max(1, config.get_bytes("store.receive-pool-min-bytes"))
         if _STATE["installed"]:
             return size > 0
-        if size <= 0 or _on_worker():  # asked again each time: in-process clusters come and go
+        if size <= 0:
             return False
         import distributed.comm.tcp as tcp
 
@@ -61,17 +61,6 @@ def install() -> bool:
         tcp.host_array = host_array
         _STATE["installed"] = True
         return True
-
-
-def _on_worker() -> bool:
-    """This process hosts a Dask worker (asked from a task, an actor or the event loop)."""
-    from distributed import Worker, get_worker
-
-    try:
-        get_worker()
-        return True
-    except ValueError:  # not in a task's thread: any worker living in this process counts
-        return bool(getattr(Worker, "_instances", ()))
 
 
 @contextlib.contextmanager
