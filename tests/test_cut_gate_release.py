@@ -7,6 +7,7 @@ store's method signature (does it take ``timeout=``) is inspected once per store
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import dask
@@ -71,31 +72,39 @@ class HeldPack:
         return self.real(chunks, *args)
 
 
-def test_a_cut_whose_put_is_answered_seals_without_waiting_for_a_cpu_slot(monkeypatch):
-    store = MemoryStore(hold="/gate-a/")
-    pack = HeldPack(cut_module.pack_chunks, hold="/gate-b/")
-    monkeypatch.setattr(cut_module, "pack_chunks", pack)
-    a, b = _buffers(3, "ga"), _buffers(3, "gb")
+@contextlib.contextmanager
+def two_cuts(store: "MemoryStore", pack: HeldPack, run_a, run_b):
+    """Cut A in a thread until its put is held, then cut B until its pack is held (B
+    holds the only CPU slot); yields ``(thread_a, thread_b, results)``. On exit both are
+    released and joined."""
     results: dict = {}
+    ta = threading.Thread(target=lambda: results.setdefault("a", run_a()), daemon=True)
+    tb = threading.Thread(target=lambda: results.setdefault("b", run_b()), daemon=True)
     with dask.config.set({"token-capture.cut.cpu-slots": 1}):
-        ta = threading.Thread(target=lambda: results.setdefault("a", _cut(a, store, "gate-a")), daemon=True)
-        tb = threading.Thread(target=lambda: results.setdefault("b", _cut(b, store, "gate-b")), daemon=True)
         ta.start()
         try:
             assert store.entered.wait(WAIT_S), "cut A reached its put"
             tb.start()
-            # B holds the only slot (held in its pack) when A's put is answered.
             assert pack.entered.wait(WAIT_S), "cut B reached its pack"
-            store.release.set()
-            ta.join(WAIT_S)
-            assert not ta.is_alive(), "cut A sealed its answered batch without the slot B holds"
-            assert tb.is_alive() and "b" not in results
+            yield ta, tb, results
         finally:
             store.release.set()
             pack.release.set()
             ta.join(WAIT_S)
             tb.join(WAIT_S)
     assert not ta.is_alive() and not tb.is_alive()
+
+
+def test_a_cut_whose_put_is_answered_seals_without_waiting_for_a_cpu_slot(monkeypatch):
+    store = MemoryStore(hold="/gate-a/")
+    pack = HeldPack(cut_module.pack_chunks, hold="/gate-b/")
+    monkeypatch.setattr(cut_module, "pack_chunks", pack)
+    a, b = _buffers(3, "ga"), _buffers(3, "gb")
+    with two_cuts(store, pack, lambda: _cut(a, store, "gate-a"), lambda: _cut(b, store, "gate-b")) as (ta, tb, results):
+        store.release.set()  # A's put is answered while B holds the only slot
+        ta.join(WAIT_S)
+        assert not ta.is_alive(), "cut A sealed its answered batch without the slot B holds"
+        assert tb.is_alive() and "b" not in results
     for key, bufs in (("a", a), ("b", b)):
         receipt, stats = results[key]
         assert receipt.counts() == {DURABLE_PREFIX: 3} and stats.put_calls == 1
@@ -118,25 +127,11 @@ def test_a_cut_with_several_batches_takes_the_slot_again_to_pack_the_next(monkey
 
     pack.real = counting
     a, b = _buffers(4, "ma"), _buffers(2, "mb")
-    results: dict = {}
-    with dask.config.set({"token-capture.cut.cpu-slots": 1}):
-        ta = threading.Thread(target=lambda: results.setdefault("a", _cut(a, store, "multi-a", BatchLimits(2, 1 << 22, 1 << 28))),
-                              daemon=True)
-        tb = threading.Thread(target=lambda: results.setdefault("b", _cut(b, store, "multi-b")), daemon=True)
-        ta.start()
-        try:
-            assert store.entered.wait(WAIT_S), "cut A reached its first put"
-            tb.start()
-            assert pack.entered.wait(WAIT_S), "cut B reached its pack"
-            store.release.set()
-            ta.join(0.5)  # A seals batch 1, then waits for the slot to freeze/pack batch 2
-            assert ta.is_alive() and calls == ["multi-a"], "A's second pack waited for the slot"
-        finally:
-            store.release.set()
-            pack.release.set()
-            ta.join(WAIT_S)
-            tb.join(WAIT_S)
-    assert not ta.is_alive() and not tb.is_alive()
+    run_a = lambda: _cut(a, store, "multi-a", BatchLimits(2, 1 << 22, 1 << 28))  # noqa: E731
+    with two_cuts(store, pack, run_a, lambda: _cut(b, store, "multi-b")) as (ta, _, results):
+        store.release.set()
+        ta.join(0.5)  # A seals batch 1, then waits for the slot to freeze/pack batch 2
+        assert ta.is_alive() and calls == ["multi-a"], "A's second pack waited for the slot"
     assert calls.count("multi-a") == 2 and calls.count("multi-b") == 1
     assert results["a"][0].counts() == {DURABLE_PREFIX: 4} and results["a"][1].put_calls == 2
     assert results["b"][0].counts() == {DURABLE_PREFIX: 2}
