@@ -95,3 +95,25 @@ def test_config_zero_and_suspended_give_fresh_buffers(store, template):
         before = counters()
         store.get_many(keys(template))
         assert counters() == before
+
+
+def test_finalized_groups_are_gathered_into_pooled_memory(cluster_client, store_factory, monkeypatch):
+    from pipeline.bench.finalize import EXPERTS, VOCAB, make_rollout
+    from pipeline.finalize import Finalizer
+    from tasks.packed import pack_rows
+
+    store = store_factory(n_units=2)
+    rng = np.random.default_rng(0)
+    rows, receipts = [], []
+    for r in range(4):  # input_ids: 4 rollouts x 2 x 32,768 tokens x 8 bytes = 2 MB
+        rr, rec = make_rollout(rng, f"rp-fin-r{r}", "rp-fin", 2, 32768, None)
+        rows += rr
+        receipts.append(rec)
+    assert not store.put_many(pack_rows(rows)).failed
+    installs = []
+    real = receive_pool.install
+    monkeypatch.setattr(receive_pool, "install", lambda: installs.append(1) or real())
+    group = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=EXPERTS).submit_step({"rp-fin": receipts}).result(timeout=120)
+    out = group.groups["rp-fin"]
+    assert installs  # the gather asked for the pool
+    assert in_pool(out.input_ids.numpy())  # and the tensors were read into it

@@ -20,6 +20,7 @@ from tasks.finalize.step_batch import step_batch
 from tasks.keys import STAGING_PARTITION, staging_key
 
 from .. import config, events
+from ..store import receive_pool
 from ..store.protocol import PlacedStoreLike, StoreLike
 from . import timing
 from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_graph, task_key
@@ -247,6 +248,9 @@ def _gather(client: Any, futures: list[Any], timeout: float | None) -> list[Any]
         direct = bool(config.get("finalize.gather-direct"))
     if timeout is not None:
         wait(futures, timeout=timeout)
+    # The groups' tensors (tens of MB a step) are read into reused memory: the caller
+    # drops a step's tensors after training on them, and the next step's land there.
+    receive_pool.install()
     return client.gather(futures, errors="raise", direct=direct)
 
 
