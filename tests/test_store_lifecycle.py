@@ -21,6 +21,7 @@ from pipeline.store.client import StagingStore
 from pipeline.store.unit import StorageUnit
 from rollout_factory import make_group, make_rollout
 from support import store_maker, wait_until
+from tasks.errors import CheckpointError
 from tasks.keys import unit_for_key
 from tasks.packed import pack_rows
 from tasks.schema import ROUTES_FIELD
@@ -84,6 +85,73 @@ def test_unit_defers_deletes_until_the_last_open_checkpoint_ends(tmp_path):
     assert s["deletes"] == 2 and s["deleted_rows"] == 3 and s["deferred_rows"] == 2
     assert s["open_checkpoints"] == 0 and s["pending_deletes"] == 0 and s["used_bytes"] == 0
     unit.close()
+
+
+
+class Clock:
+    """A clock the test turns (seconds), for checkpoint leases."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_checkpoint_whose_writer_died_ends_with_its_lease(tmp_path, monkeypatch):
+    # A controller that crashed between begin and end must not defer deletes forever.
+    clock = Clock()
+    monkeypatch.setattr(StorageUnit, "clock", clock)
+    rng = np.random.default_rng(2)
+    unit = StorageUnit(0, memory_limit=1 << 20, capacity=1 << 30, spill_directory=str(tmp_path), partitions=["staging", "cut"])
+    built = make_rollout(rng, "lease-r0", n_calls=3)
+    assert not unit.put_many("staging", pack_rows(built.rows)).failed
+    keys = [r.staging_key for r in built.rows]
+    with dask.config.set({"token-capture.store.checkpoint-lease-s": 60.0}):
+        unit.begin_checkpoint("dead-writer")
+        assert unit.delete("staging", keys[:1]).deferred == keys[:1]
+        clock.now += 59.0
+        unit.report_figures()  # a reporter tick inside the lease: nothing ends
+        assert unit.keys("staging") == keys and unit.counters["checkpoints_expired"] == 0
+        clock.now += 2.0
+        unit.report_figures()  # past it: the checkpoint ends, its deferred delete applies
+        assert unit.keys("staging") == keys[1:]
+        assert unit.counters["checkpoints_expired"] == 1 and not unit.open_checkpoints
+        res = unit.delete("staging", keys[1:2])  # no checkpoint defers deletes any more
+        assert res.deferred == [] and unit.keys("staging") == keys[2:]
+        # The writer, had it lived, is told: once.
+        assert unit.end_checkpoint("dead-writer").get("expired") is True
+        assert "expired" not in unit.end_checkpoint("dead-writer")
+    with dask.config.set({"token-capture.store.checkpoint-lease-s": 0}):
+        unit.begin_checkpoint("forever")
+        unit.delete("staging", keys[2:])
+        clock.now += 1e9
+        unit.report_figures()
+        assert unit.keys("staging") == keys[2:]  # 0: no lease
+        assert unit.end_checkpoint("forever")["applied"] == 1
+
+
+def test_a_save_that_outlived_its_lease_fails_and_keeps_the_previous_checkpoint(inprocess_client, tmp_path, monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(StorageUnit, "clock", clock)
+    real_write = StorageUnit.checkpoint_write
+
+    def slow_write(self, *args):
+        clock.now += 120.0  # the write takes past the lease ...
+        self.expire_checkpoints()  # ... and a reporter tick lands meanwhile
+        return real_write(self, *args)
+
+    rng = np.random.default_rng(3)
+    with store_maker(inprocess_client, tmp_path / "spill") as make, dask.config.set({"token-capture.store.checkpoint-lease-s": 60.0}):
+        store = make(n_units=2)
+        stage(store, [make_rollout(rng, f"lease-s{i}", n_calls=2) for i in range(4)])
+        path = str(tmp_path / "ckpt")
+        first = store.checkpoint(path)
+        monkeypatch.setattr(StorageUnit, "checkpoint_write", slow_write)
+        with pytest.raises(CheckpointError, match="checkpoint-lease-s"):
+            store.checkpoint(path)
+        monkeypatch.setattr(StorageUnit, "checkpoint_write", real_write)
+        assert checkpoint_mod.read_manifest(path)["generation"] == first["generation"]
 
 
 # ---- a real checkpoint and a delete from another process --------------------------------

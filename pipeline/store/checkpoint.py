@@ -341,7 +341,16 @@ def save(store: "StagingStore", path: str, chunk_bytes: int) -> dict:
             errors = [o for o in outcomes if isinstance(o, Exception)]
     finally:
         # Closing applies the deletes deferred meanwhile (a lost unit has nothing to close).
-        _settle_all([unit.end_checkpoint(token) for unit in store.units])
+        closed = _settle_all([unit.end_checkpoint(token) for unit in store.units])
+    if not errors:
+        # A unit whose lease ran out applied deletes the checkpoint was holding back: what
+        # it wrote may miss rows deleted since, so the checkpoint does not count.
+        expired = [c["unit"] for c in closed if isinstance(c, dict) and c.get("expired")]
+        if expired:
+            errors = [CheckpointError(
+                f"the checkpoint outlived store.checkpoint-lease-s on unit(s) {expired}, which applied the "
+                "deletes it deferred; raise store.checkpoint-lease-s and save again"
+            )]
     if errors:
         shutil.rmtree(gen_dir, ignore_errors=True)  # best effort; a crash leaves it for the next save
         raise CheckpointError(f"checkpoint to {path!r} failed; previous checkpoint kept: {errors[0]!r}") from errors[0]

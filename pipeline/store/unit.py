@@ -20,6 +20,7 @@ import asyncio
 import logging
 import os
 import shutil
+import time
 import uuid
 import weakref
 from typing import Any, Sequence
@@ -195,6 +196,8 @@ class StorageUnit:
         Allowed partition names; ``None`` allows any well-formed name.
     """
 
+    clock = staticmethod(time.monotonic)  # seconds, for checkpoint leases (tests turn it)
+
     def __init__(
         self,
         unit_index: int,
@@ -227,11 +230,16 @@ class StorageUnit:
         self.counters = {
             "puts": 0, "put_rows": 0, "gets": 0, "get_keys": 0, "get_rows": 0, "deletes": 0, "deleted_rows": 0,
             "deferred_rows": 0, "refused_rows": 0, "checkpoints_begun": 0, "checkpoints_ended": 0,
+            "checkpoints_expired": 0,
         }
         # Open store checkpoints: token -> partitions covered (None: every partition); and
         # per partition the keys whose delete waits until no open checkpoint covers it.
         self.open_checkpoints: dict[str, frozenset[str] | None] = {}
         self.deferred: dict[str, dict[str, None]] = {}
+        # When each open checkpoint began (:attr:`clock`, s), for its lease; and the
+        # tokens a lease ended (their end_checkpoint says so, once).
+        self._checkpoint_began: dict[str, float] = {}
+        self.expired_checkpoints: set[str] = set()
         self.answers = SlabPool(_answer_buffer_bytes())
         self.closed = False
         self.worker_address: str | None = None
@@ -449,6 +457,7 @@ class StorageUnit:
         check_partition(partition, self.partitions)
         keys = unpack_names(keys, "keys")
         self.counters["deletes"] += 1
+        self.expire_checkpoints()
         index = self.index.get(partition, {})
         defer = self._covered(partition)
         result = StoreResult()
@@ -493,6 +502,7 @@ class StorageUnit:
         parts = None if partitions is None else frozenset(check_partition(p, self.partitions) for p in partitions)
         if token not in self.open_checkpoints:
             self.open_checkpoints[token] = parts
+            self._checkpoint_began[token] = self.clock()
             self.counters["checkpoints_begun"] += 1
         return {"unit": self.unit_index, "open": len(self.open_checkpoints)}
 
@@ -502,8 +512,17 @@ class StorageUnit:
         Returns ``{"unit", "open", "applied"}`` (rows removed now)."""
         if self.closed:
             return {"unit": self.unit_index, "open": 0, "applied": 0}
+        expired = token in self.expired_checkpoints
+        self.expired_checkpoints.discard(token)
+        self._checkpoint_began.pop(token, None)
         if self.open_checkpoints.pop(token, ...) is not ...:
             self.counters["checkpoints_ended"] += 1
+        applied = self._apply_deferred()
+        out = {"unit": self.unit_index, "open": len(self.open_checkpoints), "applied": applied}
+        return {**out, "expired": True} if expired else out
+
+    def _apply_deferred(self) -> int:
+        """Remove the deferred deletes of every partition no open checkpoint covers; rows removed."""
         applied = 0
         for partition in [p for p in self.deferred if not self._covered(p)]:
             index = self.index.get(partition, {})
@@ -511,7 +530,32 @@ class StorageUnit:
         self.counters["deleted_rows"] += applied
         if applied:
             self.adopted.compact_pending(self.used_bytes, self.capacity)
-        return {"unit": self.unit_index, "open": len(self.open_checkpoints), "applied": applied}
+        return applied
+
+    def expire_checkpoints(self) -> int:
+        """End every open checkpoint older than ``store.checkpoint-lease-s`` seconds (0: never),
+        as if its writer had, and apply the deletes it deferred: a controller that died
+        mid-checkpoint must not keep rows forever. Asked at every delete and report; the
+        writer's own ``end_checkpoint`` then answers ``expired``. Returns how many ended."""
+        from .. import config
+
+        lease = float(config.get("store.checkpoint-lease-s"))
+        if lease <= 0 or not self._checkpoint_began:
+            return 0
+        now = self.clock()
+        old = [t for t, began in self._checkpoint_began.items() if now - began > lease]
+        for token in old:
+            del self._checkpoint_began[token]
+            self.open_checkpoints.pop(token, None)
+            self.expired_checkpoints.add(token)
+            self.counters["checkpoints_expired"] += 1
+            logger.warning(
+                "storage unit %d: checkpoint %r outlived store.checkpoint-lease-s (%.0f s); its deferred deletes are "
+                "applied now and its writer will be told it expired", self.unit_index, token, lease,
+            )
+        if old:
+            self._apply_deferred()
+        return len(old)
 
     # ---- introspection ----------------------------------------------------------
 
@@ -554,6 +598,7 @@ class StorageUnit:
         memory and spilled bytes (bytes; O(partitions), cheap enough to read each period)."""
         if self.closed:
             return None
+        self.expire_checkpoints()  # the reporter's tick ends leases nobody else asks about
         return {
             "unit": self.unit_index,
             "worker": self.worker_address,
