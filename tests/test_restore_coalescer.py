@@ -93,6 +93,21 @@ def rows_for(keys, n=4):
     return {k: make_row(k, n) for k in keys}
 
 
+def coalescer(store: FakeStore, *, batch_size: int = 256, max_tokens: int = 1 << 22, window_ms: float = 2.0,
+              max_concurrent: int = 4, timeout_s: float = 30.0, timer: ManualTimer | None = None, **kw) -> PrefixReadCoalescer:
+    """A coalescer over ``store`` with the tests' usual knobs (any overridden by name) and
+    a hand-driven window timer."""
+    return PrefixReadCoalescer(store.get_many, batch_size, max_tokens, window_ms, max_concurrent, timeout_s,
+                               timer=timer or ManualTimer(), **kw)
+
+
+def gated_store(keys) -> FakeStore:
+    """A fake store over ``keys`` whose gets wait until ``store.gate`` is set."""
+    store = FakeStore(rows_for(keys))
+    store.gate = asyncio.Event()
+    return store
+
+
 async def settle(n: int = 5) -> None:
     for _ in range(n):
         await asyncio.sleep(0)
@@ -107,7 +122,7 @@ def test_single_request_issues_immediately_without_window():
         store = FakeStore(rows_for(["a", "b"]))
         timer = ManualTimer()
         # A window of an hour: if the read waited for it, it would never finish.
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 3_600_000.0, 4, 30.0, timer=timer)
+        c = coalescer(store, window_ms=3_600_000.0, timer=timer)
         out = await c.read(["b", "a"])
         assert out.keys == ["b", "a"]
         assert store.calls == [["b", "a"]]
@@ -125,7 +140,7 @@ def test_same_tick_burst_shares_one_get_and_keeps_chain_order():
     async def main():
         keys = [f"r{i}/c" for i in range(10)]
         store = FakeStore(rows_for(keys))
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, eager_inflight=4, timer=ManualTimer())
+        c = coalescer(store, eager_inflight=4)
         requests = [keys[0:3][::-1], keys[2:6], keys[5:10], [keys[9], keys[0], keys[9]]]
         outs = await asyncio.gather(*(c.read(r) for r in requests))
         # The first request found the coalescer idle: its own get, at once (its keys are
@@ -147,7 +162,7 @@ def test_window_coalesces_while_a_get_is_in_flight_and_dedups_against_it():
         store.gate = asyncio.Event()
         timer = ManualTimer()
         # eager_inflight=1: one get in flight already counts as load.
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, eager_inflight=1, timer=timer)
+        c = coalescer(store, eager_inflight=1, timer=timer)
         # k9 finds the coalescer idle: its own get, at once. k0/k1, same turn, wait a window.
         lone = asyncio.create_task(c.read(["k9"]))
         first = asyncio.create_task(c.read(["k0", "k1"]))
@@ -180,7 +195,7 @@ def test_light_load_issues_at_once_while_slots_are_free_and_saturation_merges():
         timer = ManualTimer()
         # eager_inflight == max_concurrent (the defaults' shape): no request ever waits
         # for a window while a slot is free.
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 3_600_000.0, 4, 30.0, eager_inflight=4, timer=timer)
+        c = coalescer(store, window_ms=3_600_000.0, eager_inflight=4, timer=timer)
         tasks = []
         for i, k in enumerate(keys[:4]):  # each in its own loop turn, while the others are in flight
             tasks.append(asyncio.create_task(c.read([k])))
@@ -208,7 +223,7 @@ def test_eager_inflight_zero_always_coalesces_and_is_read_at_call_time():
     async def main():
         store = FakeStore(rows_for(["a", "b"]))
         timer = ManualTimer()
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=timer)
+        c = coalescer(store, timer=timer)
         with dask.config.set({"token-capture.restore.eager-inflight": 0}):
             t = asyncio.create_task(c.read(["a"]))
             await settle()
@@ -224,10 +239,9 @@ def test_eager_inflight_zero_always_coalesces_and_is_read_at_call_time():
 
 def test_load_dropping_below_eager_ends_the_window_wait():
     async def main():
-        store = FakeStore(rows_for(["a", "b", "c"]))
-        store.gate = asyncio.Event()
+        store = gated_store(["a", "b", "c"])
         timer = ManualTimer()
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 3_600_000.0, 4, 30.0, eager_inflight=1, timer=timer)
+        c = coalescer(store, window_ms=3_600_000.0, eager_inflight=1, timer=timer)
         first = asyncio.create_task(c.read(["a"]))
         await store.started.wait()
         second = asyncio.create_task(c.read(["b"]))
@@ -246,9 +260,8 @@ def test_load_dropping_below_eager_ends_the_window_wait():
 
 def test_a_request_cancelled_before_taking_the_queue_leaves_it_to_the_others():
     async def main():
-        store = FakeStore(rows_for(["a", "x", "b", "c"]))
-        store.gate = asyncio.Event()
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, eager_inflight=4, timer=ManualTimer())
+        store = gated_store(["a", "x", "b", "c"])
+        c = coalescer(store, eager_inflight=4)
         first = asyncio.create_task(c.read(["a"]))
         await store.started.wait()
         # One loop turn: "x" (first of the turn) issues its own get at once; "b" will take
@@ -272,13 +285,13 @@ def test_batch_size_and_max_tokens_respected():
     async def main():
         keys = [f"k{i}" for i in range(10)]
         store = FakeStore(rows_for(keys))
-        c = PrefixReadCoalescer(store.get_many, 4, 1 << 22, 2.0, 8, 30.0, timer=ManualTimer())
+        c = coalescer(store, batch_size=4, max_concurrent=8)
         out = await c.read(keys)
         assert out.keys == keys
         assert [len(k) for k in store.calls] == [4, 4, 2]
 
         store.calls.clear()
-        c2 = PrefixReadCoalescer(store.get_many, 256, 250, 2.0, 8, 30.0, timer=ManualTimer())
+        c2 = coalescer(store, max_tokens=250, max_concurrent=8)
         # 100 tokens per key: at most two keys per get; a 400-token key goes alone.
         hints = [100] * 5 + [400] + [100] * 4
         out = await c2.read(keys, tokens=hints)
@@ -297,7 +310,7 @@ def test_bad_row_fails_only_its_requesters_and_batch_rereads_each_key_once():
         store = FakeStore(rows_for(keys))
         store.poison = {"bad"}  # the shared get raises; alone, only "bad" is refused
         store.poison_alone = {"bad"}
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
+        c = coalescer(store)
         results = await asyncio.gather(
             c.read(["a", "b"]), c.read(["bad", "a"]), c.read(["c"]), c.read(["d"]), return_exceptions=True
         )
@@ -318,7 +331,7 @@ def test_bad_row_fails_only_its_requesters_and_batch_rereads_each_key_once():
 def test_store_reported_missing_key_fails_only_requesters_without_reread():
     async def main():
         store = FakeStore(rows_for(["a", "b"]))
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
+        c = coalescer(store)
         ok, bad = await asyncio.gather(c.read(["a", "b"]), c.read(["b", "gone"]), return_exceptions=True)
         assert ok.keys == ["a", "b"]
         assert isinstance(bad, PrefixReadError) and bad.failed == {"gone": ("missing_key", "gone not staged")}
@@ -330,9 +343,8 @@ def test_store_reported_missing_key_fails_only_requesters_without_reread():
 
 def test_cancelling_one_request_never_fails_another():
     async def main():
-        store = FakeStore(rows_for(["a", "b", "x"]))
-        store.gate = asyncio.Event()
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
+        store = gated_store(["a", "b", "x"])
+        c = coalescer(store)
         # One loop turn: x (first) issues its own get; t1 runs the next, shared get itself.
         tx = asyncio.create_task(c.read(["x"]))
         t1 = asyncio.create_task(c.read(["b", "a"]))
@@ -362,10 +374,9 @@ def test_cancelling_one_request_never_fails_another():
 
 def test_queued_keys_of_cancelled_requests_are_not_read():
     async def main():
-        store = FakeStore(rows_for(["a", "b", "c"]))
-        store.gate = asyncio.Event()
+        store = gated_store(["a", "b", "c"])
         timer = ManualTimer()
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, eager_inflight=1, timer=timer)
+        c = coalescer(store, eager_inflight=1, timer=timer)
         first = asyncio.create_task(c.read(["a"]))
         await store.started.wait()
         only_b = asyncio.create_task(c.read(["b"]))
@@ -389,7 +400,7 @@ def test_no_head_of_line_block_behind_a_hung_get():
         store = FakeStore(rows_for(keys))
         store.hang = {"hung"}
         timer = ManualTimer()
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 0.5, timer=timer)
+        c = coalescer(store, timeout_s=0.5, timer=timer)
         stuck = asyncio.create_task(c.read(["hung"]))
         await store.started.wait()
         # The hung get holds one slot; the others keep flowing through the rest.
@@ -415,7 +426,7 @@ def test_concurrent_gets_are_bounded():
         keys = [f"k{i}" for i in range(12)]
         store = FakeStore(rows_for(keys))
         store.gate = asyncio.Event()
-        c = PrefixReadCoalescer(store.get_many, 2, 1 << 22, 2.0, 3, 30.0, timer=ManualTimer())
+        c = coalescer(store, batch_size=2, max_concurrent=3)
         t = asyncio.create_task(c.read(keys))
         await settle()
         assert len(store.calls) == 3 and c.inflight == 3 and c.queued == 6
@@ -428,9 +439,8 @@ def test_concurrent_gets_are_bounded():
 
 def test_close_fails_pending_requests():
     async def main():
-        store = FakeStore(rows_for(["a"]))
-        store.gate = asyncio.Event()
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
+        store = gated_store(["a"])
+        c = coalescer(store)
         # t's own task runs its get; so does "joined" (a lone request's keys are private).
         t = asyncio.create_task(c.read(["a"]))
         await store.started.wait()
@@ -501,7 +511,7 @@ def test_answers_are_views_when_rows_sit_together_and_copies_otherwise():
     async def main():
         keys = [f"k{i}" for i in range(6)] + ["k9"]
         store = FakeStore(rows_for(keys, n=5))
-        c = PrefixReadCoalescer(store.get_many, 256, 1 << 22, 2.0, 4, 30.0, timer=ManualTimer())
+        c = coalescer(store)
         # k9's get goes alone (idle coalescer); the next three share [k0, k1, k2, k3, k4, k5].
         _, together, _, apart = await asyncio.gather(
             c.read(["k9"]), c.read(["k0", "k1", "k2"]), c.read(["k3", "k4"]), c.read(["k5", "k3"]))
@@ -523,7 +533,7 @@ def test_gets_stay_within_a_group_and_groups_take_turns():
         keys = [f"g{i % 2}-k{i}" for i in range(10)]
         store = FakeStore(rows_for(keys))
         store.gate = asyncio.Event()
-        c = PrefixReadCoalescer(store.get_many, 3, 1 << 22, 2.0, 2, 30.0, timer=ManualTimer(), group=lambda k: k[:2])
+        c = coalescer(store, batch_size=3, max_concurrent=2, group=lambda k: k[:2])
         t = asyncio.create_task(c.read(keys))
         await settle()
         # Two slots: the oldest group first, then the other one (round robin).
