@@ -33,10 +33,10 @@ from .protocol import (
     pack_names,
     split_valid_keys,  # issue 11 #5
 )
-from .slab_pool import SlabPool, process_pool
 from .deadline import bounded, deadline, waiter
 from .directory import UnitDirectory, UnitTable
 from .replication import merge_copies, merge_deletes, partners, replica_map
+from .slab_pool import SlabPool, process_pool
 from .unit import StorageUnit
 
 

@@ -18,11 +18,13 @@ from __future__ import annotations
 import logging
 import shutil
 import struct
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import msgpack
 import numpy as np
 import zict
+
+from tasks.packed import PackedBatch, element_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +41,19 @@ SPILL_FORMAT = 1
 def row_nbytes(row: Mapping[str, np.ndarray]) -> int:
     """In-memory weight of a row in bytes: array payloads plus per-array overhead."""
     return sum(a.nbytes for a in row.values()) + ARRAY_OVERHEAD_BYTES * len(row)
+
+
+def batch_row_nbytes(batch: PackedBatch, names: Iterable[str]) -> list[int]:
+    """:func:`row_nbytes` of every row of ``batch`` made of its fields ``names`` (those a
+    row has: absent entries weigh nothing), computed per field, not per row (bytes)."""
+    payload = np.zeros(len(batch), dtype=np.int64)
+    arrays = np.zeros(len(batch), dtype=np.int64)
+    for name in names:
+        f = batch.fields[name]
+        has = 1 if f.present is None else f.present.astype(np.int64)
+        payload += np.diff(f.offsets) * element_bytes(f) * has
+        arrays += has
+    return (payload + ARRAY_OVERHEAD_BYTES * arrays).tolist()
 
 
 def _pad(n: int) -> int:

@@ -25,15 +25,12 @@ import uuid
 import weakref
 from typing import Any, Sequence
 
-import numpy as np
-
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
 from tasks.keys import unit_for_key
-from tasks.packed import PackedBatch, PackedField, element_bytes
+from tasks.packed import PackedBatch, PackedField
 
 from . import batch_file
 from .adopted import AdoptedGroups
-from .slab_pool import SlabPool
 from .protocol import (
     ABSENT_FIELD,
     DTYPE_MISMATCH,
@@ -52,7 +49,8 @@ from .protocol import (
     unpack_names,
 )
 from .registry import FieldRegistry, PartitionRegistry
-from .spill import ARRAY_OVERHEAD_BYTES, Row, SpillMapping
+from .slab_pool import SlabPool
+from .spill import Row, SpillMapping, batch_row_nbytes
 
 logger = logging.getLogger(__name__)
 
@@ -318,16 +316,7 @@ class StorageUnit:
                 if adopt:
                     shared.append(name)
 
-        # Every row's in-memory weight (row_nbytes) at once: its arrays' bytes plus the
-        # per-array overhead, for the fields it has.
-        arrays = np.zeros(n, dtype=np.int64)
-        payload = np.zeros(n, dtype=np.int64)
-        for name, _, _, present, _, _ in cols:
-            f = batch.fields[name]
-            has = 1 if present is None else np.asarray(present, dtype=np.int64)
-            payload += np.diff(f.offsets) * element_bytes(f) * has
-            arrays += has
-        row_weights = (payload + ARRAY_OVERHEAD_BYTES * arrays).tolist()
+        row_weights = batch_row_nbytes(batch, [c[0] for c in cols])  # row_nbytes of each row, at once
         stored_rows: list[int] = []  # batch rows stored under a NEW slot
         stored_slots: list[str] = []
         for i, key in enumerate(batch.keys):
