@@ -106,17 +106,25 @@ def local_call(handle: Actor, method: str) -> Callable[..., concurrent.futures.F
     the same worker, and keeps the actor's one-thread rule (methods still run on the
     worker's actor thread, one at a time). Never from the actor thread itself: waiting on
     it there would wait forever."""
+    instance = local_instance(handle)
+    if instance is None:
+        return None
+    from distributed import get_worker
+
+    executor = get_worker().executors.get("actor")
+    if executor is None or threading.current_thread() in getattr(executor, "_threads", ()):
+        return None
+    bound = getattr(instance, method)
+    return lambda *args: executor.submit(bound, *args)
+
+
+def local_instance(handle: Any) -> Any | None:
+    """The object behind actor ``handle`` when it lives in THIS worker process (asked from
+    a task, an actor method or the worker's loop there); ``None`` elsewhere."""
     from distributed import get_worker
 
     try:
         worker = get_worker()
-    except ValueError:
+    except ValueError:  # not on a worker
         return None
-    if worker.address != handle._address:
-        return None
-    instance = worker.state.actors.get(handle.key)
-    executor = worker.executors.get("actor")
-    if instance is None or executor is None or threading.current_thread() in getattr(executor, "_threads", ()):
-        return None
-    bound = getattr(instance, method)
-    return lambda *args: executor.submit(bound, *args)
+    return worker.state.actors.get(getattr(handle, "key", None))

@@ -24,7 +24,7 @@ from tasks.packed import PackedBatch
 from tasks.cut.prefix import Continuation, PrefixVerdict, verify_prefix
 
 from .. import config, events
-from ..actors import current_workers, start_pinned_actors
+from ..actors import current_workers, local_instance, start_pinned_actors
 from ..store.protocol import AsyncStoreLike
 from .coalescer import PrefixReadCoalescer, PrefixReadError
 
@@ -98,16 +98,8 @@ class PrefixReadBatcher:
 
         Raises :class:`~pipeline.restore.coalescer.PrefixReadError` naming unreadable keys.
         """
-        # _timed_read, inlined: one coroutine less on every restore read's path.
-        t0 = time.perf_counter()
         try:
-            out = await self._co().read(keys, tokens)
-            if len(keys):
-                self._observe_latency(time.perf_counter() - t0)
-            return out
-        except PrefixReadError:
-            self._observe_latency(time.perf_counter() - t0)
-            raise
+            return await self._timed_read(keys, tokens)
         finally:
             self._maybe_publish()
 
@@ -225,13 +217,7 @@ def local_batcher(handle: Any) -> Any:
     in-process (no loopback round trip, no serialization of the rows), as distributed does
     for actor-to-actor calls on one worker. Await its async methods either way, from a
     coroutine on the worker's event loop (an async actor method)."""
-    from distributed import get_worker
-
-    try:
-        worker = get_worker()
-    except ValueError:  # not on a worker (the driver, a test): calls go through the handle
-        return handle
-    instance = worker.state.actors.get(getattr(handle, "key", None))
+    instance = local_instance(handle)  # None off its worker (the driver, a test)
     return handle if instance is None else instance
 
 
