@@ -319,12 +319,7 @@ class PrefixReadCoalescer:
         mine: dict[str, PendingKey] = {}
         try:
             try:
-                self.stats.gets += 1  # (_get inlined: one coroutine less on the light-load path)
-                self.stats.keys_fetched += len(distinct)
-                if self._bounded:
-                    result = _checked(await self._get_many(list(distinct), k.timeout_s))
-                else:
-                    result = await self._get(distinct, k.timeout_s, counted=True)
+                result = await self._get(distinct, k.timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - per key below, as for a shared get
@@ -501,10 +496,9 @@ class PrefixReadCoalescer:
 
     # ---- gets ---------------------------------------------------------------------------
 
-    async def _get(self, keys: list[str], timeout_s: float, counted: bool = False) -> Any:
-        if not counted:
-            self.stats.gets += 1
-            self.stats.keys_fetched += len(keys)
+    async def _get(self, keys: list[str], timeout_s: float) -> Any:
+        self.stats.gets += 1
+        self.stats.keys_fetched += len(keys)
         if self._bounded:
             result = await self._get_many(list(keys), timeout_s)
         elif _timeout is not None:  # no extra task around the get (wait_for makes one)
