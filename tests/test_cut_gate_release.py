@@ -16,6 +16,7 @@ import numpy as np
 from pipeline.generation import cut as cut_module
 from pipeline.generation.call_buffer import CallBuffer
 from pipeline.generation.cut import run_cut
+from pipeline.store import deadline as deadline_module
 from pipeline.store.protocol import StoreResult
 from tasks.cut.batching import BatchLimits
 from tasks.cut.receipt import DURABLE_PREFIX
@@ -139,14 +140,14 @@ def test_a_cut_with_several_batches_takes_the_slot_again_to_pack_the_next(monkey
 
 def test_store_signature_is_inspected_once_per_store_class(monkeypatch):
     asked = []
-    real = cut_module.takes_timeout
+    real = deadline_module._inspect_timeout
 
     def counting(method):
         asked.append(getattr(method, "__name__", "?"))
         return real(method)
 
-    monkeypatch.setattr(cut_module, "takes_timeout", counting)
-    monkeypatch.setattr(cut_module, "_TAKES_TIMEOUT", {})
+    monkeypatch.setattr(deadline_module, "_inspect_timeout", counting)
+    monkeypatch.setattr(deadline_module, "_ANSWERS", {})
     for i in range(3):  # three cuts, two instances of one store class
         receipt, _ = _cut(_buffers(2, f"sig{i}-"), MemoryStore() if i < 2 else MemoryStore(), f"sig-{i}")
         assert receipt.counts() == {DURABLE_PREFIX: 2}

@@ -54,22 +54,6 @@ class CutStore(Protocol):
     def delete(self, keys: Sequence[str], partition: str = ...) -> object: ...
 
 
-_TAKES_TIMEOUT: dict[Callable, bool] = {}  # a store class's method -> whether it takes timeout=
-
-
-def _takes_timeout(method: Callable) -> bool:
-    """:func:`~pipeline.store.deadline.takes_timeout` of a store method, asked once per
-    process for a method of a class (its signature is the class's), not at every cut;
-    a plain callable attribute (no ``__func__``) is asked every time."""
-    func = getattr(method, "__func__", None)
-    if func is None:
-        return takes_timeout(method)
-    got = _TAKES_TIMEOUT.get(func)
-    if got is None:
-        got = _TAKES_TIMEOUT[func] = takes_timeout(method)
-    return got
-
-
 def limits_from_config() -> BatchLimits:
     """The cut's per-put limits (rows, tokens, bytes), read now from ``token-capture.cut``."""
     return BatchLimits(
@@ -124,8 +108,8 @@ class _Cut:
         self.buffers = pack_buffers()  # batches pack into memory already mapped (no page faults)
         # Store calls are bounded by the time left to the deadline (a hung unit fails its
         # keys, so the cut and the worker's cut lock are released by the deadline).
-        self.put_bounded = _takes_timeout(store.put_many)
-        self.delete_bounded = _takes_timeout(store.delete)
+        self.put_bounded = takes_timeout(store.put_many)
+        self.delete_bounded = takes_timeout(store.delete)
 
     def enter_gate(self) -> None:
         self.gate.acquire()

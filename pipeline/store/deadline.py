@@ -17,8 +17,24 @@ from typing import Any, Callable
 FLOOR_S = 1e-3
 
 
+_ANSWERS: dict[Callable, bool] = {}  # a class's function -> whether it takes timeout=
+
+
 def takes_timeout(method: Callable) -> bool:
-    """Whether a store method accepts ``timeout=`` (a StagingStore does; some wrappers don't)."""
+    """Whether a store method accepts ``timeout=`` (a StagingStore does; some wrappers don't).
+
+    A bound method answers for its class: its function's signature is inspected once per
+    process (a cut asks at every cut); a plain callable is inspected every time."""
+    func = getattr(method, "__func__", None)
+    if func is None:
+        return _inspect_timeout(method)
+    got = _ANSWERS.get(func)
+    if got is None:
+        got = _ANSWERS[func] = _inspect_timeout(method)
+    return got
+
+
+def _inspect_timeout(method: Callable) -> bool:
     try:
         params = inspect.signature(method).parameters.values()
     except (TypeError, ValueError):
