@@ -284,14 +284,12 @@ class _Cut:
             if n_units > 1:
                 got.unit = buf.unit(n_units)
             frozen.append(got)
-            ready = add(idx, got.tokens, got.nbytes, got.signature)
-            if ready:
-                for b in ready:
-                    if not self.put_batch([frozen[i] for i in b.rows]):
-                        stopped = True
-                        break
-                if stopped:
+            for b in add(idx, got.tokens, got.nbytes, got.signature):
+                if not self.put_batch([frozen[i] for i in b.rows]):
+                    stopped = True
                     break
+            if stopped:
+                break
         if not stopped:
             for b in planner.flush():
                 if not self.put_batch([self.frozen[i] for i in b.rows]):
