@@ -21,7 +21,7 @@ from tasks.errors import FinalizeError
 from tasks import reasons
 from tasks.finalize.assemble import FinalizedGroup, assemble_group, rebuild_group
 from tasks.keys import STAGING_PARTITION, unit_for_key
-from tasks.packed import PackedBatch, slice_rows
+from tasks.packed import PackedBatch, payload_bytes_per_row, slice_rows
 from tasks.finalize.plan import pack_verify_tasks, plan_step
 from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
 from tasks.finalize.verify import RolloutResult, internal_error_result, rejected_result, verify_many
@@ -62,15 +62,6 @@ class VerifyOut:
     bytes_fetched: dict[int, int]
     timing: dict[str, Any]
     fetch_timings: list[dict[str, Any]] = field(default_factory=list)
-
-
-def _row_payload_bytes(batch: PackedBatch) -> np.ndarray:
-    """Payload bytes of every row of ``batch`` (all fields' values; offsets excluded)."""
-    total = np.zeros(len(batch), dtype=np.int64)
-    for f in batch.fields.values():
-        elem = f.values.dtype.itemsize * int(np.prod(f.values.shape[1:], dtype=np.int64))
-        total += f.lengths() * elem
-    return total
 
 
 def _linearized_bytes(result: RolloutResult) -> int:
@@ -142,7 +133,7 @@ def fetch_pieces(
         res = store.get_many(keys, fields, partition=partition, **bound)
     with timing.Stopwatch() as sp:
         batch = res.batch
-        row_bytes = _row_payload_bytes(batch)
+        row_bytes = payload_bytes_per_row(batch)
         pos = {k: i for i, k in enumerate(batch.keys)}
         info: dict[str, Any] = {
             "kind": kind,
