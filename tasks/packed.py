@@ -146,6 +146,10 @@ class PackedBatch:
 
     keys: list[str]
     fields: dict[str, PackedField] = field(default_factory=dict)
+    # True only for a batch rebuilt from pickle protocol 5 buffers (:func:`_rebuild_batch`:
+    # it arrived over a wire), whose buffers no caller holds: a storage unit may keep its
+    # rows as views of them. Never set for a batch built, sliced or passed in-process.
+    received: bool = field(default=False, compare=False, repr=False)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -276,11 +280,14 @@ def _wire_array(entry: tuple | None, blob: memoryview, bigs: tuple) -> np.ndarra
 
 def _rebuild_batch(keys: list, layout: list[tuple], blob: Any, *bigs: Any) -> PackedBatch:
     """Inverse of :func:`_reduce_batch`: arrays are views of the received buffers."""
+    # Buffers handed over as PickleBuffer objects are a sender's own arrays, unpickled in
+    # its process (no wire crossed): such a batch is not the receiver's to keep.
+    received = not any(isinstance(b, pickle.PickleBuffer) for b in (blob, *bigs))
     blob = memoryview(blob)
     fields = {}
     for name, values, offsets, present in layout:
         fields[name] = PackedField(_wire_array(values, blob, bigs), _wire_array(offsets, blob, bigs), _wire_array(present, blob, bigs))
-    return PackedBatch(keys, fields)
+    return PackedBatch(keys, fields, received=received)
 
 
 # ---- operations on batches: row ranges, alignment, gathers ----------------------------

@@ -312,7 +312,8 @@ def test_adopted_puts_read_back_bit_exact(store_factory):
     rows = make_rows(12, calls=2, tokens=TOKENS, seed=21)
     batch = pack_rows(rows)
     store = store_factory(n_units=2)
-    copy = store_factory(n_units=2)
+    with dask.config.set({"token-capture.store.adopt-received": False}):  # read once, at start
+        copy = store_factory(n_units=2)  # the copied reference
     # Rows interleaving the units (each unit's rows are gathered into a new batch), then rows
     # ordered by unit (each unit gets a slice of the batch buffers) in small capped calls.
     order = np.random.default_rng(0).permutation(len(batch))
@@ -323,8 +324,7 @@ def test_adopted_puts_read_back_bit_exact(store_factory):
     with dask.config.set({"token-capture.store.max-call-bytes": 3 * SHARED_BYTES}):
         res = store.put_many(batch.take(rest), adopt=True)
     assert sorted(res.ok) == sorted(batch.keys[i] for i in rest) and not res.failed
-    with dask.config.set({"token-capture.store.adopt-received": False}):  # the copied reference
-        assert not copy.put_many(pack_rows(rows)).failed
+    assert not copy.put_many(pack_rows(rows)).failed
     assert_rows_exact(store, rows)
     stats, copy_stats = store.stats(), copy.stats()
     # Adopted rows weigh exactly what copied rows weigh; nothing is pinned while every row lives.
@@ -586,9 +586,9 @@ def test_units_adopt_batches_received_over_the_wire(store_factory):
     assert store.unit_workers[0].startswith("tcp://")
     assert not store.put_many(batch).failed
     assert store.stats()[0]["shared_groups"] == 1
-    copied = store_factory(n_units=1)
-    with dask.config.set({"token-capture.store.adopt-received": False}):
-        assert not copied.put_many(batch).failed
+    with dask.config.set({"token-capture.store.adopt-received": False}):  # read once, at start
+        copied = store_factory(n_units=1)
+    assert not copied.put_many(batch).failed
     assert copied.stats()[0]["shared_groups"] == 0
     assert_rows_exact(store, rows)
     assert_rows_exact(copied, rows)

@@ -101,7 +101,9 @@ class StagingStore:
             raise InvalidStoreRequest(f"token-capture.store.replicas must be 1 or 2, got {replicas}")
         replica = replica_map(placed) if replicas == 2 else None  # refuses a single worker
         spill = None if spill_directory is None else str(spill_directory)
-        unit_args = (memory_limit, capacity, spill, partitions)
+        # Read here, once: every unit of this store (replacements included) keeps it.
+        adopt_received = bool(config.get("store.adopt-received"))
+        unit_args = (memory_limit, capacity, spill, partitions, adopt_received)
         units, futures = start_pinned_actors(client, StorageUnit, placed, args=[(i, *unit_args) for i in range(n_units)])
         if replica is None:
             store = cls(units, placed, partitions)
@@ -191,21 +193,14 @@ class StagingStore:
     def _part(batch: PackedBatch, chunk: np.ndarray) -> PackedBatch:
         """Rows ``chunk`` (ascending) of ``batch``: the batch itself, a view of a run, or a gather."""
         if len(chunk) == len(batch):
-            return batch  # one unit, one call: no copy
+            # One unit, one call: no copy. A new batch object, so a batch the caller itself
+            # received never reaches a unit in-process still marked ``received``.
+            return PackedBatch(batch.keys, batch.fields)
         if chunk[-1] - chunk[0] + 1 == len(chunk):
             return slice_rows(batch, int(chunk[0]), int(chunk[-1]) + 1)  # a run: views
         # Gathered into pooled memory: a fresh buffer per call page-faults on every put.
         out = client_buffers().allocator(gathered_nbytes(batch, chunk))
         return take_rows([batch], np.zeros(len(chunk), np.int64), chunk, out=out)
-
-    def _unit_adopts(self, u: int, adopt: bool) -> bool:
-        """Whether unit ``u`` may keep the put's buffers: when the caller hands them over,
-        or when the call crosses a wire, whose receiving end holds its own fresh copy
-        (``store.adopt-received``). In-process (``inproc://``) calls share the caller's
-        arrays, so they are copied by the unit."""
-        if adopt:
-            return True
-        return bool(config.get("store.adopt-received")) and not str(self.unit_workers[u]).startswith("inproc://")
 
     def _plan_keys(self, keys: Sequence[str]) -> tuple[list[str], list[tuple[int, list[str]]], dict]:
         uniq = list(dict.fromkeys(keys))
@@ -268,7 +263,7 @@ class StagingStore:
             # Each call is sent as soon as its rows are cut: the event loop serializes and
             # writes it while this thread gathers the next unit's rows.
             sub = self._part(batch, chunk)
-            calls.append((u, sub.keys, self.units[u].put_many(partition, sub, self._unit_adopts(u, adopt))))
+            calls.append((u, sub.keys, self.units[u].put_many(partition, sub, adopt)))
         results = [self._settle(u, waiter(f, end), keys, StoreResult) for u, keys, f in calls]
         return self._merge_puts(batch, results, failed)
 
@@ -415,7 +410,7 @@ class StagingStore:
         plan, failed = self._plan_put(batch)
         parts = [(u, self._part(batch, chunk)) for u, chunk in plan]
         results = await asyncio.gather(
-            *(bounded(self.units[u].put_many(partition, sub, self._unit_adopts(u, adopt)), end) for u, sub in parts), return_exceptions=True
+            *(bounded(self.units[u].put_many(partition, sub, adopt), end) for u, sub in parts), return_exceptions=True
         )
         return self._merge_puts(batch, [self._settle(u, r, sub.keys, StoreResult) for (u, sub), r in zip(parts, results)], failed)
 

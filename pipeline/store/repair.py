@@ -32,7 +32,7 @@ class Repairer:
     def __init__(self, store: Any, client: Any, unit_args: tuple):
         self.store = store
         self.client = client
-        self.unit_args = unit_args  # (memory_limit, capacity, spill directory, partitions)
+        self.unit_args = unit_args  # (memory_limit, capacity, spill directory, partitions, adopt_received)
         self.repaired: list[dict] = []  # one record per replaced unit: unit, worker, rows copied
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="token-capture-store-repair", daemon=True)

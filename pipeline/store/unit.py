@@ -192,6 +192,9 @@ class StorageUnit:
         local directory. The unit's own subdirectory is removed by :meth:`close`.
     partitions:
         Allowed partition names; ``None`` allows any well-formed name.
+    adopt_received:
+        Keep the rows of a batch received off the wire as views of its buffers (no
+        second copy); ``None``: ``store.adopt-received``.
     """
 
     clock = staticmethod(time.monotonic)  # seconds, for checkpoint leases (tests turn it)
@@ -203,6 +206,7 @@ class StorageUnit:
         capacity: int,
         spill_directory: str | None = None,
         partitions: Sequence[str] | None = None,
+        adopt_received: bool | None = None,
     ):
         if spill_directory is None:
             from distributed import get_worker
@@ -228,7 +232,7 @@ class StorageUnit:
         self.counters = {
             "puts": 0, "put_rows": 0, "gets": 0, "get_keys": 0, "get_rows": 0, "deletes": 0, "deleted_rows": 0,
             "deferred_rows": 0, "refused_rows": 0, "checkpoints_begun": 0, "checkpoints_ended": 0,
-            "checkpoints_expired": 0,
+            "checkpoints_expired": 0, "adopted_rows": 0,
         }
         # Open store checkpoints: token -> partitions covered (None: every partition); and
         # per partition the keys whose delete waits until no open checkpoint covers it.
@@ -239,6 +243,10 @@ class StorageUnit:
         self._checkpoint_began: dict[str, float] = {}
         self.expired_checkpoints: set[str] = set()
         self.answers = SlabPool(_answer_buffer_bytes())
+        from .. import config
+
+        # Whether a batch received off the wire is kept as the rows (no second copy).
+        self.adopt_received = bool(config.get("store.adopt-received") if adopt_received is None else adopt_received)
         self.closed = False
         self.worker_address: str | None = None
         self.reporter: StoreReporter | None = None
@@ -271,13 +279,17 @@ class StorageUnit:
     def put_many(self, partition: str, batch: PackedBatch, adopt: bool = False) -> StoreResult:
         """Store every row of ``batch`` under ``partition``; per-key results.
 
-        ``adopt``: the batch's buffers are handed over (the caller never touches them again;
-        a batch that came over the wire always qualifies), so token-sized rows are kept as
-        views of them instead of one copy per row."""
+        ``adopt``: the caller hands the batch's buffers over (it never touches them
+        again), so token-sized rows are kept as views of them instead of one copy per
+        row. A batch whose buffers this process received off the wire
+        (:attr:`PackedBatch.received`) is adopted too (``store.adopt-received``); one passed
+        in-process (an actor or task on this worker, a local call) holds its caller's
+        memory, so without ``adopt`` its rows are copied."""
         self._check_open()
         check_partition(partition, self.partitions)
         if not isinstance(batch, PackedBatch):
             raise InvalidStoreRequest(f"put_many needs a PackedBatch, got {type(batch).__name__}")
+        adopt = bool(adopt) or (self.adopt_received and batch.received)
         self.counters["puts"] += 1
         n = len(batch)
         result = StoreResult()
@@ -349,6 +361,7 @@ class StorageUnit:
                     reg.pin(name, spec)
         if shared and stored_slots:
             self.adopted.adopt(shared, cols, stored_slots, self.used_bytes, self.capacity)
+            self.counters["adopted_rows"] += len(stored_slots)
         self.adopted.compact_pending(self.used_bytes, self.capacity)
         self.counters["put_rows"] += len(result.ok)
         self.counters["refused_rows"] += len(result.failed)
