@@ -256,14 +256,16 @@ class StagingStore:
             result = _splice(result, self._put_once(_failed_rows(result, batch), partition, adopt, end))
         return result
 
-    def _put_once(self, batch: PackedBatch, partition: str, adopt: bool, end: float | None) -> StoreResult:
+    def _put_once(
+        self, batch: PackedBatch, partition: str, adopt: bool, end: float | None, claim: str | None = None
+    ) -> StoreResult:
         plan, failed = self._plan_put(batch)
         calls = []
         for u, chunk in plan:
             # Each call is sent as soon as its rows are cut: the event loop serializes and
             # writes it while this thread gathers the next unit's rows.
             sub = self._part(batch, chunk)
-            calls.append((u, sub.keys, self.units[u].put_many(partition, sub, adopt)))
+            calls.append((u, sub.keys, self.units[u].put_many(partition, sub, adopt, claim)))
         results = [self._settle(u, waiter(f, end), keys, StoreResult) for u, keys, f in calls]
         return self._merge_puts(batch, results, failed)
 
@@ -334,6 +336,45 @@ class StagingStore:
         result = StoreResult.merge(results) if self.replica is None else merge_deletes(results, uniq)
         result.failed.update(failed)
         return result
+
+    # ---- provisional puts (restore): all or nothing per key, across copies -------------
+
+    def put_claimed(
+        self, batch: PackedBatch, claim: str, partition: str = DEFAULT_PARTITION, timeout: float | None = None
+    ) -> StoreResult:
+        """:meth:`put_many`, but the rows it creates stay provisional under ``claim`` (a
+        restore's token) until :meth:`settle_claim`, so :meth:`release_claim` can take
+        them back on every copy; a row another writer puts meanwhile is theirs and stays."""
+        self._check_partition(partition)
+        if not isinstance(claim, str) or not claim:
+            raise InvalidStoreRequest(f"claim must be a non-empty str, got {claim!r}")
+        end, v0 = deadline(timeout), self.version
+        result = self._put_once(batch, partition, False, end, claim)
+        if _unavailable(result.failed) and self._refresh(v0):
+            result = _splice(result, self._put_once(_failed_rows(result, batch), partition, False, end, claim))
+        return result
+
+    def release_claim(self, keys: Sequence[str], claim: str, partition: str = DEFAULT_PARTITION) -> tuple[int, dict]:
+        """Remove every copy of ``keys`` still provisional under ``claim`` (ONE call per unit
+        holding a copy). Returns (rows removed, ``{key: (reason, detail)}`` of the keys on
+        units that could not be reached, whose copies may remain)."""
+        self._check_partition(partition)
+        _, parts, _ = self._plan_all_copies(keys)
+        futures = [self.units[u].release_claim(partition, pack_names(ks), claim) for u, ks in parts]
+        removed, failed = 0, {}
+        for (u, ks), f in zip(parts, futures):
+            try:
+                removed += f.result()["removed"]
+            except Exception as e:  # noqa: BLE001 - the unit's copies stay; the caller says so
+                failed.update({k: (UNIT_UNAVAILABLE, f"unit {u}: {type(e).__name__}: {e}") for k in ks})
+        return removed, failed
+
+    def settle_claim(self, claim: str) -> int:
+        """Every row provisional under ``claim`` becomes an ordinary row (one call per unit);
+        returns how many. A unit that cannot be reached keeps its marks (they only let a
+        release with this claim remove rows nobody else put)."""
+        futures = [u.settle_claim(claim) for u in self.units]
+        return sum(r for r in _settle_results(futures) if isinstance(r, int))
 
     def stats(self) -> list[dict]:
         """Per unit: rows, used/memory/spilled/disk bytes, puts, gets, per-partition counts."""
@@ -637,6 +678,17 @@ def _after_failover(first: list[GetResult], second: list[GetResult]) -> list[Get
             if reason == UNIT_UNAVAILABLE and k in primary:
                 r.failed[k] = (reason, f"primary: {primary[k][1]}; replica: {detail}")
     return _drop_failed(first, list(primary)) + second
+
+
+def _settle_results(futures: list) -> list:
+    """Each future's result, or its exception (all awaited, none raised)."""
+    out = []
+    for f in futures:
+        try:
+            out.append(f.result())
+        except Exception as e:  # noqa: BLE001 - the caller decides what a failure means
+            out.append(e)
+    return out
 
 
 def _failed_rows(result: StoreResult, batch: PackedBatch) -> PackedBatch:

@@ -232,8 +232,10 @@ class StorageUnit:
         self.counters = {
             "puts": 0, "put_rows": 0, "gets": 0, "get_keys": 0, "get_rows": 0, "deletes": 0, "deleted_rows": 0,
             "deferred_rows": 0, "refused_rows": 0, "checkpoints_begun": 0, "checkpoints_ended": 0,
-            "checkpoints_expired": 0, "adopted_rows": 0,
+            "checkpoints_expired": 0, "adopted_rows": 0, "released_rows": 0,
         }
+        # Rows still provisional under a restore's claim: slot -> claim token.
+        self.claims: dict[str, str] = {}
         # Open store checkpoints: token -> partitions covered (None: every partition); and
         # per partition the keys whose delete waits until no open checkpoint covers it.
         self.open_checkpoints: dict[str, frozenset[str] | None] = {}
@@ -276,8 +278,13 @@ class StorageUnit:
 
     # ---- puts -------------------------------------------------------------------
 
-    def put_many(self, partition: str, batch: PackedBatch, adopt: bool = False) -> StoreResult:
+    def put_many(self, partition: str, batch: PackedBatch, adopt: bool = False, claim: str | None = None) -> StoreResult:
         """Store every row of ``batch`` under ``partition``; per-key results.
+
+        ``claim`` (a restore's token): the rows this put creates stay *provisional* under
+        it until :meth:`settle_claim`, so :meth:`release_claim` can take back exactly
+        them; a row another writer re-puts (and so is acknowledged to it) stops being
+        provisional and is never taken back.
 
         ``adopt``: the caller hands the batch's buffers over (it never touches them
         again), so token-sized rows are kept as views of them instead of one copy per
@@ -347,7 +354,7 @@ class StorageUnit:
                 for name, values, off, present, _, copy in cols
                 if present is None or present[i]
             }
-            outcome, slot = self._store_row(partition, index, key, row, row_weights[i])
+            outcome, slot = self._store_row(partition, index, key, row, row_weights[i], claim)
             if outcome is None:
                 result.ok.append(key)
                 if slot is not None:
@@ -368,7 +375,7 @@ class StorageUnit:
         return result
 
     def _store_row(
-        self, partition: str, index: dict[str, str], key: str, row: Row, nbytes: int
+        self, partition: str, index: dict[str, str], key: str, row: Row, nbytes: int, claim: str | None = None
     ) -> tuple[tuple[str, str] | None, str | None]:
         """(failure or None, the new slot when the row was stored: None for an identical re-put).
 
@@ -383,6 +390,8 @@ class StorageUnit:
             except Exception as e:  # a spill file gone bad must not take down the batch
                 return (STORE_ERROR, f"{key!r}: reading the existing row failed: {e!r}"), None
             if same_row(existing, row):
+                if self.claims.get(slot, claim) != claim:
+                    del self.claims[slot]  # acknowledged to another writer: no longer provisional
                 return None, None
             return (KEY_CONFLICT, f"{key!r} already holds different content in partition {partition!r}"), None
         weight = nbytes + key_nbytes(key) + ROW_OVERHEAD_BYTES
@@ -403,6 +412,8 @@ class StorageUnit:
         index[key] = slot
         self.weights[slot] = weight
         self.used_bytes += weight
+        if claim is not None:
+            self.claims[slot] = claim
         return None, slot
 
     # ---- gets -------------------------------------------------------------------
@@ -485,7 +496,41 @@ class StorageUnit:
         del self.rows[slot]
         self.adopted.release(slot)
         self.used_bytes -= self.weights.pop(slot)
+        self.claims.pop(slot, None)
         return True
+
+    # ---- provisional rows (a restore's claim) -------------------------------------
+
+    def release_claim(self, partition: str, keys: Sequence[str] | bytes, claim: str) -> dict:
+        """Remove the rows of ``keys`` still provisional under ``claim`` (created by a put
+        with that claim, acknowledged to no other writer since); every other row stays.
+        Not deferred by open checkpoints: no writer was ever told these rows exist.
+        Returns ``{"unit", "removed": rows removed, "kept": keys that stay}``."""
+        self._check_open()
+        check_partition(partition, self.partitions)
+        keys = unpack_names(keys, "keys")
+        index = self.index.get(partition, {})
+        removed, kept = 0, []
+        for key in keys:
+            slot = index.get(key) if isinstance(key, str) else None
+            if slot is None:
+                continue
+            if self.claims.get(slot) == claim and self._remove(index, key):
+                removed += 1
+            else:
+                kept.append(key)
+        self.counters["released_rows"] += removed
+        self.adopted.compact_pending(self.used_bytes, self.capacity)
+        return {"unit": self.unit_index, "removed": removed, "kept": kept}
+
+    def settle_claim(self, claim: str) -> int:
+        """The rows provisional under ``claim`` become ordinary rows; returns how many."""
+        if self.closed:
+            return 0
+        slots = [slot for slot, c in self.claims.items() if c == claim]
+        for slot in slots:
+            del self.claims[slot]
+        return len(slots)
 
     def _covered(self, partition: str) -> bool:
         """Whether an open checkpoint covers ``partition`` (deletes there are deferred)."""
@@ -592,6 +637,7 @@ class StorageUnit:
             "registry": self.registry.to_dict(),
             "open_checkpoints": len(self.open_checkpoints),
             "pending_deletes": sum(len(d) for d in self.deferred.values()),
+            "provisional_rows": len(self.claims),
             **self.counters,
         }
 
@@ -665,6 +711,7 @@ class StorageUnit:
         self.adopted.clear()
         self.open_checkpoints.clear()
         self.deferred.clear()
+        self.claims.clear()
         self.answers = SlabPool(0)
         self.used_bytes = 0
         self.closed = True
