@@ -159,6 +159,23 @@ class CheckpointCorrupt(CheckpointError):
     """A checkpoint's manifest or data files fail their digests or do not parse."""
 
 
+class CheckpointReplayed(CheckpointCorrupt):
+    """A signed checkpoint older than one already saved or restored for its store name.
+
+    Its manifest's sequence is below the highest this controller recorded for that store
+    name (``checkpoint``/``recorded``): an old save put back in place of a newer one.
+    Restore the newest checkpoint, or pass ``allow_older=True`` to take this one on purpose.
+    """
+
+    def __init__(self, message: str, checkpoint: int = 0, recorded: int = 0):
+        super().__init__(message)
+        self.checkpoint = int(checkpoint)
+        self.recorded = int(recorded)
+
+    def __reduce__(self):  # keep both sequences across a pickle, not only the message
+        return (type(self), (str(self), self.checkpoint, self.recorded))
+
+
 # ---- restore reads -----------------------------------------------------------------------
 
 
