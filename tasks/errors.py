@@ -145,7 +145,10 @@ class ClusterUnavailable(TokenCaptureError, ConnectionError):
 
 
 class InvalidSchedulerAddress(InvalidInput):
-    """A scheduler address that does not parse (expected ``tcp://HOST:PORT``)."""
+    """A scheduler address that does not parse (expected ``tcp://HOST:PORT``), or one the
+    Dask security settings cannot reach: ``tls://`` without ``distributed.comm.tls.ca-file``
+    and ``distributed.comm.tls.client.cert`` (+ ``.client.key``), or ``tcp://`` while
+    ``distributed.comm.require-encryption`` is on. The message names the keys to set."""
 
 
 # ---- checkpoints -------------------------------------------------------------------------

@@ -9,6 +9,7 @@ Staging the rows is the caller's job (``pipeline.capture`` puts them in the stor
 from __future__ import annotations
 
 import hashlib
+import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -16,10 +17,12 @@ import numpy as np
 
 from . import hashing
 from .errors import InvalidRecord
+from .finalize.plan import reward_value
 from .keys import check_id, staging_key
 from .receipts import CallRecord, Receipt
 from .schema import ROUTES_INT16, ROUTES_NONE, SCHEMA_VERSION, StagedRow
-from .validation import check_delta, check_routes
+from .reasons import INVALID_RECEIPT
+from .validation import check_delta, check_routes, check_weight_version
 
 
 @dataclass
@@ -70,6 +73,9 @@ class CaptureGate:
                 check_id(parent_call_id, "parent_call_id")
         except ValueError as e:
             raise InvalidRecord("invalid_staging_row", str(e)) from None
+        problem = check_weight_version(weight_version)
+        if problem:
+            raise InvalidRecord(*problem)
         if model_call_id in self._calls:
             raise InvalidRecord("duplicate_call_id", f"{model_call_id!r} already staged in {self.rollout_id!r}")
         parent = None
@@ -179,19 +185,61 @@ class CaptureGate:
         """Mark the capture as unusable (e.g. a call failed mid-way); the receipt says so."""
         self._poison = reason
 
+    def check_receipt_args(self, reward: float, terminal_model_call_id: str | None = None) -> float:
+        """``reward`` as a float, or :class:`InvalidRecord` (``invalid_receipt``) when the
+        finalizer would reject the receipt for it: a reward that is not a number finite in
+        float32 (NaN, +-inf, |reward| >= 3.4e38, ``10**400``, a bool), or a terminal that
+        is neither ``None`` nor a str. Changes nothing."""
+        value = _reward(reward)
+        if value is None:
+            raise InvalidRecord(
+                INVALID_RECEIPT,
+                f"reward {_short(reward)} of {self.rollout_id!r} is not a number finite in float32; "
+                "pass a finite float with |reward| < 3.4e38 (training reads rewards as float32)",
+            )
+        if terminal_model_call_id is not None and not isinstance(terminal_model_call_id, str):
+            raise InvalidRecord(
+                INVALID_RECEIPT,
+                f"terminal_model_call_id is {type(terminal_model_call_id).__name__}; pass a staged call's id (str) or None",
+            )
+        return value
+
     def receipt(self, reward: float, terminal_model_call_id: str | None = None) -> Receipt:
-        """The token-free receipt; terminal defaults to the last staged call."""
+        """The token-free receipt; terminal defaults to the last staged call.
+
+        Raises :class:`InvalidRecord` for a reward or terminal :meth:`check_receipt_args`
+        refuses.
+        """
+        reward = self.check_receipt_args(reward, terminal_model_call_id)
         if terminal_model_call_id is None and self._records:
             terminal_model_call_id = self._records[-1].model_call_id
         return Receipt(
             rollout_id=self.rollout_id,
-            reward=float(reward),
+            reward=reward,
             terminal_model_call_id=terminal_model_call_id,
             calls=list(self._records),
             poisoned=self._poison is not None,
             failure_reason=self._poison,
             group_id=self.group_id,
         )
+
+
+def _reward(reward: object) -> float | None:
+    """``reward`` as a float when it is a real number (numpy scalars included, bools not)
+    that stays finite in float32, the finalizer's rule (:func:`reward_value`); else None."""
+    if isinstance(reward, bool) or not isinstance(reward, numbers.Real):
+        return None
+    try:
+        value = float(reward)
+    except (OverflowError, TypeError, ValueError):  # an int past float64, a hostile __float__
+        return None
+    return reward_value(value)
+
+
+def _short(value: object, n: int = 60) -> str:
+    """``repr(value)``, cut to ``n`` characters (a reward of 10**400 has 401 digits)."""
+    text = repr(value)
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 def record_of(row: StagedRow) -> CallRecord:

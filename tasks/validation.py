@@ -13,6 +13,10 @@ from .schema import ROUTES_DTYPE, ROUTES_INT16, ROUTES_NONE, TOKEN_FIELDS
 
 Problem = tuple[str, str] | None
 
+# The digest's fixed-width header fields (tasks.hashing, digest v1).
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+_U32_MAX = 2**32 - 1
+
 
 def check_token_arrays(
     token_ids: np.ndarray,
@@ -39,6 +43,18 @@ def check_lengths(prev_len: int, delta_len: int, cum_len: int) -> Problem:
         return "invalid_staging_row", f"prev_len {prev_len} must be >= 0"
     if cum_len != prev_len + delta_len:
         return "invalid_staging_row", f"cum_len {cum_len} != prev_len {prev_len} + delta_len {delta_len}"
+    return None
+
+
+def check_weight_version(weight_version: object) -> Problem:
+    """An integer (not a bool) that fits the digest's ``<q weight_version>`` field."""
+    if isinstance(weight_version, bool) or not isinstance(weight_version, (int, np.integer)):
+        return "invalid_staging_row", f"weight_version {weight_version!r} is {type(weight_version).__name__}; pass an int"
+    if not _I64_MIN <= int(weight_version) <= _I64_MAX:
+        return (
+            "invalid_staging_row",
+            f"weight_version {int(weight_version)} is outside int64; pass an int in [-2**63, 2**63 - 1]",
+        )
     return None
 
 
@@ -93,6 +109,8 @@ def check_routes(
         return "invalid_routes", f"routed_experts dtype {getattr(routed_experts, 'dtype', None)}, expected int16"
     if routed_experts.ndim != 3 or routed_experts.shape[0] != delta_len:
         return "invalid_routes", f"routed_experts shape {routed_experts.shape}, expected ({delta_len}, L, K)"
+    if max(routed_experts.shape[1:]) > _U32_MAX:
+        return "invalid_routes", f"routed_experts [L, K] {routed_experts.shape[1:]} exceed the 32-bit fields of the digest (at most {_U32_MAX} each)"
     if routes_shape is not None and tuple(routed_experts.shape[1:]) != tuple(routes_shape):
         return "invalid_routes", f"routed_experts [L, K] {routed_experts.shape[1:]}, expected {tuple(routes_shape)}"
     if num_experts is not None and routed_experts.size:

@@ -8,6 +8,7 @@ and returns the receipt, poisoned with the first refusal if a row was not stored
 """
 from __future__ import annotations
 
+import math
 import threading
 from typing import TYPE_CHECKING
 
@@ -71,7 +72,8 @@ class RolloutCapture:
         ``token_ids`` int (< vocab_size), ``token_mask`` float32 (0 for carried context
         tokens, then 1 for generated ones), ``logprobs`` float32 (<= 0, 0 where the mask
         is 0), ``routed_experts`` int16 ``[delta_len, L, K]`` or ``None``: all ``delta_len``
-        long (the tokens new since ``parent_call_id``). The arrays are copied: reuse them.
+        long (the tokens new since ``parent_call_id``); ``weight_version`` an int within
+        int64 (the digest stores it as ``<q``). The arrays are copied: reuse them.
         Raises :class:`~tasks.errors.InvalidRecord` (``reason`` names the rule) on bad
         input, keeping nothing; the rollout's other calls are unaffected.
         """
@@ -106,9 +108,15 @@ class RolloutCapture:
         Waits at most ``timeout_s`` (default ``capture-client.finish-timeout-s``); rows
         still unconfirmed then poison the receipt (``flush_timeout``). A refused row
         poisons it with ``"staging_failed: <reason>: <detail>"`` (the first refusal).
+
+        The arguments are checked before anything changes: a ``reward`` that is not a
+        number finite in float32 (NaN, inf, ``10**400``) or a terminal that is not a str
+        raises :class:`~tasks.errors.InvalidRecord` (``invalid_receipt``), a bad
+        ``timeout_s`` :class:`~tasks.errors.InvalidInput`; the rollout stays open, so
+        finish it again with good arguments.
         """
-        if timeout_s is None:
-            timeout_s = float(config.get("capture-client.finish-timeout-s"))
+        timeout_s = _finish_timeout(timeout_s)
+        self._gate.check_receipt_args(reward, terminal_model_call_id)
         with self._lock:
             if self._finished:
                 raise InvalidInput(f"rollout {self.rollout_id!r} is already finished")
@@ -133,3 +141,17 @@ class RolloutCapture:
 
     def __repr__(self) -> str:
         return f"<RolloutCapture {self.rollout_id!r} group={self.group_id!r}>"
+
+
+def _finish_timeout(timeout_s: float | None) -> float:
+    """``timeout_s`` (default ``capture-client.finish-timeout-s``) as seconds, or
+    :class:`~tasks.errors.InvalidInput` unless it is a finite number >= 0."""
+    raw = config.get("capture-client.finish-timeout-s") if timeout_s is None else timeout_s
+    try:
+        value = math.nan if isinstance(raw, bool) else float(raw)
+    except (OverflowError, TypeError, ValueError):
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        where = "timeout_s" if timeout_s is not None else "config capture-client.finish-timeout-s"
+        raise InvalidInput(f"{where} is {raw!r}; pass a finite number of seconds >= 0")
+    return value
