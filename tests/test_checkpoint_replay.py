@@ -46,14 +46,7 @@ def put_back(old: Path, path: Path) -> None:
     shutil.copytree(old, path)
 
 
-def allowing_older(monkeypatch) -> None:
-    """``restore`` reading its manifest with ``allow_older=True`` (as restore passes it on)."""
-    real = ck.read_manifest
-    monkeypatch.setattr(ck, "read_manifest", lambda path, key=ck._FROM_CONFIG, allow_older=False: real(
-        path, key, allow_older=True))
-
-
-def test_replayed_signed_checkpoint_is_refused(store_factory, tmp_path, key_path, monkeypatch):
+def test_replayed_signed_checkpoint_is_refused(store_factory, tmp_path, key_path):
     store, rows = filled(store_factory)
     path, old, newest = tmp_path / "ckpt", tmp_path / "old-copy", tmp_path / "newest-copy"
     first = store.checkpoint(str(path))
@@ -76,8 +69,7 @@ def test_replayed_signed_checkpoint_is_refused(store_factory, tmp_path, key_path
     assert out["rows"] == len(rows) and not out["failed"]
 
     assert ck.read_manifest(str(path), allow_older=True)["sequence"] == 1
-    allowing_older(monkeypatch)
-    out = store_factory(n_units=1).restore(str(path))  # on purpose: the old one
+    out = store_factory(n_units=1).restore(str(path), allow_older=True)  # on purpose: the old one
     assert out["rows"] == len(rows) and not out["failed"]
 
 
@@ -90,7 +82,7 @@ def test_restored_sequence_is_recorded_by_note_restored(store_factory, tmp_path,
     record = Path(key_path + sequence.RECORD_SUFFIX)
     record.unlink()  # a controller that has seen neither save yet
     assert ck.read_manifest(str(path))["sequence"] == 1
-    ck.note_restored(newer)
+    store_factory(n_units=1).restore(str(tmp_path / "elsewhere"))  # restore records what it loaded
     assert json.loads(record.read_text())["stores"] == {newer["store"]: 2}
     with pytest.raises(CheckpointReplayed):
         ck.read_manifest(str(path))

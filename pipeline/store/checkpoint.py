@@ -24,13 +24,15 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from tasks.errors import CheckpointCorrupt, CheckpointError, RestoreIncomplete
+from tasks.errors import CheckpointCorrupt, CheckpointError, CheckpointReplayed, RestoreIncomplete
 from tasks.packed import PackedBatch
 
 from .. import config
-from . import batch_file
+from . import batch_file, sequence
 from .batch_file import DATA_SUFFIX, FORMAT_VERSION, decode_batch, fsync_dir
+from .location_lock import location_lock
 from .protocol import PARTITION_RE, check_key, field_problem
+from .regular_file import read_regular_bounded
 
 if TYPE_CHECKING:  # pragma: no cover
     from .client import StagingStore
@@ -38,6 +40,8 @@ if TYPE_CHECKING:  # pragma: no cover
 MANIFEST = "MANIFEST.json"
 MANIFEST_FORMAT = "dask-token-capture/store-checkpoint"
 KEY_CONFIG = "store.checkpoint-key"
+MANIFEST_MAX_CONFIG = "store.checkpoint-manifest-max-bytes"
+STORE_NAME_CONFIG = "capture-client.store-name"
 HMAC_FIELD = "manifest_hmac_sha256"
 _DIGEST_FIELDS = ("manifest_sha256", HMAC_FIELD)
 _HMAC_TAG = b"dask-token-capture/store-checkpoint-manifest/v1\n"
@@ -114,20 +118,23 @@ def write_manifest(path: str, manifest: dict, key: bytes | None = _FROM_CONFIG) 
     fsync_dir(path)
 
 
-def read_manifest(path: str, key: bytes | None = _FROM_CONFIG) -> dict:
+def read_manifest(path: str, key: bytes | None = _FROM_CONFIG, allow_older: bool = False) -> dict:
     """The manifest of the checkpoint at ``path``: self-digest checked; with a ``key``
-    (default: :func:`manifest_key`) its signature is required and checked; every file
-    entry checked (names resolve inside ``path``). Raises :class:`CheckpointCorrupt`."""
+    (default: :func:`manifest_key`) its signature is required and checked, and so is its
+    sequence (:func:`check_sequence`: an older signed checkpoint than one already saved or
+    restored for its store name raises :class:`CheckpointReplayed`, unless
+    ``allow_older``); every file entry checked (names resolve inside ``path``).
+
+    ``MANIFEST.json`` must be a regular file (a symlink to one is followed; a FIFO,
+    device or directory is refused unopened) of at most
+    ``token-capture.store.checkpoint-manifest-max-bytes`` bytes, read without blocking
+    and never past that bound. Raises :class:`CheckpointCorrupt`."""
     if key is _FROM_CONFIG:
         key = manifest_key()
     mpath = os.path.join(path, MANIFEST)
     if not os.path.exists(mpath):
         raise CheckpointError(f"no checkpoint at {path!r}: {MANIFEST} is missing")
-    try:
-        with open(mpath, "rb") as fh:
-            manifest = json.loads(fh.read())
-    except (OSError, ValueError) as e:
-        raise CheckpointCorrupt(f"{mpath}: unreadable manifest: {e}") from None
+    manifest = _load_manifest_json(mpath)
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise CheckpointCorrupt(f"{mpath}: not a store checkpoint manifest")
     if manifest.get("version") != FORMAT_VERSION:
@@ -146,8 +153,83 @@ def read_manifest(path: str, key: bytes | None = _FROM_CONFIG) -> dict:
                 f"{mpath}: manifest is signed, but its signature does not match the key of "
                 f"token-capture.{KEY_CONFIG} (signed with another key, or edited)"
             )
+    _check_sequence_fields(mpath, manifest)
+    if key is not None and not allow_older:
+        check_sequence(manifest, where=mpath)
     _check_entries(path, mpath, manifest)
     return manifest
+
+
+def _load_manifest_json(mpath: str) -> Any:
+    """The parsed JSON of the manifest file ``mpath``, read safely (see :func:`read_manifest`)."""
+    knob = f"token-capture.{MANIFEST_MAX_CONFIG}"
+    data = read_regular_bounded(mpath, config.get_bytes(MANIFEST_MAX_CONFIG), knob, CheckpointCorrupt)
+    try:
+        return json.loads(data)
+    except ValueError as e:
+        raise CheckpointCorrupt(f"{mpath}: unreadable manifest: {e}") from None
+
+
+# ---- manifest: checkpoint sequence (replay of an older signed save) ------------------
+
+
+def _check_sequence_fields(mpath: str, manifest: dict) -> None:
+    """``store`` and ``sequence``, when present, must be a name and an int >= 0."""
+    store = manifest.get("store", "")
+    if not isinstance(store, str):
+        raise CheckpointCorrupt(f"{mpath}: store {store!r} is not a store name")
+    if not sequence.is_sequence(manifest.get("sequence", 0)):
+        raise CheckpointCorrupt(f"{mpath}: sequence {manifest.get('sequence')!r} is not an integer >= 0")
+
+
+def _store_name(store: Any = None) -> str:
+    """The name a store's checkpoints are sequenced under: its ``name`` attribute if it
+    has one, else the name it is published as (``capture-client.store-name``)."""
+    name = getattr(store, "name", None)
+    return str(name) if isinstance(name, str) and name else str(config.get(STORE_NAME_CONFIG))
+
+
+def _manifest_sequence(manifest: dict) -> tuple[str, int]:
+    """(store name, sequence) of a manifest; one from before sequences counts as 0 of
+    the configured store name."""
+    return manifest.get("store") or _store_name(), int(manifest.get("sequence", 0))
+
+
+def _record_file() -> str | None:
+    """The sequence record next to the key file of ``store.checkpoint-key``, or ``None``."""
+    value = config.get(KEY_CONFIG)
+    return None if value is None else sequence.record_path(str(value))
+
+
+def check_sequence(manifest: dict, *, where: str = "checkpoint") -> None:
+    """Refuse a replayed signed checkpoint: raise :class:`CheckpointReplayed` if
+    ``manifest``'s sequence is below the highest recorded for its store name (saved or
+    restored by this controller, see :mod:`~pipeline.store.sequence`).
+
+    Only with ``store.checkpoint-key`` set (no key, no record, nothing to check):
+    unsigned checkpoints cannot be defended against replay, since anyone can rewrite one."""
+    record = _record_file()
+    if record is None:
+        return
+    name, seq = _manifest_sequence(manifest)
+    highest = sequence.recorded(record, name)
+    if seq < highest:
+        raise CheckpointReplayed(
+            f"{where}: checkpoint sequence {seq} of store {name!r} is older than sequence {highest}, "
+            f"already saved or restored (recorded in {record!r}): an older signed checkpoint was put back. "
+            "Restore the newest checkpoint, or pass allow_older=True to restore this older one on purpose",
+            checkpoint=seq, recorded=highest,
+        )
+
+
+def note_restored(manifest: dict) -> None:
+    """Record that ``manifest``'s checkpoint was restored: its store name's recorded
+    sequence is raised to the manifest's (never lowered), so older signed checkpoints are
+    refused from now on. Nothing to do without ``store.checkpoint-key``."""
+    record = _record_file()
+    if record is not None:
+        name, seq = _manifest_sequence(manifest)
+        sequence.raise_to(record, name, seq)
 
 
 def _check_entries(root: str, mpath: str, manifest: dict) -> None:
@@ -297,10 +379,10 @@ def load_file(root: str, entry: dict, generation: str) -> PackedBatch:
     return _read_checked(root, entry, generation)
 
 
-def restore_file(store: "StagingStore", root: str, entry: dict, generation: str) -> dict:
-    """Load one file into ``store`` (rows placed by ``unit_for_key``): ``{"ok": [keys],
-    "failed": {key: (reason, detail)}}``."""
-    result = store.put_many(load_file(root, entry, generation), partition=entry["partition"])
+def restore_file(store: "StagingStore", root: str, entry: dict, generation: str, claim: str) -> dict:
+    """Load one file into ``store`` (rows placed by ``unit_for_key``), its new rows
+    provisional under ``claim``: ``{"ok": [keys], "failed": {key: (reason, detail)}}``."""
+    result = store.put_claimed(load_file(root, entry, generation), claim, partition=entry["partition"])
     return {"ok": list(result.ok), "failed": dict(result.failed)}
 
 
@@ -320,10 +402,23 @@ def _settle_all(futures: list) -> list:
 
 def save(store: "StagingStore", path: str, chunk_bytes: int) -> dict:
     """Checkpoint every unit of ``store`` into ``path``; returns the manifest (signed when
-    ``store.checkpoint-key`` is set)."""
+    ``store.checkpoint-key`` is set).
+
+    Saves to one ``path`` run one at a time: each holds ``<path>/.lock``
+    (:func:`~pipeline.store.location_lock.location_lock`) from before it creates its
+    generation until it has removed the others, waiting for it at most
+    ``store.checkpoint-lock-timeout-s`` seconds (then :class:`CheckpointError`). The
+    manifest names the store (``store``) and its ``sequence`` (:func:`_write_sequenced`).
+    """
     path = os.path.abspath(path)
     key = manifest_key()  # a bad key setting fails before anything is written
     os.makedirs(path, exist_ok=True)
+    with location_lock(path):
+        return _save_locked(store, path, chunk_bytes, key)
+
+
+def _save_locked(store: "StagingStore", path: str, chunk_bytes: int, key: bytes | None) -> dict:
+    """:func:`save` with the location's lock held: write a generation, then the manifest."""
     generation = f"gen-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     gen_dir = os.path.join(path, generation)
     os.makedirs(gen_dir)
@@ -365,13 +460,45 @@ def save(store: "StagingStore", path: str, chunk_bytes: int) -> dict:
         "rows": sum(f["rows"] for f in files),
         "bytes": sum(f["bytes"] for f in files),
         "files": files,
+        "store": _store_name(store),
     }
-    write_manifest(path, manifest, key)
-    # Only now is the new checkpoint current: drop older and half-written generations.
+    _write_sequenced(path, manifest, key)
+    # Only now is the new checkpoint current: drop older and half-written generations
+    # (never one a concurrent save is writing: saves to one location hold its lock).
     for name in os.listdir(path):
         if name.startswith("gen-") and name != generation:
             shutil.rmtree(os.path.join(path, name), ignore_errors=True)
     return manifest
+
+
+def _previous_sequence(path: str, key: bytes | None) -> int:
+    """The sequence of the checkpoint now at ``path`` (0: none, one from before
+    sequences, or one that does not verify under ``key``)."""
+    try:
+        return int(read_manifest(path, key, allow_older=True).get("sequence", 0))
+    except CheckpointError:
+        return 0
+
+
+def _write_sequenced(path: str, manifest: dict, key: bytes | None) -> None:
+    """Set ``manifest["sequence"]`` and write the manifest (:func:`write_manifest`).
+
+    Signed (``key``): one more than the highest of the sequence recorded for its store
+    name and the checkpoint now at ``path``, allocated, written and recorded under the
+    sequence record's lock. Unsigned: one more than the checkpoint now at ``path``; an
+    unsigned checkpoint cannot be defended against replay (anyone can rewrite it), so no
+    record is kept and none is checked; the sequence is informational only."""
+    previous = _previous_sequence(path, key)
+    record = _record_file() if key is not None else None
+    if record is None:
+        manifest["sequence"] = previous + 1
+        write_manifest(path, manifest, key)
+        return
+    with sequence.updating(record) as stores:
+        name = manifest["store"]
+        manifest["sequence"] = max(stores.get(name, 0), previous) + 1
+        write_manifest(path, manifest, key)
+        stores[name] = manifest["sequence"]
 
 
 def _settle_tasks(futures: list) -> list:
@@ -382,22 +509,21 @@ def _settle_tasks(futures: list) -> list:
     return [f.exception() if f.status == "error" else f.result() for f in futures]
 
 
-def _rollback(store: "StagingStore", added: dict[str, set], before: dict[str, set]) -> tuple[int, dict]:
-    """Delete the keys this restore added (never one the store held before it): ONE
-    batched delete per partition. Returns (rows removed, {key: (reason, detail)} of the
-    removals that failed; ``missing_key`` is not a failure: that row never landed)."""
+def _rollback(store: "StagingStore", keys: dict[str, list[str]], claim: str) -> tuple[int, dict]:
+    """Take back every copy of the checkpoint's ``keys`` (per partition) that this restore
+    created and no other writer has put since (``claim``): ONE batched release per unit
+    and partition. A row the store held before, or that another writer had acknowledged
+    meanwhile, stays. Returns (rows removed, {key: (reason, detail)} of copies on units
+    that could not be reached)."""
     removed, failed = 0, {}
-    for partition, keys in added.items():
-        ours = [k for k in keys if k not in before[partition]]
-        if not ours:
-            continue
-        result = store.delete(ours, partition=partition)
-        removed += len(result.ok)
-        failed.update({k: v for k, v in result.failed.items() if v[0] != "missing_key"})
+    for partition, ks in keys.items():
+        n, bad = store.release_claim(ks, claim, partition=partition)
+        removed += n
+        failed.update(bad)
     return removed, failed
 
 
-def restore(store: "StagingStore", path: str, client=None) -> dict:
+def restore(store: "StagingStore", path: str, client=None, allow_older: bool = False) -> dict:
     """Verify the checkpoint at ``path`` and load it into ``store``, all or nothing.
 
     1. The manifest: digest, signature when ``store.checkpoint-key`` is set, and every
@@ -407,18 +533,21 @@ def restore(store: "StagingStore", path: str, client=None) -> dict:
        come back, so controller memory holds keys, never rows. Any problem raises
        :class:`CheckpointCorrupt` naming every bad file; nothing has been loaded.
     3. The load pass reads every file again (its SHA-256 re-checked on the bytes read)
-       and puts its rows. If any key fails (``store_full``, ``key_conflict``, a lost unit
-       ...) or a file fails its second read, the rows this restore added are removed in
-       one batched delete per partition, rows the store held before are never changed
-       (write-once keys refuse an overwrite as ``key_conflict``), and it raises:
-       :class:`RestoreIncomplete` naming the failed keys and reasons, or the load error.
+       and puts its rows, each new row provisional under this restore's claim. If any
+       key fails (``store_full``, ``key_conflict``, a lost unit ...) or a file fails its
+       second read, every copy of a row this restore created is taken back (one batched
+       release per unit and partition; with replicas=2 a key one copy of which failed
+       keeps neither). Rows the store held before, or that another writer put meanwhile
+       (acknowledged to it), are never removed or changed (write-once keys refuse an
+       overwrite as ``key_conflict``). It then raises :class:`RestoreIncomplete` naming
+       the failed keys and reasons, or the load error.
 
     Returns ``{"rows": restored, "failed": {}, "files": n, "generation": id}``.
     """
     from distributed import get_client
 
     path = os.path.abspath(path)
-    manifest = read_manifest(path)
+    manifest = read_manifest(path, allow_older=allow_older)
     files, generation = manifest["files"], manifest["generation"]
     if store.partitions is not None:
         unknown = sorted({e["partition"] for e in files} - set(store.partitions))
@@ -436,24 +565,28 @@ def restore(store: "StagingStore", path: str, client=None) -> dict:
             other = owner.setdefault((entry["partition"], key), entry["file"])
             if other != entry["file"]:
                 raise CheckpointCorrupt(f"checkpoint {path!r} refused: key {key!r} is in both {other} and {entry['file']}")
-    partitions = sorted({e["partition"] for e in files})
-    before = {p: set(store.keys(p)) for p in partitions}
-    outcomes = _settle_tasks(client.map(restore_file, [store] * n, [path] * n, files, [generation] * n, pure=False))
-    added: dict[str, set] = {p: set() for p in partitions}
+    # The rows this restore creates are provisional under its claim until it succeeds: a
+    # rollback takes back exactly those, on every copy, and never a row another writer put.
+    claim = f"restore-{uuid.uuid4().hex}"
+    outcomes = _settle_tasks(
+        client.map(restore_file, [store] * n, [path] * n, files, [generation] * n, [claim] * n, pure=False)
+    )
+    keys: dict[str, list[str]] = {}
     failed: dict = {}
     error: BaseException | None = None
     rows = 0
     for entry, c, out in zip(files, checked, outcomes):
+        keys.setdefault(entry["partition"], []).extend(c["keys"])
         if isinstance(out, BaseException):
             error = error or out
-            added[entry["partition"]].update(c["keys"])  # unknown how far it got: all its keys
             continue
-        added[entry["partition"]].update(out["ok"])
         failed.update(out["failed"])
         rows += len(out["ok"])
     if error is None and not failed:
+        store.settle_claim(claim)
+        note_restored(manifest)  # a replay of anything older is refused from now on
         return {"rows": rows, "failed": {}, "files": n, "generation": generation}
-    removed, rollback_failed = _rollback(store, added, before)
+    removed, rollback_failed = _rollback(store, keys, claim)
     if error is not None:
         note = f"restore of {path!r} failed while loading; the {removed} row(s) it had added were removed" + (
             f", {len(rollback_failed)} could not be: {_first(rollback_failed)}" if rollback_failed else ""

@@ -35,7 +35,7 @@ from .protocol import (
 )
 from .deadline import bounded, deadline, waiter
 from .directory import UnitDirectory, UnitTable
-from .replication import merge_copies, merge_deletes, partners, replica_map
+from .replication import merge_copies, merge_deletes, partners, replica_map, witness_map
 from .slab_pool import SlabPool, process_pool
 from .unit import StorageUnit
 
@@ -55,6 +55,7 @@ class StagingStore:
         replica: Sequence[int] | None = None,
         directory: UnitDirectory | None = None,
         version: int = 0,
+        witness: Sequence[int | None] | None = None,
     ):
         self.units = list(units)
         self.unit_workers = list(unit_workers)
@@ -63,6 +64,8 @@ class StagingStore:
         self.replica = None if replica is None else list(replica)
         self.directory = directory  # the shared unit table (replicas=2), see directory.py
         self.version = int(version)
+        # replicas=2: witness[p] records the names of unit p's keys (replication.witness_map).
+        self.witness = None if witness is None else list(witness)
 
     # ---- construction -----------------------------------------------------------
 
@@ -111,7 +114,8 @@ class StagingStore:
             return store
         from .repair import Repairer
 
-        store = cls(units, placed, partitions, replica, UnitDirectory(f"token-capture-units-{uuid.uuid4().hex[:12]}"))
+        directory = UnitDirectory(f"token-capture-units-{uuid.uuid4().hex[:12]}")
+        store = cls(units, placed, partitions, replica, directory, witness=witness_map(placed, replica))
         store._futures = futures
         store.directory.publish(client, store._table())
         store._repairer = Repairer(store, client, unit_args)
@@ -137,12 +141,14 @@ class StagingStore:
         return {
             "units": self.units, "unit_workers": self.unit_workers, "partitions": self.partitions,
             "replica": self.replica, "directory": self.directory, "version": self.version,
+            "witness": self.witness,
         }
 
     def __setstate__(self, state: dict) -> None:
         state.setdefault("replica", None)
         state.setdefault("directory", None)
         state.setdefault("version", 0)
+        state.setdefault("witness", None)
         self.__dict__.update(state)
 
     # ---- planning (pure, shared by sync and async paths) ------------------------
@@ -163,8 +169,9 @@ class StagingStore:
             where[i] = unit_for_key(keys[i], n_units)
         return where, failed
 
-    def _plan_put(self, batch: PackedBatch) -> tuple[list[tuple[int, np.ndarray]], dict]:
-        """(unit, batch row indices) per actor call, and the keys failed before any call.
+    def _plan_put(self, batch: PackedBatch) -> tuple[list[tuple[int, np.ndarray]], dict, dict[int, list[str]]]:
+        """(unit, batch row indices) per actor call, the keys failed before any call, and
+        the names each witness unit records (replicas=2).
 
         The sub-batches are cut by :meth:`_part` as each call is sent, so the copy of one
         overlaps the transfer of the previous one (see :meth:`_put_once`)."""
@@ -175,7 +182,7 @@ class StagingStore:
             # refuse it the same way), before row sizes are computed from its offsets.
             problem = field_problem(name, f, len(batch))
             if problem:
-                return [], {k if isinstance(k, str) else repr(k): (INVALID_BATCH, problem) for k in batch.keys}
+                return [], {k if isinstance(k, str) else repr(k): (INVALID_BATCH, problem) for k in batch.keys}, {}
         where, failed = self._route(batch.keys)
         max_bytes = config.get_bytes("store.max-call-bytes")
         row_bytes = payload_bytes_per_row(batch)
@@ -187,7 +194,29 @@ class StagingStore:
             # Cap bytes per actor call: several calls in flight pipeline the transfer of
             # one with the unit's copy of another, and no call needs a huge fresh buffer.
             parts.extend((u, chunk) for chunk in _chunks_by_bytes(idx, row_bytes, max_bytes))
-        return parts, failed
+        return parts, failed, self._witness_names(batch.keys, where)
+
+    def _witness_names(self, keys: Sequence[str], where: np.ndarray) -> dict[int, list[str]]:
+        """Witness unit -> the names of ``keys`` it records (``where``: primary per key, -1
+        unusable); empty without witnesses."""
+        if self.witness is None:
+            return {}
+        wit = np.asarray([-1 if w is None else w for w in self.witness], dtype=np.int64)
+        per_key = np.where(where >= 0, wit[np.maximum(where, 0)], -1)
+        return {int(w): [keys[i] for i in np.flatnonzero(per_key == w)] for w in np.unique(per_key[per_key >= 0])}
+
+    def _witness_only(self, partition: str, names: dict[int, list[str]], drop: bool) -> list[tuple[int, Any]]:
+        """One ``witness`` call per witness unit not otherwise called (names to add or drop)."""
+        return [
+            (w, self.units[w].witness(partition, None, pack_names(ks)) if drop else self.units[w].witness(partition, pack_names(ks)))
+            for w, ks in names.items()
+        ]
+
+    def _settle_witness(self, calls: list[tuple[int, Any]], end: float | None) -> None:
+        """Wait for witness-only calls. A witness that cannot be reached fails no key (the
+        copies decide a put); it only cannot tell a later loss of both copies."""
+        for w, f in calls:
+            self._settle(w, waiter(f, end), [], StoreResult)
 
     @staticmethod
     def _part(batch: PackedBatch, chunk: np.ndarray) -> PackedBatch:
@@ -259,14 +288,17 @@ class StagingStore:
     def _put_once(
         self, batch: PackedBatch, partition: str, adopt: bool, end: float | None, claim: str | None = None
     ) -> StoreResult:
-        plan, failed = self._plan_put(batch)
+        plan, failed, names = self._plan_put(batch)
         calls = []
         for u, chunk in plan:
             # Each call is sent as soon as its rows are cut: the event loop serializes and
-            # writes it while this thread gathers the next unit's rows.
+            # writes it while this thread gathers the next unit's rows. The first call to a
+            # unit also carries the names it witnesses.
             sub = self._part(batch, chunk)
-            calls.append((u, sub.keys, self.units[u].put_many(partition, sub, adopt, claim)))
+            calls.append((u, sub.keys, self.units[u].put_many(partition, sub, adopt, claim, _packed(names.pop(u, None)))))
+        extra = self._witness_only(partition, names, drop=False)
         results = [self._settle(u, waiter(f, end), keys, StoreResult) for u, keys, f in calls]
+        self._settle_witness(extra, end)
         return self._merge_puts(batch, results, failed)
 
     def get_many(
@@ -331,8 +363,11 @@ class StagingStore:
 
     def _delete_once(self, keys: Sequence[str], partition: str, end: float | None) -> StoreResult:
         uniq, parts, failed = self._plan_all_copies(keys)
-        futures = [self.units[u].delete(partition, pack_names(ks)) for u, ks in parts]
+        names = self._witness_names(uniq, self._route(uniq)[0])
+        futures = [self.units[u].delete(partition, pack_names(ks), _packed(names.pop(u, None))) for u, ks in parts]
+        extra = self._witness_only(partition, names, drop=True)
         results = [self._settle(u, waiter(f, end), ks, StoreResult) for (u, ks), f in zip(parts, futures)]
+        self._settle_witness(extra, end)
         result = StoreResult.merge(results) if self.replica is None else merge_deletes(results, uniq)
         result.failed.update(failed)
         return result
@@ -448,12 +483,17 @@ class StagingStore:
         return result
 
     async def _put_once_async(self, batch: PackedBatch, partition: str, adopt: bool, end: float | None) -> StoreResult:
-        plan, failed = self._plan_put(batch)
-        parts = [(u, self._part(batch, chunk)) for u, chunk in plan]
+        plan, failed, names = self._plan_put(batch)
+        parts = [(u, self._part(batch, chunk), names.pop(u, None)) for u, chunk in plan]
+        extra = self._witness_only(partition, names, drop=False)
         results = await asyncio.gather(
-            *(bounded(self.units[u].put_many(partition, sub, adopt), end) for u, sub in parts), return_exceptions=True
+            *(bounded(self.units[u].put_many(partition, sub, adopt, None, _packed(wit)), end) for u, sub, wit in parts),
+            *(bounded(f, end) for _, f in extra),
+            return_exceptions=True,
         )
-        return self._merge_puts(batch, [self._settle(u, r, sub.keys, StoreResult) for (u, sub), r in zip(parts, results)], failed)
+        return self._merge_puts(
+            batch, [self._settle(u, r, sub.keys, StoreResult) for (u, sub, _), r in zip(parts, results)], failed
+        )
 
     async def get_many_async(
         self,
@@ -515,8 +555,13 @@ class StagingStore:
 
     async def _delete_once_async(self, keys: Sequence[str], partition: str, end: float | None) -> StoreResult:
         uniq, parts, failed = self._plan_all_copies(keys)
+        names = self._witness_names(uniq, self._route(uniq)[0])
+        calls = [(u, ks, names.pop(u, None)) for u, ks in parts]
+        extra = self._witness_only(partition, names, drop=True)
         outs = await asyncio.gather(
-            *(bounded(self.units[u].delete(partition, pack_names(ks)), end) for u, ks in parts), return_exceptions=True
+            *(bounded(self.units[u].delete(partition, pack_names(ks), _packed(wit)), end) for u, ks, wit in calls),
+            *(bounded(f, end) for _, f in extra),
+            return_exceptions=True,
         )
         results = [self._settle(u, r, ks, StoreResult) for (u, ks), r in zip(parts, outs)]
         result = StoreResult.merge(results) if self.replica is None else merge_deletes(results, uniq)
@@ -601,7 +646,7 @@ class StagingStore:
             chunk_bytes = config.get("store.checkpoint-chunk-bytes")
         return _checkpoint.save(self, path, config.parse_bytes(chunk_bytes))
 
-    def restore(self, path: str, client=None) -> dict:
+    def restore(self, path: str, client=None, allow_older: bool = False) -> dict:
         """Load the checkpoint at ``path`` into this store (rows placed by ``unit_for_key``
         over THIS store's units), all or nothing.
 
@@ -610,8 +655,10 @@ class StagingStore:
         ``store.checkpoint-key`` is set) with :class:`~tasks.errors.CheckpointCorrupt`
         before loading anything. If any key then fails to load, the rows it added are
         removed again and it raises :class:`~tasks.errors.RestoreIncomplete` (``failed``:
-        key -> (reason, detail)); rows this store held before are never changed."""
-        return _checkpoint.restore(self, path, client=client)
+        key -> (reason, detail)); rows this store held before are never changed. With
+        a key set, a signed checkpoint older than the newest saved or restored for this
+        store name raises :class:`~tasks.errors.CheckpointReplayed` unless ``allow_older``."""
+        return _checkpoint.restore(self, path, client=client, allow_older=allow_older)
 
     def __repr__(self) -> str:
         copies = "" if self.replica is None else " replicas=2"
@@ -678,6 +725,10 @@ def _after_failover(first: list[GetResult], second: list[GetResult]) -> list[Get
             if reason == UNIT_UNAVAILABLE and k in primary:
                 r.failed[k] = (reason, f"primary: {primary[k][1]}; replica: {detail}")
     return _drop_failed(first, list(primary)) + second
+
+
+def _packed(names: list[str] | None) -> bytes | None:
+    return None if not names else pack_names(names)
 
 
 def _settle_results(futures: list) -> list:
