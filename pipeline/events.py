@@ -44,7 +44,7 @@ RESTORE_OPTIONAL: Mapping[str, Any] = {"latency_bounds_s": [], "latency_counts":
 STORE = "token-capture-store"
 """Periodic per storage unit (every ``store.report-interval-s`` seconds, published by the
 unit itself; ``report_store()`` publishes one more at once). Keys: unit, worker, rows,
-memory_bytes, spilled_bytes; optional: used_bytes, capacity_bytes."""
+memory_bytes, spilled_bytes; optional: used_bytes, capacity_bytes, lost_keys (keys staged whose both copies were lost)."""
 
 SCALE = "token-capture-scale"
 """One per adaptive scaling decision. Keys: action ("up", "down", "hold"), target,

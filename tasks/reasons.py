@@ -19,7 +19,7 @@ from __future__ import annotations
 #     terminal as its parent);
 #     then across the step: duplicate_staging_key for every receipt sharing a rollout_id.
 # rows (tasks.finalize.chain / verify), call by call from the root to the terminal
-#     missing_staging_row -> invalid_staging_row (fields present, dtypes, ids decode,
+#     missing_staging_row (lost_staging_row when the store says the row was lost) -> invalid_staging_row (fields present, dtypes, ids decode,
 #     one value per scalar, 32-byte hashes, supported versions) -> identity_mismatch ->
 #     wrong_<field> in RECEIPT_COMPARED_FIELDS order -> invalid_staging_row (token arrays
 #     not delta_len long) -> routes readiness (invalid_routes for a chain mixing routed
@@ -44,6 +44,9 @@ WRONG_GROUP = "wrong_group"
 
 # row
 MISSING_STAGING_ROW = "missing_staging_row"
+# A row of the rollout WAS staged, but the store lost both its copies (its ``lost_key``):
+# decided from the store's answer, in place of missing_staging_row.
+LOST_STAGING_ROW = "lost_staging_row"
 INVALID_STAGING_ROW = "invalid_staging_row"
 IDENTITY_MISMATCH = "identity_mismatch"
 CORRUPT_DIGEST = "corrupt_digest"
@@ -102,7 +105,7 @@ RECEIPT_REASONS = frozenset(
         MISSING_TERMINAL,
     }
 )
-ROW_REASONS = frozenset({MISSING_STAGING_ROW, INVALID_STAGING_ROW, IDENTITY_MISMATCH, CORRUPT_DIGEST, *WRONG_FIELD_REASONS})
+ROW_REASONS = frozenset({MISSING_STAGING_ROW, LOST_STAGING_ROW, INVALID_STAGING_ROW, IDENTITY_MISMATCH, CORRUPT_DIGEST, *WRONG_FIELD_REASONS})
 LINEAGE_REASONS = frozenset(
     {
         MISSING_PARENT,

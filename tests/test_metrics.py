@@ -287,7 +287,7 @@ LATENCY_HISTOGRAMS = {
 }
 COUNT_HISTOGRAMS = {"calls_per_rollout"}  # unitless: model calls
 BYTE_GAUGES = {"store_memory_bytes", "store_spilled_bytes"}
-UNITLESS_GAUGES = {"queue_depth", "restore_keys_per_get", "store_rows"}  # counts, not units
+UNITLESS_GAUGES = {"queue_depth", "restore_keys_per_get", "store_rows", "store_lost_keys"}  # counts, not units
 
 
 def check_conventions(text: str, fams: dict[str, Any]) -> None:

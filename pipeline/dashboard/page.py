@@ -279,7 +279,9 @@ class TokenCapturePage:
             fig.y_range.start = 0
 
         # ---- store: memory vs spilled per unit (stacked, one row per unit)
-        self.store = ColumnDataSource(dict(label=[], unit=[], memory_bytes=[], spilled_bytes=[], rows=[], worker=[]), name="tc-store")
+        self.store = ColumnDataSource(
+            dict(label=[], unit=[], memory_bytes=[], spilled_bytes=[], rows=[], lost_keys=[], worker=[]), name="tc-store"
+        )
         self.fig_store = self._figure("store", "Store bytes per unit: memory / spilled", y_range=FactorRange())
         bars = self.fig_store.hbar_stack(["memory_bytes", "spilled_bytes"], y="label", height=0.7, source=self.store,
                                          color=[CYAN, GRAY])
@@ -288,11 +290,12 @@ class TokenCapturePage:
         self.fig_store.x_range.start = 0
         self.fig_store.ygrid.visible = False
         self.fig_store.add_tools(HoverTool(tooltips=[
-            ("unit", "@unit"), ("worker", "@worker"), ("rows", "@rows"),
+            ("unit", "@unit"), ("worker", "@worker"), ("rows", "@rows"), ("lost keys", "@lost_keys"),
             ("memory", "@memory_bytes{0.0 b}"), ("spilled", "@spilled_bytes{0.0 b}")]))
 
         self.store_table = self._table(self.store, [
             ("unit", "unit", None), ("worker", "worker", None), ("rows", "rows", "0,0"),
+            ("lost_keys", "lost keys", "0,0"),
             ("memory_bytes", "memory", "0.0 b"), ("spilled_bytes", "spilled", "0.0 b")])
 
         # ---- scaling: workers over time and the decisions with their reasons
@@ -551,7 +554,7 @@ class TokenCapturePage:
         self.fig_store.height = _bar_height(len(units))
         self.store.data = dict(
             label=labels, unit=[u["unit"] for u in units], worker=[u["worker"] for u in units],
-            **{k: [u[k] for u in units] for k in ("memory_bytes", "spilled_bytes", "rows")},
+            **{k: [u[k] for u in units] for k in ("memory_bytes", "spilled_bytes", "rows", "lost_keys")},
         )
         self._fit(self.store_table, len(units))
         self._show("store", bool(units))

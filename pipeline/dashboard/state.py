@@ -112,7 +112,10 @@ _RESTORE_NUMBERS = {
     "p99_ms": False,
 }
 RESTORE_COUNTERS = ("requests", "gets", "keys", "failures", "latency_count")
-_STORE_NUMBERS = {"memory_bytes": True, "spilled_bytes": True, "rows": False, "used_bytes": False, "capacity_bytes": False}
+_STORE_NUMBERS = {
+    "memory_bytes": True, "spilled_bytes": True, "rows": False, "used_bytes": False, "capacity_bytes": False,
+    "lost_keys": False,  # keys staged whose both copies were lost (replicas=2)
+}
 _SCALE_NUMBERS = {"target": True, "current": True, "verify_ms": False, "fetch_ms": False, "queue_depth": False}
 
 

@@ -28,7 +28,7 @@ from tasks.finalize.verify import RolloutResult, internal_error_result, rejected
 
 from .. import config, events
 from ..store.deadline import takes_timeout
-from ..store.protocol import PlacedStoreLike, StoreLike
+from ..store.protocol import LOST_KEY, PlacedStoreLike, StoreLike
 from . import timing
 
 logger = logging.getLogger(__name__)
@@ -218,12 +218,16 @@ def verify_piece(
 def _with_store_reason(result: RolloutResult, plan: Any, failed: Mapping[str, tuple[str, str]]) -> RolloutResult:
     """A ``missing_staging_row`` verdict with the store's own per-key reason appended
     (e.g. ``unit_unavailable`` when the unit holding the row was lost), so the operator
-    sees why the row is missing, not only that it is."""
+    sees why the row is missing, not only that it is. A row the store reports
+    ``lost_key`` (staged, both copies lost) rejects the rollout ``lost_staging_row``."""
     if result.status != reasons.MISSING_STAGING_ROW:
         return result
-    why = next((failed[k] for k in plan.keys if k in failed), None)
+    hits = [failed[k] for k in plan.keys if k in failed]
+    why = next((h for h in hits if h[0] == LOST_KEY), hits[0] if hits else None)
     if why is None:
         return result
+    if why[0] == LOST_KEY:
+        result.status = reasons.LOST_STAGING_ROW
     result.detail = f"{result.detail} (store: {why[0]}: {why[1]})"
     return result
 

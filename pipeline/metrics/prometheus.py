@@ -138,14 +138,21 @@ class TokenCaptureCollector(Collector):
         spill = GaugeMetricFamily(
             f"{PREFIX}_store_spilled_bytes", "Bytes of rows spilled to disk per storage unit (latest report)", labels=["unit", "worker"]
         )
+        lost = GaugeMetricFamily(
+            f"{PREFIX}_store_lost_keys",
+            "Keys staged whose both copies were lost, per storage unit recording them (latest report)",
+            labels=["unit", "worker"],
+        )
         for unit, ev in agg.store_units.items():
             labels = [unit, ev["worker"]]
             rows.add_metric(labels, ev["rows"])
             mem.add_metric(labels, ev["memory_bytes"])
             spill.add_metric(labels, ev["spilled_bytes"])
+            lost.add_metric(labels, ev["lost_keys"])
         yield rows
         yield mem
         yield spill
+        yield lost
 
         fam = CounterMetricFamily(
             f"{PREFIX}_scaling_decisions", "Adaptive scaling decisions by action and reason", labels=["action", "reason"]

@@ -35,6 +35,10 @@ MISSING_KEY = "missing_key"  # get/delete: no such key in the partition
 ABSENT_FIELD = "absent_field"  # get: the row is served but lacks a requested field
 STORE_ERROR = "store_error"  # the unit failed reading or writing the row (spill file)
 UNIT_UNAVAILABLE = "unit_unavailable"  # client: the unit holding the key cannot be reached
+# get/put: the key was staged, but both its copies were lost with their units (replicas=2;
+# known from its witness). It reads as lost, never as missing, and a put of it is refused
+# until a delete forgets the loss.
+LOST_KEY = "lost_key"
 # Not a failure: a delete acknowledged (the key is in ``ok``) whose removal waits until
 # every store checkpoint open on the unit has ended (``StoreResult.deferred``).
 DEFERRED = "deferred"

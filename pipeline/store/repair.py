@@ -6,13 +6,21 @@ Runs in the process that started a replicas=2 :class:`~pipeline.store.client.Sta
 unit whose worker is gone it starts a replacement actor on another worker (not one
 hosting a unit that shares keys with it), lists the keys each surviving partner holds a
 copy of, copies them in chunks (one get per survivor per chunk, one put per chunk) and
-then installs the new unit in the shared directory. Puts and gets go on meanwhile; reads
+then installs the new unit in the shared directory.
+
+Keys whose two copies were BOTH lost (the unit and the partner holding the other copy
+died together) cannot be copied; their names survive on their witness unit
+(:func:`~pipeline.store.replication.witness_map`), and the new unit records them as lost:
+they read ``lost_key`` and refuse new content, never pass for keys never staged. A
+survivor's lost keys are copied like its rows, and a replaced witness gets its names
+back from the units holding the keys it witnessed. Puts and gets go on meanwhile; reads
 of the lost unit's keys are served by the survivors until the new unit is installed.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
 
 from tasks.keys import unit_for_key
@@ -20,7 +28,7 @@ from tasks.keys import unit_for_key
 from .. import config
 from ..actors import current_workers, start_pinned_actors
 from .protocol import pack_names
-from .replication import partners
+from .replication import partners, witnessed_by
 from .unit import StorageUnit
 
 logger = logging.getLogger(__name__)
@@ -76,28 +84,75 @@ class Repairer:
         timeout = float(config.get("store.repair-call-timeout-s"))
         chunk_rows = int(config.get("store.repair-chunk-rows"))
         n = len(store.units)
-        copied = 0
+        dead = [p for p in partners(u, replica) if p not in mates]
+        copied = lost = 0
         try:
             for partition in store.partitions or []:
                 for s in mates:
-                    held = store.units[s].keys(partition).result(timeout=timeout)
-                    # Keys with a copy on s whose other copy was on u.
-                    mine = [
-                        k for k in held
-                        if ((p := unit_for_key(k, n)) == u and replica[u] == s) or (p == s and replica[s] == u)
-                    ]
-                    for i in range(0, len(mine), chunk_rows):
-                        chunk = mine[i : i + chunk_rows]
-                        got = store.units[s].get_many(partition, pack_names(chunk), None).result(timeout=timeout)
-                        if len(got.batch):
-                            res = new.put_many(partition, got.batch, True).result(timeout=timeout)
-                            copied += len(res.ok)
-                            if res.failed:
-                                logger.warning("re-replicating unit %d: %d rows refused, e.g. %s", u, len(res.failed), next(iter(res.failed.items())))
+                    copied += self._copy_pair(new, partition, u, s, timeout, chunk_rows)
+                for d in dead:
+                    lost += self._mark_pair_lost(new, partition, u, d, live, timeout)
+                self._rebuild_witness(new, partition, u, live, timeout)
         except BaseException:
             self.client.cancel(futures, force=True)
             raise
         store._replace_unit(u, new, worker, futures[0])
-        self.repaired.append({"unit": u, "worker": worker, "rows": copied, "version": store.version})
+        self.repaired.append({"unit": u, "worker": worker, "rows": copied, "lost": lost, "version": store.version})
         logger.info("storage unit %d re-replicated onto %s (%d rows)", u, worker, copied)
         return True
+
+    def _pair_keys(self, keys: list[str], u: int, s: int) -> list[str]:
+        """Those of ``keys`` whose two copies are on units ``u`` and ``s``."""
+        n, replica = len(self.store.units), self.store.replica
+        return [k for k in keys if ((p := unit_for_key(k, n)) == u and replica[u] == s) or (p == s and replica[s] == u)]
+
+    def _copy_pair(self, new: Any, partition: str, u: int, s: int, timeout: float, chunk_rows: int) -> int:
+        """Copy the rows (and lost-key records) of pair (u, s) from survivor ``s``; rows copied."""
+        mate = self.store.units[s]
+        held = self._pair_keys(mate.keys(partition).result(timeout=timeout), u, s)
+        copied = 0
+        for i in range(0, len(held), chunk_rows):
+            chunk = held[i : i + chunk_rows]
+            got = mate.get_many(partition, pack_names(chunk), None).result(timeout=timeout)
+            if len(got.batch):
+                res = new.put_many(partition, got.batch, True).result(timeout=timeout)
+                copied += len(res.ok)
+                if res.failed:
+                    logger.warning("re-replicating unit %d: %d rows refused, e.g. %s", u, len(res.failed), next(iter(res.failed.items())))
+        lost = mate.lost_keys(partition).result(timeout=timeout)
+        for how in set(lost.values()):
+            names = self._pair_keys([k for k, h in lost.items() if h == how], u, s)
+            if names:
+                new.mark_lost(partition, pack_names(names), how).result(timeout=timeout)
+        return copied
+
+    def _mark_pair_lost(self, new: Any, partition: str, u: int, d: int, live: set[str], timeout: float) -> int:
+        """Pair (u, d) died together: record its keys' names (from their witness) as lost."""
+        store, n = self.store, len(self.store.units)
+        how = f"units {min(u, d)} and {max(u, d)} lost together, noticed {time.strftime('%Y-%m-%dT%H:%M:%S')}"
+        marked = 0
+        for primary in (p for p in (u, d) if store.replica[p] in (u, d)):
+            w = store.witness[primary] if store.witness else None
+            if w is None or store.unit_workers[w] not in live:
+                logger.error(
+                    "storage units %d and %d lost together and the witness of unit %d's keys is %s: "
+                    "those keys read as missing, not lost", u, d, primary, "none" if w is None else "lost too",
+                )
+                continue
+            names = store.units[w].witnessed_keys(partition, primary, n).result(timeout=timeout)
+            if names:
+                marked += new.mark_lost(partition, pack_names(names), how).result(timeout=timeout)
+        if marked:
+            logger.error("storage units %d and %d lost together: %d key(s) of partition %r lost (both copies)", u, d, marked, partition)
+        return marked
+
+    def _rebuild_witness(self, new: Any, partition: str, u: int, live: set[str], timeout: float) -> None:
+        """``u`` witnessed other units' keys: give the new unit their names back."""
+        store, n = self.store, len(self.store.units)
+        for p in witnessed_by(u, store.witness or []):
+            source = next((c for c in (p, store.replica[p]) if store.unit_workers[c] in live), None)
+            if source is None:
+                continue
+            names = [k for k in store.units[source].keys(partition).result(timeout=timeout) if unit_for_key(k, n) == p]
+            if names:
+                new.witness(partition, pack_names(names)).result(timeout=timeout)

@@ -37,6 +37,26 @@ def replica_map(unit_workers: Sequence[str]) -> list[int]:
     return out
 
 
+def witness_map(unit_workers: Sequence[str], replica: Sequence[int]) -> list[int | None]:
+    """``witness[p]``: the unit recording the NAMES of the keys whose primary is ``p``, so a
+    key whose two copies (units ``p`` and ``replica[p]``) are both lost reads as lost, not
+    as never staged. The first unit after ``replica[p]`` (cyclically) on a worker hosting
+    neither copy; ``None`` when every unit is on one of those two workers (a store on two
+    workers cannot tell a lost key from an unknown one)."""
+    n = len(unit_workers)
+    out: list[int | None] = []
+    for p in range(n):
+        r = replica[p]
+        taken = {unit_workers[p], unit_workers[r]}
+        out.append(next((w for step in range(1, n) if unit_workers[w := (r + step) % n] not in taken), None))
+    return out
+
+
+def witnessed_by(u: int, witness: Sequence[int | None]) -> list[int]:
+    """The primaries whose keys unit ``u`` witnesses."""
+    return [p for p, w in enumerate(witness) if w == u]
+
+
 def partners(u: int, replica: Sequence[int]) -> list[int]:
     """Units holding the other copy of some key of unit ``u``: its replica, and every unit
     whose replica ``u`` is (sorted, without ``u``)."""

@@ -37,6 +37,7 @@ from .protocol import (
     INVALID_BATCH,
     INVALID_KEY,
     KEY_CONFLICT,
+    LOST_KEY,
     MISSING_KEY,
     STORE_ERROR,
     STORE_FULL,
@@ -62,6 +63,10 @@ SMALL_FIELD_ELEMENTS = 64
 # entries, the slot name, the row dict and zict's LRU entries. Measured with tracemalloc
 # on CPython 3.11: about 270 bytes for a field-less row (issue 11 #6).
 ROW_OVERHEAD_BYTES = 256
+
+
+def _lost_detail(key: str, how: str) -> str:
+    return f"{key!r} was staged, but both its copies were lost ({how}); delete it to forget the loss"
 
 
 def key_nbytes(key: str) -> int:
@@ -232,10 +237,14 @@ class StorageUnit:
         self.counters = {
             "puts": 0, "put_rows": 0, "gets": 0, "get_keys": 0, "get_rows": 0, "deletes": 0, "deleted_rows": 0,
             "deferred_rows": 0, "refused_rows": 0, "checkpoints_begun": 0, "checkpoints_ended": 0,
-            "checkpoints_expired": 0, "adopted_rows": 0, "released_rows": 0,
+            "checkpoints_expired": 0, "adopted_rows": 0, "released_rows": 0, "lost_reads": 0,
         }
         # Rows still provisional under a restore's claim: slot -> claim token.
         self.claims: dict[str, str] = {}
+        # replicas=2: names of the keys this unit witnesses (their copies live on two other
+        # units), and keys whose both copies were lost (key -> how), per partition.
+        self.witnessed: dict[str, dict[str, None]] = {}
+        self.lost: dict[str, dict[str, str]] = {}
         # Open store checkpoints: token -> partitions covered (None: every partition); and
         # per partition the keys whose delete waits until no open checkpoint covers it.
         self.open_checkpoints: dict[str, frozenset[str] | None] = {}
@@ -278,13 +287,22 @@ class StorageUnit:
 
     # ---- puts -------------------------------------------------------------------
 
-    def put_many(self, partition: str, batch: PackedBatch, adopt: bool = False, claim: str | None = None) -> StoreResult:
+    def put_many(
+        self,
+        partition: str,
+        batch: PackedBatch,
+        adopt: bool = False,
+        claim: str | None = None,
+        witness: bytes | Sequence[str] | None = None,
+    ) -> StoreResult:
         """Store every row of ``batch`` under ``partition``; per-key results.
 
         ``claim`` (a restore's token): the rows this put creates stay *provisional* under
         it until :meth:`settle_claim`, so :meth:`release_claim` can take back exactly
         them; a row another writer re-puts (and so is acknowledged to it) stops being
-        provisional and is never taken back.
+        provisional and is never taken back. ``witness``: names of keys (of this put, stored
+        on other units) this unit records as their witness (see :meth:`witness`). A key
+        recorded lost (:meth:`mark_lost`) is refused ``lost_key``.
 
         ``adopt``: the caller hands the batch's buffers over (it never touches them
         again), so token-sized rows are kept as views of them instead of one copy per
@@ -297,6 +315,8 @@ class StorageUnit:
         if not isinstance(batch, PackedBatch):
             raise InvalidStoreRequest(f"put_many needs a PackedBatch, got {type(batch).__name__}")
         adopt = bool(adopt) or (self.adopt_received and batch.received)
+        if witness is not None:
+            self.witness(partition, witness)
         self.counters["puts"] += 1
         n = len(batch)
         result = StoreResult()
@@ -309,6 +329,7 @@ class StorageUnit:
 
         reg = self.registry[partition]
         index = self.index.setdefault(partition, {})
+        lost = self.lost.get(partition, {})
         # Per field (not per row): a packed field has one dtype; present rows inherit its verdict.
         cols = []  # (name, values, offsets list, present list | None, spec, copy each row)
         shared: list[str] = []  # adopted fields: rows keep views of their buffers
@@ -345,6 +366,9 @@ class StorageUnit:
                 continue
             if bad_field[i] is not None:
                 result.failed[key] = (DTYPE_MISMATCH, bad_field[i])
+                continue
+            if key in lost:
+                result.failed[key] = (LOST_KEY, _lost_detail(key, lost[key]))
                 continue
             # Copy out of the batch buffer (the batch must not stay alive through our rows),
             # unless the buffers were adopted: then rows are views and the batch's token
@@ -431,6 +455,7 @@ class StorageUnit:
         self.counters["gets"] += 1
         self.counters["get_keys"] += len(keys)
         index = self.index.get(partition, {})
+        lost = self.lost.get(partition, {})
         reg = self.registry.get(partition)
         failed: dict[str, tuple[str, str]] = {}
         found: list[str] = []
@@ -438,7 +463,12 @@ class StorageUnit:
         for key in keys:
             slot = index.get(key) if isinstance(key, str) else None
             if slot is None:
-                failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
+                how = lost.get(key) if isinstance(key, str) else None
+                if how is None:
+                    failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
+                else:
+                    failed[key] = (LOST_KEY, _lost_detail(key, how))
+                    self.counters["lost_reads"] += 1
                 continue
             try:
                 rows.append(self.rows[slot])
@@ -461,20 +491,32 @@ class StorageUnit:
 
     # ---- deletes ----------------------------------------------------------------
 
-    def delete(self, partition: str, keys: Sequence[str] | bytes) -> StoreResult:
+    def delete(
+        self, partition: str, keys: Sequence[str] | bytes, unwitness: bytes | Sequence[str] | None = None
+    ) -> StoreResult:
         """Remove ``keys`` (one call, any number of keys); an absent key is reported
         ``missing_key`` (nothing else changes). While an open checkpoint covers
         ``partition`` the rows stay: their keys come back ``ok`` and ``deferred`` and are
-        removed when the last such checkpoint ends (:meth:`end_checkpoint`)."""
+        removed when the last such checkpoint ends (:meth:`end_checkpoint`). Deleting a
+        lost key forgets the loss (``ok``): it may be staged again. ``unwitness``: names
+        this unit stops witnessing (deleted from the units holding their copies)."""
         self._check_open()
         check_partition(partition, self.partitions)
         keys = unpack_names(keys, "keys")
+        if unwitness is not None:
+            self.witness(partition, None, unwitness)
         self.counters["deletes"] += 1
         self.expire_checkpoints()
         index = self.index.get(partition, {})
+        lost = self.lost.get(partition, {})
         defer = self._covered(partition)
         result = StoreResult()
+        forgotten = 0
         for key in keys:
+            if isinstance(key, str) and key not in index and lost.pop(key, None) is not None:
+                result.ok.append(key)  # the loss is forgotten; no row to remove
+                forgotten += 1
+                continue
             if not isinstance(key, str) or key not in index:
                 result.failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
                 continue
@@ -484,7 +526,7 @@ class StorageUnit:
             else:
                 self._remove(index, key)
             result.ok.append(key)
-        self.counters["deleted_rows"] += len(result.ok) - len(result.deferred)
+        self.counters["deleted_rows"] += len(result.ok) - len(result.deferred) - forgotten
         self.counters["deferred_rows"] += len(result.deferred)
         self.adopted.compact_pending(self.used_bytes, self.capacity)
         return result
@@ -531,6 +573,42 @@ class StorageUnit:
         for slot in slots:
             del self.claims[slot]
         return len(slots)
+
+    # ---- witness names and lost keys (replicas=2) ----------------------------------
+
+    def witness(self, partition: str, add: bytes | Sequence[str] | None = None, drop: bytes | Sequence[str] | None = None) -> int:
+        """Record the names ``add`` (keys staged on two other units) and forget ``drop``;
+        returns how many names this unit now witnesses in ``partition``. Names only, no
+        rows: if both copies of a key are lost, its name says it was staged."""
+        self._check_open()
+        check_partition(partition, self.partitions)
+        names = self.witnessed.setdefault(partition, {})
+        if add is not None:
+            names.update(dict.fromkeys(k for k in unpack_names(add, "witness") if isinstance(k, str)))
+        if drop is not None:
+            for key in unpack_names(drop, "unwitness"):
+                names.pop(key, None)
+        return len(names)
+
+    def witnessed_keys(self, partition: str, primary: int, n_units: int) -> list[str]:
+        """The witnessed names of ``partition`` whose primary unit is ``primary`` (of ``n_units``)."""
+        return [k for k in self.witnessed.get(partition, {}) if unit_for_key(k, n_units) == primary]
+
+    def mark_lost(self, partition: str, keys: bytes | Sequence[str], how: str) -> int:
+        """Record ``keys`` (not held here) as lost, ``how`` saying when and where; returns
+        how many were newly recorded. A lost key reads ``lost_key`` and refuses puts until
+        a delete forgets it."""
+        self._check_open()
+        check_partition(partition, self.partitions)
+        index = self.index.get(partition, {})
+        lost = self.lost.setdefault(partition, {})
+        new = [k for k in unpack_names(keys, "keys") if isinstance(k, str) and k not in index and k not in lost]
+        lost.update(dict.fromkeys(new, str(how)))
+        return len(new)
+
+    def lost_keys(self, partition: str) -> dict[str, str]:
+        """Every lost key of ``partition`` with how it was lost."""
+        return dict(self.lost.get(partition, {}))
 
     def _covered(self, partition: str) -> bool:
         """Whether an open checkpoint covers ``partition`` (deletes there are deferred)."""
@@ -638,6 +716,8 @@ class StorageUnit:
             "open_checkpoints": len(self.open_checkpoints),
             "pending_deletes": sum(len(d) for d in self.deferred.values()),
             "provisional_rows": len(self.claims),
+            "lost_keys": sum(len(d) for d in self.lost.values()),
+            "witnessed_keys": sum(len(d) for d in self.witnessed.values()),
             **self.counters,
         }
 
@@ -655,11 +735,13 @@ class StorageUnit:
             "spilled_bytes": self.rows.spilled_bytes,
             "used_bytes": self.used_bytes,
             "capacity_bytes": self.capacity,
+            "lost_keys": sum(len(d) for d in self.lost.values()),
         }
 
     def keys(self, partition: str) -> list[str]:
-        """Every key of ``partition`` (insertion order)."""
-        return list(self.index.get(partition, {}))
+        """Every key of ``partition``: held ones (insertion order), then lost ones (their
+        reads answer ``lost_key``)."""
+        return [*self.index.get(partition, {}), *self.lost.get(partition, {})]
 
     # ---- checkpoint -------------------------------------------------------------
 
@@ -712,6 +794,8 @@ class StorageUnit:
         self.open_checkpoints.clear()
         self.deferred.clear()
         self.claims.clear()
+        self.witnessed.clear()
+        self.lost.clear()
         self.answers = SlabPool(0)
         self.used_bytes = 0
         self.closed = True
