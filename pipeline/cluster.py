@@ -131,6 +131,9 @@ def attach(scheduler: str, timeout: float | None = None, *, wait_for_workers: bo
     """
     from tasks.errors import ClusterUnavailable, InvalidSchedulerAddress
 
+    from .scheduler_security import check_scheduler_security
+
+    check_scheduler_security(scheduler)  # tls:// without its settings: say which keys
     timeout = connect_timeout_s(timeout)
     unavailable = (
         f"no Dask scheduler answered at {scheduler} within {timeout:g} s; start one with "

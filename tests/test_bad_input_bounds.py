@@ -220,3 +220,18 @@ def test_cli_tls_settings_naming_a_missing_file_say_which(tmp_path, capsys):
     [line] = out.err.splitlines()
     assert line.startswith("error: ") and f"distributed.comm.tls.ca-file {missing!r} is not a file" in line
 
+
+
+def test_python_api_tls_address_without_security_settings_names_the_keys():
+    """The same check guards the Python entry points that take an address."""
+    from pipeline.client import CaptureClient
+    from pipeline.cluster import attach
+    from tasks.errors import InvalidSchedulerAddress
+
+    cleared = {key: None for key in TLS_KEYS}
+    with dask.config.set(cleared):
+        for connect in (lambda: attach("tls://127.0.0.1:8786", timeout=2), lambda: CaptureClient.connect("tls://127.0.0.1:8786")):
+            with pytest.raises(InvalidSchedulerAddress) as info:
+                connect()
+            assert "TLS security settings" in str(info.value) and all(key in str(info.value) for key in TLS_KEYS)
+            assert "not a scheduler address" not in str(info.value)

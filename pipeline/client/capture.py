@@ -60,6 +60,9 @@ class CaptureClient:
         if isinstance(scheduler, str):
             from distributed import Client
 
+            from ..scheduler_security import check_scheduler_security
+
+            check_scheduler_security(scheduler)  # InvalidSchedulerAddress naming the TLS keys
             owned = client = Client(scheduler)
         else:
             client = scheduler
