@@ -30,6 +30,7 @@ from tasks.packed import PackedBatch
 from .. import config
 from . import batch_file, sequence
 from .batch_file import DATA_SUFFIX, FORMAT_VERSION, decode_batch, fsync_dir
+from .deadline import settle_all
 from .location_lock import location_lock
 from .protocol import PARTITION_RE, check_key, field_problem
 from .regular_file import read_regular_bounded
@@ -389,17 +390,6 @@ def restore_file(store: "StagingStore", root: str, entry: dict, generation: str,
 # ---- orchestration (controller side) ------------------------------------------------
 
 
-def _settle_all(futures: list) -> list:
-    """Every actor future's result, or its exception (all awaited, none raised)."""
-    out = []
-    for fut in futures:
-        try:
-            out.append(fut.result())
-        except Exception as e:  # noqa: BLE001 - the caller decides what a failure means
-            out.append(e)
-    return out
-
-
 def save(store: "StagingStore", path: str, chunk_bytes: int) -> dict:
     """Checkpoint every unit of ``store`` into ``path``; returns the manifest (signed when
     ``store.checkpoint-key`` is set).
@@ -426,17 +416,17 @@ def _save_locked(store: "StagingStore", path: str, chunk_bytes: int, key: bytes 
     try:
         # Open on EVERY unit before any unit writes: from here on no delete removes a row
         # this checkpoint may still write, whichever process issues it.
-        opened = _settle_all([unit.begin_checkpoint(token) for unit in store.units])
+        opened = settle_all([unit.begin_checkpoint(token) for unit in store.units])
         errors = [o for o in opened if isinstance(o, Exception)]
         if not errors:
             # Wait for every unit before deciding: a failed unit must not leave others writing.
             # A replicated store holds every key twice: each unit writes only its primary keys.
             primary_of = len(store.units) if getattr(store, "replica", None) is not None else None
-            outcomes = _settle_all([unit.checkpoint_write(gen_dir, int(chunk_bytes), primary_of) for unit in store.units])
+            outcomes = settle_all([unit.checkpoint_write(gen_dir, int(chunk_bytes), primary_of) for unit in store.units])
             errors = [o for o in outcomes if isinstance(o, Exception)]
     finally:
         # Closing applies the deletes deferred meanwhile (a lost unit has nothing to close).
-        closed = _settle_all([unit.end_checkpoint(token) for unit in store.units])
+        closed = settle_all([unit.end_checkpoint(token) for unit in store.units])
     if not errors:
         # A unit whose lease ran out applied deletes the checkpoint was holding back: what
         # it wrote may miss rows deleted since, so the checkpoint does not count.

@@ -33,7 +33,7 @@ from .protocol import (
     pack_names,
     split_valid_keys,  # issue 11 #5
 )
-from .deadline import bounded, deadline, waiter
+from .deadline import bounded, deadline, settle_all, waiter
 from .directory import UnitDirectory, UnitTable
 from .replication import merge_copies, merge_deletes, partners, replica_map, witness_map
 from .slab_pool import SlabPool, process_pool
@@ -409,7 +409,7 @@ class StagingStore:
         returns how many. A unit that cannot be reached keeps its marks (they only let a
         release with this claim remove rows nobody else put)."""
         futures = [u.settle_claim(claim) for u in self.units]
-        return sum(r for r in _settle_results(futures) if isinstance(r, int))
+        return sum(r for r in settle_all(futures) if isinstance(r, int))
 
     def stats(self) -> list[dict]:
         """Per unit: rows, used/memory/spilled/disk bytes, puts, gets, per-partition counts."""
@@ -729,17 +729,6 @@ def _after_failover(first: list[GetResult], second: list[GetResult]) -> list[Get
 
 def _packed(names: list[str] | None) -> bytes | None:
     return None if not names else pack_names(names)
-
-
-def _settle_results(futures: list) -> list:
-    """Each future's result, or its exception (all awaited, none raised)."""
-    out = []
-    for f in futures:
-        try:
-            out.append(f.result())
-        except Exception as e:  # noqa: BLE001 - the caller decides what a failure means
-            out.append(e)
-    return out
 
 
 def _failed_rows(result: StoreResult, batch: PackedBatch) -> PackedBatch:

@@ -65,3 +65,15 @@ async def bounded(awaitable: Any, end: float | None) -> Any:
         return await awaitable
     async with asyncio.timeout(left(end)):
         return await awaitable
+
+
+def settle_all(futures: list) -> list:
+    """Every future's result, or its exception (all awaited, none raised): the caller
+    decides what a failure means (a lost unit, a checkpoint that does not count)."""
+    out = []
+    for fut in futures:
+        try:
+            out.append(fut.result())
+        except Exception as e:  # noqa: BLE001 - returned, not swallowed
+            out.append(e)
+    return out
