@@ -9,32 +9,24 @@ client's calls go straight to the worker, not through the scheduler).
 from __future__ import annotations
 
 import concurrent.futures
-import threading
 import uuid
 from typing import Any, Callable, Sequence
 
 from distributed import Actor
 
-from . import config
+from . import config, dask_compat
 
 
-class PinnedActor(Actor):
+class PinnedActor(dask_compat.FailFastActor):
     """An actor handle that fails fast when its worker is gone.
 
     A plain ``Actor`` handle that holds its task's future awaits that future on a connection
     error, i.e. forever for a pinned task whose worker died. This handle keeps that future
     only to keep the actor alive (as a plain handle does), out of the retry path, so the
     call fails with ``OSError`` after the connect timeout and the caller reports the
-    actor's work as unavailable (the store: its keys ``unit_unavailable``).
+    actor's work as unavailable (the store: its keys ``unit_unavailable``). The mechanics
+    live in :class:`pipeline.dask_compat.FailFastActor`.
     """
-
-    def _try_bind_worker_client(self):
-        super()._try_bind_worker_client()
-        if self._future is not None:
-            self._keepalive, self._future = self._future, None
-
-    def __reduce__(self):
-        return (type(self), (self._cls, self._address, self.key))
 
 
 class DirectActor(PinnedActor):
@@ -46,13 +38,7 @@ class DirectActor(PinnedActor):
     ``token-capture.store.direct-to-workers``; calls from workers are direct anyway).
     """
 
-    @property
-    def _worker_rpc(self):
-        if self._worker is None and self._client is None:
-            self._try_bind_worker_client()
-        if self._worker is None and self._client is not None:
-            return self._client.rpc(self._address)
-        return super()._worker_rpc
+    direct_to_worker = True
 
 
 def current_workers(client: Any) -> list[str]:
@@ -64,7 +50,7 @@ def pinned_handle(actor: Actor) -> PinnedActor:
     """The handle to use for ``actor``: direct to its worker or through the scheduler,
     as ``token-capture.store.direct-to-workers`` says; fails fast either way."""
     handle = DirectActor if config.get("store.direct-to-workers") else PinnedActor
-    return handle(actor._cls, actor._address, actor.key)
+    return handle.from_actor(actor)
 
 
 def start_pinned_actors(
@@ -111,9 +97,10 @@ def local_call(handle: Actor, method: str) -> Callable[..., concurrent.futures.F
         return None
     from distributed import get_worker
 
-    executor = get_worker().executors.get("actor")
-    if executor is None or threading.current_thread() in getattr(executor, "_threads", ()):
+    worker = get_worker()
+    if dask_compat.in_actor_thread(worker):
         return None
+    executor = dask_compat.actor_executor(worker)
     bound = getattr(instance, method)
     return lambda *args: executor.submit(bound, *args)
 
@@ -127,4 +114,4 @@ def local_instance(handle: Any) -> Any | None:
         worker = get_worker()
     except ValueError:  # not on a worker
         return None
-    return worker.state.actors.get(getattr(handle, "key", None))
+    return dask_compat.hosted_actor(worker, getattr(handle, "key", None))

@@ -1,7 +1,7 @@
 """Pooled receive buffers for the large Dask frames a process reads and drops again.
 
-Dask's TCP comm reads every frame into a fresh buffer (``read_bytes_rw`` ->
-``host_array`` in ``distributed.comm.tcp``), whose pages fault in on first touch: on a
+Dask's TCP comm reads every frame into a fresh buffer (its frame allocator, see
+:func:`pipeline.dask_compat.tcp_frame_allocator`), whose pages fault in on first touch: on a
 VM that hands freed memory back to its host, about as slowly as the wire itself. Most
 large frames of this pipeline are read and dropped soon after: a get's answers (merged,
 sliced into restores, verified), a finalized group. :func:`install` has frames of at least
@@ -43,13 +43,13 @@ def install() -> bool:
             return size > 0
         if size <= 0:
             return False
-        import distributed.comm.tcp as tcp
+        from .. import dask_compat
 
-        plain = getattr(tcp, "host_array", None)
+        plain = dask_compat.tcp_frame_allocator()
         if plain is None:  # a Dask that reads frames some other way: nothing to pool
             return False
 
-        def host_array(n: int) -> memoryview:
+        def pooled_frame(n: int) -> memoryview:
             if n < _STATE["min_bytes"] or _STATE["suspended"] or _POOL.max_bytes <= 0:
                 return plain(n)
             with _POOL._lock:
@@ -58,7 +58,7 @@ def install() -> bool:
                 slab = _POOL.take(n, collect=False)
             return slab[:n].data
 
-        tcp.host_array = host_array
+        dask_compat.set_tcp_frame_allocator(pooled_frame)
         _STATE["installed"] = True
         return True
 
