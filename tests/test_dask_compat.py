@@ -302,12 +302,7 @@ NOWHERE = {
 }
 #: Known uses in modules still to be moved over (the replacement is named with each
 #: internal above: the adapter, or the public API); drop an entry once its module is.
-PENDING = {
-    ("pipeline/store/unit.py", "Worker.executors"),
-    ("pipeline/store/directory.py", "Variable._get (Variable.get(..., asynchronous=True))"),
-    ("pipeline/bench/soak.py", "Scheduler._broker (Scheduler.get_events())"),
-    ("pipeline/bench/soak.py", "Broker._topics (Scheduler.get_events())"),
-}
+PENDING: set[tuple[str, str]] = set()  # uses still outside the adapter (none)
 ADAPTER = "pipeline/dask_compat.py"
 
 
@@ -326,11 +321,6 @@ def offences() -> frozenset[tuple[str, str]]:
 def test_no_module_but_the_adapter_mentions_distributed_internals():
     unexpected = sorted(offences() - PENDING)
     assert not unexpected, "use pipeline.dask_compat (or the public API) instead: " + repr(unexpected)
-
-
-def test_pending_uses_are_still_there():
-    fixed = sorted(PENDING - offences())
-    assert not fixed, "fixed: drop these from PENDING in tests/test_dask_compat.py: " + repr(fixed)
 
 
 def test_only_the_adapter_subclasses_actor_or_reaches_its_private_attributes():

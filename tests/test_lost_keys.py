@@ -88,7 +88,7 @@ def test_both_copies_lost_read_as_lost_refuse_puts_and_reject_rollouts(cluster, 
         pids = cluster.run(os.getpid, workers=[names["a"], names["b"]])
         for pid in pids.values():
             os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: {0, 1} <= {r["unit"] for r in store._repairer.repaired}, 120, "units 0 and 1 re-replicated")
+        wait_until(lambda: {0, 1} <= {r["unit"] for r in store.owner.repairer.repaired}, 120, "units 0 and 1 re-replicated")
 
         keys = [r.staging_key for r in rows]
         got = store.get_many(keys)

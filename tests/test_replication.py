@@ -100,7 +100,7 @@ def hang_unit(client, store, u: int, method: str, marker: str) -> None:
 
 
 def wait_repaired(store, n: int, timeout: float = 90.0) -> None:
-    wait_until(lambda: len(store._repairer.repaired) >= n, timeout, f"{n} unit(s) re-replicated")
+    wait_until(lambda: len(store.owner.repairer.repaired) >= n, timeout, f"{n} unit(s) re-replicated")
 
 
 def finalize(client, store, groups, step_id):

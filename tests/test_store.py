@@ -272,8 +272,7 @@ def test_large_put_split_into_capped_calls(store_factory):
     store = store_factory(n_units=1)
     rows = make_rows(6, calls=1, tokens=256)
     batch = pack_rows(rows)
-    with dask.config.set({"token-capture.store.max-call-bytes": 20_000}):  # ~2 rows per call
-        res = store.put_many(batch)
+    res = store.with_settings(max_call_bytes=20_000).put_many(batch)  # ~2 rows per call
     assert sorted(res.ok) == sorted(batch.keys) and not res.failed
     assert store.stats()[0]["puts"] >= 3
     got = store.get_many(list(batch.keys))
@@ -321,8 +320,7 @@ def test_adopted_puts_read_back_bit_exact(store_factory):
     rest = rest[np.argsort([unit_for_key(batch.keys[i], 2) for i in rest], kind="stable")]
     res = store.put_many(batch.take(first), adopt=True)
     assert sorted(res.ok) == sorted(batch.keys[i] for i in first) and not res.failed
-    with dask.config.set({"token-capture.store.max-call-bytes": 3 * SHARED_BYTES}):
-        res = store.put_many(batch.take(rest), adopt=True)
+    res = store.with_settings(max_call_bytes=3 * SHARED_BYTES).put_many(batch.take(rest), adopt=True)
     assert sorted(res.ok) == sorted(batch.keys[i] for i in rest) and not res.failed
     assert not copy.put_many(pack_rows(rows)).failed
     assert_rows_exact(store, rows)
@@ -689,11 +687,9 @@ def test_a_put_gathers_each_units_rows_into_pooled_buffers(store_factory):
 def _read_on_unit_worker(store, keys: list[str], local_reads: bool) -> tuple[bool, bool]:
     """Runs as a task on the unit's worker: (rows read back right, served from the unit's
     own pooled answer buffer, i.e. in-process)."""
-    import dask
     from distributed import get_worker
 
-    with dask.config.set({"token-capture.store.local-reads": local_reads}):
-        got = store.get_many(keys)
+    got = store.with_settings(local_reads=local_reads).get_many(keys)
     unit = get_worker().state.actors[store.units[0].key]
     slabs = [s for slabs in unit.answers._classes.values() for s in slabs]
     values = got.batch.fields["token_ids"].values

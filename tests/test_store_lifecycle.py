@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from pipeline.finalize import Finalizer, clear_rows
-from pipeline.finalize import graph as graph_mod
+from pipeline.finalize import worker_tasks
 from pipeline.store import checkpoint as checkpoint_mod
 from pipeline.store.client import StagingStore
 from pipeline.store.unit import StorageUnit
@@ -168,7 +168,7 @@ def test_delete_during_a_checkpoint_is_deferred_then_applied(cluster_client, sto
     keys = keys_of(builts)
     assert len(units_of(store, keys)) == 2
     issued = {}
-    settle_all = checkpoint_mod._settle_all
+    settle_all = checkpoint_mod.settle_all
 
     def settle_then_delete(futures):
         out = settle_all(futures)
@@ -177,9 +177,9 @@ def test_delete_during_a_checkpoint_is_deferred_then_applied(cluster_client, sto
             issued["present"] = present(store, keys)
         return out
 
-    monkeypatch.setattr(checkpoint_mod, "_settle_all", settle_then_delete)
+    monkeypatch.setattr(checkpoint_mod, "settle_all", settle_then_delete)
     manifest = store.checkpoint(str(tmp_path / "ckpt"))
-    monkeypatch.setattr(checkpoint_mod, "_settle_all", settle_all)
+    monkeypatch.setattr(checkpoint_mod, "settle_all", settle_all)
     assert issued["res"]["deleted"] == len(keys) and issued["res"]["deferred"] == len(keys)
     assert issued["present"] == set(keys)  # acknowledged, not removed while the checkpoint was open
     assert manifest["rows"] == len(keys)
@@ -261,7 +261,7 @@ class AssembleGate:
         self.rollouts = set(rollouts)
         self.started = threading.Event()
         self.release = threading.Event()
-        self.real = graph_mod.assemble_group
+        self.real = worker_tasks.assemble_group
 
     def __call__(self, rows, rewards):
         if any(r.rollout_id in self.rollouts for r in rows):
@@ -277,7 +277,7 @@ def test_a_step_is_cleared_only_after_all_its_groups_are_assembled(inprocess_cli
     g1 = stage(store, make_group(rng, "ord1", 3, n_calls=2))
     keys = keys_of(g0 + g1)
     gate = AssembleGate({g1[0].rollout_id})
-    monkeypatch.setattr(graph_mod, "assemble_group", gate)
+    monkeypatch.setattr(worker_tasks, "assemble_group", gate)
     before = unit_deletes(store)
     fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
     with dask.config.set({"token-capture.finalize.clear-staged": True}):
@@ -306,7 +306,7 @@ def test_a_key_another_in_flight_step_reads_survives_until_both_are_done(inproce
     shared = stage(store, make_group(rng, "shS", 1, n_calls=2))
     only_b = stage(store, make_group(rng, "shB", 2, n_calls=2))
     gate = AssembleGate({only_b[0].rollout_id})  # step B stays in flight until released
-    monkeypatch.setattr(graph_mod, "assemble_group", gate)
+    monkeypatch.setattr(worker_tasks, "assemble_group", gate)
     fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
     with dask.config.set({"token-capture.finalize.clear-staged": True}):
         step_a = fin.submit_step([[b.receipt for b in only_a + shared]], step_id="A")

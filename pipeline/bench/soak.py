@@ -46,10 +46,9 @@ def _rss() -> int:
 
 def _scheduler_counts(dask_scheduler: Any) -> dict[str, int]:
     """Tasks the scheduler holds, and events it keeps (all topics)."""
-    topics = getattr(getattr(dask_scheduler, "_broker", None), "_topics", {})  # distributed internals: best effort
     return {
         "tasks": len(dask_scheduler.tasks),
-        "events": sum(len(getattr(t, "events", ())) for t in topics.values()),
+        "events": sum(len(events) for events in dask_scheduler.get_events().values()),
         "task_groups": len(getattr(dask_scheduler, "task_groups", ())),
         "task_prefixes": len(getattr(dask_scheduler, "task_prefixes", ())),
     }

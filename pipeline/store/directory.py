@@ -48,7 +48,7 @@ class UnitDirectory:
     async def fetch_async(self, timeout: float | None = None) -> UnitTable | None:
         """The current table from a coroutine on a worker's event loop; None if unreachable."""
         try:
-            return pickle.loads(await self._variable()._get(timeout=timeout))
+            return pickle.loads(await self._variable().get(timeout=timeout, asynchronous=True))
         except Exception:  # noqa: BLE001
             return None
 

@@ -37,10 +37,10 @@ logger = logging.getLogger(__name__)
 class Repairer:
     """The background re-replication thread of one store (see the module docstring)."""
 
-    def __init__(self, store: Any, client: Any, unit_args: tuple):
+    def __init__(self, store: Any, client: Any, unit_args: Any):
         self.store = store
         self.client = client
-        self.unit_args = unit_args  # (memory_limit, capacity, spill directory, partitions, adopt_received)
+        self.unit_args = unit_args  # owner.UnitArgs: what every unit of the store is built with
         self.repaired: list[dict] = []  # one record per replaced unit: unit, worker, rows copied
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="token-capture-store-repair", daemon=True)
@@ -79,7 +79,7 @@ class Repairer:
             logger.warning("unit %d lost: no live worker apart from its partners' %s; waiting", u, sorted(avoid))
             return False
         worker = min(candidates, key=lambda w: (store.unit_workers.count(w), w))
-        units, futures = start_pinned_actors(self.client, StorageUnit, [worker], args=[(u, *self.unit_args)])
+        units, futures = start_pinned_actors(self.client, StorageUnit, [worker], args=[self.unit_args.for_unit(u)])
         new = units[0]
         timeout = float(config.get("store.repair-call-timeout-s"))
         chunk_rows = int(config.get("store.repair-chunk-rows"))
@@ -96,7 +96,7 @@ class Repairer:
         except BaseException:
             self.client.cancel(futures, force=True)
             raise
-        store._replace_unit(u, new, worker, futures[0])
+        store.owner.replace_unit(store, u, new, worker, futures[0])
         self.repaired.append({"unit": u, "worker": worker, "rows": copied, "lost": lost, "version": store.version})
         logger.info("storage unit %d re-replicated onto %s (%d rows)", u, worker, copied)
         return True

@@ -149,13 +149,15 @@ class StoreReporter:
         """Publish the unit's figures once (on the worker's loop); False once stopped."""
         from distributed.core import Status
 
+        from .. import dask_compat
+
         unit, worker = self._unit(), self._worker()
         if self._stopped or unit is None or unit.closed or worker is None or worker.status not in (Status.running, Status.paused):
             self._stopped = True
             self._stop_on_loop()
             return False
         try:
-            figures = await asyncio.get_running_loop().run_in_executor(worker.executors["actor"], unit.report_figures)
+            figures = await asyncio.get_running_loop().run_in_executor(dask_compat.actor_executor(worker), unit.report_figures)
         except RuntimeError:  # the actor executor shut down with the worker
             self._stopped = True
             self._stop_on_loop()

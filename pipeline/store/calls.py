@@ -1,0 +1,162 @@
+"""Running a store operation's actor calls: one sync driver, one async driver.
+
+A store operation (:mod:`~pipeline.store.operations`) is a generator: it yields a list
+of :class:`Call` (sent together, answered in order) or a :class:`Refresh` (were units
+replaced since the placement version it planned with?) and returns its answer. The
+operation holds every decision; a driver only sends, waits and settles. So there is ONE
+path per operation, driven by :func:`run_sync` (a client, a task, an actor thread) or
+:func:`run_async` (a coroutine on a worker's event loop).
+
+Settling (:func:`settle`): a unit that failed as a whole (its worker lost, the call past
+the deadline, the unit closed) fails only the keys of ITS call, as ``unit_unavailable``;
+every other call's answer stands. Anything else (a bug) raises.
+"""
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Protocol, Sequence, TypeVar, Union
+
+from tasks.errors import StoreError
+
+from ..actors import local_call
+from .deadline import bounded, waiter
+from .placement import Placement
+from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult
+from .settings import StoreSettings
+from .slab_pool import SlabPool
+
+T = TypeVar("T")
+Answer = Union[StoreResult, GetResult, Any]  # a unit method's answer (Any: stats, counts)
+
+
+@dataclass
+class Call:
+    """One actor call: unit ``unit``'s ``method`` with the arguments ``args()`` gives.
+
+    ``args`` is built only as the call is sent, so a sync driver cuts the next call's
+    rows while the event loop writes the previous one. ``keys`` are the keys this call
+    answers for (they fail ``unit_unavailable`` if the unit does), ``empty`` makes the
+    answer of a unit that failed. ``local``: a read that may run on the unit's own actor
+    thread when this code runs on the unit's worker (``store.local-reads``)."""
+
+    unit: int
+    method: str
+    args: Callable[[], tuple]
+    keys: Sequence[str] = ()
+    empty: Callable[[], Answer] = StoreResult
+    local: bool = False
+
+
+@dataclass(frozen=True)
+class Refresh:
+    """Ask whether the units changed since placement version ``seen`` (True: plan again)."""
+
+    seen: int
+
+
+Request = Union[list[Call], Refresh]
+Operation = Generator[Request, Any, T]
+
+
+class Driven(Protocol):
+    """What operations and drivers use of a store handle."""
+
+    units: list[Any]  # distributed Actor handles of the storage units
+    placement: Placement
+    settings: StoreSettings
+
+    def refresh(self, seen: int) -> bool: ...
+
+    async def refresh_async(self, seen: int) -> bool: ...
+
+    def buffers(self) -> SlabPool: ...
+
+
+def settle(call: Call, outcome: Answer | BaseException, workers: Sequence[str]) -> Answer:
+    """``call``'s answer: ``outcome`` itself, or for a unit that failed as a whole its
+    ``empty`` answer with every key ``unit_unavailable``. A bug (TypeError, ...) raises:
+    it must not pass for a lost unit."""
+    if not isinstance(outcome, BaseException):
+        return outcome
+    worker = workers[call.unit] if call.unit < len(workers) else "?"
+    if isinstance(outcome, TimeoutError):  # a hung (alive) unit: its keys fail like a lost one's
+        detail = f"storage unit {call.unit} on {worker} is unavailable: timeout: no answer by the call's deadline"
+    elif isinstance(outcome, (OSError, RuntimeError, StoreError)):
+        # Unreachable worker (OSError, incl. comm/timeouts), "Worker holding Actor was
+        # lost" (RuntimeError), a closed unit (StoreError).
+        detail = f"storage unit {call.unit} on {worker} is unavailable: {type(outcome).__name__}: {outcome}"
+    else:
+        raise outcome
+    out = call.empty()
+    out.failed.update({k: (UNIT_UNAVAILABLE, detail) for k in call.keys})
+    return out
+
+
+# ---- sync -------------------------------------------------------------------------------
+
+
+def run_sync(op: Operation[T], store: Driven, end: float | None) -> T:
+    """Drive ``op`` to its answer, blocking on actor futures (each bounded by ``end``)."""
+    reply: Any = None
+    while True:
+        try:
+            request = op.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(request, Refresh):
+            reply = store.refresh(request.seen)
+        else:
+            reply = _send_sync(request, store, end)
+
+
+def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answer]:
+    futures = [_invoke_sync(store, c) for c in calls]  # each sent as soon as its args exist
+    out = []
+    for c, f in zip(calls, futures):
+        try:
+            outcome: Any = waiter(f, end)()
+        except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
+            outcome = e
+        out.append(settle(c, outcome, store.placement.workers))
+    return out
+
+
+def _invoke_sync(store: Driven, call: Call) -> Any:
+    unit = store.units[call.unit]
+    fn = local_call(unit, call.method) if call.local and store.settings.local_reads else None
+    return (fn or getattr(unit, call.method))(*call.args())
+
+
+# ---- async ------------------------------------------------------------------------------
+
+
+async def run_async(op: Operation[T], store: Driven, end: float | None) -> T:
+    """Drive ``op`` to its answer from a coroutine (each call bounded by ``end``)."""
+    reply: Any = None
+    while True:
+        try:
+            request = op.send(reply)
+        except StopIteration as done:
+            return done.value
+        if isinstance(request, Refresh):
+            reply = await store.refresh_async(request.seen)
+        else:
+            reply = await _send_async(request, store, end)
+
+
+async def _send_async(calls: list[Call], store: Driven, end: float | None) -> list[Answer]:
+    workers = store.placement.workers
+    if len(calls) == 1:
+        # One unit (a restore's keys, a coalesced get): await its call directly, no gather
+        # task per call. Failures settle exactly as gather's would.
+        (c,) = calls
+        try:
+            outcome: Any = await bounded(getattr(store.units[c.unit], c.method)(*c.args()), end)
+        except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
+            outcome = e
+        return [settle(c, outcome, workers)]
+    outs = await asyncio.gather(
+        *(bounded(getattr(store.units[c.unit], c.method)(*c.args()), end) for c in calls), return_exceptions=True
+    )
+    return [settle(c, o, workers) for c, o in zip(calls, outs)]

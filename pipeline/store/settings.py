@@ -1,0 +1,24 @@
+"""A store handle's knobs, read once when the handle is built (``token-capture.store.*``).
+
+The creator's settings travel with every pickled copy of the handle, so all its copies
+behave alike wherever they run; :meth:`~pipeline.store.client.StagingStore.with_settings`
+makes a copy with some changed. ``dask.config.set`` applies to handles built afterwards.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import config
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """``max_call_bytes``: payload bytes per put call (``store.max-call-bytes``);
+    ``local_reads``: a get on a unit's own worker runs in-process (``store.local-reads``)."""
+
+    max_call_bytes: int
+    local_reads: bool
+
+    @classmethod
+    def from_config(cls) -> "StoreSettings":
+        return cls(config.get_bytes("store.max-call-bytes"), bool(config.get("store.local-reads")))
