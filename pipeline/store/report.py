@@ -14,19 +14,8 @@ from ..events import STORE, publish
 
 
 def report_store(store: Any) -> list[dict[str, Any]]:
-    """Publish each unit's rows, memory and spilled bytes now; return the unit stats."""
+    """Publish each unit's ``STORE`` event now (as the unit builds it); return the unit stats."""
     stats = store.stats()
     for s in stats:
-        publish(
-            STORE,
-            {
-                "unit": s["unit"],
-                "worker": s.get("worker"),
-                "rows": s["rows"],
-                "memory_bytes": s["memory_bytes"],
-                "spilled_bytes": s["spilled_bytes"],
-                "used_bytes": s.get("used_bytes", 0),
-                "capacity_bytes": s.get("capacity", 0),
-            },
-        )
+        publish(STORE, s["event"])
     return stats

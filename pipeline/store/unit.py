@@ -717,6 +717,7 @@ class StorageUnit:
             "registry": self.registry.to_dict(),
             "open_checkpoints": len(self.open_checkpoints),
             "pending_deletes": sum(len(d) for d in self.deferred.values()),
+            "event": self.event(),
             "provisional_rows": len(self.claims),
             "lost_keys": sum(len(d) for d in self.lost.values()),
             "witnessed_keys": sum(len(d) for d in self.witnessed.values()),
@@ -729,6 +730,11 @@ class StorageUnit:
         if self.closed:
             return None
         self.expire_checkpoints()  # the reporter's tick ends leases nobody else asks about
+        return self.event()
+
+    def event(self) -> dict:
+        """This unit's ``token-capture-store`` event (the one place it is built): rows,
+        bytes in memory / spilled / used and the capacity (bytes), lost keys."""
         return {
             "unit": self.unit_index,
             "worker": self.worker_address,
