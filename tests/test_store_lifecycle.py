@@ -103,32 +103,36 @@ def test_a_checkpoint_whose_writer_died_ends_with_its_lease(tmp_path, monkeypatc
     clock = Clock()
     monkeypatch.setattr(StorageUnit, "clock", clock)
     rng = np.random.default_rng(2)
-    unit = StorageUnit(0, memory_limit=1 << 20, capacity=1 << 30, spill_directory=str(tmp_path), partitions=["staging", "cut"])
+    with dask.config.set({"token-capture.store.checkpoint-lease-s": 60.0}):  # read once, when the unit is built
+        unit = StorageUnit(0, memory_limit=1 << 20, capacity=1 << 30, spill_directory=str(tmp_path), partitions=["staging", "cut"])
     built = make_rollout(rng, "lease-r0", n_calls=3)
     assert not unit.put_many("staging", pack_rows(built.rows)).failed
     keys = [r.staging_key for r in built.rows]
-    with dask.config.set({"token-capture.store.checkpoint-lease-s": 60.0}):
-        unit.begin_checkpoint("dead-writer")
-        assert unit.delete("staging", keys[:1]).deferred == keys[:1]
-        clock.now += 59.0
-        unit.report_figures()  # a reporter tick inside the lease: nothing ends
-        assert unit.keys("staging") == keys and unit.counters["checkpoints_expired"] == 0
-        clock.now += 2.0
-        unit.report_figures()  # past it: the checkpoint ends, its deferred delete applies
-        assert unit.keys("staging") == keys[1:]
-        assert unit.counters["checkpoints_expired"] == 1 and not unit.open_checkpoints
-        res = unit.delete("staging", keys[1:2])  # no checkpoint defers deletes any more
-        assert res.deferred == [] and unit.keys("staging") == keys[2:]
-        # The writer, had it lived, is told: once.
-        assert unit.end_checkpoint("dead-writer").get("expired") is True
-        assert "expired" not in unit.end_checkpoint("dead-writer")
+    unit.begin_checkpoint("dead-writer")
+    assert unit.delete("staging", keys[:1]).deferred == keys[:1]
+    clock.now += 59.0
+    unit.report_figures()  # a reporter tick inside the lease: nothing ends
+    assert unit.keys("staging") == keys and unit.counters["checkpoints_expired"] == 0
+    clock.now += 2.0
+    unit.report_figures()  # past it: the checkpoint ends, its deferred delete applies
+    assert unit.keys("staging") == keys[1:]
+    assert unit.counters["checkpoints_expired"] == 1 and not unit.open_checkpoints
+    res = unit.delete("staging", keys[1:2])  # no checkpoint defers deletes any more
+    assert res.deferred == [] and unit.keys("staging") == keys[2:]
+    # The writer, had it lived, is told: once.
+    assert unit.end_checkpoint("dead-writer").get("expired") is True
+    assert "expired" not in unit.end_checkpoint("dead-writer")
     with dask.config.set({"token-capture.store.checkpoint-lease-s": 0}):
-        unit.begin_checkpoint("forever")
-        unit.delete("staging", keys[2:])
-        clock.now += 1e9
-        unit.report_figures()
-        assert unit.keys("staging") == keys[2:]  # 0: no lease
-        assert unit.end_checkpoint("forever")["applied"] == 1
+        forever = StorageUnit(1, memory_limit=1 << 20, capacity=1 << 30, spill_directory=str(tmp_path), partitions=["staging"])
+    assert not forever.put_many("staging", pack_rows(built.rows[2:])).failed
+    forever.begin_checkpoint("forever")
+    forever.delete("staging", keys[2:])
+    clock.now += 1e9
+    forever.report_figures()
+    assert forever.keys("staging") == keys[2:]  # 0: no lease
+    assert forever.end_checkpoint("forever")["applied"] == 1
+    unit.close()
+    forever.close()
 
 
 def test_a_save_that_outlived_its_lease_fails_and_keeps_the_previous_checkpoint(inprocess_client, tmp_path, monkeypatch):

@@ -43,10 +43,9 @@ class AdoptedGroups:
     def __len__(self) -> int:
         return len(self.groups)
 
-    def adopt(self, shared: list[str], cols: list, slots: list[str], used_bytes: int, capacity: int) -> None:
-        """Track the adopted buffers of fields ``shared`` (``cols`` entries are
-        ``(name, values, ...)``) as one group of the rows stored under ``slots``."""
-        held = sum(c[1].nbytes for c in cols if c[0] in shared)
+    def adopt(self, shared: list[str], held: int, slots: list[str], used_bytes: int, capacity: int) -> None:
+        """Track the adopted buffers of fields ``shared`` (``held`` bytes in all) as one
+        group of the rows stored under ``slots``."""
         members: dict[str, int] = {}
         for slot in slots:
             row = self._rows.fast.d.get(slot)

@@ -1,0 +1,68 @@
+"""A unit's open store checkpoints and the deletes they hold back (pure bookkeeping).
+
+While a checkpoint is open on a unit, deletes in the partitions it covers are deferred,
+so no row the checkpoint may still write is lost, whichever process deletes. Each open
+checkpoint has a lease: one older than ``lease_s`` seconds (its writer died) ends by
+itself, and its writer is told once that it expired. Times are the unit's clock (s).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CheckpointGuard:
+    """Open checkpoints (token -> partitions covered, ``None``: all), when each began, the
+    tokens a lease ended, and per partition the keys whose delete waits."""
+
+    lease_s: float  # 0: no lease
+    open: dict[str, frozenset[str] | None] = field(default_factory=dict)
+    began: dict[str, float] = field(default_factory=dict)
+    expired: set[str] = field(default_factory=set)
+    deferred: dict[str, dict[str, None]] = field(default_factory=dict)
+
+    def covers(self, partition: str) -> bool:
+        """Whether an open checkpoint covers ``partition`` (deletes there are deferred)."""
+        return any(parts is None or partition in parts for parts in self.open.values())
+
+    def begin(self, token: str, parts: frozenset[str] | None, now: float) -> bool:
+        """Open ``token`` (again: nothing changes); True if it is new."""
+        if token in self.open:
+            return False
+        self.open[token] = parts
+        self.began[token] = now
+        return True
+
+    def end(self, token: str) -> tuple[bool, bool]:
+        """Close ``token``: (it was open, a lease had ended it, told only once)."""
+        expired = token in self.expired
+        self.expired.discard(token)
+        self.began.pop(token, None)
+        return self.open.pop(token, ...) is not ..., expired
+
+    def expire(self, now: float) -> list[str]:
+        """End every checkpoint open longer than the lease; returns their tokens."""
+        if self.lease_s <= 0 or not self.began:
+            return []
+        old = [t for t, began in self.began.items() if now - began > self.lease_s]
+        for token in old:
+            del self.began[token]
+            self.open.pop(token, None)
+            self.expired.add(token)
+        return old
+
+    def defer(self, partition: str, key: str) -> None:
+        self.deferred.setdefault(partition, {})[key] = None
+
+    def due(self) -> dict[str, list[str]]:
+        """The deferred deletes no open checkpoint holds back any more (taken out)."""
+        return {p: list(self.deferred.pop(p)) for p in [p for p in self.deferred if not self.covers(p)]}
+
+    def pending(self) -> int:
+        return sum(len(d) for d in self.deferred.values())
+
+    def clear(self) -> None:
+        self.open.clear()
+        self.began.clear()
+        self.expired.clear()
+        self.deferred.clear()
