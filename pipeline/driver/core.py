@@ -1,42 +1,38 @@
 """RolloutDriver: drives multi-turn rollouts on GenerationWorker actors, round by round.
 
-The controller side of checkpointable generation: one generation actor per Dask worker
-holds the in-flight calls; the driver stages completed calls through each rollout's gate
-and opens their next turns. Cutting (:mod:`.cut`) and recovering (:mod:`.recovery`) are
-mixed in.
+The controller side of checkpointable generation, composed of: an
+:class:`~pipeline.driver.pool.ActorPool` (one generation actor per Dask worker, holding the
+in-flight calls), a :class:`~pipeline.driver.book.RolloutBook` (each rollout's state, gate
+and receipt), a :class:`~pipeline.driver.rounds.RoundRunner` (rounds: step, stage through
+the gates, open next turns), the cut (:mod:`.cut`) and recovery (:mod:`.recovery`).
 """
 from __future__ import annotations
 
-import math
-from collections import defaultdict
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+import time
+from typing import TYPE_CHECKING, Mapping, Sequence
 
-import numpy as np
-
-from tasks.errors import DriverError, InvalidRecord
-from tasks.gate import CaptureGate
-from tasks.keys import STAGING_PARTITION
-from tasks.packed import pack_rows
+from tasks.errors import DriverError
 from tasks.receipts import Receipt
 from tasks.toy.environment import ToolEnvironment
-from tasks.toy.rollouts import RolloutSpec, call_id, parent_call_id, toy_reward
+from tasks.toy.rollouts import RolloutSpec
 
-from .. import config
-from ..actors import current_workers, start_pinned_actors
 from ..capture import policy_from_config
-from .cut import CutMixin
-from .recovery import DriverSnapshot, RecoveryMixin
-from .state import RolloutState
+from .book import RolloutBook
+from .cut import CutStats, cut_actors
+from .handles import CutStore, GenerationActor, PrefixBatcher
+from .pool import ActorPool
+from .recovery import RecoveryStats, rebuild_rollouts, resume_calls, start_batchers
+from .rounds import RoundRunner
+from .settings import PolicySettings, PoolSettings, RoundSettings
+from .snapshot import DriverSettings, DriverSnapshot
 
 if TYPE_CHECKING:
     from distributed import Client
 
     from pipeline.store.client import StagingStore
 
-    from .handles import CutStore, GenerationActor
 
-
-class RolloutDriver(CutMixin, RecoveryMixin):
+class RolloutDriver:
     """Places rollouts on GenerationWorker actors and drives them turn by turn.
 
     client: a ``distributed.Client``; store: the
@@ -46,6 +42,7 @@ class RolloutDriver(CutMixin, RecoveryMixin):
     cut_store: the store actors write cut prefixes to (default ``store``; a
     :class:`~pipeline.testing.faults.FaultyStore` in tests).
     step_tokens: tokens per call per round (default ``driver.step-tokens``).
+    Knobs are read once, here.
     """
 
     def __init__(
@@ -54,7 +51,7 @@ class RolloutDriver(CutMixin, RecoveryMixin):
         store: StagingStore,
         n_workers: int | None = None,
         *,
-        policy: Mapping[str, Any] | None = None,
+        policy: PolicySettings | None = None,
         with_routes: bool = True,
         weight_version: int = 0,
         cut_store: CutStore | None = None,
@@ -64,40 +61,53 @@ class RolloutDriver(CutMixin, RecoveryMixin):
         self.client = client
         self.store = store
         self.cut_store: CutStore = store if cut_store is None else cut_store
-        self.policy_overrides = dict(policy or {})
-        self.policy = policy_from_config(self.policy_overrides)
-        self.with_routes = bool(with_routes)
-        self.weight_version = int(weight_version)
-        self.step_tokens = int(config.get("driver.step-tokens") if step_tokens is None else step_tokens)
-        if self.step_tokens < 1:
-            raise DriverError(f"step_tokens {self.step_tokens} must be >= 1")
+        self.policy_overrides: dict[str, int] = dict(policy or {})
+        pool_settings = PoolSettings.from_config(self.policy_overrides, with_routes)
+        self.policy = policy_from_config(pool_settings.policy)  # the same settings the actors get
+        self._settings = RoundSettings.from_config(step_tokens, weight_version, with_routes)
         self.env = ToolEnvironment(seed=self.policy.config.seed, vocab_size=self.policy.vocab_size)
-        self._rollouts: dict[str, RolloutState] = {}
-        self._order: list[str] = []
         self.snapshot: DriverSnapshot | None = None
-        self.rounds = 0  # rounds run (count)
-        self.stage_puts = 0  # put_many calls that staged completed calls (count)
-        self._start_actors(n_workers, workers)
+        self._book = RolloutBook(self.policy)
+        self._pool = ActorPool.start(client, ActorPool.placement(client, n_workers, workers), self.cut_store,
+                                     pool_settings)
+        self._rounds = RoundRunner(self._pool, self._book, store, self.env, self._settings)
+
+    # ---- settings and counters -----------------------------------------------------------
+
+    @property
+    def with_routes(self) -> bool:
+        return self._settings.with_routes
+
+    @property
+    def weight_version(self) -> int:
+        return self._settings.weight_version
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens per call per round."""
+        return self._settings.step_tokens
+
+    @property
+    def rounds(self) -> int:
+        """Rounds run (count)."""
+        return self._rounds.rounds
+
+    @property
+    def stage_puts(self) -> int:
+        """``put_many`` calls that staged completed calls (count)."""
+        return self._rounds.stage_puts
 
     # ---- actors -------------------------------------------------------------------------
 
-    def _start_actors(self, n_workers: int | None, workers: Sequence[str] | None) -> None:
-        from ..generation.worker import GenerationWorker
+    @property
+    def actors(self) -> list[GenerationActor]:
+        """The generation actors by slot (empty once killed)."""
+        return self._pool.actors
 
-        workers = current_workers(self.client) if workers is None else list(workers)
-        if n_workers is not None:
-            workers = workers[: int(n_workers)]
-        if not workers:
-            raise DriverError("no workers to host generation actors")
-        settings = dict(config.get("policy"))
-        settings.update(self.policy_overrides)
-        # Completed calls carry their tokens: the handles talk to their worker directly.
-        actors, self._futures = start_pinned_actors(
-            self.client, GenerationWorker, workers, args=[(self.cut_store,)] * len(workers),
-            policy=settings, with_routes=self.with_routes,
-        )
-        self.actors: list[GenerationActor] = list(actors)
-        self.workers: list[str] = workers
+    @property
+    def workers(self) -> list[str]:
+        """The worker hosting each actor, by slot."""
+        return self._pool.workers
 
     def kill(self) -> list[str]:
         """Drop the generation actors (a simulated crash): their in-flight calls are lost.
@@ -105,159 +115,112 @@ class RolloutDriver(CutMixin, RecoveryMixin):
         Releases the actors' futures and handles, so the workers delete them; returns the
         actors' keys. The driver is unusable afterwards: recover with :meth:`recover`.
         """
-        keys = [f.key for f in self._futures]
-        self.client.cancel(self._futures, force=True)
-        self._futures, self.actors = [], []
-        return keys
+        return self._pool.kill()
 
-    # ---- submission -----------------------------------------------------------------------
+    # ---- submission and rounds --------------------------------------------------------------
 
     def submit(self, groups: Sequence[Sequence[RolloutSpec]]) -> None:
         """Place every rollout (round-robin over the actors, submission order) and open
         its first call. ``groups``: lists of specs, or one flat list of specs."""
         specs = [s for g in groups for s in (g if isinstance(g, (list, tuple)) else [g])]
         ids = [s.rollout_id for s in specs]
-        if len(set(ids)) != len(ids) or any(i in self._rollouts for i in ids):
+        if len(set(ids)) != len(ids) or any(i in self._book for i in ids):
             raise DriverError("duplicate rollout_id (in this submission or already driven)")
         if not self.actors:
             raise DriverError("the driver has no generation actors (killed?)")
         opened = []
+        vocab = self.policy.vocab_size
         for s in specs:
-            r = RolloutState(s, len(self._order) % len(self.actors), self._new_gate(s))
-            self._rollouts[s.rollout_id] = r
-            self._order.append(s.rollout_id)
+            r = self._book.add(s, len(self._book) % len(self._pool))
             p = s.prompt_tokens
-            if p.size and (int(p.min()) < 0 or int(p.max()) >= self.policy.vocab_size):
+            if p.size and (int(p.min()) < 0 or int(p.max()) >= vocab):
                 # A prompt this policy cannot read poisons its rollout only.
-                self._poison(r, f"invalid_token: prompt of {s.rollout_id!r} holds ids outside [0, {self.policy.vocab_size})")
+                self._book.poison(r, f"invalid_token: prompt of {s.rollout_id!r} holds ids outside [0, {vocab})")
                 continue
             opened.append(r)
-        self._start(opened)
-
-    def _new_gate(self, spec: RolloutSpec) -> CaptureGate:
-        return CaptureGate(spec.rollout_id, vocab_size=self.policy.vocab_size, num_experts=self.policy.num_experts,
-                           group_id=spec.group_id)
-
-    def _call_specs(self, rollouts: Sequence[RolloutState]) -> list[dict]:
-        """Start specs of each rollout's current call (tool tokens drawn in one pass)."""
-        later = [r for r in rollouts if r.turn > 0]
-        tools = self.env.tool_outputs([r.spec.rollout_id for r in later], [r.turn for r in later],
-                                      [r.spec.tool_tokens for r in later])
-        tool_of = {r.spec.rollout_id: t for r, t in zip(later, tools)}
-        return [
-            {
-                "rollout_id": r.spec.rollout_id,
-                "model_call_id": call_id(r.turn),
-                "parent_call_id": parent_call_id(r.turn),
-                "context": r.spec.prompt_tokens if r.turn == 0 else tool_of[r.spec.rollout_id],
-                "history": r.tail,
-                "prev_len": r.prev_len,
-                "max_new_tokens": r.spec.tokens_per_turn,
-                "weight_version": self.weight_version,
-            }
-            for r in rollouts
-        ]
-
-    def _start(self, rollouts: Sequence[RolloutState]) -> None:
-        """Open the current call of each rollout: one ``start_calls`` per actor, all at once."""
-        by_slot: dict[int, list[RolloutState]] = defaultdict(list)
-        for r in rollouts:
-            by_slot[r.slot].append(r)
-        futures = {slot: self.actors[slot].start_calls(self._call_specs(rs)) for slot, rs in by_slot.items()}
-        for slot, fut in futures.items():
-            fut.result()
-
-    # ---- rounds -------------------------------------------------------------------------------
+        self._rounds.start(opened)
 
     @property
     def active(self) -> int:
         """Rollouts with a call in flight."""
-        return sum(r.active for r in self._rollouts.values())
+        return self._book.active
 
     def run_rounds(self, n: int) -> int:
         """Run up to ``n`` rounds (fewer if every rollout finishes); returns rounds run."""
         done = 0
         while done < n and self.active:
-            self._round()
+            self._rounds.step()
             done += 1
         return done
 
     def finish(self, max_rounds: int | None = None) -> dict[str, list[Receipt]]:
         """Run rounds until every rollout has finished; returns :meth:`receipts`."""
-        limit = max_rounds if max_rounds is not None else self._rounds_left() + 1
+        limit = max_rounds if max_rounds is not None else self._book.rounds_left(self.step_tokens) + 1
         self.run_rounds(limit)
         if self.active:
             raise DriverError(f"{self.active} rollouts still running after {limit} rounds")
         return self.receipts()
 
-    def _rounds_left(self) -> int:
-        per_turn = lambda s: math.ceil(s.tokens_per_turn / self.step_tokens)  # noqa: E731
-        return max((per_turn(r.spec) * (r.spec.turns - r.turn) for r in self._rollouts.values() if r.active), default=0)
-
-    def _round(self) -> None:
-        slots = sorted({r.slot for r in self._rollouts.values() if r.active})
-        steps = {s: self.actors[s].step(self.step_tokens) for s in slots}
-        finished = [s for s in slots if steps[s].result()["completed"]]
-        self._collect(finished)
-        self.rounds += 1
-
-    def _collect(self, slots: Sequence[int]) -> list[RolloutState]:
-        """Take completed calls from ``slots``, stage them (one put), open next turns."""
-        taken = {s: self.actors[s].take_completed() for s in slots}
-        outputs = [o for s in slots for o in taken[s].result()]
-        if not outputs:
-            return []
-        rows, owners = [], []
-        for out in outputs:
-            r = self._rollouts.get(out["rollout_id"])
-            if r is None or not r.active or out["model_call_id"] != call_id(r.turn):
-                continue  # not a call of ours (or a stale one): nothing to stage
-            try:
-                row = r.gate.stage_call(
-                    out["model_call_id"], parent_call_id(r.turn), out["token_ids"], out["token_mask"], out["logprobs"],
-                    routed_experts=out.get("routed_experts"), weight_version=self.weight_version,
-                )
-            except InvalidRecord as e:
-                self._poison(r, f"{e.reason}: {e.detail}")
-                continue
-            rows.append(row)
-            owners.append((r, row, int(out["context_tokens"])))
-        if rows:
-            result = self.store.put_many(pack_rows(rows, with_routes=self.with_routes), partition=STAGING_PARTITION)
-            self.stage_puts += 1
-        nxt = []
-        for r, row, n_ctx in owners:
-            bad = result.failed.get(row.staging_key)
-            if bad is not None:
-                self._poison(r, f"staging_failed: {bad[0]}: {bad[1]}")
-                continue
-            self._advance(r, row.token_ids, n_ctx)
-            if r.active:
-                nxt.append(r)
-            else:
-                r.final = r.gate.receipt(self._reward(r))
-        self._start(nxt)
-        return nxt
-
-    def _advance(self, r: RolloutState, delta_ids: np.ndarray, n_ctx: int) -> None:
-        r.generated.append(np.asarray(delta_ids[n_ctx:]))
-        r.prev_len += len(delta_ids)
-        r.tail = np.concatenate([r.tail, delta_ids])[-self.policy.window :]
-        r.turn += 1
-
-    def _reward(self, r: RolloutState) -> float:
-        gen = np.concatenate(r.generated) if r.generated else np.zeros(0, np.int64)
-        return toy_reward(gen)
-
-    def _poison(self, r: RolloutState, reason: str) -> None:
-        r.gate.poison(reason)
-        r.final = r.gate.receipt(self._reward(r))
-
     def receipts(self) -> dict[str, list[Receipt]]:
         """Receipts per group (submission order); running rollouts get their receipt so far."""
-        out: dict[str, list[Receipt]] = {}
-        for rid in self._order:
-            r = self._rollouts[rid]
-            rec = r.final if r.final is not None else r.gate.receipt(self._reward(r))
-            out.setdefault(r.spec.group_id, []).append(rec)
-        return out
+        return self._book.receipts()
+
+    # ---- cut and recovery ---------------------------------------------------------------------
+
+    def cut(self, checkpoint_id: str, deadline: float | None = None) -> CutStats:
+        """Cut every in-flight call on every actor (``checkpoint_cut``, all actors at once).
+
+        ``deadline``: absolute, in the workers' ``time.time()`` seconds (None: now +
+        ``cut.deadline-s``). Calls that completed meanwhile are collected as usual. Sets
+        :attr:`snapshot` (what :meth:`recover` needs) and returns :class:`CutStats`.
+        """
+        t0 = time.perf_counter()
+        outcome = cut_actors(self._pool, self._book.inventory(), self.cut_store, checkpoint_id, deadline)
+        self._rounds.collect(outcome.completed_slots)
+        wall_ms = (time.perf_counter() - t0) * 1e3
+        self.snapshot = self._book.snapshot(checkpoint_id, outcome.acks, self._driver_settings())
+        return outcome.stats(wall_ms)
+
+    def _driver_settings(self) -> DriverSettings:
+        return DriverSettings(policy=self.policy_overrides, with_routes=self.with_routes,
+                              weight_version=self.weight_version, step_tokens=self.step_tokens)
+
+    def checkpoint_store(self, path: str) -> dict:
+        """Checkpoint the staging store (staged rows and cut prefixes) to ``path``; the manifest."""
+        return self.store.checkpoint(path)
+
+    @classmethod
+    def recover(
+        cls,
+        client: Client,
+        store: StagingStore,
+        snapshot: DriverSnapshot,
+        n_workers: int | None = None,
+        *,
+        batchers: Mapping[str, PrefixBatcher] | None = None,
+        cut_store: CutStore | None = None,
+        workers: Sequence[str] | None = None,
+    ) -> tuple[RolloutDriver, RecoveryStats]:
+        """A new driver on fresh generation actors, continuing ``snapshot``'s rollouts.
+
+        ``store`` holds the staged rows and cut prefixes (the original store, or one
+        restored from its checkpoint). ``batchers``: ``{worker: PrefixReadBatcher}``
+        (default: :func:`~pipeline.restore.batcher.start_batchers` on the actors' workers).
+        Gates are rebuilt from the staged rows (ONE get for all rollouts); a rollout whose
+        rows are missing or do not hash to its receipt is poisoned, the others go on.
+        """
+        if not isinstance(snapshot, DriverSnapshot):
+            raise DriverError(f"recover needs the DriverSnapshot of a cut, got {type(snapshot).__name__}")
+        t0 = time.perf_counter()
+        s = snapshot.settings
+        driver = cls(client, store, n_workers, policy=s["policy"], with_routes=s["with_routes"],
+                     weight_version=s["weight_version"], cut_store=cut_store, step_tokens=s["step_tokens"], workers=workers)
+        stats = RecoveryStats()
+        running = rebuild_rollouts(driver._book, store, snapshot, len(driver._pool), driver.with_routes, stats)
+        if batchers is None:
+            batchers = start_batchers(client, store, sorted(set(driver.workers)), driver.policy, driver.with_routes)
+        contexts = {r.spec.rollout_id: c["context"] for r, c in zip(running, driver._rounds.call_specs(running))}
+        regenerate = resume_calls(driver._pool, running, snapshot.acks, batchers, contexts, stats)
+        driver._rounds.start(regenerate)
+        stats.wall_ms = (time.perf_counter() - t0) * 1e3
+        return driver, stats

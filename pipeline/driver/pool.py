@@ -1,0 +1,107 @@
+"""ActorPool: the generation actors a driver runs on, one per slot (a Dask worker each).
+
+It starts them (pinned, one per worker), fans a call out to several at once and waits for
+every answer, tells an actor that is gone (connection failure, worker left) from one that
+raised, and drops them all (:meth:`ActorPool.kill`). A lost actor is replaced by starting a
+new pool (:meth:`ActorPool.start`), which is what recovery does.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TypeVar
+
+from tasks.errors import DriverError
+
+from ..actors import current_workers, start_pinned_actors
+from .handles import CutStore, GenerationActor, Pending
+from .settings import PoolSettings
+
+if TYPE_CHECKING:
+    from distributed import Client, Future
+
+T = TypeVar("T")
+# One actor call: (slot, its actor) -> the call in flight.
+ActorCall = Callable[[int, GenerationActor], Pending[T]]
+
+
+class ActorPool:
+    """Generation actors by slot; ``workers[slot]`` hosts ``actors[slot]``.
+
+    Holds the actors' futures: the actors live as long as the pool does (or until
+    :meth:`kill`). Build with :meth:`start`.
+    """
+
+    def __init__(self, client: Client, actors: Sequence[GenerationActor], futures: Sequence[Future],
+                 workers: Sequence[str]):
+        self.client = client
+        self.actors: list[GenerationActor] = list(actors)
+        self.workers: list[str] = list(workers)
+        self._futures: list[Future] = list(futures)
+
+    @staticmethod
+    def placement(client: Client, n_workers: int | None = None, workers: Sequence[str] | None = None) -> list[str]:
+        """The workers to host actors: ``workers`` (default every worker now), the first
+        ``n_workers`` of them; :class:`DriverError` if none."""
+        chosen = current_workers(client) if workers is None else list(workers)
+        if n_workers is not None:
+            chosen = chosen[: int(n_workers)]
+        if not chosen:
+            raise DriverError("no workers to host generation actors")
+        return chosen
+
+    @classmethod
+    def start(cls, client: Client, workers: Sequence[str], cut_store: CutStore, settings: PoolSettings) -> ActorPool:
+        """One GenerationWorker on each of ``workers`` (an address may repeat), writing cut
+        prefixes to ``cut_store``."""
+        from ..generation.worker import GenerationWorker
+
+        workers = list(workers)
+        # Completed calls carry their tokens: the handles talk to their worker directly.
+        actors, futures = start_pinned_actors(
+            client, GenerationWorker, workers, args=[(cut_store,)] * len(workers),
+            policy=dict(settings.policy), with_routes=settings.with_routes,
+        )
+        return cls(client, actors, futures, workers)
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def fan_out(self, slots: Iterable[int], call: ActorCall[T]) -> dict[int, T]:
+        """``call`` on the actor of every slot, all issued before any is awaited; the
+        answers by slot (in ``slots`` order). The first failure propagates."""
+        pending = {s: call(s, self.actors[s]) for s in slots}
+        return {s: p.result() for s, p in pending.items()}
+
+    def fan_out_surviving(self, slots: Iterable[int], call: ActorCall[T]) -> tuple[dict[int, T], dict[int, BaseException]]:
+        """:meth:`fan_out`, with actors lost meanwhile: ``(answers, errors)`` by slot, an
+        error for each slot whose actor :meth:`is_lost`; any other failure propagates."""
+        pending = {s: call(s, self.actors[s]) for s in slots}
+        answers: dict[int, T] = {}
+        lost: dict[int, BaseException] = {}
+        for s, p in pending.items():
+            try:
+                answers[s] = p.result()
+            except Exception as e:
+                if not self.is_lost(s, e):
+                    raise
+                lost[s] = e
+        return answers, lost
+
+    def is_lost(self, slot: int, error: BaseException) -> bool:
+        """Whether ``error`` (raised by an actor call of ``slot``) means the actor is gone:
+        a connection failure, or its worker no longer in the cluster. Other errors are
+        the actor's own (a bug, a bad argument) and propagate."""
+        if isinstance(error, OSError):  # CommClosedError, refused connect, timeouts
+            return True
+        try:
+            alive = self.workers[slot] in self.client.scheduler_info(n_workers=-1)["workers"]
+        except Exception:  # the scheduler cannot say: treat the actor as reachable
+            return False
+        return not alive
+
+    def kill(self) -> list[str]:
+        """Drop every actor (a simulated crash): release their futures and handles, so the
+        workers delete them; their in-flight calls are lost. Returns the actors' keys."""
+        keys = [f.key for f in self._futures]
+        self.client.cancel(self._futures, force=True)
+        self._futures, self.actors = [], []
+        return keys
