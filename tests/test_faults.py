@@ -55,11 +55,11 @@ def fault_cluster():
 
 
 def _install_hang(marker: str, target: str) -> int:
-    """Wrap ``pipeline.finalize.graph.<target>``: the first call (cluster-wide, by an
-    O_EXCL marker file) writes its pid to ``marker`` and hangs until killed."""
-    import pipeline.finalize.graph as graph
+    """Wrap ``pipeline.finalize.worker_tasks.<target>``: the first call (cluster-wide, by
+    an O_EXCL marker file) writes its pid to ``marker`` and hangs until killed."""
+    import pipeline.finalize.worker_tasks as worker_tasks
 
-    orig = getattr(graph, target)
+    orig = getattr(worker_tasks, target)
     orig = getattr(orig, "_tc_orig", orig)
 
     def hang_first(*args, **kwargs):
@@ -73,7 +73,7 @@ def _install_hang(marker: str, target: str) -> int:
         return orig(*args, **kwargs)
 
     hang_first._tc_orig = orig
-    setattr(graph, target, hang_first)
+    setattr(worker_tasks, target, hang_first)
     return os.getpid()
 
 

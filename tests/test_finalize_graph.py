@@ -320,7 +320,7 @@ def test_a_finalized_group_travels_as_its_buffers():
     import torch
     from distributed.protocol.serialize import merge_and_deserialize, serialize_and_split
 
-    import pipeline.finalize.graph  # noqa: F401  registers the serializer
+    import pipeline.finalize.serializers  # noqa: F401  registers the serializer
     from tasks.finalize.assemble import FinalizedGroup
 
     n, t = 3, 1000

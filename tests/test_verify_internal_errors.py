@@ -142,7 +142,7 @@ def test_graph_reports_internal_errors_in_group_event_and_step(monkeypatch, capl
 
 
 def test_verify_task_whose_verifier_raises_marks_internal_errors(monkeypatch, caplog):
-    from pipeline.finalize import graph
+    from pipeline.finalize import worker_tasks
 
     builts = make_group(np.random.default_rng(9), "iet", 2, n_calls=2)
     step = plan_group([b.receipt for b in builts])
@@ -150,9 +150,9 @@ def test_verify_task_whose_verifier_raises_marks_internal_errors(monkeypatch, ca
     def boom(*args, **kwargs):
         raise RuntimeError("injected fault in verify_many")
 
-    monkeypatch.setattr(graph, "verify_many", boom)
-    with caplog.at_level(logging.ERROR, logger=graph.__name__):
-        out = graph.verify_piece(0, list(enumerate(step.rollouts)), None, None, VOCAB, None)
+    monkeypatch.setattr(worker_tasks, "verify_many", boom)
+    with caplog.at_level(logging.ERROR, logger=worker_tasks.__name__):
+        out = worker_tasks.verify_piece(0, list(enumerate(step.rollouts)), None, None, VOCAB, None)
     assert [out.results[r].status for r in range(2)] == [R.INTERNAL_ERROR] * 2
     assert all(out.results[r].n_calls == 2 for r in range(2))
     assert any(rec.exc_info and rec.exc_info[0] is RuntimeError for rec in caplog.records)

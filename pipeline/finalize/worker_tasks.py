@@ -1,0 +1,226 @@
+"""The bodies of a step's Dask tasks, run on workers: fetch a site's rows and cut them into
+pieces, verify a packed task's rollouts, assemble a group and publish its finalize event.
+
+One bad row rejects only its rollout; a verifier failure marks its rollouts
+``internal_error`` and is counted apart (``internal_errors``). Units: ``_ms``
+milliseconds, ``_s`` wall-clock seconds since the epoch, ``bytes`` payload bytes.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from tasks import reasons
+from tasks.finalize.assemble import FinalizedGroup, assemble_group
+from tasks.finalize.layout import Slot
+from tasks.finalize.plan import RolloutPlan
+from tasks.finalize.verify import RolloutResult, internal_error_result, rejected_result, verify_many
+from tasks.keys import STAGING_PARTITION
+from tasks.packed import PackedBatch, payload_bytes_per_row, slice_rows
+
+from .. import config, events
+from ..store.deadline import takes_timeout
+from ..store.protocol import LOST_KEY, StoreLike
+from . import serializers  # noqa: F401  registers how Dask weighs and ships these tasks' outputs
+from . import timing
+from .task_outputs import Piece, VerifyOut
+
+logger = logging.getLogger(__name__)
+
+FetchLayout = Sequence[Sequence[tuple[int, Sequence[str]]]]
+"""Per verify task of a site: ``(rollout index, that rollout's keys)``, in fetch order."""
+
+
+def fetch_pieces(
+    store: StoreLike,
+    keys: list[str],
+    fields: list[str],
+    layout: FetchLayout,
+    kind: str,
+    partition: str = STAGING_PARTITION,
+    site: int = 0,
+) -> Piece | tuple[Piece, ...]:
+    """ONE ``store.get_many`` over ``keys``, cut into one :class:`Piece` per verify task.
+
+    ``layout[t]`` lists ``(rollout index, that rollout's keys)`` for verify task ``t``;
+    ``keys`` are in layout order (:func:`tasks.finalize.layout.site_fetch`), so each piece
+    is a run of rows: views, no copy. Returns the single piece when there is one task,
+    else a tuple (read by getitem tasks).
+    """
+    # Bounded by finalize.fetch-timeout-s: a hung unit's keys come back unit_unavailable
+    # (its rollouts are rejected missing_staging_row), never a hung step.
+    bound = {"timeout": float(config.get("finalize.fetch-timeout-s"))} if takes_timeout(store.get_many) else {}
+    with timing.Stopwatch() as sw, timing.meter(timing.METER_FETCH):
+        res = store.get_many(keys, fields, partition=partition, **bound)
+    with timing.Stopwatch() as sp:
+        batch = res.batch
+        row_bytes = payload_bytes_per_row(batch)
+        pos = {k: i for i, k in enumerate(batch.keys)}
+        info: dict[str, Any] = {
+            "kind": kind,
+            "id": f"{kind}-{site}",
+            "start_s": sw.start_s,
+            "fetch_ms": sw.ms,
+            "keys": len(keys),
+            "rows": len(batch),
+            "failed": len(res.failed),
+            "bytes": int(row_bytes.sum()),
+        }
+        pieces = []
+        for task_layout in layout:
+            idx: list[int] = []
+            bounds: dict[int, tuple[int, int]] = {}
+            failed: dict[str, tuple[str, str]] = {}
+            for r, rkeys in task_layout:
+                start = len(idx)
+                for k in rkeys:
+                    i = pos.get(k)
+                    if i is not None:
+                        idx.append(i)
+                    if k in res.failed:
+                        failed[k] = res.failed[k]
+                bounds[r] = (start, len(idx))
+            lo = idx[0] if idx else 0
+            if idx == list(range(lo, lo + len(idx))):
+                # A run of rows (keys were asked in layout order): views of the fetch.
+                sub, sub_bytes = slice_rows(batch, lo, lo + len(idx)), row_bytes[lo : lo + len(idx)]
+            else:
+                index = np.asarray(idx, dtype=np.int64)
+                sub, sub_bytes = batch.take(index), row_bytes[index]
+            pieces.append(Piece(sub, bounds, sub_bytes, failed, info))
+    info["split_ms"] = sp.ms
+    return pieces[0] if len(pieces) == 1 else tuple(pieces)
+
+
+def _rollout_bytes(piece: Piece | None, r: int) -> int:
+    if piece is None or r not in piece.bounds:
+        return 0
+    start, end = piece.bounds[r]
+    return int(piece.row_bytes[start:end].sum())
+
+
+def verify_piece(
+    task: int,
+    plans: list[tuple[int, RolloutPlan]],
+    staging: Piece | None,
+    routes: Piece | None,
+    vocab_size: int,
+    num_experts: int | None,
+) -> VerifyOut:
+    """Verify + linearize the rollouts of one packed task, each judged on its own.
+
+    One ``verify_many`` call: the piece is indexed and pre-scanned once for all its
+    rollouts. Per-rollout ``verify_ms`` is the task's time apportioned by tokens.
+    """
+    out = VerifyOut(task, {}, {}, {}, {})
+    rows = staging.batch if staging is not None else PackedBatch([], {})
+    with timing.Stopwatch() as sw, timing.meter(timing.METER_VERIFY):
+        try:
+            results = verify_many(
+                [p for _, p in plans], rows, None if routes is None else routes.batch,
+                vocab_size=vocab_size, num_experts=num_experts, views=True,
+            )
+        except Exception as e:  # verify_many never raises on data: a bug, not a rejection
+            logger.error("verify_many raised in verify task %d (internal error)", task, exc_info=True)
+            results = [internal_error_result(p.rollout_id, e, len(p.chain)) for _, p in plans]
+    if staging is not None and staging.failed:
+        results = [_with_store_reason(res, p, staging.failed) for (_, p), res in zip(plans, results)]
+    tokens = np.array([max(int(p.n_tokens), 1) for _, p in plans], dtype=np.float64)
+    share = tokens / tokens.sum() if len(tokens) else tokens
+    for (r, _), result, frac in zip(plans, results, share):
+        out.results[r] = result
+        out.verify_ms[r] = sw.ms * float(frac)
+        out.bytes_fetched[r] = _rollout_bytes(staging, r) + _rollout_bytes(routes, r)
+    out.timing = {"task": task, "start_s": sw.start_s, "ms": sw.ms, "cpu_ms": sw.cpu_ms, "rollouts": len(plans)}
+    out.fetch_timings = [p.timing for p in (staging, routes) if p is not None]
+    return out
+
+
+def _with_store_reason(result: RolloutResult, plan: RolloutPlan, failed: Mapping[str, tuple[str, str]]) -> RolloutResult:
+    """A ``missing_staging_row`` verdict with the store's own per-key reason appended
+    (e.g. ``unit_unavailable`` when the unit holding the row was lost), so the operator
+    sees why the row is missing, not only that it is. A row the store reports
+    ``lost_key`` (staged, both copies lost) rejects the rollout ``lost_staging_row``."""
+    if result.status != reasons.MISSING_STAGING_ROW:
+        return result
+    hits = [failed[k] for k in plan.keys if k in failed]
+    why = next((h for h in hits if h[0] == LOST_KEY), hits[0] if hits else None)
+    if why is None:
+        return result
+    if why[0] == LOST_KEY:
+        result.status = reasons.LOST_STAGING_ROW
+    result.detail = f"{result.detail} (store: {why[0]}: {why[1]})"
+    return result
+
+
+def assemble_piece(
+    step_id: str,
+    group_id: str,
+    slots: list[Slot],
+    submitted_s: float,
+    queue_depth: int,
+    *verify_outs: VerifyOut,
+) -> FinalizedGroup:
+    """Assemble one group (keeps its shape: rejected rows get ``sample_mask`` 0) and attach
+    the group's split timing; publishes the group's finalize event."""
+    results: dict[int, RolloutResult] = {}
+    verify_ms: dict[int, float] = {}
+    bytes_fetched: dict[int, int] = {}
+    task_of: dict[int, dict[str, Any]] = {}
+    fetch_timings: dict[str, dict[str, Any]] = {}
+    for vo in verify_outs:
+        for r, res in vo.results.items():
+            results[r] = res
+            verify_ms[r] = vo.verify_ms[r]
+            bytes_fetched[r] = vo.bytes_fetched[r]
+            task_of[r] = vo.timing
+        for ft in vo.fetch_timings:
+            fetch_timings[ft.get("id", ft["kind"])] = ft
+    with timing.Stopwatch() as sw, timing.meter(timing.METER_ASSEMBLE):
+        rows: list[RolloutResult] = []
+        for s in slots:
+            if s.index is not None:
+                rows.append(results[s.index])
+            else:
+                rows.append(rejected_result(s.rollout_id, s.reason, s.detail))
+        group = assemble_group(rows, [s.reward for s in slots])
+    mine = [s.index for s in slots if s.index is not None]
+    tasks_used = {task_of[r]["task"]: task_of[r] for r in mine}
+    calls = sum(s.calls for s in slots if s.index is not None)
+    metrics = {
+        "kind": timing.EVENT_KIND_GROUP,
+        "step_id": step_id,
+        "group_id": group_id,
+        **_row_counts(slots, rows),
+        "fetch_ms": sum(t["fetch_ms"] for t in fetch_timings.values()),
+        "verify_ms": sum(verify_ms[r] for r in mine),
+        "assemble_ms": sw.ms,
+        "queue_wait_ms": timing.queue_wait_ms(submitted_s, min((t["start_s"] for t in tasks_used.values()), default=None)),
+        "queue_depth": queue_depth,
+        "calls_per_rollout": calls / len(mine) if mine else 0.0,
+        "fetch_calls": len(fetch_timings) if mine else 0,
+        "bytes_fetched": int(sum(bytes_fetched[r] for r in mine)),
+        "rejected_details": timing.detail_sample(group.status, group.details),
+        # Private bookkeeping for the step's aggregate (stripped from events).
+        "_verify_tasks": list(tasks_used.values()),
+        "_fetch_timings": list(fetch_timings.values()) if mine else [],
+        "_calls": calls,
+        "_planned": len(mine),
+    }
+    group_metrics = getattr(group, "metrics", None)
+    if isinstance(group_metrics, dict):
+        group_metrics.update(metrics)
+    else:  # pragma: no cover - assemble_group always gives a metrics dict
+        group.metrics = metrics
+    events.publish(events.FINALIZE, timing.public(metrics))
+    return group
+
+
+def _row_counts(slots: Sequence[Slot], rows: Sequence[RolloutResult]) -> dict[str, Any]:
+    """A group's ``rollouts``, ``accepted``, ``rejected`` (by reason), ``internal_errors``
+    and ``tokens`` (of its accepted training rows)."""
+    accepted, rejected, internal_errors = timing.status_counts([r.status for r in rows])
+    tokens = int(sum(int(r.linearized.input_ids.shape[0]) for r in rows if r.status == reasons.OK and r.linearized is not None))
+    return {"rollouts": len(slots), "accepted": accepted, "rejected": rejected, "internal_errors": internal_errors, "tokens": tokens}
