@@ -236,7 +236,7 @@ def test_file_that_does_not_decode_loads_nothing(cluster_client, store_factory, 
 def _fail_third_load() -> None:
     """Runs in each worker: the load pass's 3rd file read there fails (after the
     validate pass passed), as a file changed between the two reads would."""
-    import pipeline.store.checkpoint as mod
+    import pipeline.store.checkpoint_files as mod  # where restore_file reads its files
 
     real = getattr(mod, "_real_load_file", mod.load_file)
     count = {"n": 0}
@@ -252,7 +252,7 @@ def _fail_third_load() -> None:
 
 
 def _heal_load() -> None:
-    import pipeline.store.checkpoint as mod
+    import pipeline.store.checkpoint_files as mod
 
     mod.load_file = getattr(mod, "_real_load_file", mod.load_file)
 

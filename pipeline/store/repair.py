@@ -41,6 +41,10 @@ class Repairer:
         self.store = store
         self.client = client
         self.unit_args = unit_args  # owner.UnitArgs: what every unit of the store is built with
+        # Knobs read once: seconds between checks, seconds per unit call, keys per copy chunk.
+        self.interval_s = float(config.get("store.repair-interval-s"))
+        self.call_timeout_s = float(config.get("store.repair-call-timeout-s"))
+        self.chunk_rows = int(config.get("store.repair-chunk-rows"))
         self.repaired: list[dict] = []  # one record per replaced unit: unit, worker, rows copied
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="token-capture-store-repair", daemon=True)
@@ -52,7 +56,7 @@ class Repairer:
             self._thread.join(timeout=60)
 
     def _loop(self) -> None:
-        while not self._stop.wait(float(config.get("store.repair-interval-s"))):
+        while not self._stop.wait(self.interval_s):
             try:
                 self.check()
             except Exception:  # noqa: BLE001 - try again next round; never kill the thread
@@ -81,9 +85,7 @@ class Repairer:
         worker = min(candidates, key=lambda w: (store.unit_workers.count(w), w))
         units, futures = start_pinned_actors(self.client, StorageUnit, [worker], args=[self.unit_args.for_unit(u)])
         new = units[0]
-        timeout = float(config.get("store.repair-call-timeout-s"))
-        chunk_rows = int(config.get("store.repair-chunk-rows"))
-        n = len(store.units)
+        timeout, chunk_rows = self.call_timeout_s, self.chunk_rows
         dead = [p for p in partners(u, replica) if p not in mates]
         copied = lost = 0
         try:

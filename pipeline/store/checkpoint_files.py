@@ -1,0 +1,105 @@
+"""A checkpoint's data files, one Dask task each: read as a regular file, size and
+SHA-256 recomputed on the bytes read (never trusted), decoded, rows/keys/fields checked;
+then, for a restore, put into the store under the restore's claim."""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+from typing import TYPE_CHECKING
+
+from tasks.errors import CheckpointCorrupt
+from tasks.packed import PackedBatch
+
+from .batch_file import decode_batch
+from .manifest import resolve_entry
+from .protocol import check_key, field_problem
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .protocol import StoreLike
+
+
+def _read_regular(path: str) -> bytearray:
+    """The bytes of the regular file at ``path`` (a symlink swapped in after resolution,
+    a FIFO or a device is refused, not followed or read)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointCorrupt(f"{path}: not a regular file")
+        buf = bytearray(st.st_size)
+        with os.fdopen(fd, "rb", closefd=False) as fh:
+            got = fh.readinto(buf)  # buffered: reads until full or end of file
+        return buf if got == len(buf) else buf[:got]
+    finally:
+        os.close(fd)
+
+
+# ---- per-file work (runs in Dask tasks on workers) ----------------------------------
+
+
+def _batch_problem(entry: dict, batch: PackedBatch) -> str | None:
+    """Why a decoded file cannot be loaded as is (rows, keys, field layout), or ``None``."""
+    if len(batch) != entry["rows"]:
+        return f"{len(batch)} rows, manifest says {entry['rows']}"
+    seen: set = set()
+    for key in batch.keys:
+        why = check_key(key)
+        if why is not None:
+            return f"key {key!r}: {why}"
+        if key in seen:
+            return f"key {key!r} appears twice"
+        seen.add(key)
+    for name, f in batch.fields.items():
+        why = field_problem(name, f, len(batch))
+        if why is not None:
+            return why
+    return None
+
+
+def _read_checked(root: str, entry: dict, generation: str) -> PackedBatch:
+    """Read one data file, check size and SHA-256 on the bytes read, decode, validate."""
+    path = resolve_entry(root, entry, generation)
+    try:
+        buf = _read_regular(path)
+    except CheckpointCorrupt:
+        raise
+    except OSError as e:
+        raise CheckpointCorrupt(f"{entry['file']}: unreadable: {e}") from None
+    sha = hashlib.sha256(buf).hexdigest()
+    if len(buf) != entry["bytes"] or sha != entry["sha256"]:
+        raise CheckpointCorrupt(
+            f"{entry['file']}: sha256 {sha} / {len(buf)} bytes, manifest says {entry['sha256']} / {entry['bytes']} bytes"
+        )
+    try:
+        batch = decode_batch(buf)
+    except CheckpointCorrupt as e:
+        raise CheckpointCorrupt(f"{entry['file']}: {e}") from None
+    problem = _batch_problem(entry, batch)
+    if problem is not None:
+        raise CheckpointCorrupt(f"{entry['file']}: {problem}")
+    return batch
+
+
+def verify_file(root: str, entry: dict, generation: str) -> dict:
+    """Validate-only pass over one file: ``{"problem": why or None, "keys": [...]}``.
+
+    Size, SHA-256, decode and row/key/field checks, exactly as :func:`load_file` does;
+    only the keys travel back (the rows are dropped here)."""
+    try:
+        batch = _read_checked(root, entry, generation)
+    except CheckpointCorrupt as e:
+        return {"problem": str(e), "keys": []}
+    return {"problem": None, "keys": list(batch.keys)}
+
+
+def load_file(root: str, entry: dict, generation: str) -> PackedBatch:
+    """Read one data file again and re-check it (SHA-256 on the bytes read, decode, rows)."""
+    return _read_checked(root, entry, generation)
+
+
+def restore_file(store: "StoreLike", root: str, entry: dict, generation: str, claim: str) -> dict:
+    """Load one file into ``store`` (rows placed by ``unit_for_key``), its new rows
+    provisional under ``claim``: ``{"ok": [keys], "failed": {key: (reason, detail)}}``."""
+    result = store.put_claimed(load_file(root, entry, generation), claim, partition=entry["partition"])
+    return {"ok": list(result.ok), "failed": dict(result.failed)}
