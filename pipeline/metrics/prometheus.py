@@ -2,8 +2,9 @@
 
 One :class:`TokenCaptureCollector` per process, registered in ``prometheus_client.REGISTRY``
 (which distributed serves on ``/metrics``), formats the attached
-:class:`~pipeline.dashboard.state.TokenCaptureState` at scrape time; it computes nothing
-itself. The aggregator plugin attaches its state on start and detaches it on close.
+:class:`~pipeline.dashboard.state.TokenCaptureState` at scrape time with
+:func:`~pipeline.metrics.families.metric_families`; it computes nothing itself. The
+aggregator plugin attaches its state on start and detaches it on close.
 
 Conventions (those of Prometheus and of Dask's own series on the same endpoint): base
 units in the name (``_seconds``, ``_bytes``; counters end in ``_total``), latencies as
@@ -16,44 +17,16 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import prometheus_client
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-)
+from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from tasks.cut.receipt import FAILURE_REASONS as CUT_FAILURE_REASONS
-from tasks.reasons import ALL_REASONS as REJECTION_REASONS
+from .families import PREFIX, metric_families  # noqa: F401  (PREFIX: re-exported)
 
 if TYPE_CHECKING:  # types only: importing pipeline.dashboard at run time would import the plugin, a cycle
-    from ..dashboard.state import Histogram, TokenCaptureState
-
-PREFIX = "token_capture"
-
-
-def _hist(name: str, doc: str, hists: list[tuple[list[str], Histogram]], labels: list[str]) -> HistogramMetricFamily:
-    fam = HistogramMetricFamily(f"{PREFIX}_{name}", doc, labels=labels)
-    for values, h in hists:
-        fam.add_metric(values, h.cumulative(), sum_value=h.total)
-    return fam
-
-
-def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-    # prometheus_client appends _total to counter samples; give it the bare name.
-    return CounterMetricFamily(f"{PREFIX}_{name}", doc, value=value)
-
-
-def _by_reason(name: str, doc: str, counts: Any, vocabulary: Any) -> CounterMetricFamily:
-    """A counter labelled ``reason``: every word of ``vocabulary`` (0 until seen), plus any
-    other reason an event named."""
-    fam = CounterMetricFamily(f"{PREFIX}_{name}", doc, labels=["reason"])
-    for reason in sorted(set(vocabulary) | set(counts)):
-        fam.add_metric([reason], counts.get(reason, 0))
-    return fam
+    from ..dashboard.state import TokenCaptureState
 
 
 class TokenCaptureCollector(Collector):
@@ -69,103 +42,12 @@ class TokenCaptureCollector(Collector):
         """The attached state (held weakly), if any."""
         return self._ref() if self._ref is not None else None
 
-    def collect(self) -> Iterator[Any]:
+    def collect(self) -> Iterator[Metric]:
+        """The attached state's ``token_capture_*`` families (see :mod:`.families`)."""
         agg = self.state
         if agg is None:
             return
-        t = agg.totals
-        yield _counter("groups_finalized", "Finalized groups", t["groups"])
-        yield _counter("steps_finalized", "Finalized (collected) steps", t["steps"])
-        fam = CounterMetricFamily(f"{PREFIX}_rollouts", "Finalized rollouts by status", labels=["status"])
-        fam.add_metric(["accepted"], t["accepted"])
-        fam.add_metric(["rejected"], t["rejected"])
-        yield fam
-        yield _by_reason(
-            "rollouts_rejected", "Rejected rollouts by reason (the verification vocabulary)", agg.rejected, REJECTION_REASONS
-        )
-        yield _counter(
-            "verifier_internal_errors",
-            "Rollouts whose verification hit an internal error, counted apart from rejections",
-            t["internal_errors"],
-        )
-        yield _counter("fetch_calls", "Store fetch calls made by finalization", t["fetch_calls"])
-        yield _counter("fetched_bytes", "Bytes fetched from the store by finalization", t["bytes_fetched"])
-        yield _counter("finalized_tokens", "Tokens in finalized training rows", t["tokens"])
-        yield _hist(
-            "finalize_phase_seconds",
-            "Finalization work time per step by phase, in seconds",
-            [([p], agg.hist[f"{p}_seconds"]) for p in ("fetch", "verify", "assemble")],
-            ["phase"],
-        )
-        yield _hist(
-            "step_wall_seconds", "Step wall time, submission to collection on the controller, in seconds",
-            [([], agg.hist["step_wall_seconds"])], [],
-        )
-        yield _hist(
-            "queue_wait_seconds", "Per-group queue wait before finalization, in seconds", [([], agg.hist["queue_wait_seconds"])], []
-        )
-        yield _hist("calls_per_rollout", "Model calls per rollout (per group mean)", [([], agg.hist["calls_per_rollout"])], [])
-        yield GaugeMetricFamily(f"{PREFIX}_queue_depth", "Groups waiting for finalization (latest report)", value=agg.queue_depth)
-
-        c = agg.cut_totals
-        yield _counter("cuts", "Checkpoint cut reports (one per cut per generation worker)", c["cuts"])
-        yield _counter("cut_rows", "Prefix rows written by cuts", c["rows"])
-        yield _counter("cut_puts", "Batched store puts made by cuts", c["puts"])
-        yield _counter("cut_durable", "Calls made durable by cuts", c["durable"])
-        yield _by_reason("cut_failures", "Calls a cut could not make durable, by reason", agg.cut_failures, CUT_FAILURE_REASONS)
-        yield _hist("cut_wall_seconds", "Cut wall time per generation worker, in seconds", [([], agg.hist["cut_wall_seconds"])], [])
-
-        r = agg.restore_totals
-        yield _counter("restore_requests", "Prefix restore requests", r["requests"])
-        yield _counter("restore_gets", "Coalesced store gets made by restore batchers", r["gets"])
-        yield _counter("restore_keys", "Keys read by restore batchers", r["keys"])
-        yield _counter("restore_failures", "Failed restore requests", r["failures"])
-        kpg = GaugeMetricFamily(
-            f"{PREFIX}_restore_keys_per_get", "Keys per coalesced get since the batcher started (latest report)", labels=["worker"]
-        )
-        for worker, ev in agg.restore_latest.items():
-            kpg.add_metric([worker], ev["keys_per_get"])
-        yield kpg
-        yield _hist(
-            "restore_latency_seconds", "Prefix read request latency in the restore batchers, in seconds",
-            [([], agg.restore_latency())], [],
-        )
-
-        rows = GaugeMetricFamily(f"{PREFIX}_store_rows", "Rows held per storage unit (latest report)", labels=["unit", "worker"])
-        mem = GaugeMetricFamily(
-            f"{PREFIX}_store_memory_bytes", "Bytes of rows in memory per storage unit (latest report)", labels=["unit", "worker"]
-        )
-        spill = GaugeMetricFamily(
-            f"{PREFIX}_store_spilled_bytes", "Bytes of rows spilled to disk per storage unit (latest report)", labels=["unit", "worker"]
-        )
-        lost = GaugeMetricFamily(
-            f"{PREFIX}_store_lost_keys",
-            "Keys staged whose both copies were lost, per storage unit recording them (latest report)",
-            labels=["unit", "worker"],
-        )
-        for unit, ev in agg.store_units.items():
-            labels = [unit, ev["worker"]]
-            rows.add_metric(labels, ev["rows"])
-            mem.add_metric(labels, ev["memory_bytes"])
-            spill.add_metric(labels, ev["spilled_bytes"])
-            lost.add_metric(labels, ev["lost_keys"])
-        yield rows
-        yield mem
-        yield spill
-        yield lost
-
-        fam = CounterMetricFamily(
-            f"{PREFIX}_scaling_decisions", "Adaptive scaling decisions by action and reason", labels=["action", "reason"]
-        )
-        for (action, reason), n in sorted(agg.decision_counts.items()):
-            fam.add_metric([action, reason], n)
-        yield fam
-        fam = CounterMetricFamily(
-            f"{PREFIX}_malformed_events", "Dropped malformed token-capture events", labels=["topic", "field"]
-        )
-        for (topic, fld), n in sorted(agg.malformed.items()):
-            fam.add_metric([topic, fld], n)
-        yield fam
+        yield from metric_families(agg)
 
 
 _lock = threading.Lock()
