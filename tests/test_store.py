@@ -650,10 +650,10 @@ def test_batch_computed_row_weights_equal_each_rows_own_weight(tmp_path):
     try:
         assert not unit.put_many("staging", batch).failed
         expected = sum(
-            row_nbytes(unit.rows[unit.index["staging"][k]]) + key_nbytes(k) + ROW_OVERHEAD_BYTES for k in batch.keys
+            row_nbytes(unit.held.rows[unit.held.index["staging"][k]]) + key_nbytes(k) + ROW_OVERHEAD_BYTES for k in batch.keys
         )
-        assert unit.used_bytes == expected
-        assert unit.rows.fast.total_weight == sum(row_nbytes(unit.rows[s]) for s in unit.index["staging"].values())
+        assert unit.held.used_bytes == expected
+        assert unit.held.rows.fast.total_weight == sum(row_nbytes(unit.held.rows[s]) for s in unit.held.index["staging"].values())
     finally:
         unit.close()
 

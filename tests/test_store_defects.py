@@ -106,11 +106,11 @@ def test_non_numeric_dtype_refused_per_key_naming_field_and_dtype(make_unit, kin
     for reason, detail in res.failed.values():
         assert reason == "invalid_batch"
         assert name in detail and fields[name].values.dtype.str in detail
-    assert unit.keys(partition) == [] and unit.used_bytes == 0
+    assert unit.keys(partition) == [] and unit.held.used_bytes == 0
     # The unit is unharmed: the real rows are stored, read back from disk, checkpointed.
     assert not unit.put_many(partition, batch).failed
     got = unit.get_many(partition, list(batch.keys))
-    assert not got.failed and unit.rows.spilled_rows == n
+    assert not got.failed and unit.held.rows.spilled_rows == n
     assert [r.digest for r in unpack_rows(got.batch)] == [r.digest for r in unpack_rows(batch)]
 
 
@@ -227,32 +227,32 @@ def test_key_bytes_and_row_overhead_are_charged(make_unit):
     res = unit.put_many("cut", fieldless(keys))
     fits = capacity // per_row
     assert len(res.ok) == fits and {r for r, _ in res.failed.values()} == {"store_full"}
-    assert unit.used_bytes == fits * per_row <= capacity
+    assert unit.held.used_bytes == fits * per_row <= capacity
     # A key's UTF-8 bytes are charged, not its characters.
     unit.delete("cut", res.ok)
-    assert unit.used_bytes == 0
+    assert unit.held.used_bytes == 0
     wide = "é" * 200 + "/c0"
     assert unit.put_many("staging", fieldless([wide])).ok == [wide]
-    assert unit.used_bytes == len(wide.encode()) + ROW_OVERHEAD_BYTES
+    assert unit.held.used_bytes == len(wide.encode()) + ROW_OVERHEAD_BYTES
 
 
 def test_used_bytes_returns_to_start_after_deleting_everything(make_unit):
     """Put and delete charge the same weight, whether rows spilled, were adopted, or had
     their delete deferred by an open checkpoint."""
     unit = make_unit(memory_limit=8 << 10)
-    start = unit.used_bytes
+    start = unit.held.used_bytes
     batches = [rollout_batch(f"acc{i}é", seed=10 + i, n_calls=3)[1] for i in range(4)]
     batches.append(fieldless(["é" * 200 + "/c0", "__cut__/c/x/y/1"]))
     for i, b in enumerate(batches):
         assert not unit.put_many("staging", b, adopt=bool(i % 2)).failed
-    assert unit.rows.spilled_rows > 0 and unit.used_bytes > start
+    assert unit.held.rows.spilled_rows > 0 and unit.held.used_bytes > start
     keys = [k for b in batches for k in b.keys]
     unit.begin_checkpoint("t")
     half = keys[: len(keys) // 2]
     assert sorted(unit.delete("staging", half).deferred) == sorted(half)
     unit.end_checkpoint("t")
     assert sorted(unit.delete("staging", keys[len(keys) // 2 :]).ok) == sorted(keys[len(keys) // 2 :])
-    assert unit.keys("staging") == [] and unit.used_bytes == start and unit.pinned_bytes == 0
+    assert unit.keys("staging") == [] and unit.held.used_bytes == start and unit.pinned_bytes == 0
 
 
 # ---- 9: the schema types the staged-row partitions ----------------------------------------------

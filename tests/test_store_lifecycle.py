@@ -116,7 +116,7 @@ def test_a_checkpoint_whose_writer_died_ends_with_its_lease(tmp_path, monkeypatc
     clock.now += 2.0
     unit.report_figures()  # past it: the checkpoint ends, its deferred delete applies
     assert unit.keys("staging") == keys[1:]
-    assert unit.counters["checkpoints_expired"] == 1 and not unit.open_checkpoints
+    assert unit.counters["checkpoints_expired"] == 1 and not unit.guard.open
     res = unit.delete("staging", keys[1:2])  # no checkpoint defers deletes any more
     assert res.deferred == [] and unit.keys("staging") == keys[2:]
     # The writer, had it lived, is told: once.

@@ -161,8 +161,8 @@ def _spill_paths(actor_keys, partition, keys, dask_worker=None):
         unit = dask_worker.state.actors.get(ak)
         if unit is None:
             continue
-        index = unit.index.get(partition, {})
-        disk = unit.rows.disk.d
+        index = unit.held.index.get(partition, {})
+        disk = unit.held.rows.disk.d
         for k in keys:
             slot = index.get(k)
             if slot is not None and slot in disk.filenames:

@@ -6,14 +6,17 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterable
 
 from tasks.errors import CheckpointCorrupt
 from tasks.packed import PackedBatch
 
+from . import batch_file
 from .batch_file import decode_batch
 from .manifest import resolve_entry
 from .protocol import check_key, field_problem
+from .registry import FieldRegistry
+from .row_packing import pack_stored_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     from .protocol import StoreLike
@@ -103,3 +106,33 @@ def restore_file(store: "StoreLike", root: str, entry: dict, generation: str, cl
     provisional under ``claim``: ``{"ok": [keys], "failed": {key: (reason, detail)}}``."""
     result = store.put_claimed(load_file(root, entry, generation), claim, partition=entry["partition"])
     return {"ok": list(result.ok), "failed": dict(result.failed)}
+
+
+def write_partition_files(
+    directory: str, stem: str, partition: str, rows: Iterable[tuple[str, dict, int]], reg: FieldRegistry | None, chunk_bytes: int
+) -> list[dict]:
+    """One unit's partition as packed batch files ``<stem>-<n>.tcb`` of about
+    ``chunk_bytes`` (row weights, bytes) each, every file atomic (temp, fsync, rename).
+    ``rows`` yields ``(key, row, weight)``. Returns one manifest entry per file."""
+    names = list(reg.specs) if reg else []
+    entries: list[dict] = []
+    keys: list[str] = []
+    chunk: list[dict] = []
+    size = 0
+
+    def flush() -> None:
+        batch = pack_stored_rows(keys, chunk, names, reg)
+        name = f"{stem}-{len(entries):05d}{batch_file.DATA_SUFFIX}"
+        sha, nbytes = batch_file.write_atomic(os.path.join(directory, name), batch_file.encode_batch(batch))
+        entries.append({"file": name, "partition": partition, "rows": len(batch), "bytes": nbytes, "sha256": sha})
+
+    for key, row, weight in rows:
+        keys.append(key)
+        chunk.append(row)
+        size += weight
+        if size >= chunk_bytes:
+            flush()
+            keys, chunk, size = [], [], 0
+    if keys:
+        flush()
+    return entries

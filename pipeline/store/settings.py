@@ -22,3 +22,22 @@ class StoreSettings:
     @classmethod
     def from_config(cls) -> "StoreSettings":
         return cls(config.get_bytes("store.max-call-bytes"), bool(config.get("store.local-reads")))
+
+
+@dataclass(frozen=True)
+class UnitSettings:
+    """A unit's knobs, read once when it is built (``token-capture.store.*``)."""
+
+    answer_buffer_bytes: int  # pooled get answers, bytes (``answer-buffer-bytes``)
+    lease_s: float  # an open checkpoint older than this ends by itself, s; 0: never
+    report_interval_s: float  # figures published every this many s; 0: never
+    adopt_received: bool  # keep a batch received off the wire as the rows
+
+    @classmethod
+    def from_config(cls, adopt_received: bool | None = None) -> "UnitSettings":
+        return cls(
+            config.get_bytes("store.answer-buffer-bytes"),
+            float(config.get("store.checkpoint-lease-s")),
+            float(config.get("store.report-interval-s")),
+            bool(config.get("store.adopt-received") if adopt_received is None else adopt_received),
+        )

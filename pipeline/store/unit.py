@@ -1,11 +1,8 @@
-"""The storage unit: a Dask actor holding staged rows of some rollouts.
-
-One :class:`StorageUnit` lives on a worker (``client.submit(StorageUnit, ..., actor=True)``)
-and keeps rows ``(partition, key) -> {field: array}`` in a
-:class:`~pipeline.store.spill.SpillMapping` (memory up to ``memory_limit`` bytes, then
-disk). It answers batched calls (one ``put_many`` / ``get_many`` / ``delete`` per client
-request) with per-key results, on the worker's single actor thread. Keys are write-once;
-a put beyond ``capacity`` bytes (memory + disk + pinned) is refused per key.
+"""The storage unit: a Dask actor holding staged rows ``(partition, key) -> {field: array}``
+(:mod:`.held_rows`: memory up to ``memory_limit`` bytes, then disk; write-once keys, a put
+past ``capacity`` bytes refused per key). It answers batched calls (one ``put_many`` /
+``get_many`` / ``delete`` per client request) with per-key results, on its worker's one
+actor thread.
 
 The unit is the edge that stores, so it validates everything it is sent, whoever sends
 it (fields, keys, dtypes): a client's own checks only decide routing. Beside the rows it
@@ -20,63 +17,39 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Sequence
 
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
 from tasks.keys import unit_for_key
 from tasks.packed import PackedBatch
 
-from .. import config
-from . import batch_file
-from .adopted import AdoptedGroups
+from .checkpoint_files import write_partition_files
 from .checkpoint_guard import CheckpointGuard
+from .held_rows import HeldRows
 from .losses import LossBook, lost_detail
 from .protocol import (
     ABSENT_FIELD,
     DTYPE_MISMATCH,
     INVALID_BATCH,
     INVALID_KEY,
-    KEY_CONFLICT,
     LOST_KEY,
     MISSING_KEY,
-    STORE_ERROR,
-    STORE_FULL,
     GetResult,
     StoreResult,
     check_key,
     check_partition,
     field_problem,
-    same_row,
     unpack_names,
 )
 from .put_columns import Columns, batch_columns
 from .registry import PartitionRegistry
 from .reporter import StoreReporter
 from .row_packing import ROW_OVERHEAD_BYTES, SMALL_FIELD_ELEMENTS, key_nbytes, pack_stored_rows  # noqa: F401 (re-exported)
+from .settings import UnitSettings
 from .slab_pool import SlabPool
-from .spill import Row, SpillMapping, batch_row_nbytes
+from .spill import Row, batch_row_nbytes
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class UnitSettings:
-    """A unit's knobs, read once when it is built (``token-capture.store.*``)."""
-
-    answer_buffer_bytes: int  # pooled get answers, bytes (``answer-buffer-bytes``)
-    lease_s: float  # an open checkpoint older than this ends by itself, s; 0: never
-    report_interval_s: float  # figures published every this many s; 0: never
-    adopt_received: bool  # keep a batch received off the wire as the rows
-
-    @classmethod
-    def from_config(cls, adopt_received: bool | None = None) -> "UnitSettings":
-        return cls(
-            config.get_bytes("store.answer-buffer-bytes"),
-            float(config.get("store.checkpoint-lease-s")),
-            float(config.get("store.report-interval-s")),
-            bool(config.get("store.adopt-received") if adopt_received is None else adopt_received),
-        )
 
 
 class StorageUnit:
@@ -121,15 +94,8 @@ class StorageUnit:
         self.capacity = int(capacity)
         self.partitions = None if partitions is None else [check_partition(p) for p in partitions]
         self.directory = os.path.join(str(spill_directory), f"storage-unit-{unit_index}-{uuid.uuid4().hex[:12]}")
-        self.rows = SpillMapping(self.directory, self.memory_limit)
-        # Rows of adopted puts keep views of the put's buffers: their groups, pinned bytes.
-        self.adopted = AdoptedGroups(self.rows)
-        self.rows.fast_to_slow_callbacks.append(self.adopted.on_spill)
-        self.index: dict[str, dict[str, str]] = {}  # partition -> key -> slot
-        self.weights: dict[str, int] = {}  # slot -> row bytes, for capacity accounting
-        self.used_bytes = 0
+        self.held = HeldRows(self.directory, self.memory_limit, self.capacity, self.unit_index)
         self.registry = PartitionRegistry()
-        self._next_slot = 0
         # ``deletes`` counts delete CALLS (one per client request), ``deleted_rows`` rows removed
         # (deferred ones when applied), ``deferred_rows`` rows whose delete waited for a checkpoint.
         # ``gets`` counts get CALLS, ``get_keys`` the keys they asked for, ``get_rows`` rows found.
@@ -138,7 +104,6 @@ class StorageUnit:
             "deferred_rows": 0, "refused_rows": 0, "checkpoints_begun": 0, "checkpoints_ended": 0,
             "checkpoints_expired": 0, "adopted_rows": 0, "released_rows": 0, "lost_reads": 0,
         }
-        self.claims: dict[str, str] = {}  # slot -> claim token of a restore's provisional row
         self.losses = LossBook()
         self.guard = CheckpointGuard(self.settings.lease_s)
         self.answers = SlabPool(self.settings.answer_buffer_bytes)
@@ -164,11 +129,7 @@ class StorageUnit:
     @property
     def pinned_bytes(self) -> int:
         """Bytes of adopted buffers that no row in memory covers (counted against capacity)."""
-        return self.adopted.pinned_bytes
-
-    @property
-    def open_checkpoints(self) -> dict[str, frozenset[str] | None]:
-        return self.guard.open
+        return self.held.adopted.pinned_bytes
 
     # ---- puts -------------------------------------------------------------------
 
@@ -208,7 +169,7 @@ class StorageUnit:
             result.failed.update({k: (INVALID_BATCH, problem) for k in batch.keys})
         else:
             self._put_rows(partition, batch, adopt, claim, result)
-        self.adopted.compact_pending(self.used_bytes, self.capacity)
+        self.held.compact()
         self.counters["put_rows"] += len(result.ok)
         self.counters["refused_rows"] += len(result.failed)
         return result
@@ -216,7 +177,6 @@ class StorageUnit:
     def _put_rows(self, partition: str, batch: PackedBatch, adopt: bool, claim: str | None, result: StoreResult) -> None:
         """Store each row of a well-formed ``batch`` (per-key answers into ``result``)."""
         reg = self.registry[partition]
-        index = self.index.setdefault(partition, {})
         columns = batch_columns(batch, reg, adopt)
         row_weights = batch_row_nbytes(batch, [c.name for c in columns.cols])  # each row's row_nbytes, at once
         stored_rows: list[int] = []  # batch rows stored under a NEW slot
@@ -226,7 +186,7 @@ class StorageUnit:
             if refused is not None:
                 result.failed[key] = refused
                 continue
-            outcome, slot = self._store_row(partition, index, key, columns.row(i), row_weights[i], claim)
+            outcome, slot = self.held.store(partition, key, columns.row(i), row_weights[i], claim)
             if outcome is not None:
                 result.failed[key] = outcome
                 continue
@@ -255,54 +215,8 @@ class StorageUnit:
         if not columns.shared or not slots:
             return
         held = sum(c.values.nbytes for c in columns.cols if c.name in columns.shared)
-        self.adopted.adopt(columns.shared, held, slots, self.used_bytes, self.capacity)
+        self.held.adopt(columns.shared, held, slots)
         self.counters["adopted_rows"] += len(slots)
-
-    def _store_row(
-        self, partition: str, index: dict[str, str], key: str, row: Row, nbytes: int, claim: str | None = None
-    ) -> tuple[tuple[str, str] | None, str | None]:
-        """(failure or None, the new slot when the row was stored: None for an identical re-put).
-
-        ``nbytes`` is the row's :func:`row_nbytes` (computed per batch by the caller).
-        A new row's weight (capacity, bytes) is its arrays, its key's UTF-8 bytes and
-        :data:`ROW_OVERHEAD_BYTES`; deleting it frees exactly that weight."""
-        slot = index.get(key)
-        if slot is not None:
-            return self._re_put(partition, slot, key, row, claim), None
-        weight = nbytes + key_nbytes(key) + ROW_OVERHEAD_BYTES
-        pinned = self.adopted.pinned_bytes
-        if self.used_bytes + pinned + weight > self.capacity:
-            return (
-                STORE_FULL,
-                f"{key!r}: {weight} bytes would exceed capacity {self.capacity} bytes "
-                f"(used {self.used_bytes}, pinned {pinned}) of unit {self.unit_index}",
-            ), None
-        slot = str(self._next_slot)
-        self._next_slot += 1
-        try:
-            self.rows.put_row(slot, row, nbytes)
-        except Exception as e:  # noqa: BLE001 - a spill failure fails this key, not the batch
-            if slot not in self.rows:
-                return (STORE_ERROR, f"{key!r}: storing failed: {e!r}"), None
-        index[key] = slot
-        self.weights[slot] = weight
-        self.used_bytes += weight
-        if claim is not None:
-            self.claims[slot] = claim
-        return None, slot
-
-    def _re_put(self, partition: str, slot: str, key: str, row: Row, claim: str | None) -> tuple[str, str] | None:
-        """Write-once: an identical re-put is ok (and acknowledges the row to its writer);
-        different content is ``key_conflict``. Compared only when the key exists."""
-        try:
-            existing = self.rows[slot]
-        except Exception as e:  # noqa: BLE001 - a spill file gone bad must not take down the batch
-            return STORE_ERROR, f"{key!r}: reading the existing row failed: {e!r}"
-        if not same_row(existing, row):
-            return KEY_CONFLICT, f"{key!r} already holds different content in partition {partition!r}"
-        if self.claims.get(slot, claim) != claim:
-            del self.claims[slot]  # acknowledged to another writer: no longer provisional
-        return None
 
     # ---- gets -------------------------------------------------------------------
 
@@ -329,31 +243,19 @@ class StorageUnit:
         self.counters["get_rows"] += len(found)
         out = GetResult(pack_stored_rows(found, rows, names, reg, self.answers), failed)
         del rows  # the answer holds copies
-        self.adopted.compact_pending(self.used_bytes, self.capacity)  # reading spilled rows back may have evicted others
+        self.held.compact()  # reading spilled rows back may have evicted others
         return out
 
     def _find(self, partition: str, keys: list) -> tuple[list[str], list[Row], dict[str, tuple[str, str]]]:
         """(found keys, their rows, failures): ``missing_key``, ``lost_key`` or a read error."""
-        index = self.index.get(partition, {})
-        failed: dict[str, tuple[str, str]] = {}
-        found: list[str] = []
-        rows: list[Row] = []
-        for key in keys:
-            slot = index.get(key) if isinstance(key, str) else None
-            if slot is None:
-                how = self.losses.how(partition, key)
-                if how is None:
-                    failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
-                else:
-                    failed[key] = (LOST_KEY, lost_detail(key, how))
-                    self.counters["lost_reads"] += 1
-                continue
-            try:
-                rows.append(self.rows[slot])
-            except Exception as e:  # noqa: BLE001 - a spill file gone bad fails its key only
-                failed[key] = (STORE_ERROR, f"{key!r}: read failed: {e!r}")
-                continue
-            found.append(key)
+        found, rows, absent, failed = self.held.find(partition, keys)
+        for key in absent:
+            how = self.losses.how(partition, key)
+            if how is None:
+                failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
+            else:
+                failed[key] = (LOST_KEY, lost_detail(key, how))
+                self.counters["lost_reads"] += 1
         return found, rows, failed
 
     # ---- deletes ----------------------------------------------------------------
@@ -374,7 +276,7 @@ class StorageUnit:
             self.witness(partition, None, unwitness)
         self.counters["deletes"] += 1
         self.expire_checkpoints()
-        index = self.index.get(partition, {})
+        index = self.held.index.get(partition, {})
         defer = self.guard.covers(partition)
         result = StoreResult()
         removed = 0
@@ -388,22 +290,12 @@ class StorageUnit:
                 result.ok.append(key)
                 result.deferred.append(key)
             else:
-                removed += self._remove(index, key)
+                removed += self.held.remove(partition, key)
                 result.ok.append(key)
         self.counters["deleted_rows"] += removed
         self.counters["deferred_rows"] += len(result.deferred)
-        self.adopted.compact_pending(self.used_bytes, self.capacity)
+        self.held.compact()
         return result
-
-    def _remove(self, index: dict[str, str], key: str) -> bool:
-        slot = index.pop(key, None)
-        if slot is None:
-            return False
-        del self.rows[slot]
-        self.adopted.release(slot)
-        self.used_bytes -= self.weights.pop(slot)
-        self.claims.pop(slot, None)
-        return True
 
     # ---- provisional rows (a restore's claim) -------------------------------------
 
@@ -414,28 +306,14 @@ class StorageUnit:
         Returns ``{"unit", "removed": rows removed, "kept": keys that stay}``."""
         self._check_open()
         check_partition(partition, self.partitions)
-        index = self.index.get(partition, {})
-        removed, kept = 0, []
-        for key in unpack_names(keys, "keys"):
-            slot = index.get(key) if isinstance(key, str) else None
-            if slot is None:
-                continue
-            if self.claims.get(slot) == claim and self._remove(index, key):
-                removed += 1
-            else:
-                kept.append(key)
+        removed, kept = self.held.release(partition, unpack_names(keys, "keys"), claim)
         self.counters["released_rows"] += removed
-        self.adopted.compact_pending(self.used_bytes, self.capacity)
+        self.held.compact()
         return {"unit": self.unit_index, "removed": removed, "kept": kept}
 
     def settle_claim(self, claim: str) -> int:
         """The rows provisional under ``claim`` become ordinary rows; returns how many."""
-        if self.closed:
-            return 0
-        slots = [slot for slot, c in self.claims.items() if c == claim]
-        for slot in slots:
-            del self.claims[slot]
-        return len(slots)
+        return 0 if self.closed else self.held.settle(claim)
 
     # ---- witness names and lost keys (replicas=2) ----------------------------------
 
@@ -460,7 +338,7 @@ class StorageUnit:
         a delete forgets it."""
         self._check_open()
         check_partition(partition, self.partitions)
-        return self.losses.mark(partition, unpack_names(keys, "keys"), how, self.index.get(partition, {}))
+        return self.losses.mark(partition, unpack_names(keys, "keys"), how, self.held.index.get(partition, {}))
 
     def lost_keys(self, partition: str) -> dict[str, str]:
         """Every lost key of ``partition`` with how it was lost."""
@@ -498,11 +376,10 @@ class StorageUnit:
         """Remove the deferred deletes no open checkpoint holds back any more; rows removed."""
         applied = 0
         for partition, keys in self.guard.due().items():
-            index = self.index.get(partition, {})
-            applied += sum(self._remove(index, key) for key in keys)
+            applied += sum(self.held.remove(partition, key) for key in keys)
         self.counters["deleted_rows"] += applied
         if applied:
-            self.adopted.compact_pending(self.used_bytes, self.capacity)
+            self.held.compact()
         return applied
 
     def expire_checkpoints(self) -> int:
@@ -528,16 +405,16 @@ class StorageUnit:
         return {
             "unit": self.unit_index,
             "worker": self.worker_address,
-            "rows": sum(len(ix) for ix in self.index.values()),
-            "partitions": {p: len(ix) for p, ix in self.index.items()},
-            "used_bytes": self.used_bytes,
-            "pinned_bytes": self.adopted.pinned_bytes,
-            "shared_groups": len(self.adopted),
-            "memory_bytes": self.rows.memory_bytes,
-            "spilled_bytes": self.rows.spilled_bytes,
-            "disk_bytes": self.rows.spilled_bytes,
-            "spilled_rows": self.rows.spilled_rows,
-            "spill_errors": self.rows.spill_errors,
+            "rows": self.held.count(),
+            "partitions": {p: len(ix) for p, ix in self.held.index.items()},
+            "used_bytes": self.held.used_bytes,
+            "pinned_bytes": self.pinned_bytes,
+            "shared_groups": len(self.held.adopted),
+            "memory_bytes": self.held.rows.memory_bytes,
+            "spilled_bytes": self.held.rows.spilled_bytes,
+            "disk_bytes": self.held.rows.spilled_bytes,
+            "spilled_rows": self.held.rows.spilled_rows,
+            "spill_errors": self.held.rows.spill_errors,
             "answer_buffer_bytes": self.answers.held_bytes,
             "answer_buffers_reused": self.answers.reused,
             "answer_buffers_allocated": self.answers.allocated,
@@ -548,7 +425,7 @@ class StorageUnit:
             "registry": self.registry.to_dict(),
             "open_checkpoints": len(self.guard.open),
             "pending_deletes": self.guard.pending(),
-            "provisional_rows": len(self.claims),
+            "provisional_rows": len(self.held.claims),
             "lost_keys": self.losses.lost_count(),
             "witnessed_keys": self.losses.witnessed_count(),
             "event": self.event(),
@@ -563,16 +440,15 @@ class StorageUnit:
         return self.event()
 
     def event(self) -> dict:
-        """This unit's ``token-capture-store`` event (the one place it is built): rows,
-        bytes in memory / spilled / used and the capacity (bytes), lost keys.
-        O(partitions): cheap enough to read every period."""
+        """This unit's ``token-capture-store`` event (the one place it is built): rows, bytes
+        in memory / spilled / used, capacity (bytes), lost keys; O(partitions), cheap."""
         return {
             "unit": self.unit_index,
             "worker": self.worker_address,
-            "rows": sum(len(ix) for ix in self.index.values()),
-            "memory_bytes": self.rows.memory_bytes,
-            "spilled_bytes": self.rows.spilled_bytes,
-            "used_bytes": self.used_bytes,
+            "rows": self.held.count(),
+            "memory_bytes": self.held.rows.memory_bytes,
+            "spilled_bytes": self.held.rows.spilled_bytes,
+            "used_bytes": self.held.used_bytes,
             "capacity_bytes": self.capacity,
             "lost_keys": self.losses.lost_count(),
         }
@@ -580,7 +456,7 @@ class StorageUnit:
     def keys(self, partition: str) -> list[str]:
         """Every key of ``partition``: held ones (insertion order), then lost ones (their
         reads answer ``lost_key``)."""
-        return [*self.index.get(partition, {}), *self.losses.lost.get(partition, {})]
+        return [*self.held.index.get(partition, {}), *self.losses.lost.get(partition, {})]
 
     # ---- checkpoint -------------------------------------------------------------
 
@@ -593,31 +469,13 @@ class StorageUnit:
         is the primary of, so a checkpoint holds each key once, not once per copy."""
         self._check_open()
         entries: list[dict] = []
-        for partition, index in self.index.items():
+        for partition, index in self.held.index.items():
             items = list(index.items())
             if primary_of_units is not None:
                 items = [(k, v) for k, v in items if unit_for_key(k, primary_of_units) == self.unit_index]
-            entries.extend(self._write_partition(directory, partition, items, chunk_bytes))
-        return entries
-
-    def _write_partition(self, directory: str, partition: str, items: list[tuple[str, str]], chunk_bytes: int) -> list[dict]:
-        """One partition's ``(key, slot)`` rows as files of about ``chunk_bytes`` each."""
-        reg = self.registry.get(partition)
-        names = list(reg.specs) if reg else []
-        entries: list[dict] = []
-        chunk_keys: list[str] = []
-        chunk_rows: list[Row] = []
-        size = 0
-        for j, (key, slot) in enumerate(items):
-            chunk_keys.append(key)
-            chunk_rows.append(self.rows.peek(slot))
-            size += self.weights[slot]
-            if size >= chunk_bytes or j == len(items) - 1:
-                batch = pack_stored_rows(chunk_keys, chunk_rows, names, reg)
-                name = f"u{self.unit_index:03d}-{partition}-{len(entries):05d}{batch_file.DATA_SUFFIX}"
-                sha, nbytes = batch_file.write_atomic(os.path.join(directory, name), batch_file.encode_batch(batch))
-                entries.append({"file": name, "partition": partition, "rows": len(batch), "bytes": nbytes, "sha256": sha})
-                chunk_keys, chunk_rows, size = [], [], 0
+            reg = self.registry.get(partition)
+            rows = ((key, self.held.rows.peek(slot), self.held.weights[slot]) for key, slot in items)
+            entries.extend(write_partition_files(directory, f"u{self.unit_index:03d}-{partition}", partition, rows, reg, chunk_bytes))
         return entries
 
     # ---- lifecycle --------------------------------------------------------------
@@ -629,16 +487,11 @@ class StorageUnit:
         if self.reporter is not None:
             self.reporter.stop()
         final = self.stats()
-        self.rows.close()
+        self.held.clear()
         shutil.rmtree(self.directory, ignore_errors=True)
-        self.index.clear()
-        self.weights.clear()
-        self.adopted.clear()
         self.guard.clear()
-        self.claims.clear()
         self.losses.clear()
         self.answers = SlabPool(0)
-        self.used_bytes = 0
         self.closed = True
         return final
 
