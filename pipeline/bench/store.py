@@ -23,18 +23,24 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Container
 
 import numpy as np
 
-from tasks.gate import CaptureGate
-from tasks.packed import PackedBatch, pack_rows
+from tasks.packed import PackedBatch
 
 from .. import config
+from ..progress import Progress
 from . import actor_ceiling, loopback
 from .common import add_cluster_arguments, bench_client, compare_rows, main, notes
+from .store_memory import memory_mode
+from .store_rows import template_batch, with_keys
+
+if TYPE_CHECKING:
+    from ..store import StagingStore
+    from ..store.protocol import GetResult
 
 TARGET_RATIO = 20.0  # 256-row calls vs one-row calls at 1,024 tokens (rows/s)
 # Batched put/get bytes/s over raw loopback TCP's for the same bytes, per row size (tokens).
@@ -61,35 +67,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_arguments(p, n_workers=2)
 
 
-# ---- row material ------------------------------------------------------------------
-
-
-def template_batch(n: int, tokens: int, *, layers: int, top_k: int, routes: bool, seed: int = 0) -> PackedBatch:
-    """``n`` real staged rows (capture gate, one call each) packed; keys are renamed per use."""
-    rng = np.random.default_rng(seed)
-    rows = []
-    for i in range(n):
-        gate = CaptureGate(f"t{i}", vocab_size=512, num_experts=8)
-        mask = np.ones(tokens, np.float32)
-        lp = -rng.random(tokens, dtype=np.float32) - 0.01
-        re = rng.integers(0, 8, (tokens, layers, top_k)).astype(np.int16) if routes else None
-        rows.append(gate.stage_call("c0", None, rng.integers(0, 512, tokens), mask, lp, routed_experts=re))
-    return pack_rows(rows)
-
-
-def with_keys(template: PackedBatch, tag: str, start: int, n: int) -> PackedBatch:
-    """Rows ``0..n`` of ``template`` under fresh keys ``{tag}{start + i}/c0`` (write-once
-    means every put needs new keys; the payload is what is being moved)."""
-    base = template if n == len(template) else template.take(np.arange(n))
-    return PackedBatch([f"{tag}{start + i}/c0" for i in range(n)], base.fields)
-
-
-def _progress(label: str, total: int, quiet: bool):
-    from ..progress import Progress
-
-    return Progress(label, total=total, quiet=quiet)
-
-
 # ---- throughput ----------------------------------------------------------------------
 
 SAMPLE_ROWS = 4  # rows per sampled read compared bit-exact with what was written
@@ -101,16 +78,23 @@ def _refused(what: str, failed: dict) -> str:
     return f"{what}: {len(failed)} key(s) failed, e.g. {key}: {why}"
 
 
-def _throughput_once(store, template: PackedBatch, tokens: int, single_rows: int, n_batches: int, args,
-                     tag: str, prog, failures: list[str]) -> dict[str, float]:
-    """One run of the four timed loops on fresh keys; per-key failures and content
-    mismatches (on a sample of the rows read back) go to ``failures``."""
-    bs = args.batch_size
-    where = f"{tokens} tokens {tag}: "
-    # Warm the connections, the code paths and the pooled buffers of a fresh store (the
-    # units' answer slabs, the client's gather and merge slabs: a timed get holds the
-    # previous answer while the next one is packed, so pools hold a few slabs): WARM_CALLS
-    # full calls each way, untimed. What is timed is a long-lived store's steady state.
+@dataclass
+class _TimedGets:
+    """What a timed loop of gets saw: its wall time, the keys refused, the calls that came
+    back short of rows, and the sampled answers ``(call index, answer)`` to compare."""
+
+    seconds: float
+    failed: dict[str, tuple[str, str]]
+    short: int
+    samples: list[tuple[int, GetResult]]
+
+
+def _warm_up(store: StagingStore, template: PackedBatch, tag: str, where: str, failures: list[str]) -> None:
+    """Warm the connections, the code paths and the pooled buffers of a fresh store (the
+    units' answer slabs, the client's gather and merge slabs: a timed get holds the
+    previous answer while the next one is packed, so pools hold a few slabs): WARM_CALLS
+    full calls each way (+1 get), untimed. What is timed is a long-lived store's steady
+    state. A refused warm-up put goes to ``failures``."""
     for w in range(WARM_CALLS):
         warm = with_keys(template, f"w{w}{tag}", 0, len(template))
         res = store.put_many(warm)
@@ -119,69 +103,82 @@ def _throughput_once(store, template: PackedBatch, tokens: int, single_rows: int
         store.get_many(warm.keys)
     store.get_many(warm.keys)
 
-    put_failed: dict = {}
+
+def _timed_puts(store: StagingStore, template: PackedBatch, prefix: str, calls: int, rows_per_call: int
+                ) -> tuple[float, dict[str, tuple[str, str]]]:
+    """Wall seconds of ``calls`` puts of ``rows_per_call`` rows each, under the fresh keys
+    ``{prefix}{n}/c0`` (n = 0, 1, ...), and every key a put refused."""
+    failed: dict[str, tuple[str, str]] = {}
     t0 = time.perf_counter()
-    for i in range(single_rows):
-        res = store.put_many(with_keys(template, tag + "a", i, 1))
+    for j in range(calls):
+        res = store.put_many(with_keys(template, prefix, j * rows_per_call, rows_per_call))
         if res.failed:
-            put_failed.update(res.failed)
-    put1 = time.perf_counter() - t0
-    if put_failed:
-        failures.append(_refused(where + "put bs1", put_failed))
+            failed.update(res.failed)
+    return time.perf_counter() - t0, failed
+
+
+def _timed_gets(store: StagingStore, prefix: str, calls: int, rows_per_call: int, sampled: Container[int]) -> _TimedGets:
+    """Wall seconds of ``calls`` gets of ``rows_per_call`` keys each (``{prefix}{n}/c0``,
+    as :func:`_timed_puts` wrote them), keeping the answers of the ``sampled`` calls."""
+    failed: dict[str, tuple[str, str]] = {}
+    short = 0
+    samples: list[tuple[int, GetResult]] = []
+    t0 = time.perf_counter()
+    for j in range(calls):
+        got = store.get_many([f"{prefix}{j * rows_per_call + i}/c0" for i in range(rows_per_call)])
+        if got.failed or len(got.batch) != rows_per_call:
+            failed.update(got.failed)
+            short += len(got.batch) != rows_per_call
+        if j in sampled:
+            samples.append((j, got))
+    return _TimedGets(time.perf_counter() - t0, failed, short, samples)
+
+
+def _check_read_back(template: PackedBatch, prefix: str, rows_per_call: int, gets: _TimedGets, what: str,
+                     failures: list[str]) -> None:
+    """The first SAMPLE_ROWS rows of each sampled get, bit-exact against what was put
+    (a get short of them was already reported); problems go to ``failures``."""
+    k = min(SAMPLE_ROWS, rows_per_call)
+    for j, got in gets.samples:
+        if len(got.batch) >= k:
+            want = with_keys(template, prefix, j * rows_per_call, rows_per_call).take(np.arange(k))
+            failures.extend(compare_rows(want, got.batch.take(np.arange(k)), what=what))
+
+
+def _throughput_once(store: StagingStore, template: PackedBatch, tokens: int, single_rows: int, n_batches: int,
+                     args: argparse.Namespace, tag: str, prog: Progress, failures: list[str]) -> dict[str, float]:
+    """One run of the four timed loops on fresh keys: wall seconds of ``single_rows``
+    one-row puts (``put1``), ``n_batches`` puts of ``args.batch_size`` rows (``putb``), and
+    the same gets (``get1``, ``getb``). Per-key failures and content mismatches (on a
+    sample of the rows read back, compared after the timed loops) go to ``failures``."""
+    bs = args.batch_size
+    where = f"{tokens} tokens {tag}: "
+    single, batched = tag + "a", tag + "b"
+    _warm_up(store, template, tag, where, failures)
+
+    put1, failed = _timed_puts(store, template, single, single_rows, 1)
+    if failed:
+        failures.append(_refused(where + "put bs1", failed))
     prog.advance(1, "put bs1")
 
-    put_failed = {}
-    t0 = time.perf_counter()
-    for j in range(n_batches):
-        res = store.put_many(with_keys(template, tag + "b", j * bs, bs))
-        if res.failed:
-            put_failed.update(res.failed)
-    putb = time.perf_counter() - t0
-    if put_failed:
-        failures.append(_refused(where + f"put bs{bs}", put_failed))
+    putb, failed = _timed_puts(store, template, batched, n_batches, bs)
+    if failed:
+        failures.append(_refused(where + f"put bs{bs}", failed))
     prog.advance(1, f"put bs{bs}")
 
-    get_failed: dict = {}
-    short = 0
-    sample1: list = []
-    t0 = time.perf_counter()
-    for i in range(single_rows):
-        got = store.get_many([f"{tag}a{i}/c0"])
-        if got.failed or len(got.batch) != 1:
-            get_failed.update(got.failed)
-            short += len(got.batch) != 1
-        if i < SAMPLE_ROWS:
-            sample1.append((i, got))
-    get1 = time.perf_counter() - t0
-    if get_failed or short:
-        failures.append(_refused(where + "get bs1", get_failed) if get_failed else f"{where}get bs1: {short} get(s) returned no row")
+    get1 = _timed_gets(store, single, single_rows, 1, range(SAMPLE_ROWS))
+    if get1.failed or get1.short:
+        failures.append(_refused(where + "get bs1", get1.failed) if get1.failed else f"{where}get bs1: {get1.short} get(s) returned no row")
     prog.advance(1, "get bs1")
 
-    get_failed, short = {}, 0
-    sampleb: list = []
-    t0 = time.perf_counter()
-    for j in range(n_batches):
-        got = store.get_many([f"{tag}b{j * bs + i}/c0" for i in range(bs)])
-        if got.failed or len(got.batch) != bs:
-            get_failed.update(got.failed)
-            short += len(got.batch) != bs
-        if j in (0, n_batches - 1):
-            sampleb.append((j, got))
-    getb = time.perf_counter() - t0
-    if get_failed or short:
-        failures.append(_refused(where + f"get bs{bs}", get_failed) if get_failed else f"{where}get bs{bs}: {short} get(s) short of rows")
+    getb = _timed_gets(store, batched, n_batches, bs, (0, n_batches - 1))
+    if getb.failed or getb.short:
+        failures.append(_refused(where + f"get bs{bs}", getb.failed) if getb.failed else f"{where}get bs{bs}: {getb.short} get(s) short of rows")
     prog.advance(1, f"get bs{bs}")
 
-    # Content, outside the timed loops: sampled rows bit-exact against what was put.
-    for i, got in sample1:
-        if len(got.batch) == 1:
-            failures.extend(compare_rows(with_keys(template, tag + "a", i, 1), got.batch, what=where + "get bs1 "))
-    k = min(SAMPLE_ROWS, bs)
-    for j, got in sampleb:
-        if len(got.batch) >= k:
-            want = with_keys(template, tag + "b", j * bs, bs).take(np.arange(k))
-            failures.extend(compare_rows(want, got.batch.take(np.arange(k)), what=where + f"get bs{bs} "))
-    return {"put1": put1, "putb": putb, "get1": get1, "getb": getb}
+    _check_read_back(template, single, 1, get1, where + "get bs1 ", failures)
+    _check_read_back(template, batched, bs, getb, where + f"get bs{bs} ", failures)
+    return {"put1": put1, "putb": putb, "get1": get1.seconds, "getb": getb.seconds}
 
 
 def _throughput(
@@ -200,7 +197,7 @@ def _throughput(
     runs: list[dict[str, float]] = []
     wire: list[dict[str, float]] = []
     bare: list[dict[str, float]] = []
-    with _progress(f"store {tokens} tok", (6 if with_loopback else 4) * args.repeats, args.quiet) as prog:
+    with Progress(f"store {tokens} tok", total=(6 if with_loopback else 4) * args.repeats, quiet=args.quiet) as prog:
         for rep in range(args.repeats):
             store = StagingStore.start(client, n_units=2, memory_limit="4GiB")
             try:
@@ -260,113 +257,6 @@ def _throughput(
     return out
 
 
-# ---- memory mode ----------------------------------------------------------------------
-
-_SAMPLER: dict[str, Any] = {}
-
-
-def _start_rss_sampler(interval_s: float = 0.02) -> int:
-    """Runs in each worker (``client.run``): sample this process's RSS until stopped."""
-    import psutil
-
-    # State lives in the importable module, not in this function's globals: run as
-    # ``__main__`` this function is pickled by value and its globals are a copy per call.
-    from pipeline.bench import store as here
-
-    proc = psutil.Process()
-    state = {"peak": proc.memory_info().rss, "stop": threading.Event()}
-
-    def loop() -> None:
-        while not state["stop"].wait(interval_s):
-            state["peak"] = max(state["peak"], proc.memory_info().rss)
-
-    thread = threading.Thread(target=loop, name="bench-rss-sampler", daemon=True)
-    thread.start()
-    here._SAMPLER.update(state, thread=thread)
-    return proc.pid
-
-
-def _stop_rss_sampler() -> int:
-    """Runs in each worker: stop sampling, return the peak RSS in bytes."""
-    import psutil
-
-    from pipeline.bench import store as here
-
-    here._SAMPLER["stop"].set()
-    here._SAMPLER["thread"].join()
-    return max(here._SAMPLER["peak"], psutil.Process().memory_info().rss)
-
-
-def _memory_mode(client, args) -> dict[str, Any]:
-    from .. import config
-    from ..store import StagingStore
-
-    bs = args.batch_size
-    tokens = args.memory_row_tokens
-    # Rows per batch bounded so one call moves at most ~64 MB.
-    template = template_batch(bs, tokens, layers=args.layers, top_k=args.top_k, routes=not args.no_routes, seed=1)
-    row_bytes = template.nbytes / len(template)
-    per_call = max(1, min(bs, int(64e6 // row_bytes)))
-    target = int(args.memory_gb * 1e9)
-    n_rows = max(per_call, int(target // row_bytes) // per_call * per_call)
-    limit = config.parse_bytes(args.unit_memory_limit)
-    store = StagingStore.start(client, memory_limit=limit)
-    hosts = sorted(set(store.unit_workers))
-    pids = client.run(_start_rss_sampler, workers=hosts)
-    keys: list[str] = []
-    t0 = time.perf_counter()
-    try:
-        with _progress("store memory: put", n_rows // per_call, args.quiet) as prog:
-            for j in range(0, n_rows, per_call):
-                b = with_keys(template, "m", j, per_call)
-                res = store.put_many(b)
-                if res.failed:
-                    raise RuntimeError(f"memory mode put failed: {next(iter(res.failed.items()))}")
-                keys.extend(b.keys)
-                prog.advance(1)
-        put_s = time.perf_counter() - t0
-        stats_after_put = store.stats()
-        t0 = time.perf_counter()
-        ok_rows = 0
-        want = template.take(np.arange(per_call))
-        with _progress("store memory: get", n_rows // per_call, args.quiet) as prog:
-            for j in range(0, n_rows, per_call):
-                ks = keys[j : j + per_call]
-                got = store.get_many(ks)
-                if got.failed or got.batch.keys != ks:
-                    raise RuntimeError(f"memory mode read-back failed: {list(got.failed.items())[:3]}")
-                for name, f in want.fields.items():
-                    g = got.batch.fields[name]
-                    if g.values.tobytes() != f.values.tobytes() or not np.array_equal(g.offsets, f.offsets):
-                        raise RuntimeError(f"memory mode read-back differs in {name} for {ks[0]}..")
-                ok_rows += len(ks)
-                prog.advance(1)
-        get_s = time.perf_counter() - t0
-    finally:
-        peaks = client.run(_stop_rss_sampler, workers=hosts)
-        store.close()
-    peak = {addr: int(v) for addr, v in peaks.items()}
-    return {
-        "rows": n_rows,
-        "tokens_per_row": tokens,
-        "staged_bytes": int(n_rows * row_bytes),
-        "unit_memory_limit": limit,
-        "rows_per_call": per_call,
-        "put_s": round(put_s, 2),
-        "get_s": round(get_s, 2),
-        "put_mb_per_s": round(n_rows * row_bytes / put_s / 1e6, 1),
-        "get_mb_per_s": round(n_rows * row_bytes / get_s / 1e6, 1),
-        "spilled_bytes_after_put": sum(s["spilled_bytes"] for s in stats_after_put),
-        "memory_bytes_after_put": sum(s["memory_bytes"] for s in stats_after_put),
-        "peak_rss_bytes": peak,
-        "worker_pids": pids,
-        "max_peak_rss_mb": round(max(peak.values()) / 2**20, 1),
-        "rss_under_1gb": max(peak.values()) < 2**30,
-        "rows_read_back": ok_rows,
-        "all_rows_read_back": ok_rows == n_rows,
-    }
-
-
 # ---- entry points -------------------------------------------------------------------
 
 
@@ -415,7 +305,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["replication_1024"] = {"skipped": "replicas=2 needs at least 2 workers"}
         if args.memory:
             try:
-                result["memory"] = _memory_mode(client, args)
+                result["memory"] = memory_mode(client, args)
                 if not result["memory"]["all_rows_read_back"]:
                     failures.append(f"memory mode: {result['memory']['rows_read_back']} of {result['memory']['rows']} rows read back")
             except RuntimeError as e:
