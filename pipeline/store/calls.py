@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Protocol, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Callable, Generator, Protocol, Sequence, TypeVar, Union
 
 from tasks.errors import StoreError
 
@@ -26,8 +26,11 @@ from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult
 from .settings import StoreSettings
 from .slab_pool import SlabPool
 
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Actor
+
 T = TypeVar("T")
-Answer = Union[StoreResult, GetResult, Any]  # a unit method's answer (Any: stats, counts)
+Answer = Union[StoreResult, GetResult, object]  # a unit method's answer (object: stats, counts)
 
 
 @dataclass
@@ -55,14 +58,22 @@ class Refresh:
     seen: int
 
 
+class Pending(Protocol):
+    """A sync actor call in flight (an ``ActorFuture`` or a ``concurrent.futures.Future``)."""
+
+    def result(self, timeout: float | None = None) -> object: ...
+
+    def done(self) -> bool: ...
+
+
 Request = Union[list[Call], Refresh]
-Operation = Generator[Request, Any, T]
+Operation = Generator[Request, object, T]
 
 
 class Driven(Protocol):
     """What operations and drivers use of a store handle."""
 
-    units: list[Any]  # distributed Actor handles of the storage units
+    units: list["Actor"]  # the storage units' handles
     placement: Placement
     settings: StoreSettings
 
@@ -98,7 +109,7 @@ def settle(call: Call, outcome: Answer | BaseException, workers: Sequence[str]) 
 
 def run_sync(op: Operation[T], store: Driven, end: float | None) -> T:
     """Drive ``op`` to its answer, blocking on actor futures (each bounded by ``end``)."""
-    reply: Any = None
+    reply: object = None
     while True:
         try:
             request = op.send(reply)
@@ -115,14 +126,14 @@ def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answ
     out = []
     for c, f in zip(calls, futures):
         try:
-            outcome: Any = waiter(f, end)()
+            outcome: object = waiter(f, end)()
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
             outcome = e
         out.append(settle(c, outcome, store.placement.workers))
     return out
 
 
-def _invoke_sync(store: Driven, call: Call) -> Any:
+def _invoke_sync(store: Driven, call: Call) -> "Pending":
     unit = store.units[call.unit]
     fn = local_call(unit, call.method) if call.local and store.settings.local_reads else None
     return (fn or getattr(unit, call.method))(*call.args())
@@ -133,7 +144,7 @@ def _invoke_sync(store: Driven, call: Call) -> Any:
 
 async def run_async(op: Operation[T], store: Driven, end: float | None) -> T:
     """Drive ``op`` to its answer from a coroutine (each call bounded by ``end``)."""
-    reply: Any = None
+    reply: object = None
     while True:
         try:
             request = op.send(reply)
@@ -152,7 +163,7 @@ async def _send_async(calls: list[Call], store: Driven, end: float | None) -> li
         # task per call. Failures settle exactly as gather's would.
         (c,) = calls
         try:
-            outcome: Any = await bounded(getattr(store.units[c.unit], c.method)(*c.args()), end)
+            outcome: object = await bounded(getattr(store.units[c.unit], c.method)(*c.args()), end)
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
             outcome = e
         return [settle(c, outcome, workers)]

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from tasks.errors import InvalidStoreRequest, StoreError, StoreUnavailable
 from tasks.keys import STAGING_PARTITION as DEFAULT_PARTITION
@@ -32,6 +32,9 @@ from .replication import partners
 from .settings import StoreSettings
 from .slab_pool import SlabPool, process_pool
 
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Actor
+
 
 class StagingStore:
     """Batched, write-once row store over :class:`~pipeline.store.unit.StorageUnit` actors.
@@ -45,7 +48,7 @@ class StagingStore:
 
     def __init__(
         self,
-        units: Sequence[Any],
+        units: Sequence["Actor"],
         unit_workers: Sequence[str],
         partitions: Sequence[str] | None = None,
         replica: Sequence[int] | None = None,
@@ -145,7 +148,7 @@ class StagingStore:
         self.closed = state["closed"]
         self.owner = None
 
-    def with_settings(self, **changes: Any) -> "StagingStore":
+    def with_settings(self, **changes: int | bool) -> "StagingStore":
         """A handle on the same units with some :class:`StoreSettings` changed (it owns nothing)."""
         copy = StagingStore.__new__(StagingStore)
         copy.__setstate__({**self.__getstate__(), "settings": dataclasses.replace(self.settings, **changes)})
@@ -307,7 +310,7 @@ class StagingStore:
     def table(self) -> UnitTable:
         return UnitTable(self.version, list(self.units), list(self.placement.workers), self.replica)
 
-    def install_unit(self, u: int, handle: Any, worker: str) -> None:
+    def install_unit(self, u: int, handle: "Actor", worker: str) -> None:
         """Unit ``u`` now lives on ``worker`` behind ``handle`` (its replacement)."""
         units = list(self.units)
         units[u] = handle

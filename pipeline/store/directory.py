@@ -11,7 +11,10 @@ from __future__ import annotations
 
 import pickle
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Actor, Client, Variable
 
 
 @dataclass
@@ -19,7 +22,7 @@ class UnitTable:
     """Unit handles and their workers, numbered by ``version`` (bumped on each replacement)."""
 
     version: int
-    units: list[Any]
+    units: list["Actor"]
     unit_workers: list[str]
     replica: list[int] | None = field(default=None)
 
@@ -30,12 +33,12 @@ class UnitDirectory:
     def __init__(self, name: str):
         self.name = name
 
-    def _variable(self, client: Any = None):
+    def _variable(self, client: "Client | None" = None) -> "Variable":
         from distributed import Variable
 
         return Variable(self.name, client)
 
-    def publish(self, client: Any, table: UnitTable) -> None:
+    def publish(self, client: "Client", table: UnitTable) -> None:
         self._variable(client).set(pickle.dumps(table))
 
     def fetch(self, timeout: float | None = None) -> UnitTable | None:
@@ -52,7 +55,7 @@ class UnitDirectory:
         except Exception:  # noqa: BLE001
             return None
 
-    def delete(self, client: Any) -> None:
+    def delete(self, client: "Client") -> None:
         try:
             self._variable(client).delete()
         except Exception:  # noqa: BLE001 - the cluster may be gone

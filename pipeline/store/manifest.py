@@ -16,7 +16,7 @@ import hmac
 import json
 import os
 import re
-from typing import Any
+from typing import Final
 
 from tasks.errors import CheckpointCorrupt, CheckpointError, CheckpointReplayed
 
@@ -39,7 +39,7 @@ _MIN_KEY_BYTES = 32
 _GENERATION_RE = re.compile(r"^gen-[A-Za-z0-9_-]{1,200}$")
 _DATA_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,250}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
-_FROM_CONFIG: Any = object()
+_FROM_CONFIG: Final = object()  # "the key from config" (a default no caller passes)
 
 
 # ---- manifest: digest, optional HMAC, entry checks ------------------------------------
@@ -150,7 +150,7 @@ def read_manifest(path: str, key: bytes | None = _FROM_CONFIG, allow_older: bool
     return manifest
 
 
-def _load_manifest_json(mpath: str) -> Any:
+def _load_manifest_json(mpath: str) -> object:
     """The parsed JSON of the manifest file ``mpath``, read safely (see :func:`read_manifest`)."""
     knob = f"token-capture.{MANIFEST_MAX_CONFIG}"
     data = read_regular_bounded(mpath, config.get_bytes(MANIFEST_MAX_CONFIG), knob, CheckpointCorrupt)
@@ -172,7 +172,7 @@ def _check_sequence_fields(mpath: str, manifest: dict) -> None:
         raise CheckpointCorrupt(f"{mpath}: sequence {manifest.get('sequence')!r} is not an integer >= 0")
 
 
-def _store_name(store: Any = None) -> str:
+def _store_name(store: object = None) -> str:
     """The name a store's checkpoints are sequenced under: its ``name`` attribute if it
     has one, else the name it is published as (``capture-client.store-name``)."""
     name = getattr(store, "name", None)
@@ -251,7 +251,7 @@ def _int_field(entry: dict, name: str) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def _entry_problem(entry: Any, generation: str) -> str | None:
+def _entry_problem(entry: object, generation: str) -> str | None:
     """Why a manifest file entry is unusable (its shape and its name), or ``None``."""
     if not isinstance(entry, dict):
         return f"entry must be an object, got {type(entry).__name__}"

@@ -11,15 +11,15 @@ at once instead of reaching a closed unit.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
-from distributed import Client, Future
+from distributed import Actor, Client, Future
 
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
 
 from .. import config
 from ..actors import current_workers, start_pinned_actors
-from .directory import UnitDirectory
+from .directory import UnitDirectory, UnitTable
 from .placement import Placement
 from .protocol import check_partition
 from .replication import replica_map, witness_map
@@ -34,9 +34,9 @@ class Owned(Protocol):
 
     directory: UnitDirectory | None
 
-    def install_unit(self, u: int, handle: Any, worker: str) -> None: ...
+    def install_unit(self, u: int, handle: Actor, worker: str) -> None: ...
 
-    def table(self) -> Any: ...
+    def table(self) -> UnitTable: ...
 
     def close_units(self) -> list[dict]: ...
 
@@ -66,7 +66,7 @@ class StoreOwner:
     repairer: "Repairer | None" = None
     closed: list[dict] | None = None
 
-    def replace_unit(self, store: Owned, u: int, handle: Any, worker: str, future: Future) -> None:
+    def replace_unit(self, store: Owned, u: int, handle: Actor, worker: str, future: Future) -> None:
         """Install a re-replicated unit ``u`` (the repairer) and publish the new table."""
         if u < len(self.futures):
             self.retired.append(self.futures[u])
@@ -112,7 +112,7 @@ def unit_args_from_config(
 
 def start_units(
     client: Client, n_units: int, args: UnitArgs, workers: Sequence[str] | None
-) -> tuple[list[Any], StoreOwner, Placement, UnitDirectory | None]:
+) -> tuple[list[Actor], StoreOwner, Placement, UnitDirectory | None]:
     """Start ``n_units`` units round-robin over ``workers`` (default: every worker now).
 
     Returns the unit handles, their owner, the placement (with replicas=2 its replica and

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tasks.keys import unit_for_key
 
@@ -31,13 +31,22 @@ from .protocol import pack_names
 from .replication import partners, witnessed_by
 from .unit import StorageUnit
 
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Actor, Client
+
 logger = logging.getLogger(__name__)
+
+
+class UnitArgsLike(Protocol):
+    """What a replacement unit is built with (``owner.UnitArgs``)."""
+
+    def for_unit(self, u: int) -> tuple: ...
 
 
 class Repairer:
     """The background re-replication thread of one store (see the module docstring)."""
 
-    def __init__(self, store: Any, client: Any, unit_args: Any):
+    def __init__(self, store: Any, client: "Client", unit_args: "UnitArgsLike"):
         self.store = store
         self.client = client
         self.unit_args = unit_args  # owner.UnitArgs: what every unit of the store is built with
@@ -108,7 +117,7 @@ class Repairer:
         n, replica = len(self.store.units), self.store.replica
         return [k for k in keys if ((p := unit_for_key(k, n)) == u and replica[u] == s) or (p == s and replica[s] == u)]
 
-    def _copy_pair(self, new: Any, partition: str, u: int, s: int, timeout: float, chunk_rows: int) -> int:
+    def _copy_pair(self, new: "Actor", partition: str, u: int, s: int, timeout: float, chunk_rows: int) -> int:
         """Copy the rows (and lost-key records) of pair (u, s) from survivor ``s``; rows copied."""
         mate = self.store.units[s]
         held = self._pair_keys(mate.keys(partition).result(timeout=timeout), u, s)
@@ -128,7 +137,7 @@ class Repairer:
                 new.mark_lost(partition, pack_names(names), how).result(timeout=timeout)
         return copied
 
-    def _mark_pair_lost(self, new: Any, partition: str, u: int, d: int, live: set[str], timeout: float) -> int:
+    def _mark_pair_lost(self, new: "Actor", partition: str, u: int, d: int, live: set[str], timeout: float) -> int:
         """Pair (u, d) died together: record its keys' names (from their witness) as lost."""
         store, n = self.store, len(self.store.units)
         how = f"units {min(u, d)} and {max(u, d)} lost together, noticed {time.strftime('%Y-%m-%dT%H:%M:%S')}"
@@ -148,7 +157,7 @@ class Repairer:
             logger.error("storage units %d and %d lost together: %d key(s) of partition %r lost (both copies)", u, d, marked, partition)
         return marked
 
-    def _rebuild_witness(self, new: Any, partition: str, u: int, live: set[str], timeout: float) -> None:
+    def _rebuild_witness(self, new: "Actor", partition: str, u: int, live: set[str], timeout: float) -> None:
         """``u`` witnessed other units' keys: give the new unit their names back."""
         store, n = self.store, len(self.store.units)
         for p in witnessed_by(u, store.witness or []):
