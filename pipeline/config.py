@@ -3,8 +3,9 @@
 ``dask-config.yaml`` holds the defaults; it ships inside this package (in the repository,
 ``pipeline/dask-config.yaml`` links to the one file at the root). They are merged into
 ``dask.config`` once at import (``update_defaults``), so user settings, environment
-variables (``DASK_TOKEN_CAPTURE__STORE__UNITS=4``) and ``dask.config.set`` win. Every
-knob is read at call time through :func:`get`, never cached in module globals.
+variables (``DASK_TOKEN_CAPTURE__STORE__UNITS=4``) and ``dask.config.set`` win. Each
+long-lived object reads its knobs through :func:`get` once, when it is built (a frozen
+settings dataclass), never into module globals.
 """
 from __future__ import annotations
 
