@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import uuid
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
-from distributed import Actor
+from distributed import Actor, Client, Future
 
 from . import config, dask_compat
 
@@ -41,7 +41,7 @@ class DirectActor(PinnedActor):
     direct_to_worker = True
 
 
-def current_workers(client: Any) -> list[str]:
+def current_workers(client: Client) -> list[str]:
     """Addresses of every worker connected now, sorted (a stable placement order)."""
     return sorted(client.scheduler_info(n_workers=-1)["workers"])
 
@@ -54,13 +54,13 @@ def pinned_handle(actor: Actor) -> PinnedActor:
 
 
 def start_pinned_actors(
-    client: Any,
+    client: Client,
     cls: type,
     workers: Sequence[str],
     args: Sequence[tuple] = (),
     keys: Sequence[str] | None = None,
-    **kwargs: Any,
-) -> tuple[list[PinnedActor], list[Any]]:
+    **kwargs: object,
+) -> tuple[list[PinnedActor], list[Future]]:
     """Start one ``cls`` actor on each of ``workers`` (an address may repeat), pinned there.
 
     ``args[i]`` are actor ``i``'s positional arguments (none when ``args`` is empty);
@@ -105,7 +105,7 @@ def local_call(handle: Actor, method: str) -> Callable[..., concurrent.futures.F
     return lambda *args: executor.submit(bound, *args)
 
 
-def local_instance(handle: Any) -> Any | None:
+def local_instance(handle: Actor) -> object | None:
     """The object behind actor ``handle`` when it lives in THIS worker process (asked from
     a task, an actor method or the worker's loop there); ``None`` elsewhere."""
     from distributed import get_worker

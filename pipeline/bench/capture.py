@@ -20,13 +20,41 @@ import statistics
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Mapping, TypedDict
 
 import numpy as np
 
 from .common import add_cluster_arguments, bench_client, main, notes
 
+if TYPE_CHECKING:
+    from tasks.receipts import Receipt
+    from tasks.schema import StagedRow
+
+    from ..store.protocol import StoreLike
+
 VOCAB, EXPERTS = 512, 8
+
+
+class Delta(TypedDict):
+    """One call's delta arrays, as an engine hands them to ``stage``."""
+
+    token_ids: np.ndarray
+    token_mask: np.ndarray
+    logprobs: np.ndarray
+    routed_experts: np.ndarray | None  # None with --no-routes
+
+
+class ModeRun(TypedDict, total=False):
+    """One run of one mode (:func:`run_client`, :func:`run_direct`), rates added by :func:`run`."""
+
+    wall_s: float
+    puts: int
+    bytes: int
+    problems: list[str]
+    untimed_gate_s: float  # direct only
+    untimed_pack_s: float  # direct only
+    rows_per_s: float | None  # None for a run that raised
+    mb_per_s: float | None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +72,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_arguments(p)
 
 
-def make_deltas(args: argparse.Namespace, seed: int = 0) -> list[list[dict[str, Any]]]:
+def make_deltas(args: argparse.Namespace, seed: int = 0) -> list[list[Delta]]:
     """Per rollout, per call: the delta arrays an engine would hand to ``stage``."""
     rng = np.random.default_rng(seed)
     n_ctx = min(16, args.tokens - 1)
@@ -55,22 +83,22 @@ def make_deltas(args: argparse.Namespace, seed: int = 0) -> list[list[dict[str, 
         for _ in range(args.calls):
             lp = np.where(mask > 0, -rng.random(args.tokens, dtype=np.float32) - 0.01, 0.0).astype(np.float32)
             routes = None if args.no_routes else rng.integers(0, EXPERTS, (args.tokens, args.layers, args.top_k)).astype(np.int16)
-            calls.append(dict(token_ids=rng.integers(0, VOCAB, args.tokens), token_mask=mask, logprobs=lp, routed_experts=routes))
+            calls.append(Delta(token_ids=rng.integers(0, VOCAB, args.tokens), token_mask=mask, logprobs=lp, routed_experts=routes))
         out.append(calls)
     return out
 
 
-def _stage_rollout(stage, deltas: list[dict[str, Any]]) -> None:
+def _stage_rollout(stage: Callable[..., None], deltas: list[Delta]) -> None:
     for t, d in enumerate(deltas):
         stage(f"c{t}", None if t == 0 else f"c{t - 1}", **d)
 
 
-def run_client(store, deltas, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+def run_client(store: StoreLike, deltas: list[list[Delta]], args: argparse.Namespace, tag: str) -> ModeRun:
     """Engine threads stage every rollout through one CaptureClient (timed: gate + puts)."""
     from ..client import CaptureClient
 
     shares = [list(range(t, len(deltas), args.threads)) for t in range(args.threads)]
-    receipts: list[Any] = []
+    receipts: list[Receipt] = []
     errors: list[BaseException] = []
     barrier = threading.Barrier(args.threads + 1)
     cap = CaptureClient(store, flush_calls=args.flush_calls, flush_ms=args.flush_ms)
@@ -102,12 +130,12 @@ def run_client(store, deltas, args: argparse.Namespace, tag: str) -> dict[str, A
     return {"wall_s": wall, "puts": stats["puts"], "bytes": stats["bytes"], "problems": problems}
 
 
-def run_direct(store, deltas, args: argparse.Namespace, tag: str) -> dict[str, Any]:
+def run_direct(store: StoreLike, deltas: list[list[Delta]], args: argparse.Namespace, tag: str) -> ModeRun:
     """The same rows gated and packed beforehand (untimed), then put batch by batch (timed)."""
     from tasks.gate import CaptureGate
     from tasks.packed import pack_rows
 
-    rows = []
+    rows: list[StagedRow] = []
     g0 = time.perf_counter()
     for i, calls in enumerate(deltas):
         gate = CaptureGate(f"{tag}r{i}", vocab_size=VOCAB, num_experts=EXPERTS, group_id=f"{tag}g")
@@ -127,7 +155,7 @@ def run_direct(store, deltas, args: argparse.Namespace, tag: str) -> dict[str, A
             "untimed_gate_s": round(gate_s, 4), "untimed_pack_s": round(pack_s, 4)}
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, object]:
     """Run both modes ``--runs`` times each (interleaved); returns the JSON-able result."""
     from ..store.client import StagingStore
 
@@ -138,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     say(f"making {n_rows} deltas of {args.tokens} tokens ...")
     deltas = make_deltas(args)
     modes = {"client": run_client, "direct": run_direct}
-    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    runs: dict[str, list[ModeRun]] = {m: [] for m in modes}
     failures: list[str] = []
     with bench_client(args) as client:
         for k in range(args.runs):
@@ -152,7 +180,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     if stored != n_rows:
                         r["problems"].append(f"units stored {stored} rows, expected {n_rows}")
                 except Exception as e:  # noqa: BLE001 - a failed run is reported, then fails the command
-                    r = {"wall_s": float("nan"), "puts": 0, "bytes": 0, "problems": [f"{type(e).__name__}: {e}"]}
+                    r = ModeRun(wall_s=float("nan"), puts=0, bytes=0, problems=[f"{type(e).__name__}: {e}"])
                 finally:
                     store.close()
                 r["rows_per_s"] = round(n_rows / r["wall_s"], 1) if r["wall_s"] == r["wall_s"] else None
@@ -163,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 say(f"{mode:6s} run {k}: {r['rows_per_s']} rows/s, {r['puts']} puts, {r['mb_per_s']} MB/s"
                     + (f", FAILED {r['problems']}" if r["problems"] else ""))
                 runs[mode].append(r)
-    out: dict[str, Any] = {
+    out: dict[str, object] = {
         "benchmark": "capture",
         "rows_per_run": n_rows,
         "tokens_per_call": args.tokens,
@@ -173,12 +201,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "flush_ms": args.flush_ms,
         "runs": runs,
     }
+    medians: dict[str, float | None] = {}
     for mode, rs in runs.items():
         ok = [r["rows_per_s"] for r in rs if not r["problems"]]
-        out[f"{mode}_median_rows_per_s"] = statistics.median(ok) if ok else None
-    if out["client_median_rows_per_s"] and out["direct_median_rows_per_s"]:
-        out["ratio_client_over_direct"] = round(out["client_median_rows_per_s"] / out["direct_median_rows_per_s"], 3)
-    say(f"median rows/s: client {out['client_median_rows_per_s']}, direct {out['direct_median_rows_per_s']}, "
+        medians[mode] = out[f"{mode}_median_rows_per_s"] = statistics.median(ok) if ok else None
+    client_rate, direct_rate = medians["client"], medians["direct"]
+    if client_rate and direct_rate:
+        out["ratio_client_over_direct"] = round(client_rate / direct_rate, 3)
+    say(f"median rows/s: client {client_rate}, direct {direct_rate}, "
         f"ratio {out.get('ratio_client_over_direct')}")
     out["failures"] = failures
     out["ok"] = not failures
@@ -187,7 +217,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-def exit_status(result: dict[str, Any]) -> int:
+def exit_status(result: Mapping[str, object]) -> int:
     """The CLI's exit status: 0 when every run of both modes succeeded, else 1."""
     return 0 if result.get("ok") else 1
 

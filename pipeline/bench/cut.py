@@ -26,16 +26,55 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, TypedDict, TypeVar
 
 import numpy as np
 
 from .common import add_cluster_arguments, bench_client, main, notes
 
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from tasks.cut.batching import BatchLimits
+    from tasks.cut.receipt import CutReceipt
+    from tasks.packed import PackedBatch
+
+    from ..generation.call_buffer import CallBuffer
+    from ..generation.cut import CutStats, CutStore
+    from ..store.client import StagingStore
+    from ..store.protocol import StoreLike, StoreResult
+
+T = TypeVar("T")
+
 TARGETS = {"speedup_1024": 25.0, "speedup_16384": 3.0, "cut_vs_raw_put_1024": 0.8}
 CONTEXT_TOKENS = 16
 SAMPLE_ROWS = 4  # rows of client 0 read back and compared bit-exact per run
 ONE_ROW, BATCHED, RAW_PUT = "one_row", "batched", "raw_put"  # the modes of a table row
+
+
+class CutRow(TypedDict, total=False):
+    """One run of one mode (:func:`_one_config`, :func:`_raw_put_config`), or a table row:
+    the median-wall run of a mode's runs (:func:`_median_row`)."""
+
+    mode: str
+    prefix_tokens: int
+    rows_per_put: int
+    rows: int
+    clients: int
+    wall_s: float
+    rows_per_s: float
+    cpu_s: dict[str, float]  # CPU seconds of the controller and of each worker, by address
+    put_calls: int
+    mean_row_wait_ms: float  # the cut's only
+    durable: int  # the cut's only
+    written: int  # the raw put's only
+    failed: int
+    bytes_written: int
+    problems: list[str]  # a run's only, popped once said
+    wall_s_median: float  # from here on: a table row's only
+    rows_per_s_median: float
+    wall_s_runs: list[float]
+    runs: int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +92,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_arguments(p, n_workers=2)
 
 
-def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str) -> list:
+def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str) -> list[CallBuffer]:
     """One writer client's in-flight calls: ``tokens``-token prefixes (context + generated)."""
     from ..generation.call_buffer import CallBuffer
 
@@ -68,14 +107,14 @@ def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str) -> list:
     return calls
 
 
-def _all_client_calls(rows: int, tokens: int, args, tag: str) -> list[list]:
+def _all_client_calls(rows: int, tokens: int, args: argparse.Namespace, tag: str) -> list[list[CallBuffer]]:
     """Every client's calls: ``rows`` spread over ``min(clients, rows)`` clients."""
     n_clients = min(args.clients, rows)
     shares = [rows // n_clients + (1 if c < rows % n_clients else 0) for c in range(n_clients)]
     return [_client_calls(c, shares[c], tokens, tag) for c in range(n_clients)]
 
 
-def _limits(rows_per_put: int):
+def _limits(rows_per_put: int) -> BatchLimits:
     from tasks.cut.batching import BatchLimits
 
     from .. import config
@@ -87,7 +126,7 @@ def _limits(rows_per_put: int):
     )
 
 
-def _cut(calls: list, store, tag: str, limits, worker: str):
+def _cut(calls: list[CallBuffer], store: CutStore, tag: str, limits: BatchLimits, worker: str) -> tuple[CutReceipt, CutStats]:
     """One client's cut of ``calls`` through the real transaction: (receipt, stats)."""
     from tasks.cut.receipt import inventory_digest
 
@@ -98,11 +137,11 @@ def _cut(calls: list, store, tag: str, limits, worker: str):
                    deadline=time.time() + 3600, limits=limits, worker=worker)
 
 
-def _timed(n_clients: int, work: Callable[[int], Any], client) -> tuple[float, list[Any], dict[str, float]]:
+def _timed(n_clients: int, work: Callable[[int], T], client: Client | None) -> tuple[float, list[T | BaseException], dict[str, float]]:
     """Run ``work(c)`` in one thread per client, all released together by a barrier:
     (wall seconds until the last returns, per-client result or exception, CPU seconds)."""
     barrier = threading.Barrier(n_clients + 1)
-    results: list[Any] = [None] * n_clients
+    results: list[T | BaseException] = [None] * n_clients  # type: ignore[list-item] - each writer sets its own
 
     def writer(c: int) -> None:
         barrier.wait()
@@ -125,12 +164,13 @@ def _timed(n_clients: int, work: Callable[[int], Any], client) -> tuple[float, l
     return wall, results, {k: round(cpu1[k] - cpu0[k], 3) for k in cpu0 if k in cpu1}
 
 
-def _row(mode: str, tokens: int, rows_per_put: int, rows: int, n_clients: int, wall: float, cpu: dict) -> dict[str, Any]:
+def _row(mode: str, tokens: int, rows_per_put: int, rows: int, n_clients: int, wall: float, cpu: dict[str, float]) -> CutRow:
     return {"mode": mode, "prefix_tokens": tokens, "rows_per_put": rows_per_put, "rows": rows, "clients": n_clients,
             "wall_s": round(wall, 4), "rows_per_s": round(rows / wall, 1), "cpu_s": cpu}
 
 
-def _one_config(store, tokens: int, rows: int, rows_per_put: int, args, tag: str, client=None) -> dict[str, Any]:
+def _one_config(store: StagingStore, tokens: int, rows: int, rows_per_put: int, args: argparse.Namespace, tag: str,
+                client: Client | None = None) -> CutRow:
     """One timed run of the cut at ``rows_per_put``: its table row plus ``problems``."""
     per_client = _all_client_calls(rows, tokens, args, tag)
     limits = _limits(rows_per_put)
@@ -163,11 +203,11 @@ class _Recorder:
     """A cut store that keeps every batch put (all rows acknowledged) and writes nothing:
     it yields exactly the batches a cut of the same calls against ``units`` would put."""
 
-    def __init__(self, units: Sequence[Any]):
+    def __init__(self, units: Sequence[object]):
         self.units = list(units)
-        self.batches: list = []
+        self.batches: list[PackedBatch] = []
 
-    def put_many(self, batch, partition: str = "", adopt: bool = False, timeout: float | None = None):
+    def put_many(self, batch: PackedBatch, partition: str = "", adopt: bool = False, timeout: float | None = None) -> StoreResult:
         from ..store.protocol import StoreResult
 
         self.batches.append(batch)
@@ -177,21 +217,22 @@ class _Recorder:
         return None
 
 
-def _raw_put_config(store, tokens: int, rows: int, rows_per_put: int, args, tag: str, client=None) -> dict[str, Any]:
+def _raw_put_config(store: StagingStore, tokens: int, rows: int, rows_per_put: int, args: argparse.Namespace, tag: str,
+                    client: Client | None = None) -> CutRow:
     """One timed run of bare ``put_many`` calls of the batches the batched cut (same
     ``tag``) writes, packed by a cut against a :class:`_Recorder` before the timer."""
     from tasks.keys import CUT_PARTITION
 
     per_client = _all_client_calls(rows, tokens, args, tag)
     limits = _limits(rows_per_put)
-    batches = []
+    batches: list[list[PackedBatch]] = []
     for c, calls in enumerate(per_client):
         rec = _Recorder(store.units)
         _cut(calls, rec, tag, limits, f"client-{c}")
         batches.append(rec.batches)
     del per_client
 
-    def put_all(c: int) -> list:
+    def put_all(c: int) -> list[StoreResult]:
         return [store.put_many(b, partition=CUT_PARTITION, adopt=True) for b in batches[c]]
 
     wall, results, cpu = _timed(len(batches), put_all, client)
@@ -215,7 +256,7 @@ def _raw_put_config(store, tokens: int, rows: int, rows_per_put: int, args, tag:
     }
 
 
-def _check_cut_content(store, receipt, tokens: int, tag: str) -> list[str]:
+def _check_cut_content(store: StoreLike, receipt: CutReceipt, tokens: int, tag: str) -> list[str]:
     """The first ``SAMPLE_ROWS`` durable prefixes of client 0: sealed under the key their
     freeze names, and read back bit-exact (:func:`_check_content`)."""
     acks = [a for a in receipt.acks if a.durable][:SAMPLE_ROWS]
@@ -225,7 +266,7 @@ def _check_cut_content(store, receipt, tokens: int, tag: str) -> list[str]:
     return _check_content(store, keys, tokens, tag)
 
 
-def _check_content(store, keys: Sequence[str], tokens: int, tag: str) -> list[str]:
+def _check_content(store: StoreLike, keys: Sequence[str], tokens: int, tag: str) -> list[str]:
     """Read back ``keys`` (first-cut rows of client 0) and compare them bit-exact (every
     field) with the same calls rebuilt (same seeds) and frozen again."""
     from tasks.keys import CUT_PARTITION
@@ -261,7 +302,7 @@ def _process_cpu_s() -> float:
     return t.user + t.system
 
 
-def _cpu_seconds(client) -> dict[str, float]:
+def _cpu_seconds(client: Client | None) -> dict[str, float]:
     """CPU seconds (user + system) of this process and of every worker process so far."""
     out = {"controller": _process_cpu_s()}
     for addr, cpu in (client.run(_process_cpu_s) if client is not None else {}).items():
@@ -269,22 +310,22 @@ def _cpu_seconds(client) -> dict[str, float]:
     return out
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, object]:
     """Run the cut table; returns the JSON-able result (see module docstring)."""
     from ..store.client import StagingStore
 
     token_sizes = [int(t) for t in str(args.tokens).split(",") if t]
     rows_for = {1024: args.rows, 16384: args.rows_16384}
     say = notes("cut", args.quiet)
-    table: list[dict[str, Any]] = []  # the cut's rows: one row per put, then batched, per token size
-    raw_put: list[dict[str, Any]] = []  # the store's bare put of the batched cut's batches, per token size
+    table: list[CutRow] = []  # the cut's rows: one row per put, then batched, per token size
+    raw_put: list[CutRow] = []  # the store's bare put of the batched cut's batches, per token size
     failures: list[str] = []
     modes = [(ONE_ROW, 1), (BATCHED, args.batch_size), (RAW_PUT, args.batch_size)]
     with bench_client(args) as client:
         with tempfile.TemporaryDirectory(prefix="bench-cut-") as spill:
             for tokens in token_sizes:
                 rows = rows_for.get(tokens, args.rows)
-                runs: dict[str, list[dict[str, Any]]] = {m: [] for m, _ in modes}
+                runs: dict[str, list[CutRow]] = {m: [] for m, _ in modes}
                 for rep in range(args.repeats):
                     # Interleaved, rotating which mode goes first; each run on a fresh store of the same shape.
                     for mode, rpp in modes[rep % len(modes):] + modes[: rep % len(modes)]:
@@ -306,20 +347,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         runs[mode].append(row)
                 table += [_median_row(runs[m]) for m in (ONE_ROW, BATCHED) if runs[m]]
                 raw_put += [_median_row(runs[RAW_PUT])] if runs[RAW_PUT] else []
-    out: dict[str, Any] = {"benchmark": "cut", "clients": args.clients, "repeats": args.repeats, "table": table,
-                           "raw_put": raw_put}
+    out: dict[str, object] = {"benchmark": "cut", "clients": args.clients, "repeats": args.repeats, "table": table,
+                              "raw_put": raw_put}
     if failures:
         say(f"FAILED ({len(failures)}): {failures[:3]}")
     else:
-        out.update(_ratios(table + raw_put, token_sizes))
-        out["targets"] = {k: v for k, v in TARGETS.items() if k in out}
-        out["meets_targets"] = all(out[k] >= v for k, v in out["targets"].items())
+        ratios = _ratios(table + raw_put, token_sizes)
+        out.update(ratios)
+        targets = {k: v for k, v in TARGETS.items() if k in ratios}
+        out["targets"] = targets
+        out["meets_targets"] = all(ratios[k] >= v for k, v in targets.items())
     out["failures"] = failures
     out["ok"] = not failures
     return out
 
 
-def _ratios(table: list[dict[str, Any]], token_sizes: Sequence[int]) -> dict[str, float]:
+def _ratios(table: list[CutRow], token_sizes: Sequence[int]) -> dict[str, float]:
     """Per token size: ``speedup_T`` (one-row wall / batched wall, medians) and
     ``cut_vs_raw_put_T`` (batched cut rows/s / raw put rows/s, medians)."""
     out: dict[str, float] = {}
@@ -333,12 +376,12 @@ def _ratios(table: list[dict[str, Any]], token_sizes: Sequence[int]) -> dict[str
     return out
 
 
-def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
+def _median_row(runs: list[CutRow]) -> CutRow:
     """One table row from a mode's runs: the median-wall run's figures, with every run's
     wall in ``wall_s_runs`` (``wall_s`` and ``rows_per_s`` are the medians)."""
     walls = [r["wall_s"] for r in runs]
     mid = sorted(runs, key=lambda r: r["wall_s"])[(len(runs) - 1) // 2]
-    row = dict(mid)
+    row = mid.copy()
     row["wall_s"] = row["wall_s_median"] = round(statistics.median(walls), 4)
     row["rows_per_s"] = row["rows_per_s_median"] = round(statistics.median(r["rows_per_s"] for r in runs), 1)
     row["wall_s_runs"] = walls
@@ -347,7 +390,7 @@ def _median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return row
 
 
-def exit_status(result: dict[str, Any]) -> int:
+def exit_status(result: dict[str, object]) -> int:
     """The CLI's exit status: 0 when every run of every mode wrote every row and read back intact, else 1."""
     return 0 if result.get("ok") else 1
 

@@ -24,13 +24,21 @@ import asyncio
 import gc
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
 from tasks.keys import CUT_PARTITION
+from tasks.packed import PackedBatch, pack_rows
+from tasks.schema import STAGING_FIELDS
 
-from .common import add_cluster_arguments, bench_client, main, notes
+from .common import add_cluster_arguments, bench_client, compare_rows, main, notes
+
+if TYPE_CHECKING:
+    from distributed import Actor, Client
+
+    from ..restore.batcher import PrefixReadBatcher
+    from ..store.protocol import AsyncStoreLike, StoreLike
 
 GAPS_MS = (5, 10, 20, 50)  # arrival gaps of the gap_* scenarios (ms between one worker's restores)
 TARGETS = {"mass_resume_speedup": 13.0, "gap_p50_ratio": 1.05}
@@ -43,8 +51,6 @@ START_MARGIN_S = 0.05  # every worker's first restore starts this long after the
 
 def _restore_fields() -> list[str]:
     # Every field verify_prefix checks; cut rows without routes need no routed_experts.
-    from tasks.schema import STAGING_FIELDS
-
     return list(STAGING_FIELDS)
 
 
@@ -80,19 +86,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 # ---- scenarios and staged rows --------------------------------------------------------
 
 
+# A scenario: ``workers`` simulated workers, ``restores`` each of ``chunks`` cut rows,
+# ``period_s`` apart (0 = all at once), run ``repeats`` times per mode.
+Scenario = TypedDict("Scenario", {"name": str, "workers": int, "restores": int, "chunks": int, "period_s": float, "repeats": int})
+# Staged key -> (template batch, row) it was written from.
+Expected = dict[str, tuple[PackedBatch, int]]
+
+
 def scenario_names() -> list[str]:
     """Every scenario's name, in run order."""
     return ["mass_resume", "mass_resume_4chunks", *(f"gap_{g}ms" for g in GAPS_MS)]
 
 
-def scenarios(args: argparse.Namespace) -> list[dict[str, Any]]:
+def scenarios(args: argparse.Namespace) -> list[Scenario]:
     """Each: name, workers, restores per worker, chunks per restore, period (s between one
     worker's restores; 0 = all at once), runs per mode."""
     W, R, GW, GR = args.workers, args.restores, args.gap_workers, args.gap_restores
     out = [
-        dict(name="mass_resume", workers=W, restores=R, chunks=1, period_s=0.0, repeats=args.repeats),
-        dict(name="mass_resume_4chunks", workers=W, restores=R, chunks=4, period_s=0.0, repeats=args.repeats),
-        *(dict(name=f"gap_{g}ms", workers=GW, restores=GR, chunks=1, period_s=g / 1000.0, repeats=args.gap_repeats) for g in GAPS_MS),
+        Scenario(name="mass_resume", workers=W, restores=R, chunks=1, period_s=0.0, repeats=args.repeats),
+        Scenario(name="mass_resume_4chunks", workers=W, restores=R, chunks=4, period_s=0.0, repeats=args.repeats),
+        *(Scenario(name=f"gap_{g}ms", workers=GW, restores=GR, chunks=1, period_s=g / 1000.0, repeats=args.gap_repeats) for g in GAPS_MS),
     ]
     if args.scenarios != "all":
         wanted = {s.strip() for s in args.scenarios.split(",")}
@@ -103,10 +116,8 @@ def scenarios(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
-def _templates(tokens: int, seed: int = 0):
+def _templates(tokens: int, seed: int = 0) -> PackedBatch:
     """Real cut rows (CallBuffer freeze) of ``tokens`` tokens: the payload to replicate."""
-    from tasks.packed import pack_rows
-
     from ..generation.call_buffer import CallBuffer
 
     rng = np.random.default_rng(seed)
@@ -119,7 +130,7 @@ def _templates(tokens: int, seed: int = 0):
     return pack_rows(rows)
 
 
-def restore_keys(sc: dict[str, Any]) -> list[list[str]]:
+def restore_keys(sc: Scenario) -> list[list[str]]:
     """Cut keys of every restore of a scenario, chain order; restore ``w * R + r``."""
     from tasks.keys import cut_key
 
@@ -131,13 +142,11 @@ def restore_keys(sc: dict[str, Any]) -> list[list[str]]:
     ]
 
 
-def stage(store, scs: list[dict[str, Any]], tokens: int, args, expect: dict | None = None) -> dict[int, int]:
+def stage(store: StoreLike, scs: list[Scenario], tokens: int, args: argparse.Namespace, expect: Expected | None = None) -> dict[int, int]:
     """Put every key the scenarios (and the warm-up) read, once per chunking, in puts of <= 64 MB.
     With ``expect``, record for every key the (template batch, row) it was written from.
     Returns ``{chunks per restore: tokens per chunk}``."""
-    from tasks.packed import PackedBatch
-
-    need: dict[int, set] = {1: set()}
+    need: dict[int, set[str]] = {1: set()}
     for sc in scs + [_warm_up(args)]:
         need.setdefault(sc["chunks"], set()).update(k for ks in restore_keys(sc) for k in ks)
     staged = {}
@@ -160,11 +169,19 @@ def stage(store, scs: list[dict[str, Any]], tokens: int, args, expect: dict | No
     return staged
 
 
-def _warm_up(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(name="warm-up", workers=args.workers, restores=args.restores, chunks=1, period_s=0.0, repeats=1)
+def _warm_up(args: argparse.Namespace) -> Scenario:
+    return Scenario(name="warm-up", workers=args.workers, restores=args.restores, chunks=1, period_s=0.0, repeats=1)
 
 
 # ---- the callers: simulated generation workers, on the cluster's workers -----------------
+
+
+# A caller's restores (RestoreCaller.run), a scenario in one mode (_Rig.run: every caller's):
+# latencies by restore index, restores that erred or came back short, the first problems.
+CallerRun = TypedDict("CallerRun", {"latencies_ms": dict[int, float], "errors": int, "problems": list[str],
+                                    "sampled": dict[int, PackedBatch], "gets": int, "span_s": float, "gc_ms": float})
+ModeRun = TypedDict("ModeRun", {"gets": int, "errors": int, "problems": list[str], "wall_s": float, "gc_ms": float, "keys": int,
+                                "latencies_ms": np.ndarray})
 
 
 class RestoreCaller:
@@ -176,15 +193,13 @@ class RestoreCaller:
     :func:`~pipeline.restore.batcher.local_batcher` calls it in-process).
     """
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: AsyncStoreLike) -> None:
         self.store = store
 
-    async def run(self, sc: dict[str, Any], mode: str, sims: list[int], batchers: list[Any], chunk_tokens: int,
-                  start_wall: float, sample: list[int]) -> dict[str, Any]:
+    async def run(self, sc: Scenario, mode: str, sims: list[int], batchers: list[Actor], chunk_tokens: int,
+                  start_wall: float, sample: list[int]) -> CallerRun:
         """Restores of simulated workers ``sims`` (``batchers[i]`` is ``sims[i]``'s, unused
-        per-request), the first at wall-clock ``start_wall`` (s). Returns their latencies
-        (ms, by restore index), errors, the first problems, the ``sample`` restores' rows,
-        the gets issued, the span from the start to the last answer (s) and GC time (ms)."""
+        per-request), the first at wall-clock ``start_wall`` (s); ``sampled``: ``sample``'s rows."""
         from ..restore.batcher import local_batcher
 
         keys = restore_keys(sc)
@@ -196,7 +211,7 @@ class RestoreCaller:
         latencies: dict[int, float] = {}
         errors = 0
         problems: list[str] = []
-        sampled: dict[int, Any] = {}
+        sampled: dict[int, PackedBatch] = {}
         loop = asyncio.get_running_loop()
         # The common start on this loop's clock; a worker whose clock disagrees with the
         # controller's (another host) starts after the usual margin instead.
@@ -245,7 +260,7 @@ class RestoreCaller:
                 "gets": gets, "span_s": last - t0, "gc_ms": gc_time.ms}
 
     @staticmethod
-    async def _batcher_gets(batchers: list[Any]) -> int:
+    async def _batcher_gets(batchers: list[PrefixReadBatcher | Actor]) -> int:
         # The batchers' own count (a get serves many restores); each batcher once.
         distinct = {id(b): b for b in batchers}.values()
         return sum([(await b.stats())["gets"] for b in distinct])
@@ -266,7 +281,7 @@ class _GcTimer:
         self.ms = 0.0
         self._t = 0.0
 
-    def _cb(self, phase: str, info: dict) -> None:
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
         if phase == "start":
             self._t = time.perf_counter()
         else:
@@ -276,7 +291,7 @@ class _GcTimer:
         gc.callbacks.append(self._cb)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         gc.callbacks.remove(self._cb)
 
 
@@ -288,7 +303,7 @@ class _Rig:
     placed there, and the real restore path's batchers (:func:`start_batchers`: one per
     cluster worker, shared by the generation workers there)."""
 
-    def __init__(self, client: Any, store: Any) -> None:
+    def __init__(self, client: Client, store: AsyncStoreLike) -> None:
         from ..actors import current_workers, start_pinned_actors
         from ..restore.batcher import start_batchers
 
@@ -297,11 +312,11 @@ class _Rig:
         self.callers, self._caller_futures = start_pinned_actors(client, RestoreCaller, self.workers, args=[(store,)] * len(self.workers))
         self.by_worker = start_batchers(client, store, workers=self.workers, fields=_restore_fields())
 
-    def batcher(self, w: int) -> Any:
+    def batcher(self, w: int) -> Actor:
         """Simulated worker ``w``'s batcher: the one on its cluster worker."""
         return self.by_worker[self.workers[w % len(self.workers)]]
 
-    def run(self, sc: dict[str, Any], mode: str, chunk_tokens: int, expect: dict | None) -> dict[str, Any]:
+    def run(self, sc: Scenario, mode: str, chunk_tokens: int, expect: Expected | None) -> ModeRun:
         """One scenario in one mode; ``problems`` names the first read errors and, with
         ``expect``, every field of a sampled restore's rows that is not bit-exact."""
         W, R = sc["workers"], sc["restores"]
@@ -313,10 +328,10 @@ class _Rig:
             sims = list(range(c, W, n))
             if sims:
                 futures.append(caller.run(sc, mode, sims, [self.batcher(w) for w in sims], chunk_tokens, start, sample))
-        outs = [f.result() for f in futures]
+        outs: list[CallerRun] = [f.result() for f in futures]
         latencies = np.zeros(W * R, dtype=np.float64)
-        out: dict[str, Any] = {"gets": 0, "errors": 0, "problems": [], "wall_s": 0.0, "gc_ms": 0.0}
-        sampled: dict[int, Any] = {}
+        out = ModeRun(gets=0, errors=0, problems=[], wall_s=0.0, gc_ms=0.0, keys=W * R * sc["chunks"], latencies_ms=latencies)
+        sampled: dict[int, PackedBatch] = {}
         for o in outs:
             for i, ms in o["latencies_ms"].items():
                 latencies[i] = ms
@@ -326,7 +341,6 @@ class _Rig:
             out["problems"] += o["problems"][: max(0, 3 - len(out["problems"]))]
             out["wall_s"] = max(out["wall_s"], o["span_s"])
             out["gc_ms"] = max(out["gc_ms"], o["gc_ms"])
-        out.update(keys=W * R * sc["chunks"], latencies_ms=latencies)
         if expect is not None:
             out["problems"] += _check_content(sampled, restore_keys(sc), _restore_fields(), expect)
         return out
@@ -339,12 +353,8 @@ class _Rig:
                 pass
 
 
-def _check_content(sampled: dict[int, Any], keys: list[list[str]], fields: list[str], expect: dict) -> list[str]:
+def _check_content(sampled: dict[int, PackedBatch], keys: list[list[str]], fields: list[str], expect: Expected) -> list[str]:
     """Each sampled restore's rows, bit-exact (every field read) against the staged rows."""
-    from tasks.packed import PackedBatch
-
-    from .common import compare_rows
-
     problems: list[str] = []
     for i, rows in sorted(sampled.items()):
         for j, k in enumerate(keys[i]):
@@ -354,7 +364,7 @@ def _check_content(sampled: dict[int, Any], keys: list[list[str]], fields: list[
     return problems
 
 
-def _row(sc: dict[str, Any], mode: str, runs: list[dict[str, Any]], chunk_tokens: int) -> dict[str, Any]:
+def _row(sc: Scenario, mode: str, runs: list[ModeRun], chunk_tokens: int) -> dict[str, object]:
     walls = [r["wall_s"] for r in runs]
     p50s = [float(np.percentile(r["latencies_ms"], 50)) for r in runs]
     lat = np.concatenate([r["latencies_ms"] for r in runs])
@@ -383,7 +393,7 @@ def _row(sc: dict[str, Any], mode: str, runs: list[dict[str, Any]], chunk_tokens
 # ---- entry points ----------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, object]:
     """Run the benchmark; returns one JSON-able dict (see module docstring)."""
     scs = scenarios(args)
     with bench_client(args) as client:
@@ -410,14 +420,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _run_scenarios(client: Any, scs: list[dict[str, Any]], args: argparse.Namespace) -> dict[str, Any]:
+def _run_scenarios(client: Client, scs: list[Scenario], args: argparse.Namespace) -> dict[str, object]:
     """Stage once, start the callers and batchers, warm up, then run every scenario in both
     modes, alternating order."""
     from .. import config
     from ..store import StagingStore
 
     say = notes("restore", args.quiet)
-    result: dict[str, Any] = {
+    result: dict[str, object] = {
         "benchmark": "restore",
         "scale": {
             "workers": args.workers,
@@ -439,7 +449,7 @@ def _run_scenarios(client: Any, scs: list[dict[str, Any]], args: argparse.Namesp
         "failures": [],
     }
     failures = result["failures"]
-    expect: dict[str, Any] = {}
+    expect: Expected = {}
     store = StagingStore.start(client, n_units=2, memory_limit=args.unit_memory_limit)
     rig = None
     try:
@@ -456,7 +466,7 @@ def _run_scenarios(client: Any, scs: list[dict[str, Any]], args: argparse.Namesp
         say("warmed up")
         for sc in scs:
             chunk_tokens = staged[sc["chunks"]]
-            runs: dict[str, list] = {m: [] for m in MODES}
+            runs: dict[str, list[ModeRun]] = {m: [] for m in MODES}
             for rep in range(sc["repeats"]):
                 order = MODES if rep % 2 == 0 else MODES[::-1]
                 for mode in order:
@@ -480,7 +490,7 @@ def _run_scenarios(client: Any, scs: list[dict[str, Any]], args: argparse.Namesp
     return result
 
 
-def exit_status(result: dict[str, Any]) -> int:
+def exit_status(result: dict[str, object]) -> int:
     """The CLI's exit status: 0 when every restore of every run read its rows intact, else 1."""
     return 0 if result.get("ok") else 1
 

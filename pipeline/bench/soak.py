@@ -17,10 +17,70 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable, Mapping, TypedDict
 
 from .. import config
 from .common import add_cluster_arguments, bench_client, main, notes
+
+if TYPE_CHECKING:
+    from distributed import Client, Future, Scheduler
+
+    from tasks.toy.rollouts import RolloutSpec
+
+    from ..finalize.controller import Finalizer, StepHandle
+    from ..store.client import StagingStore
+
+
+class Sample(TypedDict):
+    """One measurement of the cluster (:func:`sample`): store, scheduler, RSS (bytes)."""
+
+    store_bytes: int  # used + pinned, every unit
+    store_rows: int
+    store_spilled_bytes: int
+    store_answer_buffer_bytes: int
+    store_pending_deletes: int
+    store_delete_calls: int
+    scheduler_tasks: int
+    scheduler_events: int
+    scheduler_task_groups: int
+    scheduler_task_prefixes: int
+    controller_rss: int
+    worker_rss: dict[str, int]  # by worker address
+
+
+class SoakResult(TypedDict, total=False):
+    """What ``bench soak`` reports: the steps, the first and last samples, the verdict."""
+
+    steps: int
+    failed_steps: dict[str, str]  # step id -> its error
+    rejected_rollouts: int
+    first_sample_after_step: int
+    store_bytes_first: int
+    store_bytes_last: int
+    store_growth_ratio: float
+    store_rows_first: int
+    store_rows_last: int
+    scheduler_tasks_first: int
+    scheduler_tasks_last: int
+    scheduler_events_first: int
+    scheduler_events_last: int
+    scheduler_task_groups_last: int
+    scheduler_task_prefixes_last: int
+    controller_rss_first: int
+    controller_rss_last: int
+    worker_rss_first: dict[str, int]
+    worker_rss_last: dict[str, int]
+    store_spilled_bytes_last: int
+    store_answer_buffer_bytes_last: int
+    store_delete_calls: int
+    worker_rss_growth: dict[str, float]
+    controller_rss_growth: float
+    wall_s: float
+    store_rows_end: int
+    store_bytes_end: int
+    targets: dict[str, float]
+    missed: list[str]
+    ok: bool
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,7 +104,7 @@ def _rss() -> int:
     return int(psutil.Process().memory_info().rss)
 
 
-def _scheduler_counts(dask_scheduler: Any) -> dict[str, int]:
+def _scheduler_counts(dask_scheduler: Scheduler) -> dict[str, int]:
     """Tasks the scheduler holds, and events it keeps (all topics)."""
     return {
         "tasks": len(dask_scheduler.tasks),
@@ -54,7 +114,7 @@ def _scheduler_counts(dask_scheduler: Any) -> dict[str, int]:
     }
 
 
-def sample(client: Any, store: Any) -> dict[str, Any]:
+def sample(client: Client, store: StagingStore) -> Sample:
     """One measurement of the cluster: store, scheduler, RSS (bytes)."""
     stats = store.stats()
     sched = client.run_on_scheduler(_scheduler_counts)
@@ -74,7 +134,7 @@ def sample(client: Any, store: Any) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> SoakResult:
     from tasks.toy.rollouts import make_step_specs
 
     from ..capture import submit_generation
@@ -84,7 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.steps <= args.first_step or args.first_step < 1 or args.in_flight < 1:
         raise SystemExit("need --steps > --first-step >= 1 and --in-flight >= 1")
     say = notes("soak", args.quiet)
-    result: dict[str, Any] = {"steps": 0}
+    result: SoakResult = {"steps": 0}
     with bench_client(args) as client:
         store = StagingStore.start(client)
         try:
@@ -105,11 +165,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _soak(client: Any, store: Any, fin: Any, args: argparse.Namespace, make_step_specs: Callable, submit_generation: Callable,
-          say: Callable[[str], None]) -> dict[str, Any]:
-    pending: list[Any] = []
-    first: dict[str, Any] | None = None
-    last: dict[str, Any] | None = None
+def _soak(client: Client, store: StagingStore, fin: Finalizer, args: argparse.Namespace,
+          make_step_specs: Callable[..., list[list[RolloutSpec]]], submit_generation: Callable[..., list[Future]],
+          say: Callable[[str], None]) -> SoakResult:
+    pending: list[StepHandle] = []
+    first: Sample | None = None
+    last: Sample | None = None
     failed: dict[str, str] = {}
     rejected = collected = 0
     for s in range(args.steps):
@@ -144,7 +205,7 @@ def _soak(client: Any, store: Any, fin: Any, args: argparse.Namespace, make_step
                         f"{last['scheduler_tasks']} scheduler tasks, workers RSS "
                         f"{[v >> 20 for v in last['worker_rss'].values()]} MiB")
     assert first is not None and last is not None
-    out: dict[str, Any] = {
+    out: SoakResult = {
         "steps": collected,
         "failed_steps": failed,
         "rejected_rollouts": rejected,
@@ -175,7 +236,7 @@ def _soak(client: Any, store: Any, fin: Any, args: argparse.Namespace, make_step
     return out
 
 
-def _verdict(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+def _verdict(result: SoakResult, args: argparse.Namespace) -> SoakResult:
     missed = []
     if result["failed_steps"]:
         missed.append(f"{len(result['failed_steps'])} steps failed")
@@ -190,7 +251,7 @@ def _verdict(result: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
             "missed": missed, "ok": not missed}
 
 
-def exit_status(result: dict[str, Any]) -> int:
+def exit_status(result: Mapping[str, object]) -> int:
     """The CLI's exit status: 0 when every step succeeded and every target was met."""
     return 0 if result.get("ok") else 1
 

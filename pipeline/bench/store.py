@@ -25,7 +25,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Container
+from typing import TYPE_CHECKING, Container, Mapping
 
 import numpy as np
 
@@ -39,12 +39,17 @@ from .store_memory import memory_mode
 from .store_rows import template_batch, with_keys
 
 if TYPE_CHECKING:
+    from distributed import Client
+
     from ..store import StagingStore
     from ..store.protocol import GetResult
 
 TARGET_RATIO = 20.0  # 256-row calls vs one-row calls at 1,024 tokens (rows/s)
 # Batched put/get bytes/s over raw loopback TCP's for the same bytes, per row size (tokens).
 LOOPBACK_TARGET = {1024: 0.25, 16384: 0.7}
+# One row size's figures (:func:`_throughput`): rates, ratios and counts, verdicts, and
+# every run's rate in ``*_runs``; the keys name the batch size.
+Figures = dict[str, float | bool | list[float]]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,7 +78,7 @@ SAMPLE_ROWS = 4  # rows per sampled read compared bit-exact with what was writte
 WARM_CALLS = 2  # untimed full calls each way on a fresh store before the timed loops (+1 get)
 
 
-def _refused(what: str, failed: dict) -> str:
+def _refused(what: str, failed: Mapping[str, tuple[str, str]]) -> str:
     key, why = next(iter(failed.items()))
     return f"{what}: {len(failed)} key(s) failed, e.g. {key}: {why}"
 
@@ -182,8 +187,9 @@ def _throughput_once(store: StagingStore, template: PackedBatch, tokens: int, si
 
 
 def _throughput(
-    client, tokens: int, single_rows: int, batched_rows: int, args, failures: list[str], with_loopback: bool = True
-) -> dict[str, Any]:
+    client: Client, tokens: int, single_rows: int, batched_rows: int, args: argparse.Namespace, failures: list[str],
+    with_loopback: bool = True,
+) -> Figures:
     """``args.repeats`` runs, each on a fresh store; every figure is the median over the runs.
     ``with_loopback``: after each run, the same bytes over raw loopback TCP (``*_vs_loopback``)."""
     from ..store import StagingStore
@@ -193,7 +199,7 @@ def _throughput(
     row_bytes = template.nbytes / len(template)
     n_batches = max(1, batched_rows // bs)
     rows_b = n_batches * bs
-    out: dict[str, Any] = {"tokens_per_row": tokens, "row_bytes": int(row_bytes), "batch_size": bs, "repeats": args.repeats}
+    out: Figures = {"tokens_per_row": tokens, "row_bytes": int(row_bytes), "batch_size": bs, "repeats": args.repeats}
     runs: list[dict[str, float]] = []
     wire: list[dict[str, float]] = []
     bare: list[dict[str, float]] = []
@@ -260,23 +266,24 @@ def _throughput(
 # ---- entry points -------------------------------------------------------------------
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> dict[str, object]:
     """Run the benchmark; returns one JSON-able dict (see module docstring)."""
     import dask
 
     failures: list[str] = []
     with bench_client(args) as client:
         n_workers = len(client.scheduler_info(n_workers=-1)["workers"])
-        result: dict[str, Any] = {"benchmark": "store", "workers": n_workers, "repeats": args.repeats}
+        result: dict[str, object] = {"benchmark": "store", "workers": n_workers, "repeats": args.repeats}
+        by_size: dict[str, Figures] = {}
         for tokens, single, batched in (
             (1024, args.single_rows_1024, args.rows_1024),
             (16384, args.single_rows_16384, args.rows_16384),
         ):
-            result[str(tokens)] = _throughput(client, tokens, single, batched, args, failures)
-        r = result["1024"]
+            result[str(tokens)] = by_size[str(tokens)] = _throughput(client, tokens, single, batched, args, failures)
+        r = by_size["1024"]
         bs = args.batch_size
         result["target_ratio"] = TARGET_RATIO
-        parts = [result[str(t)] for t in LOOPBACK_TARGET if "meets_loopback_target" in result[str(t)]]
+        parts = [by_size[str(t)] for t in LOOPBACK_TARGET if "meets_loopback_target" in by_size[str(t)]]
         if len(parts) == len(LOOPBACK_TARGET):
             result["meets_loopback_targets"] = all(p["meets_loopback_target"] for p in parts)
         if "put_ratio" in r:
@@ -305,9 +312,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             result["replication_1024"] = {"skipped": "replicas=2 needs at least 2 workers"}
         if args.memory:
             try:
-                result["memory"] = memory_mode(client, args)
-                if not result["memory"]["all_rows_read_back"]:
-                    failures.append(f"memory mode: {result['memory']['rows_read_back']} of {result['memory']['rows']} rows read back")
+                result["memory"] = memory = memory_mode(client, args)
+                if not memory["all_rows_read_back"]:
+                    failures.append(f"memory mode: {memory['rows_read_back']} of {memory['rows']} rows read back")
             except RuntimeError as e:
                 failures.append(f"memory mode: {e}")
         result["note"] = f"rows/s of {bs}-row calls vs one-row calls, same store, same run; medians of {args.repeats} run(s)"
@@ -319,22 +326,26 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _drop_ratios(result: dict[str, Any]) -> None:
+def _drop_ratios(result: dict[str, object]) -> None:
     """No ratio or target verdict computed over failed runs."""
     for key in ("target_ratio", "meets_target_1024", "meets_loopback_targets"):
         result.pop(key, None)
     for part in ("1024", "16384"):
+        figures = result.get(part)
+        if not isinstance(figures, dict):  # not measured
+            continue
         for op in ("put", "get"):
-            result.get(part, {}).pop(f"{op}_ratio", None)
+            figures.pop(f"{op}_ratio", None)
             for key in (f"{op}_vs_loopback", f"{op}_vs_dask", f"dask_{op}_vs_loopback"):
-                result.get(part, {}).pop(key, None)
-        result.get(part, {}).pop("meets_loopback_target", None)
-    rep = result.get("replication_1024", {})
-    for key in [k for k in rep if "ratio" in k]:
-        rep.pop(key)
+                figures.pop(key, None)
+        figures.pop("meets_loopback_target", None)
+    rep = result.get("replication_1024")
+    if isinstance(rep, dict):
+        for key in [k for k in rep if "ratio" in k]:
+            rep.pop(key)
 
 
-def exit_status(result: dict[str, Any]) -> int:
+def exit_status(result: Mapping[str, object]) -> int:
     """The CLI's exit status: 0 when no put, get or read-back check failed, else 1."""
     return 0 if result.get("ok") else 1
 

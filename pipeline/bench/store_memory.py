@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -16,7 +16,36 @@ from .store_rows import template_batch, with_keys
 if TYPE_CHECKING:
     from distributed import Client
 
-_SAMPLER: dict[str, Any] = {}
+
+class _Sampler(TypedDict, total=False):
+    peak: int  # bytes
+    stop: threading.Event
+    thread: threading.Thread
+
+
+class MemoryFigures(TypedDict):
+    """What :func:`memory_mode` measured (seconds, MB/s, bytes; RSS by worker address)."""
+
+    rows: int
+    tokens_per_row: int
+    staged_bytes: int
+    unit_memory_limit: int
+    rows_per_call: int
+    put_s: float
+    get_s: float
+    put_mb_per_s: float
+    get_mb_per_s: float
+    spilled_bytes_after_put: int
+    memory_bytes_after_put: int
+    peak_rss_bytes: dict[str, int]
+    worker_pids: dict[str, int]
+    max_peak_rss_mb: float
+    rss_under_1gb: bool
+    rows_read_back: int
+    all_rows_read_back: bool
+
+
+_SAMPLER: _Sampler = {}
 
 
 def _start_rss_sampler(interval_s: float = 0.02) -> int:
@@ -28,7 +57,7 @@ def _start_rss_sampler(interval_s: float = 0.02) -> int:
     from pipeline.bench import store_memory as here
 
     proc = psutil.Process()
-    state = {"peak": proc.memory_info().rss, "stop": threading.Event()}
+    state: _Sampler = {"peak": proc.memory_info().rss, "stop": threading.Event()}
 
     def loop() -> None:
         while not state["stop"].wait(interval_s):
@@ -51,7 +80,7 @@ def _stop_rss_sampler() -> int:
     return max(here._SAMPLER["peak"], psutil.Process().memory_info().rss)
 
 
-def memory_mode(client: Client, args: argparse.Namespace) -> dict[str, Any]:
+def memory_mode(client: Client, args: argparse.Namespace) -> MemoryFigures:
     """Stage ``args.memory_gb`` GB of ``args.memory_row_tokens``-token rows (at most ~64 MB
     per put) into units limited to ``args.unit_memory_limit``, sampling each storage
     worker's peak RSS (bytes), then read every row back and compare it bit for bit.
