@@ -107,18 +107,21 @@ def settle(call: Call, outcome: Answer | BaseException, workers: Sequence[str]) 
 # ---- sync -------------------------------------------------------------------------------
 
 
+def _advance(op: Operation[T], reply: object) -> tuple[bool, object]:
+    """(True, the answer) once ``op`` returned, else (False, its next request)."""
+    try:
+        return False, op.send(reply)
+    except StopIteration as done:
+        return True, done.value
+
+
 def run_sync(op: Operation[T], store: Driven, end: float | None) -> T:
     """Drive ``op`` to its answer, blocking on actor futures (each bounded by ``end``)."""
-    reply: object = None
-    while True:
-        try:
-            request = op.send(reply)
-        except StopIteration as done:
-            return done.value
-        if isinstance(request, Refresh):
-            reply = store.refresh(request.seen)
-        else:
-            reply = _send_sync(request, store, end)
+    finished, step = _advance(op, None)
+    while not finished:
+        reply = store.refresh(step.seen) if isinstance(step, Refresh) else _send_sync(step, store, end)  # type: ignore[arg-type]
+        finished, step = _advance(op, reply)
+    return step  # type: ignore[return-value]
 
 
 def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answer]:
@@ -144,16 +147,14 @@ def _invoke_sync(store: Driven, call: Call) -> "Pending":
 
 async def run_async(op: Operation[T], store: Driven, end: float | None) -> T:
     """Drive ``op`` to its answer from a coroutine (each call bounded by ``end``)."""
-    reply: object = None
-    while True:
-        try:
-            request = op.send(reply)
-        except StopIteration as done:
-            return done.value
-        if isinstance(request, Refresh):
-            reply = await store.refresh_async(request.seen)
+    finished, step = _advance(op, None)
+    while not finished:
+        if isinstance(step, Refresh):
+            reply: object = await store.refresh_async(step.seen)
         else:
-            reply = await _send_async(request, store, end)
+            reply = await _send_async(step, store, end)  # type: ignore[arg-type]
+        finished, step = _advance(op, reply)
+    return step  # type: ignore[return-value]
 
 
 async def _send_async(calls: list[Call], store: Driven, end: float | None) -> list[Answer]:

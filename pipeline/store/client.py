@@ -22,7 +22,7 @@ from tasks.packed import PackedBatch
 from .. import config
 from . import checkpoint as _checkpoint
 from . import operations, receive_pool
-from .calls import run_async, run_sync
+from .calls import Operation, run_async, run_sync
 from .deadline import deadline, settle_all
 from .directory import UnitDirectory, UnitTable
 from .owner import StoreOwner, start_units, unit_args_from_config
@@ -203,10 +203,7 @@ class StagingStore:
         replicas=2, keys whose primary unit is unavailable are re-read from their replica
         (one batched get per replica unit). A get on a unit's own worker runs in-process
         (``store.local-reads``: no socket, the answer is the unit's pooled buffer)."""
-        self._check_partition(partition)
-        fields = self._check_fields(fields)
-        receive_pool.install()  # the answers' frames land in reused memory
-        return run_sync(operations.get(self, keys, fields, partition), self, deadline(timeout))
+        return run_sync(self._get(keys, fields, partition), self, deadline(timeout))
 
     async def get_many_async(
         self,
@@ -215,10 +212,14 @@ class StagingStore:
         partition: str = DEFAULT_PARTITION,
         timeout: float | None = None,
     ) -> GetResult:
+        return await run_async(self._get(keys, fields, partition), self, deadline(timeout))
+
+    def _get(self, keys: Sequence[str], fields: Sequence[str] | None, partition: str) -> Operation[GetResult]:
+        """The checked get operation, either driver's to run."""
         self._check_partition(partition)
-        fields = self._check_fields(fields)
-        receive_pool.install()
-        return await run_async(operations.get(self, keys, fields, partition), self, deadline(timeout))
+        checked = self._check_fields(fields)
+        receive_pool.install()  # the answers' frames land in reused memory
+        return operations.get(self, keys, checked, partition)
 
     def delete(self, keys: Sequence[str], partition: str = DEFAULT_PARTITION, timeout: float | None = None) -> StoreResult:
         """Delete ``keys`` (ONE call per unit involved, whatever the number of keys; with
