@@ -10,7 +10,7 @@ event log and reach every ``SchedulerPlugin.log_event`` hook.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Mapping
 
 FINALIZE = "token-capture-finalize"
 """One per finalized group. Keys: step_id, group_id, rollouts, accepted, rejected (dict
@@ -22,7 +22,7 @@ at most 200 characters, one entry per reason of ``rejected``; optional); ``kind`
 ``"group"``. The controller's ``kind: "step"`` events on this topic carry the same counts
 summed over the step, without rejected_details (count each rollout from one kind only)."""
 
-FINALIZE_OPTIONAL: Mapping[str, Any] = {"internal_errors": 0, "rejected_details": {}}
+FINALIZE_OPTIONAL: Mapping[str, object] = {"internal_errors": 0, "rejected_details": {}}
 """Finalize event keys an event may lack (older producers), with the value to read then."""
 
 CUT = "token-capture-cut"
@@ -38,7 +38,7 @@ batcher runs), latency_counts (requests per bucket, not cumulative over buckets:
 entry than bounds, the last for +Inf), latency_sum_s (seconds). The three latency keys
 are optional (see :data:`RESTORE_OPTIONAL`)."""
 
-RESTORE_OPTIONAL: Mapping[str, Any] = {"latency_bounds_s": [], "latency_counts": [], "latency_sum_s": 0.0}
+RESTORE_OPTIONAL: Mapping[str, object] = {"latency_bounds_s": [], "latency_counts": [], "latency_sum_s": 0.0}
 """Restore event keys an event may lack (older producers), with the value to read then."""
 
 STORE = "token-capture-store"
@@ -64,7 +64,7 @@ def host_name(default: str = "local") -> str:
         return default
 
 
-def publish(topic: str, payload: Mapping[str, Any]) -> None:
+def publish(topic: str, payload: Mapping[str, object]) -> None:
     """Log ``payload`` under ``topic`` from wherever we run (worker, actor or client).
 
     Never raises: metrics must not fail the work they describe.

@@ -12,10 +12,11 @@ from __future__ import annotations
 import itertools
 import threading
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence, TypedDict
 
 from tasks import reasons as R
 from tasks.errors import MissingFinalizeResource
+from tasks.finalize.plan import ReceiptLike
 from tasks.finalize.step_batch import step_batch
 from tasks.keys import STAGING_PARTITION, staging_key
 
@@ -25,7 +26,14 @@ from ..store.protocol import PlacedStoreLike, StoreLike
 from . import timing
 from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_graph, task_key
 
-Groups = Mapping[str, Sequence[Any]] | Sequence[Sequence[Any]]
+if TYPE_CHECKING:
+    import torch
+    from distributed import Client, Future
+    from tensordict import TensorDict
+
+    from tasks.finalize.assemble import FinalizedGroup
+
+Groups = Mapping[str, Sequence[ReceiptLike]] | Sequence[Sequence[ReceiptLike]]
 
 
 @dataclass
@@ -34,8 +42,8 @@ class StepResult:
     step's ``metrics`` (the ``kind: "step"`` event of :mod:`pipeline.finalize.timing`)."""
 
     step_id: str
-    groups: dict[str, Any]
-    metrics: dict[str, Any]
+    groups: dict[str, FinalizedGroup]
+    metrics: timing.StepMetrics
 
     @property
     def rejected(self) -> dict[str, int]:
@@ -47,7 +55,7 @@ class StepResult:
         """Rollouts the verifier failed on (bugs, logged on the workers; not rejections)."""
         return int(self.metrics.get("internal_errors", 0))
 
-    def to_batch(self, *, as_tensordict: bool = False, **kwargs: Any) -> Any:
+    def to_batch(self, *, as_tensordict: bool = False, **kwargs: float | int | bool) -> dict[str, torch.Tensor] | TensorDict:
         """The step as ONE training batch: :func:`tasks.finalize.step_batch.step_batch` over
         the groups in submission order (``kwargs``: ``eps``, ``pad_id``, ``normalize_std``).
 
@@ -68,7 +76,15 @@ class StepResult:
         return TensorDict(batch, batch_size=[int(batch["input_ids"].shape[0])])
 
 
-def clear_rows(store: StoreLike, keys: list[str], partition: str = STAGING_PARTITION) -> dict[str, Any]:
+class ClearCounts(TypedDict):
+    """What :func:`clear_rows` did: rows deleted (deferred ones included), deferred, failed."""
+
+    deleted: int
+    deferred: int
+    failed: dict[str, tuple[str, str]]
+
+
+def clear_rows(store: StoreLike, keys: list[str], partition: str = STAGING_PARTITION) -> ClearCounts:
     """Delete staged rows (ONE batched ``store.delete``: one call per unit); returns counts
     (``deleted`` includes rows ``deferred`` behind an open store checkpoint), never raises
     on per-key failure. Bounded by ``finalize.fetch-timeout-s`` like the step's fetches."""
@@ -76,7 +92,7 @@ def clear_rows(store: StoreLike, keys: list[str], partition: str = STAGING_PARTI
     return {"deleted": len(res.ok), "deferred": len(getattr(res, "deferred", ())), "failed": dict(res.failed)}
 
 
-def _field(obj: Any, name: str) -> Any:
+def _field(obj: object, name: str) -> object:
     return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
 
 
@@ -85,7 +101,7 @@ def _field(obj: Any, name: str) -> Any:
 KEEP_ROWS_OF = frozenset({R.WRONG_GROUP, R.DUPLICATE_STAGING_KEY})
 
 
-def rejected_receipt_keys(groups: Mapping[str, Sequence[Any]], rejected: Mapping[str, Any]) -> list[str]:
+def rejected_receipt_keys(groups: Mapping[str, Sequence[object]], rejected: Mapping[str, tuple[str, str]]) -> list[str]:
     """Staging keys of receipts rejected at plan time (``rejected``: rollout id ->
     (reason, detail)), except those rejected for a reason in :data:`KEEP_ROWS_OF`.
 
@@ -118,10 +134,10 @@ class StepHandle:
         self.graph = graph
         self.step_id = graph.step_id
         self.group_ids = list(graph.group_ids)
-        self.group_futures: dict[str, Any] = dict(graph.group_futures)
+        self.group_futures: dict[str, Future] = dict(graph.group_futures)
         self.clear = bool(clear)  # finalize.clear-staged, read at submission
         self.rejected_keys = list(rejected_keys)  # rows of receipts rejected at plan time
-        self.clear_future: Any | None = None  # the tc-clear task, once the graph is complete
+        self.clear_future: Future | None = None  # the tc-clear task, once the graph is complete
         self.kept_keys: list[str] = []  # keys left for another in-flight step to clear
         self._result: StepResult | None = None
         self._lock = threading.Lock()
@@ -134,7 +150,7 @@ class StepHandle:
         for fut in list(self.group_futures.values()):
             fut.add_done_callback(self._group_done)
 
-    def _group_done(self, _fut: Any) -> None:
+    def _group_done(self, _fut: Future) -> None:
         with self._settle_lock:
             self._unfinished -= 1
             last = self._unfinished <= 0
@@ -173,7 +189,7 @@ class StepHandle:
                 self.clear_future = self._submit_clear(keys)
 
     @property
-    def futures(self) -> list[Any]:
+    def futures(self) -> list[Future]:
         """The per-group futures (each resolves to a FinalizedGroup); empty once collected."""
         return list(self.group_futures.values())
 
@@ -222,7 +238,7 @@ class StepHandle:
             self._finalizer._forget(self)
             return self._result
 
-    def _submit_clear(self, keys: list[str]) -> Any:
+    def _submit_clear(self, keys: list[str]) -> Future:
         """ONE ``tc-clear`` task: ``clear_rows`` over ``keys`` next to the storage units,
         in the step's own task group and span (it runs after the step's graph)."""
         import dask
@@ -236,7 +252,7 @@ class StepHandle:
             )
 
 
-def _gather(client: Any, futures: list[Any], timeout: float | None) -> list[Any]:
+def _gather(client: Client, futures: list[Future], timeout: float | None) -> list[FinalizedGroup]:
     """The groups' results, in order, straight from the workers holding them
     (``finalize.gather-direct``, unless the client was made with ``direct_to_workers``
     set): through the scheduler each group's tensors would cross the network twice.
@@ -266,7 +282,7 @@ class Finalizer:
 
     def __init__(
         self,
-        client: Any,
+        client: Client,
         store: PlacedStoreLike,
         *,
         vocab_size: int | None = None,

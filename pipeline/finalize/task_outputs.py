@@ -5,12 +5,15 @@ Their weights as Dask sees them are registered in :mod:`pipeline.finalize.serial
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from tasks.finalize.verify import RolloutResult
 from tasks.packed import PackedBatch
+
+if TYPE_CHECKING:
+    from .timing import FetchTiming, VerifyTiming
 
 
 @dataclass
@@ -27,7 +30,7 @@ class Piece:
     bounds: dict[int, tuple[int, int]]
     row_bytes: np.ndarray
     failed: dict[str, tuple[str, str]]
-    timing: dict[str, Any]
+    timing: FetchTiming
 
 
 @dataclass
@@ -39,5 +42,5 @@ class VerifyOut:
     results: dict[int, RolloutResult]
     verify_ms: dict[int, float]
     bytes_fetched: dict[int, int]
-    timing: dict[str, Any]
-    fetch_timings: list[dict[str, Any]] = field(default_factory=list)
+    timing: VerifyTiming
+    fetch_timings: list[FetchTiming] = field(default_factory=list)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import Counter
-from typing import Any, Iterable, Iterator, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence, TypedDict
 
 from tasks import reasons
 
@@ -25,6 +25,93 @@ METER_ASSEMBLE = "tc-assemble"
 
 # A group event carries at most one rejection detail per reason, this many characters long.
 DETAIL_CHARS = 200
+
+
+class _FetchFigures(TypedDict):
+    kind: str  # the fetch's kind (staging rows or routes)
+    id: str  # "{kind}-{site}": one per fetch task
+    start_s: float
+    fetch_ms: float
+    keys: int
+    rows: int
+    failed: int  # keys the store could not serve
+    bytes: int  # payload bytes fetched
+
+
+class FetchTiming(_FetchFigures, total=False):
+    """A fetch task's figures (shared by the pieces it cut)."""
+
+    split_ms: float  # cutting the fetch into pieces, once done
+
+
+class VerifyTiming(TypedDict):
+    """A verify task's figures."""
+
+    task: int
+    start_s: float
+    ms: float
+    cpu_ms: float
+    rollouts: int
+
+
+class RowCounts(TypedDict):
+    """A group's rollouts: accepted, rejected by reason, internal errors, accepted tokens."""
+
+    rollouts: int
+    accepted: int
+    rejected: dict[str, int]
+    internal_errors: int
+    tokens: int
+
+
+class GroupMetrics(RowCounts):
+    """A group's ``kind: "group"`` finalize event (:data:`pipeline.events.FINALIZE`) and the
+    private ``_``-prefixed bookkeeping the step's aggregate reads (:func:`public` strips it)."""
+
+    kind: str
+    step_id: str
+    group_id: str
+    fetch_ms: float
+    verify_ms: float
+    assemble_ms: float
+    queue_wait_ms: float
+    queue_depth: int
+    calls_per_rollout: float
+    fetch_calls: int
+    bytes_fetched: int
+    rejected_details: dict[str, str]
+    _verify_tasks: list[VerifyTiming]
+    _fetch_timings: list[FetchTiming]
+    _calls: int
+    _planned: int
+
+
+class StepMetrics(TypedDict):
+    """A step's ``kind: "step"`` finalize event: the groups' figures summed (:func:`step_metrics`)."""
+
+    kind: str
+    step_id: str
+    groups: int
+    rollouts: int
+    accepted: int
+    rejected: dict[str, int]
+    internal_errors: int
+    tokens: int
+    fetch_ms: float
+    split_ms: float
+    verify_ms: float
+    verify_cpu_ms: float
+    verify_tasks: int
+    assemble_ms: float
+    queue_wait_ms: float
+    queue_depth: int
+    queue_depth_after: int
+    calls_per_rollout: float
+    fetch_calls: int
+    bytes_fetched: int
+    wall_ms: float
+    tokens_per_s: float
+    dominant: str  # "fetch" or "verify" (:func:`sizing_hint`)
 
 
 def wall_s() -> float:
@@ -61,7 +148,7 @@ class Stopwatch:
         self.ms = self.cpu_ms = 0.0
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.ms = (time.perf_counter() - self._t0) * 1e3
         self.cpu_ms = (time.thread_time() - self._c0) * 1e3
 
@@ -111,21 +198,21 @@ def sizing_hint(fetch_ms: float, verify_ms: float) -> str:
 def step_metrics(
     *,
     step_id: str,
-    group_metrics: Mapping[str, Mapping[str, Any]],
+    group_metrics: Mapping[str, GroupMetrics],
     submitted_s: float,
     collected_s: float,
     queue_depth: int,
     queue_depth_after: int,
-) -> dict[str, Any]:
+) -> StepMetrics:
     """Step-level figures from the per-group metrics and the fetch tasks' timings.
 
     ``group_metrics`` are the dicts the assemble tasks put on each group; their private
     ``_verify_tasks`` / ``_fetch_timings`` lists let each shared task count once here.
     """
-    fetch_by_id: dict[str, Mapping[str, Any]] = {}
-    verify_tasks: dict[Any, Mapping[str, Any]] = {}
+    fetch_by_id: dict[str, FetchTiming] = {}
+    verify_tasks: dict[int, VerifyTiming] = {}
     rollouts = accepted = tokens = internal_errors = 0
-    rejected: Counter = Counter()
+    rejected: Counter[str] = Counter()
     calls = planned = 0
     assemble_ms = 0.0
     bytes_fetched = 0
@@ -174,6 +261,6 @@ def step_metrics(
     }
 
 
-def public(metrics: Mapping[str, Any]) -> dict[str, Any]:
+def public(metrics: Mapping[str, object]) -> dict[str, object]:
     """``metrics`` without the private ``_``-prefixed bookkeeping keys (what events carry)."""
     return {k: v for k, v in metrics.items() if not k.startswith("_")}

@@ -8,7 +8,7 @@ milliseconds, ``_s`` wall-clock seconds since the epoch, ``bytes`` payload bytes
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import numpy as np
 
@@ -58,7 +58,7 @@ def fetch_pieces(
         batch = res.batch
         row_bytes = payload_bytes_per_row(batch)
         pos = {k: i for i, k in enumerate(batch.keys)}
-        info: dict[str, Any] = {
+        info: timing.FetchTiming = {
             "kind": kind,
             "id": f"{kind}-{site}",
             "start_s": sw.start_s,
@@ -168,8 +168,8 @@ def assemble_piece(
     results: dict[int, RolloutResult] = {}
     verify_ms: dict[int, float] = {}
     bytes_fetched: dict[int, int] = {}
-    task_of: dict[int, dict[str, Any]] = {}
-    fetch_timings: dict[str, dict[str, Any]] = {}
+    task_of: dict[int, timing.VerifyTiming] = {}
+    fetch_timings: dict[str, timing.FetchTiming] = {}
     for vo in verify_outs:
         for r, res in vo.results.items():
             results[r] = res
@@ -189,7 +189,7 @@ def assemble_piece(
     mine = [s.index for s in slots if s.index is not None]
     tasks_used = {task_of[r]["task"]: task_of[r] for r in mine}
     calls = sum(s.calls for s in slots if s.index is not None)
-    metrics = {
+    metrics: timing.GroupMetrics = {
         "kind": timing.EVENT_KIND_GROUP,
         "step_id": step_id,
         "group_id": group_id,
@@ -218,7 +218,7 @@ def assemble_piece(
     return group
 
 
-def _row_counts(slots: Sequence[Slot], rows: Sequence[RolloutResult]) -> dict[str, Any]:
+def _row_counts(slots: Sequence[Slot], rows: Sequence[RolloutResult]) -> timing.RowCounts:
     """A group's ``rollouts``, ``accepted``, ``rejected`` (by reason), ``internal_errors``
     and ``tokens`` (of its accepted training rows)."""
     accepted, rejected, internal_errors = timing.status_counts([r.status for r in rows])

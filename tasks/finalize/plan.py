@@ -8,7 +8,7 @@ the root -> terminal chain of a usable receipt is fetched and verified.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Mapping, Sequence, TypedDict, cast
 
 from .. import reasons as R
 from ..errors import InvalidKey
@@ -16,7 +16,7 @@ from ..keys import CUT_PREFIX, MAX_ID_BYTES, check_id, staging_key
 from ..receipts import RECEIPT_VERSION, CallRecord, Receipt
 from ..schema import HASH_BYTES, HASH_FIELDS, ROUTES_INT16, ROUTES_NONE
 
-ReceiptLike = Receipt | Mapping[str, Any]
+ReceiptLike = Receipt | Mapping[str, object]
 Rejection = tuple[str, str]
 
 _I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
@@ -28,6 +28,19 @@ _INT_FIELDS = ("prev_len", "delta_len", "cum_len", "weight_version")
 # magnitude or more rounds to +-inf there (it is the midpoint between float32's largest
 # finite value and 2**128, and that tie rounds to even: up).
 _F32_OVERFLOW = 2.0**128 - 2.0**103
+
+
+class _Header(TypedDict):
+    """A receipt's top-level fields once :func:`_header` checked them (``calls`` not yet)."""
+
+    rollout_id: str
+    reward: float
+    terminal_model_call_id: str | None
+    calls: list[object] | tuple[object, ...]
+    poisoned: bool
+    failure_reason: str | None
+    group_id: str | None
+    version: int
 
 
 class _Bad(Exception):
@@ -100,7 +113,7 @@ class StepPlan:
 # ---- parsing helpers ------------------------------------------------------------------
 
 
-def _get(obj: Any, name: str, default: Any = ...) -> Any:
+def _get(obj: object, name: str, default: object = ...) -> object:
     if isinstance(obj, Mapping):
         if name in obj:
             return obj[name]
@@ -111,7 +124,7 @@ def _get(obj: Any, name: str, default: Any = ...) -> Any:
     return default
 
 
-def reward_value(v: Any) -> float | None:
+def reward_value(v: object) -> float | None:
     """``v`` as the float a training row carries, or ``None`` when it is not a number that
     stays finite once cast to float32 (NaN, +-inf, beyond float32's range, or an int too
     large even for float64)."""
@@ -124,7 +137,7 @@ def reward_value(v: Any) -> float | None:
     return x if abs(x) < _F32_OVERFLOW else None
 
 
-def _short(v: Any, n: int = 60) -> str:
+def _short(v: object, n: int = 60) -> str:
     try:
         r = repr(v)
     except Exception:  # a hostile __repr__
@@ -132,12 +145,12 @@ def _short(v: Any, n: int = 60) -> str:
     return r if len(r) <= n else r[: n - 3] + "..."
 
 
-def _is_int(v: Any) -> bool:
+def _is_int(v: object) -> bool:
     # bool is an int subclass but never a valid length or version.
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _id(v: Any, what: str, *, optional: bool = False) -> str | None:
+def _id(v: object, what: str, *, optional: bool = False) -> str | None:
     if v is None and optional:
         return None
     try:
@@ -146,7 +159,7 @@ def _id(v: Any, what: str, *, optional: bool = False) -> str | None:
         raise _Bad(R.INVALID_RECEIPT, str(e)) from None
 
 
-def _hash(v: Any, what: str) -> bytes:
+def _hash(v: object, what: str) -> bytes:
     if not isinstance(v, (bytes, bytearray)):
         raise _Bad(R.INVALID_RECEIPT, f"{what} is {type(v).__name__}, expected {HASH_BYTES} bytes")
     if len(v) != HASH_BYTES:
@@ -154,7 +167,7 @@ def _hash(v: Any, what: str) -> bytes:
     return bytes(v)
 
 
-def _plain_id(v: Any) -> bool:
+def _plain_id(v: object) -> bool:
     """``v`` is an exact ``str`` that :func:`tasks.keys.check_id` accepts (the fast path)."""
     if type(v) is not str or not v or "/" in v or v == CUT_PREFIX:
         return False
@@ -185,7 +198,7 @@ def _plain_record(raw: CallRecord) -> CallRecord | None:
     return raw  # frozen, and every field an exact immutable type: the record as given
 
 
-def _record(raw: Any, i: int) -> CallRecord:
+def _record(raw: object, i: int) -> CallRecord:
     """One call record, type- and range-checked (lengths consistent, hashes 32 bytes)."""
     if type(raw) is CallRecord:
         plain = _plain_record(raw)
@@ -204,7 +217,7 @@ def _record(raw: Any, i: int) -> CallRecord:
     where = f"calls[{i}]"
     call_id = _id(get("model_call_id"), f"{where}.model_call_id")
     parent = _id(get("parent_call_id"), f"{where}.parent_call_id", optional=True)
-    ints = {}
+    ints: dict[str, int] = {}
     for name in _INT_FIELDS:
         v = get(name)
         if not _is_int(v) or not (_I64_MIN <= v <= _I64_MAX):
@@ -233,7 +246,7 @@ def _record(raw: Any, i: int) -> CallRecord:
     )
 
 
-def _header(raw: Any) -> dict[str, Any]:
+def _header(raw: object) -> _Header:
     """Top-level receipt fields, type-checked."""
     if not isinstance(raw, (Receipt, Mapping)):
         raise _Bad(R.INVALID_RECEIPT, f"receipt is {type(raw).__name__}, expected Receipt or dict")
@@ -262,7 +275,7 @@ def _header(raw: Any) -> dict[str, Any]:
             raise _Bad(R.INVALID_RECEIPT, f"{name} must be str or None")
     if h["version"] != RECEIPT_VERSION or not _is_int(h["version"]):
         raise _Bad(R.INVALID_RECEIPT, f"receipt version {h['version']!r}, this build reads {RECEIPT_VERSION}")
-    return h
+    return cast(_Header, h)  # every field checked above
 
 
 def _chain(records: Sequence[CallRecord], terminal: str) -> list[CallRecord]:
@@ -297,7 +310,7 @@ def _chain(records: Sequence[CallRecord], terminal: str) -> list[CallRecord]:
     return chain
 
 
-def _plan_one(raw: Any, submitted_group: str | None = None) -> RolloutPlan:
+def _plan_one(raw: object, submitted_group: str | None = None) -> RolloutPlan:
     h = _header(raw)
     rid = h["rollout_id"]
     claimed = h["group_id"]
@@ -341,7 +354,7 @@ def _plan_one(raw: Any, submitted_group: str | None = None) -> RolloutPlan:
     return RolloutPlan(receipt, chain, keys, routes, [r.staging_key for r in records])
 
 
-def _peek(raw: Any, name: str) -> Any:
+def _peek(raw: object, name: str) -> object:
     try:
         return _get(raw, name, None)
     except Exception:  # a hostile mapping; the id is unreadable
@@ -367,7 +380,7 @@ def plan_step(receipts: Sequence[ReceiptLike] | Mapping[str, Sequence[ReceiptLik
     receipt's reward is kept as given when it is finite in float32, else it reads 0.0.
     """
     if isinstance(receipts, Mapping):
-        items: list[tuple[str | None, Any]] = [(str(g), raw) for g, rs in receipts.items() for raw in rs]
+        items: list[tuple[str | None, object]] = [(str(g), raw) for g, rs in receipts.items() for raw in rs]
     else:
         items = [(None, raw) for raw in receipts]
     plans: list[RolloutPlan | None] = []
@@ -410,7 +423,7 @@ def plan_group(receipts: Sequence[ReceiptLike], group_id: str | None = None) -> 
 
 
 def pack_verify_tasks(
-    plans: Sequence[RolloutPlan], token_budget: int, groups: Sequence[Any] | None = None
+    plans: Sequence[RolloutPlan], token_budget: int, groups: Sequence[object] | None = None
 ) -> list[list[RolloutPlan]]:
     """Pack rollouts into verify tasks of at most ``token_budget`` tokens each.
 
@@ -426,7 +439,7 @@ def pack_verify_tasks(
     tasks: list[list[RolloutPlan]] = []
     current: list[RolloutPlan] = []
     used = 0
-    last: Any = None
+    last: object = None
     for k, p in enumerate(plans):
         n = p.n_tokens
         g = None if groups is None else groups[k]
