@@ -67,6 +67,34 @@ class CaptureGate:
 
         Raises :class:`InvalidRecord` (reason + detail) and keeps no state on refusal.
         """
+        parent = self._admit(model_call_id, parent_call_id, weight_version)
+        token_ids = np.asarray(token_ids)
+        delta_len = int(token_ids.shape[0]) if token_ids.ndim == 1 else -1
+        prev_len = 0 if parent is None else parent.cum_len
+        self._check_delta(prev_len, delta_len, token_ids, token_mask, logprobs, routed_experts)
+        # Copies: the row must not change if the caller reuses its buffers after staging.
+        row, prefix = self._hashed_row(
+            model_call_id,
+            parent_call_id,
+            parent,
+            prev_len,
+            delta_len,
+            np.array(token_ids, copy=True),
+            np.array(token_mask, copy=True),
+            np.array(logprobs, copy=True),
+            None if routed_experts is None else np.array(routed_experts, copy=True),
+            weight_version,
+        )
+        self._calls[model_call_id] = _CallState(row.cum_len, row.chain_hash, prefix)
+        if row.routed_experts is not None:
+            self._routes_shape = tuple(row.routed_experts.shape[1:])
+        self._records.append(record_of(row))
+        return row
+
+    def _admit(self, model_call_id: str, parent_call_id: str | None, weight_version: int) -> _CallState | None:
+        """The call's place in the rollout before its delta is read: invalid_staging_row
+        (ids) -> the weight version's rule -> duplicate_call_id -> missing_parent. Returns
+        the parent's state (None for a root call)."""
         try:
             check_id(model_call_id, "model_call_id")
             if parent_call_id is not None:
@@ -78,14 +106,24 @@ class CaptureGate:
             raise InvalidRecord(*problem)
         if model_call_id in self._calls:
             raise InvalidRecord("duplicate_call_id", f"{model_call_id!r} already staged in {self.rollout_id!r}")
-        parent = None
-        if parent_call_id is not None:
-            parent = self._calls.get(parent_call_id)
-            if parent is None:
-                raise InvalidRecord("missing_parent", f"parent {parent_call_id!r} of {model_call_id!r} was not staged")
-        token_ids = np.asarray(token_ids)
-        delta_len = int(token_ids.shape[0]) if token_ids.ndim == 1 else -1
-        prev_len = 0 if parent is None else parent.cum_len
+        if parent_call_id is None:
+            return None
+        parent = self._calls.get(parent_call_id)
+        if parent is None:
+            raise InvalidRecord("missing_parent", f"parent {parent_call_id!r} of {model_call_id!r} was not staged")
+        return parent
+
+    def _check_delta(
+        self,
+        prev_len: int,
+        delta_len: int,
+        token_ids: np.ndarray,
+        token_mask: np.ndarray,
+        logprobs: np.ndarray,
+        routed_experts: np.ndarray | None,
+    ) -> None:
+        """The delta's rules (:func:`check_delta`), then its routes against the rollout's
+        ``[L, K]``, then invalid_routes for a rollout mixing routed and unrouted calls."""
         routes_encoding = ROUTES_NONE if routed_experts is None else ROUTES_INT16
         problem = check_delta(
             prev_len=prev_len,
@@ -105,11 +143,22 @@ class CaptureGate:
             problem = ("invalid_routes", "a rollout's calls must all carry routed experts, or none")
         if problem:
             raise InvalidRecord(*problem)
-        # Copies: the row must not change if the caller reuses its buffers after staging.
-        token_ids = np.array(token_ids, copy=True)
-        token_mask = np.array(token_mask, copy=True)
-        logprobs = np.array(logprobs, copy=True)
-        routed_experts = None if routed_experts is None else np.array(routed_experts, copy=True)
+
+    def _hashed_row(
+        self,
+        model_call_id: str,
+        parent_call_id: str | None,
+        parent: _CallState | None,
+        prev_len: int,
+        delta_len: int,
+        token_ids: np.ndarray,
+        token_mask: np.ndarray,
+        logprobs: np.ndarray,
+        routed_experts: np.ndarray | None,
+        weight_version: int,
+    ) -> tuple[StagedRow, "hashlib._Hash"]:
+        """The row of a validated delta (the gate's own copies), its chain hash, cumulative
+        hash and digest computed; and the prefix state its children extend."""
         chain = hashing.chain_hash(None if parent is None else parent.chain_hash, token_ids)
         prefix = hashing.prefix_state(None if parent is None else parent.prefix)
         cumulative = hashing.extend_prefix(prefix, token_ids)
@@ -124,7 +173,7 @@ class CaptureGate:
             token_ids=token_ids,
             token_mask=token_mask,
             logprobs=logprobs,
-            routes_encoding=routes_encoding,
+            routes_encoding=ROUTES_NONE if routed_experts is None else ROUTES_INT16,
             routed_experts=routed_experts,
             digest=b"",
             chain_hash=chain,
@@ -133,11 +182,7 @@ class CaptureGate:
             digest_version=hashing.DIGEST_VERSION,
         )
         row.digest = hashing.row_digest(row)
-        self._calls[model_call_id] = _CallState(row.cum_len, chain, prefix)
-        if routed_experts is not None:
-            self._routes_shape = tuple(routed_experts.shape[1:])
-        self._records.append(record_of(row))
-        return row
+        return row, prefix
 
     @classmethod
     def resume(

@@ -17,6 +17,7 @@ import torch
 
 from .. import reasons as R
 from ..schema import ROUTES_DTYPE
+from .linearize import Linearized
 from .verify import RolloutResult
 
 
@@ -61,40 +62,40 @@ _TENSOR_FIELDS = (
 )
 
 
-def _to_numpy(t: Any) -> Any:
+def _to_numpy(t: torch.Tensor | None) -> np.ndarray | torch.Tensor | None:
+    """A CPU tensor's numpy view (zero-copy), anything else as it is."""
     if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.requires_grad and t.layout == torch.strided:
         return t.numpy()
     return t
 
 
-def _from_numpy(a: Any) -> Any:
+def _from_numpy(a: np.ndarray | torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`_to_numpy` undone (a read-only buffer is copied: torch needs it writable)."""
     if not isinstance(a, np.ndarray):
         return a
     return torch.from_numpy(a if a.flags.writeable else a.copy())
 
 
-def rebuild_group(rollout_ids: list[str], tensors: dict[str, Any], status: list[str], details: list[str], metrics: dict) -> FinalizedGroup:
+def rebuild_group(
+    rollout_ids: list[str],
+    tensors: dict[str, np.ndarray | torch.Tensor | None],
+    status: list[str],
+    details: list[str],
+    metrics: dict[str, Any],
+) -> FinalizedGroup:
     """A :class:`FinalizedGroup` from its pickled parts (numpy arrays as tensors' buffers)."""
     return FinalizedGroup(rollout_ids, **{n: _from_numpy(a) for n, a in tensors.items()}, status=status, details=details, metrics=metrics)
 
 
-def assemble_group(
+def _training_rows(
     results: Sequence[RolloutResult],
-    rewards: Sequence[float],
-    *,
-    pad_id: int = 0,
-) -> FinalizedGroup:
-    """Pad and stack one group's results (submission order) into a :class:`FinalizedGroup`.
+) -> tuple[list[str], list[str], list[Linearized | None], tuple[int, ...] | None]:
+    """Each row's status, detail and training row (None: rejected), and the group's routes
+    ``[L, K]`` (that of its first routed row; None: no routes).
 
-    An accepted row whose routes' ``[L, K]`` differs from the group's first routed row is
-    rejected ``invalid_routes`` here rather than failing the whole group.
-    ``metrics``: accepted, rejected (rows rejected for their data), rejected_by_reason,
-    internal_errors (rows the verifier failed on: counted apart, never a reason), tokens
-    (accepted tokens), calls_per_rollout (mean chain calls over accepted rows), max_len.
+    An accepted result without a training row becomes empty_training_row; an accepted row
+    whose routes' ``[L, K]`` differs from the group's becomes invalid_routes.
     """
-    n = len(results)
-    if len(rewards) != n:
-        raise ValueError(f"{n} results but {len(rewards)} rewards")
     status = [r.status for r in results]
     details = ["" if r.status == R.OK else str(r.detail) for r in results]
     lins = [r.linearized if r.ok else None for r in results]
@@ -108,15 +109,25 @@ def assemble_group(
             status[i] = R.INVALID_ROUTES
             details[i] = f"routes [L, K] = {list(lin.routed_experts.shape[1:])}, the group's first routed row has {list(route_shape)}"
             lins[i] = None
-    accepted = [i for i, lin in enumerate(lins) if lin is not None]
-    lengths = np.zeros(n, dtype=np.int64)
-    prompts = np.zeros(n, dtype=np.int64)
-    for i in accepted:
-        lengths[i] = lins[i].length
-        prompts[i] = lins[i].prompt_length
+    return status, details, lins, route_shape
+
+
+@dataclass
+class _Buffers:
+    """The group's padded numpy buffers, ``[n, max_len]`` (routes ``[n, max_len, L, K]``)."""
+
+    ids: np.ndarray
+    mask: np.ndarray
+    lps: np.ndarray
+    routes: np.ndarray | None
+    has_routes: np.ndarray
+
+
+def _fill(lins: list[Linearized | None], lengths: np.ndarray, route_shape: tuple[int, ...] | None, pad_id: int) -> _Buffers:
+    """The padded buffers, each element written once: a row's tokens, then its padding
+    (no zero-fill pass over the whole buffer before the rows are copied in)."""
+    n = len(lins)
     max_len = int(lengths.max()) if n else 0
-    # Every element is written once: a row's tokens, then its padding (no zero-fill pass
-    # over the whole buffer before the rows are copied in).
     ids = np.empty((n, max_len), dtype=np.int64)
     mask = np.empty((n, max_len), dtype=np.float32)
     lps = np.empty((n, max_len), dtype=np.float32)
@@ -138,31 +149,66 @@ def assemble_group(
                 routes[i, t:] = 0
             else:
                 routes[i] = 0
-    sample_mask = np.zeros(n, dtype=np.float32)
-    sample_mask[accepted] = 1.0
+    return _Buffers(ids, mask, lps, routes, has_routes)
+
+
+def _group_metrics(
+    results: Sequence[RolloutResult], status: list[str], accepted: list[int], lengths: np.ndarray
+) -> dict[str, Any]:
+    """The group's counts (see :func:`assemble_group`)."""
+    n = len(results)
     rejected = Counter(s for s in status if s != R.OK and s != R.INTERNAL_ERROR)
     internal_errors = status.count(R.INTERNAL_ERROR)
-    metrics = {
+    return {
         "accepted": len(accepted),
         "rejected": n - len(accepted) - internal_errors,
         "rejected_by_reason": dict(rejected),
         "internal_errors": internal_errors,
         "tokens": int(lengths.sum()),
         "calls_per_rollout": float(np.mean([results[i].n_calls for i in accepted])) if accepted else 0.0,
-        "max_len": max_len,
+        "max_len": int(lengths.max()) if n else 0,
     }
+
+
+def assemble_group(
+    results: Sequence[RolloutResult],
+    rewards: Sequence[float],
+    *,
+    pad_id: int = 0,
+) -> FinalizedGroup:
+    """Pad and stack one group's results (submission order) into a :class:`FinalizedGroup`.
+
+    An accepted row whose routes' ``[L, K]`` differs from the group's first routed row is
+    rejected ``invalid_routes`` here rather than failing the whole group.
+    ``metrics``: accepted, rejected (rows rejected for their data), rejected_by_reason,
+    internal_errors (rows the verifier failed on: counted apart, never a reason), tokens
+    (accepted tokens), calls_per_rollout (mean chain calls over accepted rows), max_len.
+    """
+    n = len(results)
+    if len(rewards) != n:
+        raise ValueError(f"{n} results but {len(rewards)} rewards")
+    status, details, lins, route_shape = _training_rows(results)
+    accepted = [i for i, lin in enumerate(lins) if lin is not None]
+    lengths = np.zeros(n, dtype=np.int64)
+    prompts = np.zeros(n, dtype=np.int64)
+    for i in accepted:
+        lengths[i] = lins[i].length
+        prompts[i] = lins[i].prompt_length
+    buf = _fill(lins, lengths, route_shape, pad_id)
+    sample_mask = np.zeros(n, dtype=np.float32)
+    sample_mask[accepted] = 1.0
     return FinalizedGroup(
         rollout_ids=[r.rollout_id for r in results],
-        input_ids=torch.from_numpy(ids),
+        input_ids=torch.from_numpy(buf.ids),
         input_lengths=torch.from_numpy(lengths),
         prompt_lengths=torch.from_numpy(prompts),
-        logprobs=torch.from_numpy(lps),
-        token_mask=torch.from_numpy(mask),
+        logprobs=torch.from_numpy(buf.lps),
+        token_mask=torch.from_numpy(buf.mask),
         sample_mask=torch.from_numpy(sample_mask),
         rewards=torch.tensor(np.asarray(rewards, dtype=np.float32)),
-        routed_experts=None if routes is None else torch.from_numpy(routes),
-        has_routes=torch.from_numpy(has_routes),
+        routed_experts=None if buf.routes is None else torch.from_numpy(buf.routes),
+        has_routes=torch.from_numpy(buf.has_routes),
         status=status,
         details=details,
-        metrics=metrics,
+        metrics=_group_metrics(results, status, accepted, lengths),
     )

@@ -11,6 +11,8 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import hashing
 from .. import reasons as R
 from ..errors import RuleFailed
@@ -175,40 +177,63 @@ class CallRules:
 
 
 def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts: int | None) -> LeanCall:
-    """The lean path's function, with the batch's tables bound as locals once.
+    """The lean path's function: its rule groups, each a closure over the batch's tables.
 
-    The closure reads every table through a local name (no attribute look-ups per row):
-    this is the verifier's hot loop. It returns None, before changing any state, when a
-    row differs from its receipt or its routes are not pre-cleared: the named checks
-    then find the exact reason. The digest's header is built inline here (the layout of
-    :func:`tasks.hashing.digest_header`, whose checks a cleared row already passed).
+    The closures read every table through a local name bound once (no attribute look-ups
+    per row): this is the verifier's hot loop. :func:`_lean_match` returns None, before
+    changing any state, when a row differs from its receipt or its routes are not
+    pre-cleared: the named checks then find the exact reason. From there on a failing rule
+    rejects directly (:func:`_lean_hashes`, then :func:`_lean_content`): the named checks
+    would find the same first failure, everything before it having passed.
+    """
+    match = _lean_match(rows, routes)
+    hashes = _lean_hashes(rows, routes)
+    content = _lean_content(rows, routes, vocab_size, num_experts)
+
+    def lean(rec: CallRecord, i: int, st: ChainCheck, rids: bytes | None) -> int | None:
+        row = match(rec, i, st, rids)
+        if row is None:
+            return None
+        j = row[0]
+        hashes(rec, i, st, row)
+        content(rec, i, st, j, row[1], row[2])  # routes_encoding, delta_len
+        st.prev_cum = row[3]  # cum_len
+        return j
+
+    return lean
+
+
+# What :func:`_lean_match` hands the later rule groups for a row equal to its receipt:
+# ``(j, routes_encoding, delta_len, cum_len, prev_len, weight_version, schema_version,
+# rollout_id, model_call_id, parent_call_id, digest, chain_hash, cumulative_hash,
+# routes_bytes)``: the routes row (-1: none), the row's scalars, its ids and hashes as
+# ``bytes`` and its routes as a byte view of the batch buffer (None: unrouted). A plain
+# tuple: built once per call, read by index.
+LeanRow = tuple[int, int, int, int, int, int, int, bytes, bytes, bytes, bytes, bytes, bytes, memoryview | None]
+LeanMatch = Callable[[CallRecord, int, "ChainCheck", "bytes | None"], "LeanRow | None"]
+
+
+def _lean_match(rows: RowTable, routes: RoutesTable) -> LeanMatch:
+    """Identity, the receipt-compared fields, the root's routes encoding and routes readiness.
+
+    The row's ids equal to the UTF-8 of the receipt's strings decode to them (UTF-8 is
+    canonical), so byte equality covers decoding, identity and wrong_parent_call_id. A
+    difference, or routes the batch pre-scan did not clear, returns None (nothing changed).
     """
     offs, raw, scal = rows.offsets, rows.raw_bytes, rows.scalars
     o_rid, o_cid, o_par = offs.get("rollout_id"), offs.get("model_call_id"), offs.get("parent_call_id")
-    o_ids, o_mask, o_lps = offs.get("token_ids"), offs.get("token_mask"), offs.get("logprobs")
     o_dig, o_ch, o_cu = offs.get("digest"), offs.get("chain_hash"), offs.get("cumulative_hash")
     b_rid, b_cid, b_par = raw.get("rollout_id"), raw.get("model_call_id"), raw.get("parent_call_id")
     b_dig, b_ch, b_cu = raw.get("digest"), raw.get("chain_hash"), raw.get("cumulative_hash")
-    mv_ids, mv_mask, mv_lps = rows.mv.get("token_ids"), rows.mv.get("token_mask"), rows.mv.get("logprobs")
     s_prev, s_delta, s_cum = scal.get("prev_len"), scal.get("delta_len"), scal.get("cum_len")
     s_wv, s_enc, s_sv = scal.get("weight_version"), scal.get("routes_encoding"), scal.get("schema_version")
-    content_ok = rows.content_ok
-    ids_v = rows.values.get("token_ids")
-    mask_v = rows.values.get("token_mask")
-    lps_v = rows.values.get("logprobs")
     r_index, r_sound, r_present, r_offsets = routes.index, routes.sound, routes.present, routes.offsets
-    r_mv, r_bpt, r_shape, r_in_range = routes.mv, routes.bytes_per_token, routes.route_shape, routes.in_range
-    sha256, head, u32, lengths, nbytes, routes_head = (
-        hashlib.sha256, hashing.call_head, hashing.U32.pack, hashing.LENGTHS.pack, hashing.NBYTES.pack, hashing.ROUTES_HEAD.pack,
-    )
-    tag_chain, root, linked = hashing.TAG_CHAIN + hashing.ROOT_MARKER, hashing.ROOT_MARKER, b"\x01"
+    r_mv, r_bpt = routes.mv, routes.bytes_per_token
 
-    def lean(rec: CallRecord, i: int, st: ChainCheck, rids: bytes | None) -> int | None:
+    def match(rec: CallRecord, i: int, st: ChainCheck, rids: bytes | None) -> LeanRow | None:
         row_rid = b_rid[o_rid[i] : o_rid[i + 1]]
         row_cid = b_cid[o_cid[i] : o_cid[i + 1]]
         row_par = b_par[o_par[i] : o_par[i + 1]]
-        # Ids equal to the UTF-8 of the receipt's strings decode to them (UTF-8 is
-        # canonical), so byte equality covers decoding, identity and wrong_parent_call_id.
         rec_par = rec.parent_call_id
         prev, delta, cum, enc, wv = s_prev[i], s_delta[i], s_cum[i], s_enc[i], s_wv[i]
         dig, chh, cuh = b_dig[o_dig[i] : o_dig[i + 1]], b_ch[o_ch[i] : o_ch[i + 1]], b_cu[o_cu[i] : o_cu[i + 1]]
@@ -235,16 +260,37 @@ def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts
             if not (enc == ROUTES_INT16 and r_sound and j >= 0 and r_present[j] and r_offsets[j + 1] - r_offsets[j] == delta):
                 return None
             route_buf = r_mv[r_offsets[j] * r_bpt : r_offsets[j + 1] * r_bpt]
-        # From here on a failing rule rejects directly: the named checks would find the
-        # same first failure, everything before it having passed.
+        return (j, enc, delta, cum, prev, wv, s_sv[i], row_rid, row_cid, row_par, dig, chh, cuh, route_buf)
+
+    return match
+
+
+def _lean_hashes(rows: RowTable, routes: RoutesTable) -> Callable[[CallRecord, int, ChainCheck, LeanRow], None]:
+    """corrupt_digest -> parent_length_mismatch -> chain_hash_mismatch for a matched row.
+
+    The digest (v1, the layout of :func:`tasks.hashing.digest_raw`; its header built
+    inline, as :func:`tasks.hashing.digest_header` would, whose checks a cleared row
+    already passed) and the chain hash are fed byte views of the batch buffers, in as
+    few updates as it takes. Sets ``st.parent_chain``.
+    """
+    offs, mv = rows.offsets, rows.mv
+    o_ids, o_mask, o_lps = offs.get("token_ids"), offs.get("token_mask"), offs.get("logprobs")
+    mv_ids, mv_mask, mv_lps = mv.get("token_ids"), mv.get("token_mask"), mv.get("logprobs")
+    r_shape = routes.route_shape
+    sha256, head, u32, lengths, nbytes, routes_head = (
+        hashlib.sha256, hashing.call_head, hashing.U32.pack, hashing.LENGTHS.pack, hashing.NBYTES.pack, hashing.ROUTES_HEAD.pack,
+    )
+    tag, tag_root, root, linked = hashing.TAG_CHAIN, hashing.TAG_CHAIN + hashing.ROOT_MARKER, hashing.ROOT_MARKER, b"\x01"
+
+    def hashes(rec: CallRecord, i: int, st: ChainCheck, row: LeanRow) -> None:
+        _, enc, delta, cum, prev, wv, sv, row_rid, row_cid, row_par, dig, chh, cuh, route_buf = row
         a_ids = o_ids[i]
         ids_b = mv_ids[a_ids * 8 : (a_ids + delta) * 8]
         a_mask, a_lps = o_mask[i], o_lps[i]
         mask_b = mv_mask[a_mask * 4 : (a_mask + delta) * 4]
         lps_b = mv_lps[a_lps * 4 : (a_lps + delta) * 4]
-        # digest v1 (tasks.hashing.digest_raw's layout), fed in as few updates as it takes.
         h = sha256(b"".join((
-            head(s_sv[i], row_rid), u32(len(row_cid)), row_cid,
+            head(sv, row_rid), u32(len(row_cid)), row_cid,
             linked + u32(len(row_par)) + row_par if row_par else root,
             lengths(prev, delta, cum, wv, enc), nbytes(len(ids_b)),
         )))
@@ -264,12 +310,30 @@ def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts
                 R.PARENT_LENGTH_MISMATCH, f"call {rec.model_call_id!r}: prev_len {prev}, parent ends at {st.prev_cum}"
             )
         parent = st.parent_chain
-        c = sha256(tag_chain if parent is None else hashing.TAG_CHAIN + linked + parent)
+        c = sha256(tag_root if parent is None else tag + linked + parent)
         c.update(ids_b)
         st.parent_chain = c.digest()
         if st.parent_chain != chh:
             raise RuleFailed(R.CHAIN_HASH_MISMATCH, f"call {rec.model_call_id!r}: recomputed chain hash differs")
+
+    return hashes
+
+
+def _lean_content(
+    rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts: int | None
+) -> Callable[[CallRecord, int, ChainCheck, int, int, int], None]:
+    """The content rules (unless the pre-scan cleared the row), then the expert-id range
+    (unless the routes pre-scan cleared it), for a row whose hashes held. Fixes
+    ``st.routes_shape`` at the chain's first routed call."""
+    offs, values = rows.offsets, rows.values
+    o_ids, o_mask, o_lps = offs.get("token_ids"), offs.get("token_mask"), offs.get("logprobs")
+    ids_v, mask_v, lps_v = values.get("token_ids"), values.get("token_mask"), values.get("logprobs")
+    content_ok = rows.content_ok
+    r_shape, r_in_range = routes.route_shape, routes.in_range
+
+    def content(rec: CallRecord, i: int, st: ChainCheck, j: int, enc: int, delta: int) -> None:
         if content_ok is None or not content_ok[i]:
+            a_ids, a_mask, a_lps = o_ids[i], o_mask[i], o_lps[i]
             ids_a, mask_a = ids_v[a_ids : a_ids + delta], mask_v[a_mask : a_mask + delta]
             check_content(rec, rows, i, ids_a, mask_a, lps_v[a_lps : a_lps + delta], vocab_size)
         if j >= 0:
@@ -278,13 +342,13 @@ def _lean_path(rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts
                 problem = check_routes(enc, routes.field.row(j), delta, num_experts, st.routes_shape)
                 if problem:
                     raise RuleFailed(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")
-        st.prev_cum = cum
-        return j
 
-    return lean
+    return content
 
 
-def check_content(rec: CallRecord, rows: RowTable, i: int, ids: Any, mask: Any, lps: Any, vocab_size: int) -> None:
+def check_content(
+    rec: CallRecord, rows: RowTable, i: int, ids: np.ndarray, mask: np.ndarray, lps: np.ndarray, vocab_size: int
+) -> None:
     """The mask, token and logprob rules of one delta, unless the pre-scan cleared row ``i``."""
     if rows.content_ok is not None and rows.content_ok[i]:
         return

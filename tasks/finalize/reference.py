@@ -7,19 +7,35 @@ once; float and routes buffers hashed as one contiguous buffer each). It is the 
 oracle and, as the per-token path the published system runs, the finalize benchmark's
 baseline.
 
-Rule order is the one documented in ``tasks/reasons.py``.
+Rule order is the one documented in ``tasks/reasons.py``. The receipt reference
+(:mod:`tasks.finalize.reference_receipts`) is re-exported here.
 """
 from __future__ import annotations
 
 import hashlib
 import math
-import struct
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from tasks.finalize.linearize import Linearized
+from tasks.finalize.reference_receipts import reference_chain, reference_receipt_reason
 from tasks.finalize.verify import RolloutResult
+
+if TYPE_CHECKING:
+    from tasks.finalize.plan import RolloutPlan
+    from tasks.packed import PackedBatch
+    from tasks.receipts import CallRecord
+
+__all__ = [
+    "RoutesView",
+    "RowsView",
+    "content_reason",
+    "read_row",
+    "reference_chain",
+    "reference_receipt_reason",
+    "reference_verify_rollout",
+]
 
 TAG_CHAIN = b"token-capture/chain/v1\x00"
 TAG_PREFIX = b"token-capture/prefix/v1\x00"
@@ -63,7 +79,7 @@ def ids_bytes(ids: list[int]) -> bytes:
     return b"".join([t.to_bytes(8, "little", signed=True) for t in ids])
 
 
-def field_ok(batch, name: str, dtype: str, n: int) -> bool:
+def field_ok(batch: PackedBatch, name: str, dtype: str, n: int) -> bool:
     f = batch.fields.get(name)
     if f is None or not isinstance(f.values, np.ndarray) or not isinstance(f.offsets, np.ndarray):
         return False
@@ -83,7 +99,7 @@ def field_ok(batch, name: str, dtype: str, n: int) -> bool:
     return True
 
 
-def cell(batch, name: str, i: int) -> np.ndarray | None:
+def cell(batch: PackedBatch, name: str, i: int) -> np.ndarray | None:
     f = batch.fields[name]
     if f.present is not None and not bool(f.present[i]):
         return None
@@ -127,7 +143,7 @@ _ROW_SPECS = {**{k: "u1" for k in ID_NAMES + HASH_NAMES}, **SCALAR_NAMES, **TOKE
 class RowsView:
     """A fetched staging batch, indexed by key once; its fields' structure checked once."""
 
-    def __init__(self, batch) -> None:
+    def __init__(self, batch: PackedBatch) -> None:
         self.batch = batch
         self.index: dict[str, int] = {}
         for j, k in enumerate(batch.keys):
@@ -139,7 +155,7 @@ class RowsView:
 class RoutesView:
     """A fetched ``routed_experts`` batch (or ``None``), indexed once, offsets checked once."""
 
-    def __init__(self, routes) -> None:
+    def __init__(self, routes: PackedBatch | None) -> None:
         self.index: dict[str, int] = {}
         self.field = None
         self.offs: list[int] = []
@@ -165,7 +181,7 @@ class RoutesView:
         return self.field.values[self.offs[idx] : self.offs[idx + 1]]
 
 
-def read_row(rows: RowsView, i: int) -> dict:
+def read_row(rows: RowsView, i: int) -> dict[str, Any]:
     if not rows.fields_ok:
         raise _Reject("invalid_staging_row")
     cells = {}
@@ -204,111 +220,180 @@ def _raw(arr: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(arr).reshape(-1)).cast("B")
 
 
-def _verify(plan, rows: RowsView, routes: RoutesView, vocab_size: int, num_experts: int | None) -> Linearized:
-    rid = plan.rollout_id
-    chain = plan.chain
-    root_enc = chain[0].routes_encoding
-    lk = None
-    prev_end = 0
-    parent_chain = None
-    prefix = hashlib.sha256(TAG_PREFIX)
-    all_ids: list[int] = []
-    all_mask: list[float] = []
-    all_lps: list[float] = []
-    route_parts: list[np.ndarray] = []
-    spans = []
-    prompt_length = 0
-    row: dict = {}
-    for pos, rec in enumerate(chain):
-        i = rows.index.get(rec.staging_key)
-        if i is None:
-            raise _Reject("missing_staging_row")
-        row = read_row(rows, i)
-        if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
-            raise _Reject("identity_mismatch")
-        for name in COMPARED:
-            if row[name] != getattr(rec, name):
-                raise _Reject("wrong_" + name)
-        if row["delta_len"] <= 0 or row["prev_len"] < 0 or row["cum_len"] != row["prev_len"] + row["delta_len"]:
+def _matched_row(rows: RowsView, rec: CallRecord, rid: str) -> dict[str, Any]:
+    """The call's row, read and held against its receipt record: missing_staging_row ->
+    invalid_staging_row (structure) -> identity_mismatch -> wrong_<field> ->
+    invalid_staging_row (lengths, token arrays not delta_len long)."""
+    i = rows.index.get(rec.staging_key)
+    if i is None:
+        raise _Reject("missing_staging_row")
+    row = read_row(rows, i)
+    if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
+        raise _Reject("identity_mismatch")
+    for name in COMPARED:
+        if row[name] != getattr(rec, name):
+            raise _Reject("wrong_" + name)
+    if row["delta_len"] <= 0 or row["prev_len"] < 0 or row["cum_len"] != row["prev_len"] + row["delta_len"]:
+        raise _Reject("invalid_staging_row")
+    for name in TOKEN_NAMES:
+        if row[name].shape[0] != row["delta_len"]:
             raise _Reject("invalid_staging_row")
-        for name in TOKEN_NAMES:
-            if row[name].shape[0] != row["delta_len"]:
-                raise _Reject("invalid_staging_row")
-        experts = None
-        if row["routes_encoding"] != root_enc:
+    return row
+
+
+def _routes_cell(
+    routes: RoutesView, rec: CallRecord, row: dict[str, Any], root_enc: int, lk: tuple[int, int] | None
+) -> np.ndarray | None:
+    """The call's routes (None: unrouted), ready to hash: invalid_routes (encoding other
+    than the root's) -> missing_routes -> invalid_routes (dtype, shape, ``[L, K]`` other
+    than the chain's first routed call's ``lk``)."""
+    if row["routes_encoding"] != root_enc:
+        raise _Reject("invalid_routes")
+    if row["routes_encoding"] != 1:
+        return None
+    experts = routes.cell(rec.staging_key)
+    if experts is None:
+        raise _Reject("missing_routes")
+    if experts.dtype != np.dtype("<i2") or experts.ndim != 3 or experts.shape[0] != row["delta_len"]:
+        raise _Reject("invalid_routes")
+    if lk is not None and (experts.shape[1], experts.shape[2]) != lk:
+        raise _Reject("invalid_routes")
+    return experts
+
+
+def _call_digest(rid: str, row: dict[str, Any], ids_b: bytes, experts: np.ndarray | None) -> bytes:
+    """The row's digest recomputed by hand (``tasks/hashing.py``'s layout, parts joined once)."""
+    parent_marker = b"\x00" if row["parent_call_id"] is None else b"\x01" + framed(row["parent_call_id"])
+    parts = [
+        TAG_CALL, u(row["schema_version"] & 0xFFFF, 2), u(row["digest_version"], 2),
+        framed(rid), framed(row["model_call_id"]), parent_marker,
+        s(row["prev_len"], 8), s(row["delta_len"], 8), s(row["cum_len"], 8), s(row["weight_version"], 8),
+        s(row["routes_encoding"], 1), u(len(ids_b), 8), ids_b,
+    ]
+    for name in ("token_mask", "logprobs"):
+        b = _raw(row[name])
+        parts += [u(b.nbytes, 8), b]
+    if experts is not None:
+        b = _raw(experts)
+        parts += [u(experts.shape[1], 4), u(experts.shape[2], 4), u(b.nbytes, 8), b]
+    parts += [row["chain_hash"], row["cumulative_hash"]]
+    return hashlib.sha256(b"".join(parts)).digest()
+
+
+def _check_hashes(
+    rid: str, row: dict[str, Any], ids_b: bytes, experts: np.ndarray | None, prev_end: int, parent_chain: bytes | None
+) -> bytes:
+    """corrupt_digest -> parent_length_mismatch -> chain_hash_mismatch; the call's chain hash."""
+    if _call_digest(rid, row, ids_b, experts) != row["digest"]:
+        raise _Reject("corrupt_digest")
+    if row["prev_len"] != prev_end:
+        raise _Reject("parent_length_mismatch")
+    h = hashlib.sha256(TAG_CHAIN + (b"\x00" if parent_chain is None else b"\x01" + parent_chain))
+    h.update(ids_b)
+    chain = h.digest()
+    if chain != row["chain_hash"]:
+        raise _Reject("chain_hash_mismatch")
+    return chain
+
+
+def _check_delta_content(
+    ids: list[int], mask: list[float], lps: list[float], experts: np.ndarray | None, vocab_size: int, num_experts: int | None
+) -> None:
+    """The content rules (:func:`content_reason`), then invalid_routes (expert id range)."""
+    reason = content_reason(ids, mask, lps, vocab_size)
+    if reason:
+        raise _Reject(reason)
+    if experts is not None and num_experts is not None and experts.size:
+        if int(experts.min()) < 0 or int(experts.max()) >= num_experts:
             raise _Reject("invalid_routes")
-        if row["routes_encoding"] == 1:
-            experts = routes.cell(rec.staging_key)
-            if experts is None:
-                raise _Reject("missing_routes")
-            if experts.dtype != np.dtype("<i2") or experts.ndim != 3 or experts.shape[0] != row["delta_len"]:
-                raise _Reject("invalid_routes")
-            if lk is not None and (experts.shape[1], experts.shape[2]) != lk:
-                raise _Reject("invalid_routes")
-            lk = (experts.shape[1], experts.shape[2])
-        ids = row["token_ids"].tolist()  # per token, as published
-        ids_b = ids_bytes(ids)
-        parent_marker = b"\x00" if row["parent_call_id"] is None else b"\x01" + framed(row["parent_call_id"])
-        parts = [
-            TAG_CALL, u(row["schema_version"] & 0xFFFF, 2), u(row["digest_version"], 2),
-            framed(rid), framed(row["model_call_id"]), parent_marker,
-            s(row["prev_len"], 8), s(row["delta_len"], 8), s(row["cum_len"], 8), s(row["weight_version"], 8),
-            s(row["routes_encoding"], 1), u(len(ids_b), 8), ids_b,
-        ]
-        for name in ("token_mask", "logprobs"):
-            b = _raw(row[name])
-            parts += [u(b.nbytes, 8), b]
-        if row["routes_encoding"] == 1:
-            b = _raw(experts)
-            parts += [u(experts.shape[1], 4), u(experts.shape[2], 4), u(b.nbytes, 8), b]
-        parts += [row["chain_hash"], row["cumulative_hash"]]
-        if hashlib.sha256(b"".join(parts)).digest() != row["digest"]:
-            raise _Reject("corrupt_digest")
-        if row["prev_len"] != prev_end:
-            raise _Reject("parent_length_mismatch")
-        h = hashlib.sha256(TAG_CHAIN + (b"\x00" if parent_chain is None else b"\x01" + parent_chain))
-        h.update(ids_b)
-        parent_chain = h.digest()
-        if parent_chain != row["chain_hash"]:
-            raise _Reject("chain_hash_mismatch")
-        mask = row["token_mask"].tolist()
-        lps = row["logprobs"].tolist()
-        reason = content_reason(ids, mask, lps, vocab_size)
-        if reason:
-            raise _Reject(reason)
+
+
+class _TrainingRow:
+    """The verified calls' tokens, joined call by call (Python lists, as published), and
+    the running prefix hash over their ids."""
+
+    def __init__(self) -> None:
+        self.prefix = hashlib.sha256(TAG_PREFIX)
+        self.ids: list[int] = []
+        self.mask: list[float] = []
+        self.lps: list[float] = []
+        self.route_parts: list[np.ndarray] = []
+        self.spans: list[tuple[str, int, int]] = []
+        self.prompt_length = 0
+
+    def add(
+        self, call_id: str, ids: list[int], ids_b: bytes, mask: list[float], lps: list[float], experts: np.ndarray | None
+    ) -> None:
+        """Append one verified call; the first call's leading zeros of the mask are the prompt."""
         if experts is not None:
-            if num_experts is not None and experts.size and (int(experts.min()) < 0 or int(experts.max()) >= num_experts):
-                raise _Reject("invalid_routes")
-            route_parts.append(experts)
-        if pos == 0:
+            self.route_parts.append(experts)
+        if not self.spans:
+            prompt = 0
             for m in mask:
                 if m != 0.0:
                     break
-                prompt_length += 1
-        spans.append((rec.model_call_id, len(all_ids), len(all_ids) + len(ids)))
-        prefix.update(ids_b)
-        all_ids.extend(ids)
-        all_mask.extend(mask)
-        all_lps.extend(lps)
+                prompt += 1
+            self.prompt_length = prompt
+        self.spans.append((call_id, len(self.ids), len(self.ids) + len(ids)))
+        self.prefix.update(ids_b)
+        self.ids.extend(ids)
+        self.mask.extend(mask)
+        self.lps.extend(lps)
+
+    def finish(self, cumulative_hash: bytes, root_enc: int, lk: tuple[int, int] | None) -> Linearized:
+        """The rules of the whole row (cumulative_hash_mismatch against the terminal's
+        ``cumulative_hash`` -> empty_training_row), then the row as arrays."""
+        if self.prefix.digest() != cumulative_hash:
+            raise _Reject("cumulative_hash_mismatch")
+        if not self.ids or all(m == 0.0 for m in self.mask):
+            raise _Reject("empty_training_row")
+        routed = None
+        if root_enc == 1:
+            routed = np.concatenate(self.route_parts).astype(np.int16, copy=False).reshape(len(self.ids), lk[0], lk[1])
+        return Linearized(
+            np.array(self.ids, dtype=np.int64),
+            np.array(self.mask, dtype=np.float32),
+            np.array(self.lps, dtype=np.float32),
+            routed,
+            self.prompt_length,
+            self.spans,
+        )
+
+
+def _verify(plan: RolloutPlan, rows: RowsView, routes: RoutesView, vocab_size: int, num_experts: int | None) -> Linearized:
+    """The rules of ``tasks/reasons.py`` in their order, call by call from the root to the
+    terminal, then once for the rollout; raises :class:`_Reject` at the first failure."""
+    rid = plan.rollout_id
+    root_enc = plan.chain[0].routes_encoding
+    out = _TrainingRow()
+    lk = None
+    prev_end = 0
+    parent_chain = None
+    row: dict[str, Any] = {}
+    for rec in plan.chain:
+        row = _matched_row(rows, rec, rid)
+        experts = _routes_cell(routes, rec, row, root_enc, lk)
+        if experts is not None:
+            lk = (experts.shape[1], experts.shape[2])
+        ids = row["token_ids"].tolist()  # per token, as published
+        ids_b = ids_bytes(ids)
+        parent_chain = _check_hashes(rid, row, ids_b, experts, prev_end, parent_chain)
+        mask = row["token_mask"].tolist()
+        lps = row["logprobs"].tolist()
+        _check_delta_content(ids, mask, lps, experts, vocab_size, num_experts)
+        out.add(rec.model_call_id, ids, ids_b, mask, lps, experts)
         prev_end = row["cum_len"]
-    if prefix.digest() != row["cumulative_hash"]:
-        raise _Reject("cumulative_hash_mismatch")
-    if not all_ids or all(m == 0.0 for m in all_mask):
-        raise _Reject("empty_training_row")
-    routed = None
-    if root_enc == 1:
-        routed = np.concatenate(route_parts).astype(np.int16, copy=False).reshape(len(all_ids), lk[0], lk[1])
-    return Linearized(
-        np.array(all_ids, dtype=np.int64),
-        np.array(all_mask, dtype=np.float32),
-        np.array(all_lps, dtype=np.float32),
-        routed,
-        prompt_length,
-        spans,
-    )
+    return out.finish(row["cumulative_hash"], root_enc, lk)
 
 
-def reference_verify_rollout(plan, rows, routes, *, vocab_size: int, num_experts: int | None) -> RolloutResult:
+def reference_verify_rollout(
+    plan: RolloutPlan,
+    rows: PackedBatch | RowsView,
+    routes: PackedBatch | RoutesView | None,
+    *,
+    vocab_size: int,
+    num_experts: int | None,
+) -> RolloutResult:
     """Same signature and verdicts as :func:`tasks.finalize.verify.verify_rollout`, per token.
 
     ``rows``/``routes``: fetched batches, or their :class:`RowsView`/:class:`RoutesView`
@@ -320,133 +405,3 @@ def reference_verify_rollout(plan, rows, routes, *, vocab_size: int, num_experts
     except _Reject as e:
         return RolloutResult(plan.rollout_id, e.reason, "", None, len(plan.chain))
     return RolloutResult(plan.rollout_id, "ok", "", lin, len(plan.chain))
-
-
-# ---- receipts ------------------------------------------------------------------------------
-
-RECORD_KEYS = ["model_call_id", "parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version",
-               "digest", "chain_hash", "cumulative_hash", "routes_encoding", "staging_key"]
-
-
-def _good_id(v) -> bool:
-    return (isinstance(v, str) and v != "" and "/" not in v and v != "__cut__"
-            and len(v.encode("utf-8", "surrogatepass")) <= 512 and _utf8(v))
-
-
-def _utf8(v: str) -> bool:
-    try:
-        v.encode("utf-8")
-        return True
-    except UnicodeEncodeError:
-        return False
-
-
-def _int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
-
-
-def _f32_reward(v: Any) -> bool:
-    """A number that stays finite as a float32 (``struct`` refuses to pack a float that
-    rounds past float32's range; NaN and inf pack, so they are tested apart)."""
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    try:
-        x = float(v)
-        struct.pack("<f", x)
-    except OverflowError:
-        return False
-    return not math.isnan(x) and not math.isinf(x)
-
-
-def reference_receipt_reason(raw: Any, submitted_group: str | None = None) -> str | None:
-    """The rejection reason of one receipt dict by itself (``None``: usable), submitted
-    in the group ``submitted_group`` (``None``: submitted in no named group)."""
-    if not isinstance(raw, dict):
-        return "invalid_receipt"
-    allowed = {"rollout_id", "reward", "terminal_model_call_id", "calls", "poisoned", "failure_reason", "group_id", "version"}
-    for k in raw:
-        if k not in allowed:
-            return "invalid_receipt"
-    for k in ("rollout_id", "reward", "terminal_model_call_id", "calls"):
-        if k not in raw:
-            return "invalid_receipt"
-    rid = raw["rollout_id"]
-    reward = raw["reward"]
-    if not _good_id(rid):
-        return "invalid_receipt"
-    if not _f32_reward(reward):
-        return "invalid_receipt"
-    term = raw["terminal_model_call_id"]
-    if term is not None and not isinstance(term, str):
-        return "invalid_receipt"
-    calls = raw["calls"]
-    if not isinstance(calls, (list, tuple)):
-        return "invalid_receipt"
-    if not isinstance(raw.get("poisoned", False), bool):
-        return "invalid_receipt"
-    for k in ("failure_reason", "group_id"):
-        if raw.get(k) is not None and not isinstance(raw.get(k), str):
-            return "invalid_receipt"
-    if not _int(raw.get("version", 1)) or raw.get("version", 1) != 1:
-        return "invalid_receipt"
-    claimed = raw.get("group_id")
-    if submitted_group is not None and claimed is not None and claimed != "" and claimed != submitted_group:
-        return "wrong_group"
-    if raw.get("poisoned", False):
-        return "capture_poisoned"
-    if len(calls) == 0:
-        return "empty_manifest"
-    for c in calls:
-        if not isinstance(c, dict) or sorted(c) != sorted(RECORD_KEYS):
-            return "invalid_receipt"
-        if not _good_id(c["model_call_id"]):
-            return "invalid_receipt"
-        if c["parent_call_id"] is not None and not _good_id(c["parent_call_id"]):
-            return "invalid_receipt"
-        for k in ("prev_len", "delta_len", "cum_len", "weight_version"):
-            if not _int(c[k]):
-                return "invalid_receipt"
-        if c["delta_len"] <= 0 or c["prev_len"] < 0 or c["cum_len"] != c["prev_len"] + c["delta_len"]:
-            return "invalid_receipt"
-        if not _int(c["routes_encoding"]) or c["routes_encoding"] not in (0, 1):
-            return "invalid_receipt"
-        if not isinstance(c["staging_key"], str):
-            return "invalid_receipt"
-        for k in ("digest", "chain_hash", "cumulative_hash"):
-            if not isinstance(c[k], (bytes, bytearray)) or len(c[k]) != 32:
-                return "invalid_receipt"
-    ids = [c["model_call_id"] for c in calls]
-    if len(set(ids)) != len(ids):
-        return "duplicate_call_id"
-    keys = [c["staging_key"] for c in calls]
-    if len(set(keys)) != len(keys):
-        return "duplicate_staging_key"
-    for c in calls:
-        if c["staging_key"] != rid + "/" + c["model_call_id"]:
-            return "invalid_receipt"
-    if term is None or term not in ids:
-        return "missing_terminal"
-    parent = {c["model_call_id"]: c["parent_call_id"] for c in calls}
-    for c in calls:
-        if c["parent_call_id"] is not None and c["parent_call_id"] not in parent:
-            return "missing_parent"
-    for start in ids:
-        steps, cur = 0, start
-        while cur is not None:
-            cur = parent[cur]
-            steps += 1
-            if steps > len(ids):
-                return "lineage_cycle"
-    for c in calls:
-        if c["parent_call_id"] == term:
-            return "terminal_not_leaf"
-    return None
-
-
-def reference_chain(raw: dict) -> list[str]:
-    """Root -> terminal call ids of a usable receipt dict."""
-    parent = {c["model_call_id"]: c["parent_call_id"] for c in raw["calls"]}
-    out = [raw["terminal_model_call_id"]]
-    while parent[out[-1]] is not None:
-        out.append(parent[out[-1]])
-    return out[::-1]
