@@ -8,7 +8,7 @@ actors instead; both stage through the same :class:`~tasks.gate.CaptureGate`.
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tasks.keys import STAGING_PARTITION
 from tasks.packed import PackedBatch, pack_rows
@@ -20,6 +20,8 @@ from . import config
 from .client.refusals import poison_refused
 from .store.protocol import StoreLike
 
+if TYPE_CHECKING:
+    from distributed import Client, Future
 
 
 @functools.lru_cache(maxsize=4)
@@ -27,7 +29,7 @@ def _policy(items: tuple) -> MoEPolicy:
     return MoEPolicy(PolicyConfig.from_mapping(dict(items)))
 
 
-def policy_from_config(overrides: Mapping[str, Any] | None = None) -> MoEPolicy:
+def policy_from_config(overrides: Mapping[str, object] | None = None) -> MoEPolicy:
     """The toy policy of ``token-capture.policy`` (cached per process: weights are derived
     from the seed, so every worker builds the same model)."""
     settings = dict(config.get("policy"))
@@ -52,14 +54,14 @@ def stage_rollouts(store: StoreLike, rollouts: Sequence[GeneratedRollout]) -> li
     return receipts
 
 
-def generate_and_stage(store: StoreLike, specs: Sequence[RolloutSpec], policy_overrides: Mapping[str, Any] | None = None, weight_version: int = 0) -> list[Receipt]:
+def generate_and_stage(store: StoreLike, specs: Sequence[RolloutSpec], policy_overrides: Mapping[str, object] | None = None, weight_version: int = 0) -> list[Receipt]:
     """Task body: generate ``specs`` with the toy policy, stage their rows, return receipts."""
     policy = policy_from_config(policy_overrides)
     rollouts = generate_rollouts(policy, specs, weight_version=weight_version)
     return stage_rollouts(store, rollouts)
 
 
-def submit_generation(client: Any, store: StoreLike, groups: Sequence[Sequence[RolloutSpec]], **kwargs: Any) -> list[Any]:
+def submit_generation(client: Client, store: StoreLike, groups: Sequence[Sequence[RolloutSpec]], **kwargs: object) -> list[Future]:
     """One generation task per group on the cluster; futures of each group's receipts."""
     return [
         client.submit(generate_and_stage, store, list(specs), pure=False, **kwargs)

@@ -20,7 +20,7 @@ import argparse
 import math
 import re
 import sys
-from typing import Any, Callable
+from typing import Callable
 
 from .scheduler_security import check_scheduler_security
 
@@ -66,10 +66,10 @@ def _parse(text: str, kind: type, what: str) -> int | float:
     return value
 
 
-def _bounded(name: str, kind: type, what: str, ok: Callable[[float], bool], doc: str) -> Callable[[str], Any]:
+def _bounded(name: str, kind: type, what: str, ok: Callable[[float], bool], doc: str) -> Callable[[str], int | float]:
     """An argparse type: ``text`` parsed as ``kind`` and accepted when ``ok(value)``."""
 
-    def parse(text: str) -> Any:
+    def parse(text: str) -> int | float:
         value = _parse(text, kind, what)
         if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
@@ -150,7 +150,7 @@ def expected_errors() -> dict[type, int]:
     return {InvalidSchedulerAddress: EXIT_USAGE, ClusterUnavailable: EXIT_ENVIRONMENT, MissingFinalizeResource: EXIT_ENVIRONMENT}
 
 
-def run_command(func: Callable[[argparse.Namespace], Any], args: argparse.Namespace) -> int:
+def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:
     """``func(args)`` as an exit code; expected errors and Ctrl-C become one line on stderr.
 
     A ``--scheduler`` address the Dask security settings cannot reach

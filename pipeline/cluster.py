@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 from distributed import Client, LocalCluster
 
 from . import config
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from .scaling.adaptive import TokenCaptureAdaptive
 
 
 def finalize_resources() -> dict[str, float]:
@@ -19,7 +24,7 @@ def finalize_resources() -> dict[str, float]:
     return {"finalize": float(config.get("finalize.slots-per-worker"))}
 
 
-def local_cluster(**overrides: Any) -> LocalCluster:
+def local_cluster(**overrides: object) -> LocalCluster:
     """A LocalCluster on loopback whose workers carry ``finalize`` slots.
 
     Keyword arguments override the ``token-capture.cluster`` config section. Workers the
@@ -27,7 +32,7 @@ def local_cluster(**overrides: Any) -> LocalCluster:
     """
     from .dashboard.preload import PRELOAD
 
-    kwargs: dict[str, Any] = dict(
+    kwargs: dict[str, Any] = dict(  # LocalCluster's keyword arguments, each of its own type
         host=config.get("cluster.host"),
         # The token-capture page, /metrics series and downscaling protection.
         scheduler_kwargs={"preload": [PRELOAD]},
@@ -58,7 +63,7 @@ def local_cluster(**overrides: Any) -> LocalCluster:
     return LocalCluster(**kwargs)
 
 
-def dask_setup(worker: Any) -> None:
+def dask_setup(worker: Worker) -> None:
     """Worker preload of :func:`local_cluster`'s worker processes: ignore SIGINT.
 
     A Ctrl-C in a terminal reaches every process of the foreground group, the embedded
@@ -74,7 +79,7 @@ def dask_setup(worker: Any) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def adapt(cluster: LocalCluster, minimum: int | None = None, maximum: int | None = None, **kwargs: Any) -> Any:
+def adapt(cluster: LocalCluster, minimum: int | None = None, maximum: int | None = None, **kwargs: object) -> TokenCaptureAdaptive:
     """Scale ``cluster`` with the split-timing policy (:class:`TokenCaptureAdaptive`)."""
     from .scaling.adaptive import TokenCaptureAdaptive
 
@@ -172,7 +177,7 @@ def _preload_name() -> str:
 
 @contextlib.contextmanager
 def connect(
-    scheduler: str | None = None, *, connect_timeout: float | None = None, **cluster_kwargs: Any
+    scheduler: str | None = None, *, connect_timeout: float | None = None, **cluster_kwargs: object
 ) -> Iterator[tuple[Client, LocalCluster | None]]:
     """Attach to ``scheduler`` if given (:func:`attach`, waiting at most
     ``connect_timeout`` seconds), else start an embedded :func:`local_cluster`.

@@ -10,7 +10,7 @@ and ``capture-client.flush-ms`` (ms).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tasks.errors import InvalidInput
 from tasks.gate import CaptureGate
@@ -20,6 +20,9 @@ from ..store.protocol import StoreLike
 from .batcher import RowBatcher
 from .discovery import lookup_store
 from .rollout import RolloutCapture
+
+if TYPE_CHECKING:
+    from distributed import Client
 
 
 class CaptureClient:
@@ -45,10 +48,10 @@ class CaptureClient:
         self._lock = threading.Lock()
         self._open: dict[str, RolloutCapture] = {}
         self._closing = False
-        self._dask_client: Any = None  # the client connect() made, closed with this one
+        self._dask_client: Client | None = None  # the client connect() made, closed with this one
 
     @classmethod
-    def connect(cls, scheduler: Any, name: str | None = None, **kwargs: Any) -> "CaptureClient":
+    def connect(cls, scheduler: str | Client, name: str | None = None, **kwargs: str | int | float | None) -> "CaptureClient":
         """A capture client on the store published as ``name`` (default
         ``capture-client.store-name``) on ``scheduler``: an address such as
         ``"tcp://127.0.0.1:8786"`` (a Dask client is made, and closed with this one) or an
@@ -123,7 +126,7 @@ class CaptureClient:
     def __enter__(self) -> "CaptureClient":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _finished(self, rc: RolloutCapture) -> None:

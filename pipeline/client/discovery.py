@@ -6,11 +6,16 @@ process with a Dask client on the same scheduler gets it back with :func:`lookup
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tasks.errors import StoreUnavailable
 
 from .. import config
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from ..store.client import StagingStore
 
 
 def store_name(name: str | None = None) -> str:
@@ -18,7 +23,7 @@ def store_name(name: str | None = None) -> str:
     return str(config.get("capture-client.store-name") if name is None else name)
 
 
-def publish_store(client: Any, store: Any, name: str | None = None) -> str:
+def publish_store(client: Client, store: StagingStore, name: str | None = None) -> str:
     """Publish ``store`` on ``client``'s scheduler (replacing any store of that name);
     returns the name used."""
     name = store_name(name)
@@ -26,14 +31,14 @@ def publish_store(client: Any, store: Any, name: str | None = None) -> str:
     return name
 
 
-def unpublish_store(client: Any, name: str | None = None) -> None:
+def unpublish_store(client: Client, name: str | None = None) -> None:
     """Withdraw the published store (nothing happens if none is published)."""
     name = store_name(name)
     if name in client.list_datasets():
         client.unpublish_dataset(name)
 
 
-def lookup_store(client: Any, name: str | None = None) -> Any:
+def lookup_store(client: Client, name: str | None = None) -> StagingStore:
     """The store published as ``name`` on ``client``'s scheduler.
 
     Raises :class:`~tasks.errors.StoreUnavailable` naming the dataset when none is published.

@@ -14,26 +14,30 @@ On a scheduler that is already running, :func:`install` does the same from a cli
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from .plugin import TokenCaptureAggregator
+
+if TYPE_CHECKING:
+    from distributed import Client, Scheduler
+    from distributed.diagnostics.plugin import SchedulerPlugin
 
 PRELOAD = "pipeline.dashboard.preload"
 
 
-def _plugins() -> list[Any]:
+def _plugins() -> list[SchedulerPlugin]:
     from ..scaling.protect import ProtectActorHosts
 
     return [TokenCaptureAggregator(), ProtectActorHosts()]
 
 
-def dask_setup(scheduler: Any) -> None:
+def dask_setup(scheduler: Scheduler) -> None:
     """Preload hook: add the plugins; the scheduler starts them right after preloads."""
     for plugin in _plugins():
         scheduler.add_plugin(plugin, idempotent=True)
 
 
-def install(client: Any) -> None:
+def install(client: Client) -> None:
     """Install the same plugins on the client's running scheduler (idempotent).
 
     The aggregator's ``start`` registers the dashboard page and the Prometheus

@@ -15,9 +15,12 @@ import math
 import time
 from collections import deque
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from distributed.deploy.adaptive import Adaptive
+
+if TYPE_CHECKING:
+    from distributed.deploy import Cluster
 
 from .. import config
 from ..events import SCALE
@@ -38,12 +41,12 @@ class ScalingDecision:
     fetch_ms: float = 0.0
     queue_depth: float = 0.0
 
-    def payload(self) -> dict[str, Any]:
+    def payload(self) -> dict[str, str | int | float]:
         """The ``SCALE`` event (schema in ``pipeline.events``)."""
         return asdict(self)
 
 
-def decide(signal: Mapping[str, Any], current: int, minimum: int, maximum: float) -> ScalingDecision:
+def decide(signal: Mapping[str, float], current: int, minimum: int, maximum: float) -> ScalingDecision:
     """The policy: a pure function of the aggregator's signal and the cluster size.
 
     ``signal`` is :meth:`TokenCaptureAggregator.signal`'s dict; knobs are read now from
@@ -107,7 +110,7 @@ class TokenCaptureAdaptive(Adaptive):
     last) and ``last_decision``.
     """
 
-    def __init__(self, cluster: Any = None, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, cluster: Cluster | None = None, *args: object, **kwargs: object) -> None:
         super().__init__(cluster, *args, **kwargs)
         self.decisions: deque[ScalingDecision] = deque(maxlen=int(config.get("dashboard.history")))
         self.last_decision: ScalingDecision | None = None
@@ -118,7 +121,7 @@ class TokenCaptureAdaptive(Adaptive):
 
     async def target(self) -> int:
         current = len(self.plan)
-        signal: Any = None
+        signal: object = None
         if time.monotonic() >= self._probe_after:
             try:
                 signal = await self.scheduler.token_capture_signal(window_s=None)
@@ -155,7 +158,7 @@ class TokenCaptureAdaptive(Adaptive):
         except Exception:  # metrics must not fail scaling
             logger.debug("could not record scaling decision", exc_info=True)
 
-    async def scale_down(self, workers: Any) -> None:
+    async def scale_down(self, workers: Sequence[str | int]) -> None:
         """Retire ``workers`` (names) except any that became protected meanwhile."""
         if not workers:
             return
@@ -171,7 +174,7 @@ class TokenCaptureAdaptive(Adaptive):
         await super().scale_down(workers)
 
 
-def ensure_finalize_resource(cluster: Any) -> bool:
+def ensure_finalize_resource(cluster: Cluster) -> bool:
     """Make the cluster's worker template advertise ``finalize`` slots.
 
     Returns True if the template (``SpecCluster.new_spec["options"]["resources"]``) now

@@ -18,13 +18,25 @@ received an actor between the suggestion and the retirement.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Iterable, TypedDict
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+    from distributed.scheduler import WorkerState
 
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "token-capture-protect"
+
+
+class ProtectedWorkers(TypedDict):
+    """The ``token_capture_protected`` RPC's answer."""
+
+    addresses: list[str]
+    names: list[str]
+    reasons: dict[str, str]  # address -> why it is protected
 
 
 class ProtectActorHosts(SchedulerPlugin):
@@ -35,9 +47,9 @@ class ProtectActorHosts(SchedulerPlugin):
 
     def __init__(self) -> None:
         self.pinned: set[str] = set()
-        self.scheduler: Any = None
+        self.scheduler: Scheduler | None = None
 
-    async def start(self, scheduler: Any) -> None:
+    async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         scheduler.handlers["token_capture_protected"] = self._handle_protected
         scheduler.handlers["token_capture_protect"] = self._handle_protect
@@ -49,14 +61,14 @@ class ProtectActorHosts(SchedulerPlugin):
     def unpin(self, address: str) -> None:
         self.pinned.discard(address)
 
-    def remove_worker(self, scheduler: Any, worker: str, **kwargs: Any) -> None:
+    def remove_worker(self, scheduler: Scheduler, worker: str, **kwargs: object) -> None:
         self.pinned.discard(worker)  # a pin must not outlive its worker
 
-    def is_protected(self, ws: Any) -> bool:
+    def is_protected(self, ws: WorkerState) -> bool:
         """True when worker state ``ws`` hosts an actor or is pinned."""
         return bool(ws.actors) or ws.address in self.pinned
 
-    def protected(self, scheduler: Any) -> dict[str, str]:
+    def protected(self, scheduler: Scheduler) -> dict[str, str]:
         """``{address: reason}`` of every protected worker on ``scheduler``."""
         out: dict[str, str] = {}
         for ws in scheduler.workers.values():
@@ -66,7 +78,7 @@ class ProtectActorHosts(SchedulerPlugin):
                 out[ws.address] = "pinned"
         return out
 
-    def valid_workers_downscaling(self, scheduler: Any, workers: list[Any]) -> list[Any]:
+    def valid_workers_downscaling(self, scheduler: Scheduler, workers: list[WorkerState]) -> list[WorkerState]:
         keep = [ws for ws in workers if not self.is_protected(ws)]
         if len(keep) != len(workers):
             logger.debug(
@@ -75,7 +87,7 @@ class ProtectActorHosts(SchedulerPlugin):
             )
         return keep
 
-    def _handle_protected(self) -> dict[str, Any]:
+    def _handle_protected(self) -> ProtectedWorkers:
         s = self.scheduler
         prot = self.protected(s)
         return {
