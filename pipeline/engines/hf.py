@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from tasks.engines.hf_moe import FidelityReport, HFMoEConfig, HFMoEEngine, check_group, generate_rollouts
 from tasks.receipts import Receipt
@@ -21,14 +21,19 @@ from .. import config
 from ..capture import stage_rollouts
 from ..store.protocol import StoreLike
 
+if TYPE_CHECKING:
+    from distributed import Client, Future
+
+    from tasks.finalize.assemble import FinalizedGroup
+
 # token-capture.policy keys the HF engine shares with the toy policy (data ranges and seed).
 SHARED_POLICY_KEYS = ("vocab-size", "layers", "experts", "top-k", "seed", "threads")
 
 
-def engine_config(overrides: Mapping[str, Any] | None = None) -> HFMoEConfig:
+def engine_config(overrides: Mapping[str, object] | None = None) -> HFMoEConfig:
     """The engine config: the shared ``policy`` keys, then ``overrides`` (dashes or underscores)."""
     policy = config.get("policy")
-    settings: dict[str, Any] = {k: policy[k] for k in SHARED_POLICY_KEYS}
+    settings: dict[str, object] = {k: policy[k] for k in SHARED_POLICY_KEYS}
     for key, value in (overrides or {}).items():
         settings.pop(str(key).replace("_", "-"), None)
         settings[key] = value
@@ -43,7 +48,7 @@ def _engine(cfg: HFMoEConfig) -> HFMoEEngine:
     return HFMoEEngine(cfg)
 
 
-def engine_from_config(overrides: Mapping[str, Any] | None = None) -> HFMoEEngine:
+def engine_from_config(overrides: Mapping[str, object] | None = None) -> HFMoEEngine:
     """The engine of :func:`engine_config`, built once per process (weights derive from the
     seed, so every worker builds the same model: compare :attr:`HFMoEEngine.fingerprint`)."""
     cfg = engine_config(overrides)
@@ -51,7 +56,7 @@ def engine_from_config(overrides: Mapping[str, Any] | None = None) -> HFMoEEngin
         return _engine(cfg)
 
 
-def finalizer_ranges(overrides: Mapping[str, Any] | None = None) -> dict[str, int]:
+def finalizer_ranges(overrides: Mapping[str, object] | None = None) -> dict[str, int]:
     """``vocab_size`` and ``num_experts`` to give :class:`pipeline.finalize.controller.Finalizer`."""
     cfg = engine_config(overrides)
     return {"vocab_size": cfg.vocab_size, "num_experts": cfg.experts}
@@ -60,7 +65,7 @@ def finalizer_ranges(overrides: Mapping[str, Any] | None = None) -> dict[str, in
 def generate_and_stage(
     store: StoreLike,
     specs: Sequence[RolloutSpec],
-    overrides: Mapping[str, Any] | None = None,
+    overrides: Mapping[str, object] | None = None,
     weight_version: int = 0,
 ) -> list[Receipt]:
     """Task body: generate ``specs`` with the HF engine, stage their rows in ONE put, return receipts."""
@@ -68,7 +73,7 @@ def generate_and_stage(
     return stage_rollouts(store, rollouts)
 
 
-def submit_generation(client: Any, store: StoreLike, groups: Sequence[Sequence[RolloutSpec]], **kwargs: Any) -> list[Any]:
+def submit_generation(client: Client, store: StoreLike, groups: Sequence[Sequence[RolloutSpec]], **kwargs: object) -> list[Future]:
     """One HF generation task per group on the cluster; futures of each group's receipts.
     ``kwargs``: ``overrides``, ``weight_version``."""
     return [
@@ -78,12 +83,12 @@ def submit_generation(client: Any, store: StoreLike, groups: Sequence[Sequence[R
     ]
 
 
-def check_fidelity(group: Any, overrides: Mapping[str, Any] | None = None) -> FidelityReport:
+def check_fidelity(group: FinalizedGroup, overrides: Mapping[str, object] | None = None) -> FidelityReport:
     """Task body: the teacher-forced check over every accepted row of a FinalizedGroup."""
     return check_group(engine_from_config(overrides), group)
 
 
-def submit_fidelity(client: Any, group_futures: Mapping[str, Any], overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+def submit_fidelity(client: Client, group_futures: Mapping[str, Future], overrides: Mapping[str, object] | None = None) -> dict[str, Future]:
     """One fidelity task per finalized group future (e.g. ``StepHandle.group_futures``,
     taken before ``result()`` frees them), run where the group's tensors are."""
     return {

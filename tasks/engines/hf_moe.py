@@ -19,9 +19,10 @@ import inspect
 import math
 import threading
 from dataclasses import dataclass, fields
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 import torch
 # Imported here, not lazily: concurrent first uses of transformers' lazy module from two
 # worker threads raced ("cannot import name 'Qwen2MoeConfig'"); module import is locked.
@@ -35,6 +36,12 @@ from .shapes import ConfigShapes
 from .threads import torch_threads
 from ..toy.rollouts import GeneratedRollout, RolloutSpec, call_id, parent_call_id, toy_reward
 from ..toy.sampling import STREAM_SAMPLE, rollout_key, uniforms
+
+if TYPE_CHECKING:
+    from ..finalize.assemble import FinalizedGroup
+
+# A row's field as numpy or torch gives it.
+RowArray = npt.ArrayLike | torch.Tensor
 
 ARCHITECTURES = ("qwen2_moe", "mixtral")
 
@@ -107,7 +114,7 @@ class HFMoEConfig:
             raise InvalidPolicyConfig(f"out of range: {', '.join(f'{k}={getattr(self, k)}' for k in bad)}")
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any]) -> HFMoEConfig:
+    def from_mapping(cls, mapping: Mapping[str, object]) -> HFMoEConfig:
         """Build from settings whose keys use dashes (YAML spelling) or underscores;
         unknown keys raise :class:`InvalidPolicyConfig`."""
         known = {f.name for f in fields(cls)}
@@ -119,7 +126,7 @@ class HFMoEConfig:
             kw[name] = value
         return cls(**kw)
 
-    def hf_config(self) -> Any:
+    def hf_config(self) -> Qwen2MoeConfig | MixtralConfig:
         """The transformers config: every layer sparse, eager attention and experts."""
         common = dict(
             vocab_size=self.vocab_size,
@@ -162,7 +169,7 @@ _MODEL_CLASSES = {"qwen2_moe": Qwen2MoeForCausalLM, "mixtral": MixtralForCausalL
 _BUILD_LOCK = threading.Lock()
 
 
-def _as_int64(a: Any) -> np.ndarray:
+def _as_int64(a: RowArray) -> np.ndarray:
     if isinstance(a, torch.Tensor):
         a = a.detach().cpu().numpy()
     return np.ascontiguousarray(a, dtype=np.int64)
@@ -192,14 +199,14 @@ class HFMoEEngine(ConfigShapes):
         self.fingerprint = h.hexdigest()
 
 
-    def forward(self, input_ids: torch.Tensor, cache: Any = None, *, use_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    def forward(self, input_ids: torch.Tensor, cache: object = None, *, use_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, object]:
         """One forward over ``input_ids`` int64 ``[B, S]`` after ``cache`` (None: from 0).
 
         Returns (float32 logits ``[B, S, V]``, int16 routes ``[B, S, L, K]`` of each INPUT
         position, the updated cache or None).
         """
         B, S = input_ids.shape
-        kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": use_cache, "output_router_logits": True}
+        kwargs: dict[str, object] = {"input_ids": input_ids, "use_cache": use_cache, "output_router_logits": True}
         if cache is not None:
             kwargs[self._cache_arg] = cache
         with torch.inference_mode(), torch_threads(self.config.threads):
@@ -354,7 +361,7 @@ def _generate_batch(
 # ---- the teacher-forced fidelity check --------------------------------------------------------
 
 
-def teacher_forced(engine: HFMoEEngine, input_ids: Any) -> tuple[np.ndarray, np.ndarray]:
+def teacher_forced(engine: HFMoEEngine, input_ids: RowArray) -> tuple[np.ndarray, np.ndarray]:
     """ONE forward over a whole row (no cache): what training would recompute.
 
     Returns float32 logprobs ``[T]`` (``logprobs[p]`` of token ``p`` under the pass over
@@ -433,7 +440,7 @@ class FidelityReport:
         )
 
 
-def check_row(engine: HFMoEEngine, input_ids: Any, token_mask: Any, logprobs: Any, routed_experts: Any) -> FidelityReport:
+def check_row(engine: HFMoEEngine, input_ids: RowArray, token_mask: RowArray, logprobs: RowArray, routed_experts: RowArray) -> FidelityReport:
     """Teacher-force one finalized row (arrays of its own length ``T``) and compare.
 
     input_ids int ``[T]``, token_mask float ``[T]``, logprobs float32 ``[T]``,
@@ -464,7 +471,7 @@ def check_row(engine: HFMoEEngine, input_ids: Any, token_mask: Any, logprobs: An
     )
 
 
-def check_group(engine: HFMoEEngine, group: Any) -> FidelityReport:
+def check_group(engine: HFMoEEngine, group: FinalizedGroup) -> FidelityReport:
     """:func:`check_row` over every accepted row of a ``FinalizedGroup`` (summed)."""
     report = FidelityReport()
     for i in range(len(group)):

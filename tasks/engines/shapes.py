@@ -1,14 +1,30 @@
 """The shapes an engine answers from its config: vocabulary, experts, routes ``(L, K)``."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
+
+
+class ShapesConfig(Protocol):
+    """What :class:`ConfigShapes` reads of an engine's config."""
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def experts(self) -> int: ...
+
+    @property
+    def layers(self) -> int: ...
+
+    @property
+    def top_k(self) -> int: ...
 
 
 class ConfigShapes:
     """Mixin for an engine holding ``self.config`` with ``vocab_size``, ``experts``,
     ``layers`` and ``top_k`` (the toy policy's and the HF MoE engine's configs)."""
 
-    config: Any
+    config: ShapesConfig
 
     @property
     def vocab_size(self) -> int:

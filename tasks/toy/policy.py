@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from typing import Mapping
 
 import numpy as np
 import torch
@@ -76,7 +76,7 @@ class PolicyConfig:
                 raise InvalidPolicyConfig(f"{name}={getattr(self, name)} out of range (top_k <= experts)")
 
     @classmethod
-    def from_mapping(cls, mapping: Mapping[str, Any]) -> "PolicyConfig":
+    def from_mapping(cls, mapping: Mapping[str, object]) -> "PolicyConfig":
         """Build from a config section, e.g. ``pipeline.config.get("policy")``.
 
         Keys may use dashes (``vocab-size``, the YAML spelling) or underscores; missing
