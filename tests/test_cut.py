@@ -394,6 +394,7 @@ def test_actor_failed_call_mid_cut_reports_generation_lost(client, store):
 import threading  # noqa: E402
 
 from pipeline.generation import cut as cut_module  # noqa: E402
+from pipeline.process_state import configured  # noqa: E402
 
 
 class PackProbe:
@@ -453,7 +454,7 @@ def test_cuts_in_one_process_pack_one_at_a_time_with_one_cpu_slot(store, monkeyp
     monkeypatch.setattr(cut_module, "pack_chunks", probe)
     a, b = buffers(6, prefix="ga"), buffers(6, prefix="gb")
     limits = BatchLimits(2, 1 << 22, 1 << 28)  # 3 packs per cut
-    with dask.config.set({"token-capture.cut.cpu-slots": slots}):
+    with configured({"token-capture.cut.cpu-slots": slots}):
         (ra, _), (rb, _) = _in_threads(lambda: cut(a, store, limits=limits, checkpoint_id="gate-a"),
                                        lambda: cut(b, store, limits=limits, checkpoint_id="gate-b"))
     assert probe.calls == 6
@@ -489,7 +490,7 @@ def test_a_cut_waiting_on_the_store_holds_no_cpu_slot(store, monkeypatch):
     monkeypatch.setattr(cut_module, "pack_chunks", probe)
     blocking = BlockingStore(store, block="/wait-a/")
     a, b = buffers(4, prefix="wa"), buffers(4, prefix="wb")
-    with dask.config.set({"token-capture.cut.cpu-slots": 1}):
+    with configured({"token-capture.cut.cpu-slots": 1}):
         results: dict = {}
         waiting = threading.Thread(target=lambda: results.setdefault("a", cut(a, blocking, checkpoint_id="wait-a")),
                                    daemon=True)

@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import gc
 
-import dask
 import numpy as np
 import pytest
 
 from pipeline.bench import cut as bench_cut
 from pipeline.generation import CallBuffer, run_cut
 from pipeline.generation.cut import pack_buffers
+from pipeline.process_state import configured
 from pipeline.store import StagingStore
 from pipeline.store.slab_pool import SlabPool
 from pipeline.store.protocol import StoreResult
@@ -150,7 +150,7 @@ class Keeper:
 
 def test_a_slab_is_reused_only_once_nothing_refers_to_it(make_store):
     limits = BatchLimits(16, 1 << 22, 1 << 28)
-    with dask.config.set({"token-capture.cut.pack-buffer-bytes": "64MiB"}):
+    with configured({"token-capture.cut.pack-buffer-bytes": "64MiB"}):
         pool = pack_buffers()
         # Batches a store still holds pin their slabs: the next cut packs elsewhere and
         # the held batches keep their bytes.
@@ -180,7 +180,7 @@ def test_a_slab_is_reused_only_once_nothing_refers_to_it(make_store):
 
 
 def test_pooling_off_packs_fresh_memory(make_store):
-    with dask.config.set({"token-capture.cut.pack-buffer-bytes": 0}):
+    with configured({"token-capture.cut.pack-buffer-bytes": 0}):
         pool = pack_buffers()
         held, allocated = pool.held_bytes, pool.allocated
         receipt, _ = cut(calls(16, prefix="fresh", gen=2000), make_store(), BatchLimits(16, 1 << 22, 1 << 28))

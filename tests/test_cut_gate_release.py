@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import threading
 
-import dask
 import numpy as np
 
 from pipeline.generation import cut as cut_module
 from pipeline.generation.call_buffer import CallBuffer
 from pipeline.generation.cut import run_cut
+from pipeline.process_state import configured, process_state
 from pipeline.store import deadline as deadline_module
 from pipeline.store.protocol import StoreResult
 from tasks.cut.batching import BatchLimits
@@ -81,7 +81,7 @@ def two_cuts(store: "MemoryStore", pack: HeldPack, run_a, run_b):
     results: dict = {}
     ta = threading.Thread(target=lambda: results.setdefault("a", run_a()), daemon=True)
     tb = threading.Thread(target=lambda: results.setdefault("b", run_b()), daemon=True)
-    with dask.config.set({"token-capture.cut.cpu-slots": 1}):
+    with configured({"token-capture.cut.cpu-slots": 1}):
         ta.start()
         try:
             assert store.entered.wait(WAIT_S), "cut A reached its put"
@@ -147,7 +147,7 @@ def test_store_signature_is_inspected_once_per_store_class(monkeypatch):
         return real(method)
 
     monkeypatch.setattr(deadline_module, "_inspect_timeout", counting)
-    monkeypatch.setattr(deadline_module, "_ANSWERS", {})
+    monkeypatch.setattr(process_state().get(deadline_module.TimeoutAnswers), "answers", {})
     for i in range(3):  # three cuts, two instances of one store class
         receipt, _ = _cut(_buffers(2, f"sig{i}-"), MemoryStore() if i < 2 else MemoryStore(), f"sig-{i}")
         assert receipt.counts() == {DURABLE_PREFIX: 2}

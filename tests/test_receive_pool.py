@@ -3,11 +3,11 @@ land in reused memory, never in memory an answer still holds; config and ``suspe
 turn it off. No timing is asserted."""
 from __future__ import annotations
 
-import dask
 import numpy as np
 import pytest
 
 from pipeline.bench.store import template_batch, with_keys
+from pipeline.process_state import configured
 from pipeline.store import receive_pool
 
 TOKENS = 8192  # 64 rows of ~180 KB: each unit's answer has frames of a few MB
@@ -81,7 +81,7 @@ def test_workers_pool_their_frames_too(cluster_client):
 
 def test_config_zero_and_suspended_give_fresh_buffers(store, template):
     store.get_many(keys(template))
-    with dask.config.set({"token-capture.store.receive-buffer-bytes": 0}):
+    with configured({"token-capture.store.receive-buffer-bytes": 0}):
         before = counters()
         got = store.get_many(keys(template))
         assert counters() == before
@@ -91,7 +91,7 @@ def test_config_zero_and_suspended_give_fresh_buffers(store, template):
         before = counters()
         store.get_many(keys(template))
         assert counters() == before
-    with dask.config.set({"token-capture.store.receive-pool-min-bytes": "1GiB"}):
+    with configured({"token-capture.store.receive-pool-min-bytes": "1GiB"}):
         before = counters()
         store.get_many(keys(template))
         assert counters() == before

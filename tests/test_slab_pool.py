@@ -31,14 +31,13 @@ def test_a_full_pool_collects_cycles_before_allocating_past_its_cap():
         gc.enable()
 
 
-def test_process_pools_are_one_per_config_key_and_read_their_cap_at_call_time():
-    import dask
-
+def test_process_pools_are_one_per_config_key_and_reread_their_cap_on_reconfigure():
     from pipeline.generation.cut import pack_buffers
+    from pipeline.process_state import configured
     from pipeline.store.slab_pool import process_pool
     from pipeline.store.client import client_buffers
 
     assert client_buffers() is process_pool("store.client-buffer-bytes") is client_buffers()
     assert pack_buffers() is not client_buffers()
-    with dask.config.set({"token-capture.store.client-buffer-bytes": "3MiB"}):
+    with configured({"token-capture.store.client-buffer-bytes": "3MiB"}):
         assert client_buffers().max_bytes == 3 << 20

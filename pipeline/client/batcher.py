@@ -6,7 +6,9 @@ row as ONE ``put_many`` once ``capture-client.flush-calls`` rows are queued or
 first (or at once on :meth:`flush` / :meth:`close`). While a put is in flight new rows
 queue for the next one. Each row's outcome (stored, refused, or its put raised) is
 reported to the row's owner; a put that raises fails only its own batch. A batcher never
-closed is closed at interpreter exit (its rows are put, with a warning naming the fix).
+closed is closed at interpreter exit (its rows are put, with a warning naming the fix):
+the process's open batchers are an :class:`OpenBatchers` component of its
+:class:`~pipeline.process_state.ProcessState`.
 """
 from __future__ import annotations
 
@@ -24,26 +26,55 @@ from tasks.packed import pack_rows
 from tasks.schema import StagedRow
 
 from .. import config
+from ..process_state import process_state
 from ..store.protocol import StoreLike
 from .refusals import MISSING_ACK, Refusal, put_error
 
 logger = logging.getLogger(__name__)
 
 
-# Batchers whose flusher runs and that were not closed: closed at interpreter exit.
-_OPEN: "weakref.WeakSet[RowBatcher]" = weakref.WeakSet()
-_exit_handler = threading.Lock()  # held once the handler is registered
+class OpenBatchers:
+    """The process's batchers whose flusher runs and that were not closed: closed at
+    interpreter exit (a :class:`~pipeline.process_state.ProcessState` component).
+
+    The flusher is a daemon thread (it must not keep a process alive), so without this a
+    program that forgot :meth:`RowBatcher.close` would lose its queued rows. The exit
+    handler is registered when the first flusher starts, after the store's Dask client
+    exists, so it runs before Dask's own exit handlers (last registered, first run): the
+    store is reachable. It stays registered when the owner is released (a batcher still
+    open then is closed at exit all the same). Thread-safe (its lock).
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._batchers: weakref.WeakSet[RowBatcher] = weakref.WeakSet()
+        self._at_exit = False  # the exit handler is registered
+
+    def add(self, batcher: RowBatcher) -> None:
+        """Record a batcher whose flusher just started (registers the exit handler once)."""
+        with self._lock:
+            self._batchers.add(batcher)
+            if not self._at_exit:
+                atexit.register(self.close_all)
+                self._at_exit = True
+
+    def discard(self, batcher: RowBatcher) -> None:
+        """Forget a batcher being closed."""
+        with self._lock:
+            self._batchers.discard(batcher)
+
+    def close_all(self) -> None:
+        """Put every row a batcher that was never closed still holds (interpreter exit)."""
+        with self._lock:
+            still_open = list(self._batchers)
+        for batcher in still_open:
+            batcher.close_at_exit()
 
 
 def close_open_batchers() -> None:
-    """Interpreter exit: put every row a batcher that was never closed still holds.
-
-    The flusher is a daemon thread (it must not keep a process alive), so without this a
-    program that forgot :meth:`RowBatcher.close` would lose its queued rows. Registered
-    when the first flusher starts, after the store's Dask client exists, so it runs
-    before Dask's own exit handlers (last registered, first run): the store is reachable."""
-    for batcher in list(_OPEN):
-        batcher.close_at_exit()
+    """Interpreter exit: put every row a batcher of this process that was never closed
+    still holds (:meth:`OpenBatchers.close_all`, which runs at exit by itself)."""
+    process_state().get(OpenBatchers).close_all()
 
 
 class RowOwner(Protocol):
@@ -95,6 +126,7 @@ class RowBatcher:
         self._flush_to = 0  # flush now every row with seq < this
         self._closing = False
         self._thread: threading.Thread | None = None
+        self._open: OpenBatchers | None = None  # the process's record of open batchers, once the flusher runs
         self.counters = {"rows": 0, "puts": 0, "bytes": 0, "refused": 0, "failed_puts": 0}
 
     # ---- engine side ------------------------------------------------------------------
@@ -141,8 +173,9 @@ class RowBatcher:
         with self._cond:
             self._closing = True
             self._cond.notify_all()
-            thread = self._thread
-        _OPEN.discard(self)
+            thread, open_batchers = self._thread, self._open
+        if open_batchers is not None:
+            open_batchers.discard(self)
         if thread is not None:
             thread.join(timeout_s)
             return not thread.is_alive()
@@ -184,9 +217,8 @@ class RowBatcher:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="token-capture-flusher", daemon=True)
             self._thread.start()
-            _OPEN.add(self)
-            if _exit_handler.acquire(blocking=False):
-                atexit.register(close_open_batchers)
+            self._open = process_state().get(OpenBatchers)
+            self._open.add(self)
 
     def _take(self) -> list[_Queued] | None:
         """Wait until a flush is due; take the whole queue (``None``: closed and empty)."""

@@ -3,7 +3,9 @@
 A unit that has not answered by the deadline fails its keys ``unit_unavailable`` (the
 client's ``_settle`` turns the ``TimeoutError`` into that); the other units' answers
 stand. Callers that accept any store (the cut, the finalize fetch) ask
-:func:`takes_timeout` first: a wrapper without the parameter is called unbounded.
+:func:`takes_timeout` first: a wrapper without the parameter is called unbounded. Its
+answers per class are cached in a :class:`TimeoutAnswers` component of the process's
+:class:`~pipeline.process_state.ProcessState`.
 """
 from __future__ import annotations
 
@@ -12,12 +14,20 @@ import inspect
 import time
 from typing import Any, Callable
 
+from ..process_state import process_state
+
 # The least time a wait gets once the deadline has passed: an answer already in flight
 # is still collected, nothing waits longer than a moment (seconds).
 FLOOR_S = 1e-3
 
 
-_ANSWERS: dict[Callable, bool] = {}  # a class's function -> whether it takes timeout=
+class TimeoutAnswers:
+    """The process's cache for :func:`takes_timeout`: a class's function -> whether it
+    takes ``timeout=``. A dict lookup and store, safe under the GIL (an answer inspected
+    twice by racing threads is the same answer)."""
+
+    def __init__(self) -> None:
+        self.answers: dict[Callable, bool] = {}
 
 
 def takes_timeout(method: Callable) -> bool:
@@ -28,9 +38,10 @@ def takes_timeout(method: Callable) -> bool:
     func = getattr(method, "__func__", None)
     if func is None:
         return _inspect_timeout(method)
-    got = _ANSWERS.get(func)
+    answers = process_state().get(TimeoutAnswers).answers
+    got = answers.get(func)
     if got is None:
-        got = _ANSWERS[func] = _inspect_timeout(method)
+        got = answers[func] = _inspect_timeout(method)
     return got
 
 

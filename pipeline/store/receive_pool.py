@@ -9,6 +9,12 @@ sliced into restores, verified), a finalized group. :func:`install` has frames o
 most ``store.receive-buffer-bytes`` instead: memory the process already touched, handed
 out again only when nothing refers to it. A frame something keeps (a put's rows, adopted
 by a unit) holds its slab until the rows go; a full pool gives plain buffers, never stalls.
+
+The pool, its two knobs (read when the process's owner makes it, and again at
+:meth:`ProcessState.reconfigure <pipeline.process_state.ProcessState.reconfigure>`) and
+whether Dask's allocator is replaced are one :class:`ReceivePool` component of the
+process's :class:`~pipeline.process_state.ProcessState`; releasing the owner (a worker's
+teardown) hands Dask its own allocator back.
 """
 from __future__ import annotations
 
@@ -16,61 +22,101 @@ import contextlib
 import threading
 from typing import Iterator
 
+from .. import config, dask_compat
+from ..process_state import process_state
 from .slab_pool import SlabPool
 
-_POOL = SlabPool(0)
-_STATE = {"installed": False, "min_bytes": 1 << 20, "suspended": 0}
-_LOCK = threading.Lock()
+
+class ReceivePool:
+    """This process's receive pool (a :class:`~pipeline.process_state.ProcessState` component).
+
+    ``store.receive-buffer-bytes`` (the pool's cap) and ``store.receive-pool-min-bytes``
+    (the smallest frame pooled) are read when it is made and at :meth:`reconfigure`.
+    Thread-safe: installing, reconfiguring and suspending take its lock; the frame
+    allocator itself (on the event loop) reads plain attributes and takes only the
+    pool's lock.
+    """
+
+    def __init__(self) -> None:
+        self.pool = SlabPool(0)
+        self.min_bytes = 1 << 20  # frames smaller than this get plain buffers (bytes)
+        self.suspended = 0  # open suspended() blocks: plain buffers meanwhile
+        self._lock = threading.Lock()
+        self._plain: dask_compat.FrameAllocator | None = None  # Dask's allocator, once ours was installed
+        self._installed = False
+        self._closed = False  # released with its owner: never installs again
+        self._allocate = self._frame  # the one bound method handed to Dask (compared by identity)
+        self.reconfigure()
+
+    def reconfigure(self) -> None:
+        """Re-read both knobs (bytes); a cap of 0 gives plain buffers from now on."""
+        size = config.get_bytes("store.receive-buffer-bytes")
+        min_bytes = max(1, config.get_bytes("store.receive-pool-min-bytes"))
+        with self._lock:
+            self.pool.max_bytes = size
+            self.min_bytes = min_bytes
+
+    def install(self) -> bool:
+        """Have Dask's TCP comm read this process's large frames into the pool (once);
+        whether the pool is in use (a cap above 0 and a Dask whose allocator can be replaced)."""
+        with self._lock:
+            if self._installed:
+                return self.pool.max_bytes > 0
+            if self.pool.max_bytes <= 0 or self._closed:
+                return False
+            plain = dask_compat.tcp_frame_allocator()
+            if plain is None:  # a Dask that reads frames some other way: nothing to pool
+                return False
+            self._plain, self._installed = plain, True
+            dask_compat.set_tcp_frame_allocator(self._allocate)
+            return True
+
+    def _frame(self, n: int) -> memoryview:
+        plain = self._plain
+        assert plain is not None  # set before Dask can call this
+        if n < self.min_bytes or self.suspended or not self._installed or self.pool.max_bytes <= 0:
+            return plain(n)
+        with self.pool._lock:
+            # Full of buffers the caller still holds: a fresh one, no garbage collection
+            # on the event loop (the pool is an optimization, never a stall).
+            slab = self.pool.take(n, collect=False)
+        return slab[:n].data
+
+    def suspend(self, by: int) -> None:
+        """Open (``by=1``) or close (``by=-1``) a :func:`suspended` block."""
+        with self._lock:
+            self.suspended += by
+
+    def close(self) -> None:
+        """Dask's own allocator back (unless something replaced ours since), the pool emptied."""
+        with self._lock:
+            installed, self._installed, self._closed = self._installed, False, True
+            if installed and self._plain is not None and dask_compat.tcp_frame_allocator() is self._allocate:
+                dask_compat.set_tcp_frame_allocator(self._plain)
+        self.pool.close()
 
 
 def pool() -> SlabPool:
     """This process's receive pool (its counters: ``reused``, ``allocated``, ``unpooled``)."""
-    return _POOL
+    return process_state().get(ReceivePool).pool
 
 
 def install() -> bool:
     """Serve this process's large Dask frames from the receive pool, unless
-    ``store.receive-buffer-bytes`` is 0; re-reads both knobs (bytes) each call. Returns
-    whether the pool is in use. Idempotent and cheap: the store client calls it at each
-    get, in the controller and on workers (restore batchers, finalize fetches) alike."""
-    from .. import config
-
-    size = config.get_bytes("store.receive-buffer-bytes")
-    with _LOCK:
-        _POOL.max_bytes = size
-        _STATE["min_bytes"] = max(1, config.get_bytes("store.receive-pool-min-bytes"))
-        if _STATE["installed"]:
-            return size > 0
-        if size <= 0:
-            return False
-        from .. import dask_compat
-
-        plain = dask_compat.tcp_frame_allocator()
-        if plain is None:  # a Dask that reads frames some other way: nothing to pool
-            return False
-
-        def pooled_frame(n: int) -> memoryview:
-            if n < _STATE["min_bytes"] or _STATE["suspended"] or _POOL.max_bytes <= 0:
-                return plain(n)
-            with _POOL._lock:
-                # Full of buffers the caller still holds: a fresh one, no garbage collection
-                # on the event loop (the pool is an optimization, never a stall).
-                slab = _POOL.take(n, collect=False)
-            return slab[:n].data
-
-        dask_compat.set_tcp_frame_allocator(pooled_frame)
-        _STATE["installed"] = True
-        return True
+    ``store.receive-buffer-bytes`` is 0 (both knobs are read when the process's owner
+    makes the pool; ``process_state().reconfigure()`` re-reads them). Returns whether the
+    pool is in use. Idempotent and cheap: the store client calls it at each get, in the
+    controller and on workers (restore batchers, finalize fetches) alike."""
+    return process_state().get(ReceivePool).install()
 
 
 @contextlib.contextmanager
 def suspended() -> Iterator[None]:
     """Frames read meanwhile get fresh buffers, as plain Dask gives them (for measuring
     Dask itself, e.g. ``bench store``'s bare-actor ceiling)."""
-    with _LOCK:
-        _STATE["suspended"] += 1
+    receiver = process_state().get(ReceivePool)
+    receiver.suspend(1)
     try:
         yield
     finally:
-        with _LOCK:
-            _STATE["suspended"] -= 1
+        receiver.suspend(-1)

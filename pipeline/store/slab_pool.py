@@ -5,7 +5,8 @@ of them) and carves one slab per batch into its big fields, so a storage unit's 
 answers, the store client's put gathers and get merges, and a cut's packed batches are
 written into memory already mapped instead of a fresh allocation per field (which page-
 faults). A slab is reused only once nothing refers to it any more (its reference count).
-:func:`process_pool` is the one pool per config key shared by a process.
+:func:`process_pool` is the one pool per config key shared by a process: a
+:class:`ConfiguredPool` component of the process's :class:`~pipeline.process_state.ProcessState`.
 """
 from __future__ import annotations
 
@@ -17,6 +18,9 @@ from typing import Iterable
 import numpy as np
 
 from tasks.packed import Allocator
+
+from .. import config
+from ..process_state import process_state
 
 
 class SlabPool:
@@ -154,20 +158,33 @@ class SlabPool:
 
         return out
 
+    def close(self) -> None:
+        """Stop pooling and forget every slab: idle ones are freed, ones in use live on
+        with what refers to them (the owner's release, see :mod:`pipeline.process_state`)."""
+        with self._lock:
+            self.max_bytes = 0
+            self._classes = {}
+            self.held_bytes = 0
 
-_PROCESS_POOLS: dict[str, SlabPool] = {}
-_PROCESS_POOLS_LOCK = threading.Lock()
+
+class ConfiguredPool(SlabPool):
+    """A process's :class:`SlabPool` capped by ``token-capture.<config_key>`` (bytes), read
+    when the pool is made and again at :meth:`reconfigure` (the owner's
+    :meth:`~pipeline.process_state.ProcessState.reconfigure`), never per call."""
+
+    def __init__(self, config_key: str) -> None:
+        super().__init__(config.get_bytes(config_key))
+        self.config_key = config_key
+
+    def reconfigure(self) -> None:
+        """Re-read the cap (a smaller cap releases idle slabs at the next take)."""
+        self.max_bytes = config.get_bytes(self.config_key)
 
 
 def process_pool(config_key: str) -> SlabPool:
-    """This process's pool capped by ``token-capture.<config_key>`` (bytes, read now): one
-    per key, shared by every caller in the process (the store client's gathers and merges,
-    the cut's packing), so each keeps writing to memory the process already touched."""
-    from .. import config
-
-    with _PROCESS_POOLS_LOCK:
-        pool = _PROCESS_POOLS.get(config_key)
-        if pool is None:
-            pool = _PROCESS_POOLS[config_key] = SlabPool(0)
-        pool.max_bytes = config.get_bytes(config_key)
-    return pool
+    """This process's pool capped by ``token-capture.<config_key>`` (bytes, read when the
+    pool is made; :meth:`ProcessState.reconfigure <pipeline.process_state.ProcessState.reconfigure>`
+    applies a changed cap): one per key, shared by every caller in the process (the store
+    client's gathers and merges, the cut's packing), so each keeps writing to memory the
+    process already touched."""
+    return process_state().get(ConfiguredPool, config_key)
