@@ -217,22 +217,29 @@ def test_light_load_issues_at_once_while_slots_are_free_and_saturation_merges():
     run(main())
 
 
-def test_eager_inflight_zero_always_coalesces_and_is_read_at_call_time():
+def test_eager_inflight_zero_always_coalesces_and_is_read_when_built():
     import dask
 
     async def main():
-        store = FakeStore(rows_for(["a", "b"]))
+        store = FakeStore(rows_for(["a", "b", "c"]))
         timer = ManualTimer()
-        c = coalescer(store, timer=timer)
         with dask.config.set({"token-capture.restore.eager-inflight": 0}):
+            c = coalescer(store, timer=timer)
             t = asyncio.create_task(c.read(["a"]))
             await settle()
             assert store.calls == [] and c.stats.window_waits == 1  # a lone request waits too
             assert timer.fire() == 1
             assert (await t).keys == ["a"]
-        # The knob is read at call time: back to the default, a lone request goes at once.
-        assert (await c.read(["b"])).keys == ["b"]
-        assert c.stats.window_waits == 1 and c.stats.immediate_gets == 1
+        # The knob was read when the coalescer was built: it keeps coalescing...
+        t = asyncio.create_task(c.read(["b"]))
+        await settle()
+        assert store.calls == [["a"]] and c.stats.window_waits == 2 and c.eager_inflight == 0
+        assert timer.fire() == 1
+        assert (await t).keys == ["b"]
+        # ... and one built now reads the default: a lone request goes at once.
+        c2 = coalescer(store, timer=timer)
+        assert (await c2.read(["c"])).keys == ["c"]
+        assert c2.stats.window_waits == 0 and c2.stats.immediate_gets == 1
 
     run(main())
 

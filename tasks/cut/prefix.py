@@ -9,16 +9,20 @@ run over the whole prefix at once. Cut row format and check order: docs/design.m
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 import numpy as np
 
 from .. import hashing, reasons, validation
+from .receipt import CallAck
 from .receipt import prefix_digest as _prefix_digest
 from ..errors import InvalidKey
 from ..keys import CUT_PREFIX
 from ..packed import PackedBatch, row_from_fields
-from ..schema import HASH_BYTES, ROUTES_FIELD, ROUTES_INT16, ROUTES_NONE, STAGING_FIELDS
+from ..schema import HASH_BYTES, ROUTES_FIELD, ROUTES_INT16, ROUTES_NONE, STAGING_FIELDS, StagedRow
+
+if TYPE_CHECKING:
+    import hashlib
 
 # Reasons of this module beyond the finalizer's vocabulary (tasks.reasons).
 EMPTY_PREFIX = "empty_prefix"
@@ -40,8 +44,9 @@ class Continuation:
     prefix_digest: bytes  # 32 bytes
 
     @classmethod
-    def of(cls, obj: Any) -> "Continuation":
-        """From a :class:`Continuation`, a ``CallAck`` (``staging_keys``) or a dict.
+    def of(cls, obj: ContinuationLike) -> "Continuation":
+        """From a :class:`Continuation`, a ``CallAck`` (``staging_keys``) or a dict (or
+        any object with those attributes).
 
         Raises ``ValueError`` naming what is malformed.
         """
@@ -59,6 +64,11 @@ class Continuation:
         if not isinstance(digest, (bytes, bytearray)) or len(digest) != HASH_BYTES:
             raise ValueError(f"continuation prefix_digest must be {HASH_BYTES} bytes, got {digest!r}")
         return cls(tuple(keys), int(tokens), bytes(digest))
+
+
+# What verify_prefix and Continuation.of take: a continuation, a cut receipt's CallAck,
+# or a mapping with ``staging_keys`` (or ``keys``), ``prefix_tokens`` and ``prefix_digest``.
+ContinuationLike = Continuation | CallAck | Mapping[str, Any]
 
 
 @dataclass
@@ -138,7 +148,7 @@ def parse_cut_key(key: str) -> tuple[str, str, str, int]:
 
 def verify_prefix(
     rows: PackedBatch,
-    continuation: Any,
+    continuation: ContinuationLike,
     *,
     vocab_size: int | None = None,
     num_experts: int | None = None,
@@ -147,116 +157,18 @@ def verify_prefix(
     """Verify ``rows`` (the chunks read for ``continuation``'s keys, in chain order).
 
     ``vocab_size`` / ``num_experts`` / ``routes_shape`` (``(L, K)``) enable the range and
-    shape checks when given. Never raises on bad data: every problem is a verdict.
+    shape checks when given. Never raises on bad data: every problem is a verdict. The
+    checks run in the order of the module docstring; the first that fails names it.
     """
     try:
-        cont = Continuation.of(continuation)
-    except ValueError as e:
-        return PrefixVerdict.unusable(INVALID_CONTINUATION, str(e))
-    if not cont.keys:
-        return PrefixVerdict.unusable(EMPTY_PREFIX, "the continuation lists no cut keys")
-    problem = _check_keys(cont.keys)
-    if problem:
-        return PrefixVerdict.unusable(*problem)
-    _, rollout_id, call_id, _ = parse_cut_key(cont.keys[0])
-
-    if not isinstance(rows, PackedBatch):
-        return PrefixVerdict.unusable(reasons.INVALID_STAGING_ROW, f"rows must be a PackedBatch, got {type(rows).__name__}")
-    if list(rows.keys) != list(cont.keys):
-        missing = [k for k in cont.keys if k not in set(rows.keys)]
-        if missing:
-            return PrefixVerdict.unusable(reasons.MISSING_STAGING_ROW, f"no row for {missing[0]!r} ({len(missing)} missing)")
-        return PrefixVerdict.unusable(PREFIX_OUT_OF_ORDER, f"rows come as {list(rows.keys)[:4]}..., not in chain order")
-    absent = [f for f in STAGING_FIELDS if f not in rows.fields]
-    if absent:
-        return PrefixVerdict.unusable(reasons.INVALID_STAGING_ROW, f"the rows lack field(s) {absent}")
-    for name in STAGING_FIELDS:
-        f = rows.fields[name]
-        if f.present is not None and not f.present.all():
-            i = int(np.flatnonzero(~f.present)[0])
-            return PrefixVerdict.unusable(reasons.INVALID_STAGING_ROW, f"{rows.keys[i]!r} has no {name!r}")
-
-    # ---- per chunk, chain order ----
-    chain: bytes | None = None
-    cumulative = hashing.prefix_state()
-    total = 0
-    parent = weight_version = None
-    lengths: list[int] = []
-    routed: list[bool] = []
-    for i, key in enumerate(cont.keys):
-        try:
-            row = row_from_fields(rows.row(i))
-        except (KeyError, ValueError, IndexError, UnicodeDecodeError) as e:
-            return PrefixVerdict.unusable(reasons.INVALID_STAGING_ROW, f"{key!r} does not decode: {type(e).__name__}: {e}")
-        if row.rollout_id != rollout_id or row.model_call_id != call_id:
-            return PrefixVerdict.unusable(
-                reasons.IDENTITY_MISMATCH,
-                f"{key!r} holds ({row.rollout_id!r}, {row.model_call_id!r}), not ({rollout_id!r}, {call_id!r})",
-            )
-        if i == 0:
-            parent, weight_version = row.parent_call_id, row.weight_version
-        elif row.parent_call_id != parent:
-            return PrefixVerdict.unusable(
-                reasons.IDENTITY_MISMATCH, f"{key!r}: parent {row.parent_call_id!r}, chunk 0 says {parent!r}"
-            )
-        problem = validation.check_lengths(row.prev_len, row.delta_len, row.cum_len) or validation.check_token_arrays(
-            row.token_ids, row.token_mask, row.logprobs, row.delta_len
-        )
-        if problem:
-            return PrefixVerdict.unusable(problem[0], f"{key!r}: {problem[1]}")
-        if row.prev_len != total:
-            return PrefixVerdict.unusable(
-                reasons.PARENT_LENGTH_MISMATCH, f"{key!r}: prev_len {row.prev_len}, but {total} tokens precede it"
-            )
-        if row.routes_encoding not in (ROUTES_NONE, ROUTES_INT16):
-            return PrefixVerdict.unusable(reasons.INVALID_ROUTES, f"{key!r}: unknown routes_encoding {row.routes_encoding}")
-        if row.routes_encoding == ROUTES_INT16 and row.routed_experts is None:
-            return PrefixVerdict.unusable(reasons.MISSING_ROUTES, f"{key!r}: routes_encoding 1 but no routed_experts")
-        if row.routes_encoding == ROUTES_NONE:
-            row.routed_experts = None  # a stray field is not hashed and not resumed from
-        try:
-            recomputed = hashing.row_digest(row)
-        except ValueError as e:  # unsupported digest_version, malformed routes
-            return PrefixVerdict.unusable(reasons.INVALID_STAGING_ROW, f"{key!r}: {e}")
-        if recomputed != row.digest:
-            return PrefixVerdict.unusable(reasons.CORRUPT_DIGEST, f"{key!r}: recomputed digest differs from the row's")
-        chain = hashing.chain_hash(chain, row.token_ids)
-        if chain != row.chain_hash:
-            return PrefixVerdict.unusable(reasons.CHAIN_HASH_MISMATCH, f"{key!r}: chain hash does not extend chunk {i - 1}")
-        if hashing.extend_prefix(cumulative, row.token_ids) != row.cumulative_hash:
-            return PrefixVerdict.unusable(reasons.CUMULATIVE_HASH_MISMATCH, f"{key!r}: cumulative hash differs")
-        total = row.cum_len
-        lengths.append(row.delta_len)
-        routed.append(row.routes_encoding == ROUTES_INT16)
-
-    # ---- content, whole prefix at once ----
-    # Rows are in chain order, so each field's packed buffer IS the prefix (no copy).
-    ids, mask, lps = (_span(rows, name) for name in ("token_ids", "token_mask", "logprobs"))
-    problem = _check_prefix_mask(mask) or (validation.check_tokens(ids, vocab_size) if vocab_size is not None else None)
-    problem = problem or validation.check_logprobs(lps, mask)
-    if problem:
-        return PrefixVerdict.unusable(*problem)
-    routes = None
-    if any(routed):
-        if not all(routed):
-            i = routed.index(False)
-            return PrefixVerdict.unusable(reasons.MISSING_ROUTES, f"{cont.keys[i]!r} has no routes; chunk(s) before it do")
-        routes = _span(rows, ROUTES_FIELD)
-        problem = validation.check_routes(ROUTES_INT16, routes, len(ids), num_experts, routes_shape)
-        if problem:
-            return PrefixVerdict.unusable(*problem)
-    elif routes_shape is not None:
-        return PrefixVerdict.unusable(reasons.MISSING_ROUTES, f"the prefix has no routes; routes {tuple(routes_shape)} expected")
-
-    # ---- the continuation's own claims ----
-    if total != cont.prefix_tokens:
-        return PrefixVerdict.unusable(
-            PREFIX_LENGTH_MISMATCH, f"the chunks hold {total} tokens, the continuation says {cont.prefix_tokens}"
-        )
-    pdigest = _prefix_digest(ids)
-    if pdigest != cont.prefix_digest:
-        return PrefixVerdict.unusable(PREFIX_DIGEST_MISMATCH, "recomputed prefix digest differs from the continuation's")
-    context = int(len(mask) - np.count_nonzero(mask))
+        cont = _checked_continuation(continuation)
+        _, rollout_id, call_id, _ = parse_cut_key(cont.keys[0])
+        _check_rows(rows, cont)
+        chain = _walk_chunks(rows, cont, rollout_id, call_id)
+        content = _check_content(rows, cont, chain.routed, vocab_size, num_experts, routes_shape)
+        digest = _check_claims(cont, chain.tokens, content.token_ids)
+    except _Unusable as e:
+        return PrefixVerdict.unusable(e.reason, e.detail)
     return PrefixVerdict(
         True,
         None,
@@ -264,18 +176,199 @@ def verify_prefix(
         ResumePrefix(
             rollout_id=rollout_id,
             model_call_id=call_id,
-            parent_call_id=parent,
-            weight_version=int(weight_version),
+            parent_call_id=chain.parent_call_id,
+            weight_version=int(chain.weight_version),
             keys=cont.keys,
-            chunk_lengths=tuple(lengths),
-            token_ids=ids,
-            token_mask=mask,
-            logprobs=lps,
-            routed_experts=routes,
-            context_tokens=context,
-            prefix_digest=pdigest,
+            chunk_lengths=tuple(chain.chunk_lengths),
+            token_ids=content.token_ids,
+            token_mask=content.token_mask,
+            logprobs=content.logprobs,
+            routed_experts=content.routed_experts,
+            context_tokens=int(len(content.token_mask) - np.count_nonzero(content.token_mask)),
+            prefix_digest=digest,
         ),
     )
+
+
+# ---- the checks, in order: each raises _Unusable with the verdict's reason and detail ----
+
+
+class _Unusable(Exception):
+    """Internal: the first failed check's ``(reason, detail)``, turned into a verdict."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(reason, detail)
+        self.reason = reason
+        self.detail = detail
+
+    @classmethod
+    def of(cls, problem: tuple[str, str]) -> "_Unusable":
+        return cls(*problem)
+
+
+@dataclass
+class _ChainWalk:
+    """What the per-chunk checks established, chunk by chunk in chain order."""
+
+    tokens: int = 0  # tokens of the chunks checked so far (the last one's cum_len)
+    parent_call_id: str | None = None  # chunk 0's (every chunk must agree)
+    weight_version: int = 0  # chunk 0's
+    chunk_lengths: list[int] = field(default_factory=list)  # tokens per chunk
+    routed: list[bool] = field(default_factory=list)  # per chunk: it carries routes (int16)
+
+
+class _Content(NamedTuple):
+    """The whole prefix's token fields: views of the packed buffers, no copy."""
+
+    token_ids: np.ndarray  # int64[T]
+    token_mask: np.ndarray  # float32[T]
+    logprobs: np.ndarray  # float32[T]
+    routed_experts: np.ndarray | None  # int16[T, L, K] or None
+
+
+def _checked_continuation(continuation: ContinuationLike) -> Continuation:
+    """The continuation, with at least one key, its keys one call's chunks 0, 1, ..."""
+    try:
+        cont = Continuation.of(continuation)
+    except ValueError as e:
+        raise _Unusable(INVALID_CONTINUATION, str(e)) from None
+    if not cont.keys:
+        raise _Unusable(EMPTY_PREFIX, "the continuation lists no cut keys")
+    problem = _check_keys(cont.keys)
+    if problem:
+        raise _Unusable.of(problem)
+    return cont
+
+
+def _check_rows(rows: PackedBatch, cont: Continuation) -> None:
+    """One row per key, in chain order, each with every staging field."""
+    if not isinstance(rows, PackedBatch):
+        raise _Unusable(reasons.INVALID_STAGING_ROW, f"rows must be a PackedBatch, got {type(rows).__name__}")
+    if list(rows.keys) != list(cont.keys):
+        missing = [k for k in cont.keys if k not in set(rows.keys)]
+        if missing:
+            raise _Unusable(reasons.MISSING_STAGING_ROW, f"no row for {missing[0]!r} ({len(missing)} missing)")
+        raise _Unusable(PREFIX_OUT_OF_ORDER, f"rows come as {list(rows.keys)[:4]}..., not in chain order")
+    absent = [f for f in STAGING_FIELDS if f not in rows.fields]
+    if absent:
+        raise _Unusable(reasons.INVALID_STAGING_ROW, f"the rows lack field(s) {absent}")
+    for name in STAGING_FIELDS:
+        f = rows.fields[name]
+        if f.present is not None and not f.present.all():
+            i = int(np.flatnonzero(~f.present)[0])
+            raise _Unusable(reasons.INVALID_STAGING_ROW, f"{rows.keys[i]!r} has no {name!r}")
+
+
+def _walk_chunks(rows: PackedBatch, cont: Continuation, rollout_id: str, call_id: str) -> _ChainWalk:
+    """Every chunk in chain order: identity, lengths, routes, its digest and both running
+    hashes recomputed (per-chunk Python: a prefix has a handful of chunks)."""
+    walk = _ChainWalk()
+    chain: bytes | None = None
+    cumulative = hashing.prefix_state()
+    for i, key in enumerate(cont.keys):
+        try:
+            row = row_from_fields(rows.row(i))
+        except (KeyError, ValueError, IndexError, UnicodeDecodeError) as e:
+            raise _Unusable(reasons.INVALID_STAGING_ROW, f"{key!r} does not decode: {type(e).__name__}: {e}") from None
+        _check_chunk_identity(row, key, i, rollout_id, call_id, walk)
+        _check_chunk_layout(row, key, walk.tokens)
+        chain = _check_chunk_hashes(row, key, i, chain, cumulative)
+        walk.tokens = row.cum_len
+        walk.chunk_lengths.append(row.delta_len)
+        walk.routed.append(row.routes_encoding == ROUTES_INT16)
+    return walk
+
+
+def _check_chunk_identity(row: StagedRow, key: str, i: int, rollout_id: str, call_id: str, walk: _ChainWalk) -> None:
+    """The chunk belongs to the continuation's call, with chunk 0's parent (chunk 0 sets
+    ``walk``'s parent and weight version)."""
+    if row.rollout_id != rollout_id or row.model_call_id != call_id:
+        raise _Unusable(
+            reasons.IDENTITY_MISMATCH,
+            f"{key!r} holds ({row.rollout_id!r}, {row.model_call_id!r}), not ({rollout_id!r}, {call_id!r})",
+        )
+    if i == 0:
+        walk.parent_call_id, walk.weight_version = row.parent_call_id, row.weight_version
+    elif row.parent_call_id != walk.parent_call_id:
+        raise _Unusable(reasons.IDENTITY_MISMATCH, f"{key!r}: parent {row.parent_call_id!r}, chunk 0 says {walk.parent_call_id!r}")
+
+
+def _check_chunk_layout(row: StagedRow, key: str, preceding: int) -> None:
+    """Lengths and token arrays consistent, ``prev_len`` == the ``preceding`` chunks'
+    tokens, a known routes encoding with its routes. A stray ``routed_experts`` on a
+    chunk without routes is dropped: not hashed, not resumed from."""
+    problem = validation.check_lengths(row.prev_len, row.delta_len, row.cum_len) or validation.check_token_arrays(
+        row.token_ids, row.token_mask, row.logprobs, row.delta_len
+    )
+    if problem:
+        raise _Unusable(problem[0], f"{key!r}: {problem[1]}")
+    if row.prev_len != preceding:
+        raise _Unusable(reasons.PARENT_LENGTH_MISMATCH, f"{key!r}: prev_len {row.prev_len}, but {preceding} tokens precede it")
+    if row.routes_encoding not in (ROUTES_NONE, ROUTES_INT16):
+        raise _Unusable(reasons.INVALID_ROUTES, f"{key!r}: unknown routes_encoding {row.routes_encoding}")
+    if row.routes_encoding == ROUTES_INT16 and row.routed_experts is None:
+        raise _Unusable(reasons.MISSING_ROUTES, f"{key!r}: routes_encoding 1 but no routed_experts")
+    if row.routes_encoding == ROUTES_NONE:
+        row.routed_experts = None
+
+
+def _check_chunk_hashes(row: StagedRow, key: str, i: int, chain: bytes | None, cumulative: "hashlib._Hash") -> bytes:
+    """The row's digest recomputed; its chain hash extends ``chain`` (the previous
+    chunk's, None for chunk 0) and its cumulative hash extends the running
+    ``cumulative`` state (fed this chunk's ids). Returns this chunk's chain hash."""
+    try:
+        recomputed = hashing.row_digest(row)
+    except ValueError as e:  # unsupported digest_version, malformed routes
+        raise _Unusable(reasons.INVALID_STAGING_ROW, f"{key!r}: {e}") from None
+    if recomputed != row.digest:
+        raise _Unusable(reasons.CORRUPT_DIGEST, f"{key!r}: recomputed digest differs from the row's")
+    chain = hashing.chain_hash(chain, row.token_ids)
+    if chain != row.chain_hash:
+        raise _Unusable(reasons.CHAIN_HASH_MISMATCH, f"{key!r}: chain hash does not extend chunk {i - 1}")
+    if hashing.extend_prefix(cumulative, row.token_ids) != row.cumulative_hash:
+        raise _Unusable(reasons.CUMULATIVE_HASH_MISMATCH, f"{key!r}: cumulative hash differs")
+    return chain
+
+
+def _check_content(
+    rows: PackedBatch,
+    cont: Continuation,
+    routed: list[bool],
+    vocab_size: int | None,
+    num_experts: int | None,
+    routes_shape: tuple[int, int] | None,
+) -> _Content:
+    """The whole prefix at once (vectorized): mask zeros-then-ones, token range,
+    logprobs, and routes on every chunk or none (``routed``: per chunk)."""
+    # Rows are in chain order, so each field's packed buffer IS the prefix (no copy).
+    ids, mask, lps = (_span(rows, name) for name in ("token_ids", "token_mask", "logprobs"))
+    problem = _check_prefix_mask(mask) or (validation.check_tokens(ids, vocab_size) if vocab_size is not None else None)
+    problem = problem or validation.check_logprobs(lps, mask)
+    if problem:
+        raise _Unusable.of(problem)
+    routes = None
+    if any(routed):
+        if not all(routed):
+            i = routed.index(False)
+            raise _Unusable(reasons.MISSING_ROUTES, f"{cont.keys[i]!r} has no routes; chunk(s) before it do")
+        routes = _span(rows, ROUTES_FIELD)
+        problem = validation.check_routes(ROUTES_INT16, routes, len(ids), num_experts, routes_shape)
+        if problem:
+            raise _Unusable.of(problem)
+    elif routes_shape is not None:
+        raise _Unusable(reasons.MISSING_ROUTES, f"the prefix has no routes; routes {tuple(routes_shape)} expected")
+    return _Content(ids, mask, lps, routes)
+
+
+def _check_claims(cont: Continuation, tokens: int, token_ids: np.ndarray) -> bytes:
+    """The continuation's own claims: its token count is the chunks' ``tokens``, its
+    digest the one recomputed over ``token_ids``. Returns that digest (32 bytes)."""
+    if tokens != cont.prefix_tokens:
+        raise _Unusable(PREFIX_LENGTH_MISMATCH, f"the chunks hold {tokens} tokens, the continuation says {cont.prefix_tokens}")
+    digest = _prefix_digest(token_ids)
+    if digest != cont.prefix_digest:
+        raise _Unusable(PREFIX_DIGEST_MISMATCH, "recomputed prefix digest differs from the continuation's")
+    return digest
 
 
 def _span(rows: PackedBatch, name: str) -> np.ndarray:
@@ -284,7 +377,8 @@ def _span(rows: PackedBatch, name: str) -> np.ndarray:
     return f.values[int(f.offsets[0]) : int(f.offsets[-1])]
 
 
-def _check_keys(keys: tuple[str, ...]) -> tuple[str, str] | None:
+def _check_keys(keys: tuple[str, ...]) -> validation.Problem:
+    """Every key a cut key of one call, with seq 0, 1, ... in order."""
     call = None
     for i, key in enumerate(keys):
         try:
@@ -300,7 +394,7 @@ def _check_keys(keys: tuple[str, ...]) -> tuple[str, str] | None:
     return None
 
 
-def _check_prefix_mask(mask: np.ndarray) -> tuple[str, str] | None:
+def _check_prefix_mask(mask: np.ndarray) -> validation.Problem:
     """Zeros (context) then ones (generated); unlike a staged delta, no 1 is required."""
     is_one = mask == 1.0
     if not np.all(is_one | (mask == 0.0)):
