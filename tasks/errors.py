@@ -182,6 +182,17 @@ class CheckpointReplayed(CheckpointCorrupt):
 # ---- restore reads -----------------------------------------------------------------------
 
 
+class KeyReadFailure(TokenCaptureError):
+    """One key's failure on a read several requests share (``reason`` word, ``detail``),
+    carried on the key's shared future inside the restore coalescer; callers see it only
+    inside :class:`PrefixReadError`'s ``failed``."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(reason, detail)
+        self.reason = reason
+        self.detail = detail
+
+
 class PrefixReadError(TokenCaptureError):
     """Some keys of a read could not be served; ``failed`` maps key -> (reason, detail).
 

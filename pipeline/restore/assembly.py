@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from tasks.errors import PrefixReadError
+from tasks.errors import KeyReadFailure, PrefixReadError
 from tasks.packed import PackedBatch, align_fields, take_rows
 
-from .getter import KeyFailure
 from .pending import PendingKey
 
 
@@ -23,7 +22,7 @@ def assemble_answer(keys: list[str], mine: dict[str, PendingKey]) -> PackedBatch
     for k, e in mine.items():
         exc = e.future.exception()
         if exc is not None:
-            failed[k] = (exc.reason, exc.detail) if isinstance(exc, KeyFailure) else ("read_failed", repr(exc))
+            failed[k] = (exc.reason, exc.detail) if isinstance(exc, KeyReadFailure) else ("read_failed", repr(exc))
     if failed:
         raise PrefixReadError(failed)
     # Where each of the request's rows sits: (get answer, row).

@@ -3,7 +3,7 @@ the keys it carried.
 
 :class:`KeyGetter` calls ``get_many`` (bounded by ``get-timeout-s`` seconds, counted in
 the stats) and settles each carried key's shared future: its row (a slice of the get's
-:class:`~pipeline.restore.answer.GetAnswer`) or a :class:`KeyFailure`. A failed get of
+:class:`~pipeline.restore.answer.GetAnswer`) or a :class:`KeyReadFailure`. A failed get of
 several keys re-reads each alone, so a bad row fails only its own requesters. When gets
 run is the coalescer's call; no Dask here.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from typing import Awaitable, Callable
 
+from tasks.errors import KeyReadFailure
 from tasks.packed import PackedBatch
 
 from ..store.protocol import ABSENT_FIELD, GetResult
@@ -29,16 +30,6 @@ KeyBatch = list[tuple[str, PendingKey]]
 # Store reasons for which the row is still served (e.g. a row without routed_experts):
 # the prefix verifier decides whether the missing field matters.
 SERVED_REASONS = frozenset({ABSENT_FIELD})
-
-
-class KeyFailure(Exception):
-    """One key's failure (a store or coalescer reason, and a detail), carried on its
-    shared future."""
-
-    def __init__(self, reason: str, detail: str) -> None:
-        super().__init__(reason, detail)
-        self.reason = reason
-        self.detail = detail
 
 
 class KeyGetter:
@@ -126,7 +117,7 @@ class KeyGetter:
         for _, e in batch:
             if not e.future.done():
                 self._stats.failed_keys += 1
-                e.future.set_exception(KeyFailure(reason, detail))
+                e.future.set_exception(KeyReadFailure(reason, detail))
                 e.future.exception()  # seen: every requester may be gone (cancelled) already
                 notify(e)
 
