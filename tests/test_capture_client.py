@@ -243,7 +243,7 @@ def test_key_missing_from_the_acknowledgement_poisons_its_rollout(store_factory)
 def test_a_single_queued_row_is_put_after_flush_ms_without_further_calls(store_factory):
     store = store_factory(n_units=1)
     before = unit_counter(store, "put_rows")
-    # flush-ms is read from config at call time; flush-calls is far away.
+    # flush-ms is read from config when the client is built; flush-calls is far away.
     with dask.config.set({"token-capture.capture-client.flush-ms": 50.0, "token-capture.capture-client.flush-calls": 10_000}):
         cap = CaptureClient(store)
         try:

@@ -102,7 +102,8 @@ class RowBatcher:
     """Thread-safe queue of staged rows flushed by one background thread.
 
     ``flush_calls`` (rows) / ``flush_ms`` (ms) override ``capture-client.flush-calls`` /
-    ``flush-ms``, which are otherwise read at every flush decision.
+    ``flush-ms``. Those, ``max-queued-bytes`` and ``exit-timeout-s`` are read once, when
+    the batcher is built.
     """
 
     def __init__(
@@ -115,8 +116,12 @@ class RowBatcher:
     ) -> None:
         self.store = store
         self.partition = partition
-        self._flush_calls = flush_calls
-        self._flush_ms = flush_ms
+        calls = config.get("capture-client.flush-calls") if flush_calls is None else flush_calls
+        ms = config.get("capture-client.flush-ms") if flush_ms is None else flush_ms
+        self._flush_calls = max(1, int(calls))  # rows
+        self._flush_s = max(0.0, float(ms)) / 1000.0  # seconds
+        self._max_queued_bytes = config.get_bytes("capture-client.max-queued-bytes")
+        self._exit_timeout_s = float(config.get("capture-client.exit-timeout-s"))
         self._cond = threading.Condition()
         self._queue: list[_Queued] = []
         self._queued_bytes = 0
@@ -134,7 +139,7 @@ class RowBatcher:
     def add(self, row: StagedRow, owner: RowOwner) -> None:
         """Queue ``row``; blocks while ``capture-client.max-queued-bytes`` are queued."""
         nbytes = row_bytes(row)
-        limit = config.get_bytes("capture-client.max-queued-bytes")
+        limit = self._max_queued_bytes
         with self._cond:
             if self._closing:
                 raise InvalidInput("this capture client is closed; no row can be staged")
@@ -191,7 +196,7 @@ class RowBatcher:
                 "a capture client was never closed: putting its %d unsettled row(s) at interpreter exit; "
                 "call close() or use it as a context manager", unsettled,
             )
-        done = self.close(float(config.get("capture-client.exit-timeout-s")))
+        done = self.close(self._exit_timeout_s)
         if not done:
             with self._cond:
                 lost = self._next_seq - self._settled_seq
@@ -206,12 +211,10 @@ class RowBatcher:
     # ---- the flusher thread -----------------------------------------------------------
 
     def _limit_calls(self) -> int:
-        n = self._flush_calls if self._flush_calls is not None else config.get("capture-client.flush-calls")
-        return max(1, int(n))
+        return self._flush_calls
 
     def _limit_s(self) -> float:
-        ms = self._flush_ms if self._flush_ms is not None else config.get("capture-client.flush-ms")
-        return max(0.0, float(ms)) / 1000.0
+        return self._flush_s
 
     def _ensure_thread(self) -> None:
         if self._thread is None:
