@@ -68,6 +68,7 @@ class PrefixReadBatcher:
         self._coalescer: PrefixReadCoalescer | None = None
         self._verdicts: dict[str, int] = {}  # "ok" or reason -> count
         self._next_publish = 0.0  # time.monotonic() after which the next read publishes
+        self._publish_interval_s = float(config.get("restore.publish-interval-s"))  # read once
         # Request latency histogram since start (published in RESTORE events): upper bounds
         # in seconds (metrics.buckets-seconds), one count per bucket plus +Inf, sum in s.
         self._lat_bounds = [float(b) for b in config.get("metrics.buckets-seconds")]
@@ -177,7 +178,7 @@ class PrefixReadBatcher:
         now = time.monotonic()
         if now < self._next_publish:
             return
-        self._next_publish = now + float(config.get("restore.publish-interval-s"))
+        self._next_publish = now + self._publish_interval_s
         s = self._co().stats.summary()
         failures = {k: v for k, v in self._verdicts.items() if k != "ok"}
         events.publish(
