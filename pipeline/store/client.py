@@ -317,7 +317,7 @@ class StagingStore:
         units[u] = handle
         self.units, self.placement = units, self.placement.replaced(u, worker)
 
-    def _adopt(self, table: UnitTable | None) -> bool:
+    def _take_table(self, table: UnitTable | None) -> bool:
         """Take ``table`` if it is newer than ours; True if the units changed."""
         if table is None or table.version <= self.version:
             return False
@@ -331,12 +331,12 @@ class StagingStore:
         True if the units changed since, fetching the shared table (one round trip)."""
         if self.version > seen:
             return True
-        return self.directory is not None and self._adopt(self.directory.fetch())
+        return self.directory is not None and self._take_table(self.directory.fetch())
 
     async def refresh_async(self, seen: int) -> bool:
         if self.version > seen:
             return True
-        return self.directory is not None and self._adopt(await self.directory.fetch_async())
+        return self.directory is not None and self._take_table(await self.directory.fetch_async())
 
     # ---- checkpoint -----------------------------------------------------------------
 

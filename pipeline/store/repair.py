@@ -118,9 +118,11 @@ class Repairer:
         return [k for k in keys if ((p := unit_for_key(k, n)) == u and replica[u] == s) or (p == s and replica[s] == u)]
 
     def _copy_pair(self, new: "Actor", partition: str, u: int, s: int, timeout: float, chunk_rows: int) -> int:
-        """Copy the rows (and lost-key records) of pair (u, s) from survivor ``s``; rows copied."""
+        """Copy the rows (and lost-key records) of pair (u, s) from survivor ``s``; rows copied.
+        Lost keys are copied as records only: they have no row to read."""
         mate = self.store.units[s]
-        held = self._pair_keys(mate.keys(partition).result(timeout=timeout), u, s)
+        lost = mate.lost_keys(partition).result(timeout=timeout)
+        held = [k for k in self._pair_keys(mate.keys(partition).result(timeout=timeout), u, s) if k not in lost]
         copied = 0
         for i in range(0, len(held), chunk_rows):
             chunk = held[i : i + chunk_rows]
@@ -130,11 +132,11 @@ class Repairer:
                 copied += len(res.ok)
                 if res.failed:
                     logger.warning("re-replicating unit %d: %d rows refused, e.g. %s", u, len(res.failed), next(iter(res.failed.items())))
-        lost = mate.lost_keys(partition).result(timeout=timeout)
-        for how in set(lost.values()):
-            names = self._pair_keys([k for k, h in lost.items() if h == how], u, s)
-            if names:
-                new.mark_lost(partition, pack_names(names), how).result(timeout=timeout)
+        by_how: dict[str, list[str]] = {}
+        for k in self._pair_keys(list(lost), u, s):
+            by_how.setdefault(lost[k], []).append(k)
+        for how, names in by_how.items():
+            new.mark_lost(partition, pack_names(names), how).result(timeout=timeout)
         return copied
 
     def _mark_pair_lost(self, new: "Actor", partition: str, u: int, d: int, live: set[str], timeout: float) -> int:
