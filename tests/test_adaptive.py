@@ -192,3 +192,19 @@ def test_without_aggregator_the_policy_holds_and_says_why():
             assert len(client.scheduler_info()["workers"]) == 1
             events = wait_until(lambda: scale_events(client), what="the hold recorded in the event log")
             assert "preload" in events[0]["reason"]
+
+
+def test_policy_settings_are_read_once_and_changed_only_through_with_settings():
+    """A built policy keeps its knobs when dask.config changes; with_settings changes them
+    for the next decision (the demo's scale phase), restore_settings puts them back."""
+    verify = dict(events=5, fetch_ms=40, verify_ms=60, assemble_ms=0, queue_depth_first=1,
+                  queue_depth_last=6, last_event_age_s=0.1, tasks=3)
+    with dask.config.set({**FAST, "token-capture.scaling.verify-dominant-share": 0.9}):
+        policy = TokenCaptureAdaptive(None)
+    with dask.config.set({"token-capture.scaling.verify-dominant-share": 0.1}):
+        assert policy.settings.verify_dominant_share == 0.9
+        assert decide(verify, 2, 1, 4, policy.settings).action == "hold"
+    previous = policy.with_settings(verify_dominant_share=0.5)
+    assert decide(verify, 2, 1, 4, policy.settings).action == "up"
+    policy.restore_settings(previous)
+    assert policy.settings.verify_dominant_share == 0.9

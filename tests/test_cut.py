@@ -308,12 +308,16 @@ def _start(client, store, n_calls: int, max_new: int = 64, name: str = "gen"):
 
 
 def test_actor_cut_batch_size_knob_and_cached_retry(client, store):
-    gen = _start(client, store, 6)
-    gen.step(8).result()
+    # The knob is read once, when the generation worker is built (in-process cluster: the
+    # actor is built under this config); a later config change does not reach it.
     with dask.config.set({"token-capture.cut.generation-prefix-batch-size": 1}):
-        r1 = gen.checkpoint_cut("a1").result()
+        small = _start(client, store, 6, name="gen-small")
+    small.step(8).result()
+    with dask.config.set({"token-capture.cut.generation-prefix-batch-size": 256}):
+        r1 = small.checkpoint_cut("a1").result()
     assert r1.put_calls == 6 and r1.counts() == {DURABLE_PREFIX: 6}, "batch size 1: one put per call"
-    gen.step(4).result()
+    gen = _start(client, store, 6)
+    gen.step(12).result()
     with dask.config.set({"token-capture.cut.generation-prefix-batch-size": 256}):
         r2 = gen.checkpoint_cut("a2").result()
         assert r2.put_calls == 1 and all(a.prefix_tokens == 17 for a in r2.acks)

@@ -151,8 +151,8 @@ def test_each_verify_task_receives_only_its_rollouts_rows(cluster_client, store)
     rng = np.random.default_rng(3)
     groups = [stage(store, make_group(rng, f"s3g{g}", 3, n_calls=2, routes=(L, K, E))) for g in range(2)]
     fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, keep_intermediates=True)
-    with dask.config.set({"token-capture.finalize.verify-token-budget": 1}):  # one rollout per task
-        handle = fin.submit_step([[b.receipt for b in bs] for bs in groups])
+    fin.with_settings(verify_token_budget=1)  # one rollout per task
+    handle = fin.submit_step([[b.receipt for b in bs] for bs in groups])
     graph = handle.graph
     wait(handle.futures)
     assert len(graph.verify_layout) == 6 and all(len(t) == 1 for t in graph.verify_layout)
@@ -214,9 +214,9 @@ def test_clear_staged_deletes_every_finalized_rollout(cluster_client, store):
     bad = stage(store, make_group(rng, "s5bad", 1, n_calls=2))[0]
     store.delete([f"{bad.rollout_id}/c1"])
     fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=None)
-    with dask.config.set({"token-capture.finalize.clear-staged": True}):
-        handle = fin.submit_step([[b.receipt for b in bs] + [bad.receipt]])
-        step = handle.result()
+    fin.with_settings(clear_staged=True)
+    handle = fin.submit_step([[b.receipt for b in bs] + [bad.receipt]])
+    step = handle.result()
     assert step.groups["g0"].status == ["ok", "ok", "ok", "missing_staging_row"]
     cleared = handle.clear_future.result()
     all_keys = [r.staging_key for b in bs for r in b.rows] + [f"{bad.rollout_id}/c0"]  # branch calls included
@@ -254,8 +254,8 @@ def test_rows_are_fetched_and_verified_on_the_worker_that_holds_them(cluster_cli
     site_of = {b.rollout_id: workers[unit_for_rollout(b.rollout_id, len(workers))] for b in builts}
     assert len(set(site_of.values())) == 2  # both sites hold rows, or the check proves nothing
     fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, keep_intermediates=True)
-    with dask.config.set({"token-capture.finalize.verify-token-budget": budget}):
-        handle = fin.submit_step({g: [b.receipt for b in bs] for g, bs in groups.items()})
+    fin.with_settings(verify_token_budget=budget)
+    handle = fin.submit_step({g: [b.receipt for b in bs] for g, bs in groups.items()})
     graph = handle.graph
     wait(handle.futures)
 
@@ -360,8 +360,7 @@ def test_groups_are_gathered_straight_from_the_workers_unless_the_client_says_ot
 
     for setting, own, want in ((True, None, True), (False, None, False), (True, False, False), (False, True, True)):
         client = FakeClient(own)
-        with dask.config.set({"token-capture.finalize.gather-direct": setting}):
-            assert _gather(client, [], None) == []
+        assert _gather(client, [], None, setting) == []
         assert client.calls == [want]
 
 

@@ -69,11 +69,11 @@ def test_each_step_span_holds_exactly_its_own_tasks(cluster_client, store_factor
     rng = np.random.default_rng(21)
     steps = [mixed_groups(store, rng, f"sp{s}", n=3) for s in range(3)]
     fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, keep_intermediates=True)
-    with dask.config.set({"token-capture.finalize.verify-token-budget": 1}):  # one rollout per verify task: pieces
-        handles = [
-            fin.submit_step({g: [b.receipt for b in bs] for g, bs in groups.items()}, step_id=f"spans-{s}")
-            for s, groups in enumerate(steps)
-        ]
+    fin.with_settings(verify_token_budget=1)  # one rollout per verify task: pieces
+    handles = [
+        fin.submit_step({g: [b.receipt for b in bs] for g, bs in groups.items()}, step_id=f"spans-{s}")
+        for s, groups in enumerate(steps)
+    ]
     assert len(fin.in_flight) == 3
     keys = {h.step_id: graph_keys(h) for h in handles}
     for result in fin.drain():
@@ -131,8 +131,8 @@ def test_finalized_step_reads_each_unit_once_plus_one_routes_read(cluster_client
     assert len(rollouts_on) == n_units and min(rollouts_on.values()) > 1
     assert len(per_unit(routed, n_units)) > 1
     fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E)
-    with dask.config.set({"token-capture.finalize.verify-token-budget": 1}):  # many verify tasks, still one read
-        moved = reads_of_step(store, fin, groups)
+    fin.with_settings(verify_token_budget=1)  # many verify tasks, still one read
+    moved = reads_of_step(store, fin, groups)
     on_unit, routed_on = per_unit(staging, n_units), per_unit(routed, n_units)
     for u, m in enumerate(moved):
         # One union get per unit holding the step's rows, plus one routes get per unit

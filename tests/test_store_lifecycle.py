@@ -220,9 +220,9 @@ def test_a_step_clears_every_key_in_one_delete_per_unit(cluster_client, store):
     assert len(units_of(store, keys)) == 2
     before = unit_deletes(store)
     fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E)
-    with dask.config.set({"token-capture.finalize.clear-staged": True}):
-        handle = fin.submit_step([receipts])
-        step = handle.result()
+    fin.with_settings(clear_staged=True)
+    handle = fin.submit_step([receipts])
+    step = handle.result()
     assert step.groups["g0"].status == ["ok"] * 6 + ["missing_staging_row", "capture_poisoned"]
     cleared = handle.clear_future.result()
     assert cleared["deleted"] == len(keys) and set(cleared["failed"]) == {f"{bad.rollout_id}/c1"}  # deleted above
@@ -237,9 +237,11 @@ def test_clear_staged_false_deletes_nothing(cluster_client, store):
     rng = np.random.default_rng(4)
     bs = stage(store, make_group(rng, "keep", 4, n_calls=2, n_branches=1))
     before = unit_deletes(store)
-    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=None)
     with dask.config.set({"token-capture.finalize.clear-staged": False}):
-        handle = fin.submit_step([[b.receipt for b in bs]])
+        fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=None)
+    with dask.config.set({"token-capture.finalize.clear-staged": True}):
+        handle = fin.submit_step([[b.receipt for b in bs]])  # read once: the finalizer's own
+    fin.with_settings(clear_staged=True)
     step = handle.result()  # the setting is the one at submission
     assert step.groups["g0"].status == ["ok"] * 4
     assert handle.clear_future is None
@@ -284,8 +286,8 @@ def test_a_step_is_cleared_only_after_all_its_groups_are_assembled(inprocess_cli
     monkeypatch.setattr(worker_tasks, "assemble_group", gate)
     before = unit_deletes(store)
     fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
-    with dask.config.set({"token-capture.finalize.clear-staged": True}):
-        handle = fin.submit_step({"ord0": [b.receipt for b in g0], "ord1": [b.receipt for b in g1]})
+    fin.with_settings(clear_staged=True)
+    handle = fin.submit_step({"ord0": [b.receipt for b in g0], "ord1": [b.receipt for b in g1]})
     try:
         assert gate.started.wait(30)
         wait_until(lambda: handle.group_futures["ord0"].done(), what="group ord0 assembled")
@@ -312,9 +314,9 @@ def test_a_key_another_in_flight_step_reads_survives_until_both_are_done(inproce
     gate = AssembleGate({only_b[0].rollout_id})  # step B stays in flight until released
     monkeypatch.setattr(worker_tasks, "assemble_group", gate)
     fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
-    with dask.config.set({"token-capture.finalize.clear-staged": True}):
-        step_a = fin.submit_step([[b.receipt for b in only_a + shared]], step_id="A")
-        step_b = fin.submit_step([[b.receipt for b in shared + only_b]], step_id="B")  # resubmitted rollout
+    fin.with_settings(clear_staged=True)
+    step_a = fin.submit_step([[b.receipt for b in only_a + shared]], step_id="A")
+    step_b = fin.submit_step([[b.receipt for b in shared + only_b]], step_id="B")  # resubmitted rollout
     try:
         assert gate.started.wait(30)
         result_a = step_a.result()

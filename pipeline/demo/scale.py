@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable
 
-import dask
 
 from . import reporter
 from .context import DemoRun, Row
@@ -130,8 +129,11 @@ def scale_phase(run: DemoRun, progress: Progress | None = None) -> Row | None:
     # split hovers around the deployment threshold; the demo lowers it for its own cluster,
     # and says so, so the mechanism shows on every run.
     run.report.line(reporter.scale_share_line(s.scale_verify_share, s.verify_dominant_share))
-    with dask.config.set({"token-capture.scaling.verify-dominant-share": s.scale_verify_share}):
+    previous = adaptive.with_settings(verify_dominant_share=s.scale_verify_share)
+    try:
         return _run_bursts(run, plan)
+    finally:
+        adaptive.restore_settings(previous)
 
 
 def _clear_window(run: DemoRun) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Sequence, TypedDict
 
 from tasks import reasons as R
@@ -25,6 +25,7 @@ from ..store import receive_pool
 from ..store.protocol import PlacedStoreLike, StoreLike
 from . import timing
 from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_graph, task_key
+from .settings import FinalizeSettings
 
 if TYPE_CHECKING:
     import torch
@@ -84,11 +85,14 @@ class ClearCounts(TypedDict):
     failed: dict[str, tuple[str, str]]
 
 
-def clear_rows(store: StoreLike, keys: list[str], partition: str = STAGING_PARTITION) -> ClearCounts:
+def clear_rows(store: StoreLike, keys: list[str], partition: str = STAGING_PARTITION, timeout_s: float | None = None) -> ClearCounts:
     """Delete staged rows (ONE batched ``store.delete``: one call per unit); returns counts
     (``deleted`` includes rows ``deferred`` behind an open store checkpoint), never raises
-    on per-key failure. Bounded by ``finalize.fetch-timeout-s`` like the step's fetches."""
-    res = store.delete(keys, partition=partition, timeout=float(config.get("finalize.fetch-timeout-s")))
+    on per-key failure. Bounded by ``timeout_s`` (the finalizer passes its fetch timeout;
+    None: ``finalize.fetch-timeout-s`` of the process it runs in)."""
+    if timeout_s is None:
+        timeout_s = float(config.get("finalize.fetch-timeout-s"))
+    res = store.delete(keys, partition=partition, timeout=timeout_s)
     return {"deleted": len(res.ok), "deferred": len(getattr(res, "deferred", ())), "failed": dict(res.failed)}
 
 
@@ -135,7 +139,7 @@ class StepHandle:
         self.step_id = graph.step_id
         self.group_ids = list(graph.group_ids)
         self.group_futures: dict[str, Future] = dict(graph.group_futures)
-        self.clear = bool(clear)  # finalize.clear-staged, read at submission
+        self.clear = bool(clear)  # the finalizer's clear_staged when the step was submitted
         self.rejected_keys = list(rejected_keys)  # rows of receipts rejected at plan time
         self.clear_future: Future | None = None  # the tc-clear task, once the graph is complete
         self.kept_keys: list[str] = []  # keys left for another in-flight step to clear
@@ -214,7 +218,7 @@ class StepHandle:
             if self._result is not None:
                 return self._result
             client = self._finalizer.client
-            groups = _gather(client, self.futures, timeout)
+            groups = _gather(client, self.futures, timeout, self._finalizer.settings.gather_direct)
             by_id = dict(zip(self.group_ids, groups))
             collected_s = timing.wall_s()
             metrics = timing.step_metrics(
@@ -243,25 +247,26 @@ class StepHandle:
         in the step's own task group and span (it runs after the step's graph)."""
         import dask
 
-        store = self._finalizer.store
+        store, settings = self._finalizer.store, self._finalizer.settings
         with dask.annotate(**({"span": self.graph.span} if self.graph.span else {})):
             return self._finalizer.client.submit(
-                clear_rows, store, keys, key=task_key(CLEAR, self.graph.token), pure=False,
+                clear_rows, store, keys, STAGING_PARTITION, settings.fetch_timeout_s,
+                key=task_key(CLEAR, self.graph.token), pure=False,
                 workers=affinity(store, keys) or None, allow_other_workers=True,
-                retries=int(config.get("finalize.retries")),
+                retries=settings.retries,
             )
 
 
-def _gather(client: Client, futures: list[Future], timeout: float | None) -> list[FinalizedGroup]:
+def _gather(client: Client, futures: list[Future], timeout: float | None, gather_direct: bool) -> list[FinalizedGroup]:
     """The groups' results, in order, straight from the workers holding them
-    (``finalize.gather-direct``, unless the client was made with ``direct_to_workers``
-    set): through the scheduler each group's tensors would cross the network twice.
+    (``gather_direct``, unless the client was made with ``direct_to_workers`` set):
+    through the scheduler each group's tensors would cross the network twice.
     ``timeout`` (s) bounds the wait for every group."""
     from distributed import wait
 
     direct = getattr(client, "direct_to_workers", None)
     if direct is None:
-        direct = bool(config.get("finalize.gather-direct"))
+        direct = gather_direct
     if timeout is not None:
         wait(futures, timeout=timeout)
     # The groups' tensors (tens of MB a step) are read into reused memory: the caller
@@ -273,8 +278,10 @@ def _gather(client: Client, futures: list[Future], timeout: float | None) -> lis
 class Finalizer:
     """Submits finalization steps as Dask graphs on ``client`` against ``store``.
 
-    ``vocab_size`` / ``num_experts`` default to ``policy.vocab-size`` / ``policy.experts``
-    (read at submit time). ``keep_intermediates`` holds each step's fetch, piece and
+    Its knobs (:class:`~pipeline.finalize.settings.FinalizeSettings`: ``finalize.*``, and
+    ``vocab_size`` / ``num_experts`` defaulting to ``policy.vocab-size`` /
+    ``policy.experts``) are read once, here; :meth:`with_settings` changes them for later
+    steps. ``keep_intermediates`` holds each step's fetch, piece and
     verify futures until it is collected (debugging; costs cluster memory). The cluster's workers must advertise the ``finalize`` resource
     (``pipeline.cluster.finalize_resources()``); a cluster whose workers all lack it is
     refused at construction, because verify tasks would wait forever.
@@ -289,12 +296,12 @@ class Finalizer:
         num_experts: int | None = None,
         check_resources: bool = True,
         keep_intermediates: bool = False,
+        settings: FinalizeSettings | None = None,
     ) -> None:
         self.client = client
         self.store = store
         self.keep_intermediates = keep_intermediates
-        self._vocab_size = vocab_size
-        self._num_experts = num_experts
+        self.settings = settings or FinalizeSettings.from_config(vocab_size=vocab_size, num_experts=num_experts)
         self._seq = itertools.count()
         self._in_flight: list[StepHandle] = []
         self._lock = threading.Lock()
@@ -309,12 +316,19 @@ class Finalizer:
         workers = info.get("workers", {})
         if workers and not any(w.get("resources", {}).get("finalize", 0) > 0 for w in workers.values()):
             address = getattr(getattr(self.client, "scheduler", None), "address", None) or "<scheduler>"
-            slots = config.get("finalize.slots-per-worker")
+            slots = f"{self.settings.slots_per_worker:g}"
             raise MissingFinalizeResource(
                 f"no worker of {address} advertises the 'finalize' resource that verify tasks need; "
                 f'start workers with `dask worker {address} --resources "finalize={slots}"` '
                 "(in Python: LocalCluster(resources=pipeline.cluster.finalize_resources()))"
             )
+
+    def with_settings(self, **changes: object) -> FinalizeSettings:
+        """Change some knobs (``FinalizeSettings`` field names) from the next submitted step
+        on; returns the previous settings. Steps already submitted keep theirs."""
+        previous = self.settings
+        self.settings = replace(previous, **changes)
+        return previous
 
     @property
     def queue_depth(self) -> int:
@@ -351,14 +365,13 @@ class Finalizer:
             self.store,
             named,
             step_id=step_id,
-            vocab_size=int(config.get("policy.vocab-size") if self._vocab_size is None else self._vocab_size),
-            num_experts=self._num_experts if self._num_experts is not None else config.get("policy.experts"),
+            settings=self.settings,
             queue_depth=depth,
             priority=-seq,  # older steps first when several are in flight
             keep_intermediates=self.keep_intermediates,
             check_groups=isinstance(groups, Mapping),  # list-form ids are made up: nothing to compare
         )
-        clear = bool(config.get("finalize.clear-staged"))
+        clear = self.settings.clear_staged
         handle = StepHandle(self, graph, clear=clear, rejected_keys=rejected_receipt_keys(named, graph.plan.rejected) if clear else ())
         with self._lock:
             self._in_flight.append(handle)

@@ -26,10 +26,10 @@ from tasks.finalize.plan import ReceiptLike, StepPlan, plan_step
 from tasks.keys import STAGING_PARTITION, unit_for_key
 from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
 
-from .. import config
 from ..store.protocol import PlacedStoreLike
 from . import serializers  # noqa: F401  registers how Dask weighs and ships the step's objects
 from . import timing
+from .settings import FinalizeSettings
 from .task_outputs import Piece, VerifyOut
 from .worker_tasks import assemble_piece, fetch_pieces, verify_piece
 
@@ -115,6 +115,7 @@ class _StepArgs:
     token: str
     vocab_size: int
     num_experts: int | None
+    fetch_timeout_s: float  # each fetch's store call is bounded by this (s)
     submitted_s: float
     queue_depth: int
     priority: int
@@ -148,7 +149,8 @@ class _Emitter:
         key = task_key(FETCH_STAGING if kind == "staging" else FETCH_ROUTES, self.args.token, site)
         self.fetch_keys.append(key)
         pieces = [[(r, list(ks)) for r, ks in piece.rollout_keys] for piece in fetch.pieces]
-        return self.add(layer, key, fetch_pieces, self.store, list(fetch.keys), fields, pieces, kind, STAGING_PARTITION, site)
+        return self.add(layer, key, fetch_pieces, self.store, list(fetch.keys), fields, pieces, kind,
+                        STAGING_PARTITION, site, self.args.fetch_timeout_s)
 
     def piece(self, layer: str, fetched: TaskRef | None, t: int, j: int, n: int, kind: str) -> TaskRef | None:
         """Verify task ``t``'s piece (``j``-th of the site's ``n``): the fetch itself when
@@ -228,12 +230,9 @@ def submit_graph(
     groups: Mapping[str, Sequence[ReceiptLike]],
     *,
     step_id: str,
-    vocab_size: int,
-    num_experts: int | None,
+    settings: FinalizeSettings,
     queue_depth: int = 0,
     priority: int = 0,
-    token_budget: int | None = None,
-    retries: int | None = None,
     keep_intermediates: bool = False,
     check_groups: bool = True,
 ) -> StepGraph:
@@ -247,8 +246,8 @@ def submit_graph(
     and verify outputs as soon as their dependents ran; ``keep_intermediates=True`` also
     keeps the fetch, piece and verify futures (debugging, tests).
 
-    Knobs not given are read from config now: ``finalize.verify-token-budget`` (tokens),
-    ``finalize.retries``. Tasks of a step share ``priority`` (the controller gives older
+    ``settings`` are the finalizer's (read once when it was built): the verify token
+    budget, retries, the fetch timeout, vocabulary and expert bounds. Tasks of a step share ``priority`` (the controller gives older
     steps a higher one, so several steps in flight drain in order).
 
     Placement (soft hints, see :mod:`tasks.finalize.layout`): each site's fetches on the
@@ -256,14 +255,14 @@ def submit_graph(
     on the site chosen for its run of groups.
     """
     group_ids = _check_groups(groups)
-    token_budget = int(config.get("finalize.verify-token-budget") if token_budget is None else token_budget)
-    retries = int(config.get("finalize.retries") if retries is None else retries)
+    token_budget, retries = settings.verify_token_budget, settings.retries
     token = new_token()
     plan = plan_step(dict(zip(group_ids, groups.values())) if check_groups else [r for g in groups.values() for r in g])
     unit_workers = list(getattr(store, "unit_workers", None) or ())
     layout = step_layout(plan, [len(receipts) for receipts in groups.values()], unit_workers, token_budget)
     slots = {gid: list(group.slots) for gid, group in zip(group_ids, layout.groups)}
-    args = _StepArgs(step_id, token, vocab_size, num_experts, timing.wall_s(), queue_depth, priority)
+    args = _StepArgs(step_id, token, settings.vocab_size, settings.num_experts, settings.fetch_timeout_s,
+                     timing.wall_s(), queue_depth, priority)
     # The whole step goes to the scheduler as ONE graph (one message, however many tasks).
     emitter = _Emitter(store, plan, layout, args)
     emitter.emit(group_ids, slots)

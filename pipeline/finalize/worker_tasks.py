@@ -20,7 +20,7 @@ from tasks.finalize.verify import RolloutResult, internal_error_result, rejected
 from tasks.keys import STAGING_PARTITION
 from tasks.packed import PackedBatch, payload_bytes_per_row, slice_rows
 
-from .. import config, events
+from .. import events
 from ..store.deadline import takes_timeout
 from ..store.protocol import LOST_KEY, StoreLike
 from . import serializers  # noqa: F401  registers how Dask weighs and ships these tasks' outputs
@@ -41,6 +41,7 @@ def fetch_pieces(
     kind: str,
     partition: str = STAGING_PARTITION,
     site: int = 0,
+    timeout_s: float | None = None,
 ) -> Piece | tuple[Piece, ...]:
     """ONE ``store.get_many`` over ``keys``, cut into one :class:`Piece` per verify task.
 
@@ -49,9 +50,10 @@ def fetch_pieces(
     is a run of rows: views, no copy. Returns the single piece when there is one task,
     else a tuple (read by getitem tasks).
     """
-    # Bounded by finalize.fetch-timeout-s: a hung unit's keys come back unit_unavailable
-    # (its rollouts are rejected missing_staging_row), never a hung step.
-    bound = {"timeout": float(config.get("finalize.fetch-timeout-s"))} if takes_timeout(store.get_many) else {}
+    # Bounded by ``timeout_s`` (the finalizer's finalize.fetch-timeout-s): a hung unit's keys
+    # come back unit_unavailable (its rollouts are rejected missing_staging_row), never a
+    # hung step. None: the store's own bound.
+    bound = {"timeout": timeout_s} if timeout_s is not None and takes_timeout(store.get_many) else {}
     with timing.Stopwatch() as sw, timing.meter(timing.METER_FETCH):
         res = store.get_many(keys, fields, partition=partition, **bound)
     with timing.Stopwatch() as sp:

@@ -54,6 +54,19 @@ class CutStore(Protocol):
     def delete(self, keys: Sequence[str], partition: str = ...) -> object: ...
 
 
+@dataclass(frozen=True)
+class CutSettings:
+    """A generation worker's cut knobs, read once when it is built (``token-capture.cut``)."""
+
+    limits: BatchLimits  # rows, tokens and bytes per cut-time put
+    deadline_s: float  # a cut without a deadline ends this long after it starts, s
+    receipt_cache_size: int  # cut receipts kept for retried cuts (count)
+
+    @classmethod
+    def from_config(cls) -> CutSettings:
+        return cls(limits_from_config(), float(config.get("cut.deadline-s")), int(config.get("cut.receipt-cache-size")))
+
+
 def limits_from_config() -> BatchLimits:
     """The cut's per-put limits (rows, tokens, bytes), read now from ``token-capture.cut``."""
     return BatchLimits(
@@ -313,10 +326,10 @@ class _Cut:
         self._delete(sorted(orphans))
 
 
-def resolve_deadline(deadline: float | None, clock: Clock) -> float:
-    """``deadline`` (absolute, clock seconds) or now + ``cut.deadline-s``."""
+def resolve_deadline(deadline: float | None, clock: Clock, deadline_s: float | None = None) -> float:
+    """``deadline`` (absolute, clock seconds) or now + ``deadline_s`` (default ``cut.deadline-s``)."""
     if deadline is None:
-        return clock() + float(config.get("cut.deadline-s"))
+        return clock() + float(config.get("cut.deadline-s") if deadline_s is None else deadline_s)
     return float(deadline)
 
 
@@ -329,19 +342,21 @@ def run_cut(
     deadline: float | None = None,
     clock: Clock = time.time,
     limits: BatchLimits | None = None,
+    deadline_s: float | None = None,
     partition: str = CUT_PARTITION,
     worker: str = "",
 ) -> tuple[CutReceipt, CutStats]:
     """Cut ``calls`` (``(call id, buffer or None if unknown)`` in inventory order).
 
-    ``deadline`` is absolute, in ``clock`` seconds (None: now + ``cut.deadline-s``);
-    ``limits`` (rows, tokens, bytes per put) default to :func:`limits_from_config`; the
-    CPU gate's size is ``cut.cpu-slots``, all read now. Returns the receipt (acks in
+    ``deadline`` is absolute, in ``clock`` seconds (None: now + ``deadline_s``);
+    ``limits`` (rows, tokens, bytes per put) and ``deadline_s`` default to
+    ``token-capture.cut`` read now (a generation worker passes its own
+    :class:`CutSettings`); the process's CPU gate is sized once by ``cut.cpu-slots``. Returns the receipt (acks in
     ``calls`` order) and the cut's stats. An interruption cleans up and re-raises.
     """
     check_id(checkpoint_id, "checkpoint_id")
     t0 = time.perf_counter()
-    cut = _Cut(store, checkpoint_id, resolve_deadline(deadline, clock), clock, limits or limits_from_config(), partition)
+    cut = _Cut(store, checkpoint_id, resolve_deadline(deadline, clock, deadline_s), clock, limits or limits_from_config(), partition)
     try:
         cut.enter_gate()
         try:

@@ -24,7 +24,7 @@ from tasks.toy.rollouts import CallState, advance, resume_state, start_calls
 
 from .. import config, events
 from .call_buffer import ACTIVE, COMPLETED_STATE, CallBuffer
-from .cut import Clock, CutStore, run_cut
+from .cut import Clock, CutSettings, CutStore, run_cut
 
 
 class _Call:
@@ -70,6 +70,7 @@ class GenerationWorker:
         self.store = store
         self.policy = MoEPolicy(PolicyConfig.from_mapping(policy if policy is not None else config.get("policy")))
         self.with_routes = bool(with_routes)
+        self.cut_settings = CutSettings.from_config()  # read once, like the policy
         self.clock: Clock = clock or getattr(store, "clock", None) or time.time
         self._name = name
         self._calls: "OrderedDict[CallId, _Call]" = OrderedDict()
@@ -269,9 +270,10 @@ class GenerationWorker:
             receipt, stats = run_cut(
                 targets, self.store, checkpoint_id=checkpoint_id, inventory_digest=digest,
                 deadline=deadline, clock=self.clock, worker=self.name,
+                limits=self.cut_settings.limits, deadline_s=self.cut_settings.deadline_s,
             )
             self._receipts[cache_key] = receipt
-            while len(self._receipts) > int(config.get("cut.receipt-cache-size")):
+            while len(self._receipts) > self.cut_settings.receipt_cache_size:
                 self._receipts.popitem(last=False)
         counts = receipt.counts()
         events.publish(events.CUT, {

@@ -14,7 +14,7 @@ import logging
 import math
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Sequence
 
 from distributed.deploy.adaptive import Adaptive
@@ -46,18 +46,44 @@ class ScalingDecision:
         return asdict(self)
 
 
-def decide(signal: Mapping[str, float], current: int, minimum: int, maximum: float) -> ScalingDecision:
-    """The policy: a pure function of the aggregator's signal and the cluster size.
+@dataclass(frozen=True)
+class ScalingSettings:
+    """The policy's knobs (``token-capture.scaling``), read once by :meth:`from_config`."""
 
-    ``signal`` is :meth:`TokenCaptureAggregator.signal`'s dict; knobs are read now from
-    ``token-capture.scaling``.
+    idle_s: float  # no finalize event for this long and no task: scale down
+    min_events: int  # finalize events a window needs before verify/fetch shares count
+    verify_dominant_share: float  # verify share of finalize time that asks for workers
+    fetch_dominant_share: float  # fetch share that says "batch more" instead
+    queue_depth_high: float  # queue depth that counts as pressure even when flat
+    step_up: int  # workers added per up decision (>= 1)
+    window_s: float  # the aggregator's signal window; also the no-aggregator back-off
+
+    @classmethod
+    def from_config(cls) -> ScalingSettings:
+        """The current ``dask.config`` values."""
+        return cls(
+            idle_s=float(config.get("scaling.idle-s")),
+            min_events=int(config.get("scaling.min-events")),
+            verify_dominant_share=float(config.get("scaling.verify-dominant-share")),
+            fetch_dominant_share=float(config.get("scaling.fetch-dominant-share")),
+            queue_depth_high=float(config.get("scaling.queue-depth-high")),
+            step_up=max(1, int(config.get("scaling.step-up"))),
+            window_s=float(config.get("scaling.window-s")),
+        )
+
+
+def decide(
+    signal: Mapping[str, float], current: int, minimum: int, maximum: float,
+    settings: ScalingSettings | None = None,
+) -> ScalingDecision:
+    """The policy: a pure function of the aggregator's signal, the cluster size and its knobs.
+
+    ``signal`` is :meth:`TokenCaptureAggregator.signal`'s dict; ``settings`` default to
+    :meth:`ScalingSettings.from_config` (read at this call).
     """
-    idle_s = float(config.get("scaling.idle-s"))
-    min_events = int(config.get("scaling.min-events"))
-    verify_share_min = float(config.get("scaling.verify-dominant-share"))
-    fetch_share_min = float(config.get("scaling.fetch-dominant-share"))
-    depth_high = float(config.get("scaling.queue-depth-high"))
-    step = max(1, int(config.get("scaling.step-up")))
+    s = ScalingSettings.from_config() if settings is None else settings
+    idle_s, min_events, depth_high, step = s.idle_s, s.min_events, s.queue_depth_high, s.step_up
+    verify_share_min, fetch_share_min = s.verify_dominant_share, s.fetch_dominant_share
 
     fetch, verify, assemble = (float(signal.get(k, 0.0)) for k in ("fetch_ms", "verify_ms", "assemble_ms"))
     first, last = float(signal.get("queue_depth_first", 0.0)), float(signal.get("queue_depth_last", 0.0))
@@ -107,17 +133,31 @@ class TokenCaptureAdaptive(Adaptive):
     """``Adaptive`` whose target follows the finalize split; see the module docstring.
 
     Extra attributes: ``decisions`` (the last ``dashboard.history`` decisions, newest
-    last) and ``last_decision``.
+    last), ``last_decision`` and ``settings`` (:class:`ScalingSettings`, read once when
+    built; :meth:`with_settings` changes them live, e.g. for a demo's own thresholds).
     """
 
     def __init__(self, cluster: Cluster | None = None, *args: object, **kwargs: object) -> None:
         super().__init__(cluster, *args, **kwargs)
+        self.settings = ScalingSettings.from_config()
+        self._slots_per_worker = float(config.get("finalize.slots-per-worker"))
         self.decisions: deque[ScalingDecision] = deque(maxlen=int(config.get("dashboard.history")))
         self.last_decision: ScalingDecision | None = None
         self._last_published: tuple[str, str, int] | None = None
         self._probe_after = 0.0  # monotonic s; skip the signal RPC until then
         if cluster is not None and config.get("scaling.ensure-finalize-resource"):
-            ensure_finalize_resource(cluster)
+            ensure_finalize_resource(cluster, self._slots_per_worker)
+
+    def with_settings(self, **changes: float | int) -> ScalingSettings:
+        """Replace some knobs from the next decision on; returns the previous settings
+        (hand them back to ``restore_settings``)."""
+        previous = self.settings
+        self.settings = replace(previous, **changes)
+        return previous
+
+    def restore_settings(self, settings: ScalingSettings) -> None:
+        """Put back settings returned by :meth:`with_settings`."""
+        self.settings = settings
 
     async def target(self) -> int:
         current = len(self.plan)
@@ -130,14 +170,14 @@ class TokenCaptureAdaptive(Adaptive):
         if not isinstance(signal, dict):
             # No aggregator on this scheduler (an unknown RPC answers None): never guess,
             # and ask again only after a signal window, not every interval.
-            self._probe_after = time.monotonic() + float(config.get("scaling.window-s"))
+            self._probe_after = time.monotonic() + self.settings.window_s
             decision = ScalingDecision(
                 "hold", current, current, "no-aggregator",
                 "no-aggregator: the scheduler has no token-capture aggregator; start it with "
                 "the preload 'pipeline.dashboard.preload' or pipeline.dashboard.install(client)",
             )
         else:
-            decision = decide(signal, current, self.minimum, self.maximum)
+            decision = decide(signal, current, self.minimum, self.maximum, self.settings)
         await self._record(decision)
         return decision.target
 
@@ -174,8 +214,9 @@ class TokenCaptureAdaptive(Adaptive):
         await super().scale_down(workers)
 
 
-def ensure_finalize_resource(cluster: Cluster) -> bool:
-    """Make the cluster's worker template advertise ``finalize`` slots.
+def ensure_finalize_resource(cluster: Cluster, slots_per_worker: float | None = None) -> bool:
+    """Make the cluster's worker template advertise ``finalize`` slots
+    (``slots_per_worker``, default ``finalize.slots-per-worker``).
 
     Returns True if the template (``SpecCluster.new_spec["options"]["resources"]``) now
     carries ``finalize``; False when the cluster has no such template (e.g. workers
@@ -186,7 +227,8 @@ def ensure_finalize_resource(cluster: Cluster) -> bool:
         return False
     resources = dict(spec["options"].get("resources") or {})
     if "finalize" not in resources:
-        resources["finalize"] = float(config.get("finalize.slots-per-worker"))
+        slots = config.get("finalize.slots-per-worker") if slots_per_worker is None else slots_per_worker
+        resources["finalize"] = float(slots)
         # copy: specs of running workers may share the old options dict
         cluster.new_spec = {**spec, "options": {**spec["options"], "resources": resources}}
         logger.info("adaptive workers will carry resources %s", resources)

@@ -1,0 +1,43 @@
+"""A finalizer's knobs, read once when the :class:`~pipeline.finalize.controller.Finalizer`
+is built (``token-capture.finalize.*`` and ``policy.*``).
+
+``dask.config.set`` applies to finalizers built afterwards;
+:meth:`~pipeline.finalize.controller.Finalizer.with_settings` changes a built one from its
+next step on. Worker-side tasks are handed the values they need as arguments (the fetch
+timeout), so a controller's settings hold on every worker, whatever the worker's config.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .. import config
+
+
+@dataclass(frozen=True)
+class FinalizeSettings:
+    """What a finalizer needs per step, fixed when it is built."""
+
+    vocab_size: int  # token ids must lie in [0, vocab_size) (``policy.vocab-size``)
+    num_experts: int | None  # routed expert ids must lie in [0, num_experts) (``policy.experts``)
+    verify_token_budget: int  # tokens packed into one verify task (``finalize.verify-token-budget``)
+    retries: int  # Dask retries of a step's tasks and its clear (``finalize.retries``)
+    fetch_timeout_s: float  # bound on a fetch's and a clear's store call, s (``finalize.fetch-timeout-s``)
+    gather_direct: bool  # collect groups straight from workers (``finalize.gather-direct``)
+    clear_staged: bool  # delete a step's staged rows once it is complete (``finalize.clear-staged``)
+    slots_per_worker: float  # the ``finalize`` resource a worker should advertise (error messages)
+
+    @classmethod
+    def from_config(cls, *, vocab_size: int | None = None, num_experts: int | None = None) -> FinalizeSettings:
+        """The current ``dask.config`` values; ``vocab_size`` / ``num_experts`` override
+        ``policy.vocab-size`` / ``policy.experts`` when given."""
+        experts = config.get("policy.experts") if num_experts is None else num_experts
+        return cls(
+            vocab_size=int(config.get("policy.vocab-size") if vocab_size is None else vocab_size),
+            num_experts=None if experts is None else int(experts),
+            verify_token_budget=int(config.get("finalize.verify-token-budget")),
+            retries=int(config.get("finalize.retries")),
+            fetch_timeout_s=float(config.get("finalize.fetch-timeout-s")),
+            gather_direct=bool(config.get("finalize.gather-direct")),
+            clear_staged=bool(config.get("finalize.clear-staged")),
+            slots_per_worker=float(config.get("finalize.slots-per-worker")),
+        )
