@@ -1,5 +1,6 @@
 """Scheduler preload: the token-capture aggregator (with its dashboard page and ``/metrics``
-series) and downscaling protection, in one line.
+series), downscaling protection and the store host (stores that outlive their creator),
+in one line.
 
 Command line::
 
@@ -27,8 +28,9 @@ PRELOAD = "pipeline.dashboard.preload"
 
 def _plugins() -> list[SchedulerPlugin]:
     from ..scaling.protect import ProtectActorHosts
+    from ..store.host import StoreHost
 
-    return [TokenCaptureAggregator(), ProtectActorHosts()]
+    return [TokenCaptureAggregator(), ProtectActorHosts(), StoreHost()]
 
 
 def dask_setup(scheduler: Scheduler) -> None:

@@ -1,0 +1,213 @@
+"""The store host: the scheduler process owns staging stores, so no client process has to.
+
+A store started by :meth:`StagingStore.start <pipeline.store.client.StagingStore.start>`
+belongs to the process that called it: that process holds the units' actor futures and,
+with replicas=2, the thread re-replicating lost units. When it dies, the scheduler drops
+the actors and nothing repairs. :class:`StoreHost` is a ``SchedulerPlugin`` (installed by
+the ``pipeline.dashboard.preload`` preload, or :func:`~pipeline.dashboard.preload.install`)
+that starts stores on request, from its own Dask client inside the scheduler process: the
+units' futures, the repairer and the close live as long as the scheduler, whichever
+controller, engine or trainer asked. The handle is published as a Dask named dataset, so
+:func:`~pipeline.client.discovery.lookup_store` finds it from any process.
+
+Requests arrive as scheduler RPCs (``token_capture_store_start``, ``..._close``,
+``..._list``); the blocking work (starting actors, closing them) runs on one thread of the
+plugin, never on the scheduler's event loop. The client side is
+:mod:`pipeline.store.hosted`.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, TypedDict, TypeVar
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+from tornado.ioloop import PeriodicCallback
+
+from tasks.errors import InvalidStoreRequest, StoreUnavailable
+
+from .. import config
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Client, Scheduler
+
+    from .client import StagingStore
+
+logger = logging.getLogger(__name__)
+
+PLUGIN_NAME = "token-capture-store-host"
+T = TypeVar("T")
+
+
+class HostedStoreInfo(TypedDict):
+    """What ``token_capture_store_list`` says about one hosted store."""
+
+    name: str
+    units: int
+    workers: list[str]
+    replicas: int
+    version: int
+    started_s: float  # wall clock, s
+    repaired: list[dict]  # one record per re-replicated unit (the repairer's)
+
+
+@dataclass(frozen=True)
+class StartRequest:
+    """A store to start: the requester's own settings, so the store behaves as if the
+    requester had started it (the scheduler's config decides only the repair cadence)."""
+
+    name: str
+    n_units: int
+    replicas: int
+    memory_limit: int  # bytes per unit held in memory before spilling
+    capacity: int  # bytes per unit, memory and disk
+    spill_directory: str | None
+    workers: tuple[str, ...] | None
+    store_settings: dict[str, int | bool] = field(default_factory=dict)  # StoreSettings fields
+
+    @classmethod
+    def from_message(cls, msg: dict) -> StartRequest:
+        """Checked: a malformed request is refused with the field it got wrong."""
+        name = msg.get("name")
+        if not isinstance(name, str) or not name:
+            raise InvalidStoreRequest(f"a hosted store needs a non-empty name, got {name!r}")
+        ints = {}
+        for key in ("n_units", "replicas", "memory_limit", "capacity"):
+            value = msg.get(key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InvalidStoreRequest(f"hosted store {name!r}: {key} must be a positive int, got {value!r}")
+            ints[key] = value
+        workers = msg.get("workers")
+        if workers is not None and (not isinstance(workers, (list, tuple)) or not all(isinstance(w, str) for w in workers)):
+            raise InvalidStoreRequest(f"hosted store {name!r}: workers must be a list of addresses, got {workers!r}")
+        spill = msg.get("spill_directory")
+        settings = msg.get("store_settings") or {}
+        return cls(name, ints["n_units"], ints["replicas"], ints["memory_limit"], ints["capacity"],
+                   None if spill is None else str(spill), None if workers is None else tuple(workers), dict(settings))
+
+
+class StoreHost(SchedulerPlugin):
+    """Starts, lists and closes stores owned by the scheduler process (module docstring)."""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
+        self.stores: dict[str, StagingStore] = {}
+        self.requests: dict[str, StartRequest] = {}
+        self.started_s: dict[str, float] = {}
+        self.published_version: dict[str, int] = {}  # the table version each dataset holds
+        self._watch: PeriodicCallback | None = None
+        self._client: Client | None = None
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="token-capture-store-host")
+
+    async def start(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        scheduler.handlers["token_capture_store_start"] = self._handle_start
+        scheduler.handlers["token_capture_store_close"] = self._handle_close
+        scheduler.handlers["token_capture_store_list"] = self._handle_list
+        self._watch = PeriodicCallback(self._republish_changed, 1000 * float(config.get("store.repair-interval-s")))
+        self._watch.start()
+
+    async def close(self) -> None:
+        """The scheduler is closing: stop repairing; the units go with the cluster."""
+        if self._watch is not None:
+            self._watch.stop()
+        for store in list(self.stores.values()):
+            repairer = store.owner.repairer if store.owner is not None else None
+            if repairer is not None:
+                repairer.stop()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # ---- RPC handlers (event loop): the work runs on the plugin's thread ------------
+
+    async def _handle_start(self, **msg: object) -> HostedStoreInfo:
+        request = StartRequest.from_message(dict(msg))
+        return await self._run(lambda: self.start_store(request))
+
+    async def _handle_close(self, name: str) -> list[dict]:
+        return await self._run(lambda: self.close_store(name))
+
+    def _handle_list(self) -> list[HostedStoreInfo]:
+        return [self.info(n) for n in sorted(self.stores)]
+
+    async def _republish_changed(self) -> None:
+        """A repair replaced units: publish the handle again, so a new lookup starts
+        from the current table (older handles catch up through the unit directory)."""
+        stale = [n for n, st in self.stores.items() if st.version != self.published_version.get(n)]
+        if stale:
+            await self._run(lambda: [self._publish(n) for n in stale if n in self.stores])
+
+    def _publish(self, name: str) -> None:
+        store = self.stores[name]
+        self.client().publish_dataset(store, name=name, override=True)
+        self.published_version[name] = store.version
+
+    async def _run(self, work: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+
+    # ---- the work (plugin thread) ---------------------------------------------------
+
+    def client(self) -> Client:
+        """The plugin's own client of this scheduler (made on first use, on this thread)."""
+        if self._client is None:
+            from distributed import Client
+
+            assert self.scheduler is not None, "the plugin is not started"
+            self._client = Client(self.scheduler.address, security=self.scheduler.security,
+                                  set_as_default=False, name="token-capture-store-host")
+        return self._client
+
+    def start_store(self, request: StartRequest) -> HostedStoreInfo:
+        """Start the store of ``request`` (refused if one of that name is hosted) and
+        publish its handle as the named dataset ``request.name``."""
+        import dataclasses
+
+        import dask
+
+        from .client import StagingStore
+
+        if request.name in self.stores:
+            raise InvalidStoreRequest(f"a store named {request.name!r} is already hosted; close it first or use another name")
+        client = self.client()
+        with dask.config.set({"token-capture.store.replicas": request.replicas}):
+            store = StagingStore.start(
+                client, n_units=request.n_units, memory_limit=request.memory_limit, capacity=request.capacity,
+                spill_directory=request.spill_directory, workers=None if request.workers is None else list(request.workers),
+            )
+        if request.store_settings:
+            store.settings = dataclasses.replace(store.settings, **request.store_settings)
+        self.stores[request.name] = store
+        self.requests[request.name] = request
+        self.started_s[request.name] = time.time()
+        self._publish(request.name)
+        logger.info("hosting store %r: %d units on %s", request.name, len(store.units), sorted(set(store.unit_workers)))
+        return self.info(request.name)
+
+    def close_store(self, name: str) -> list[dict]:
+        """Close the hosted store ``name`` (units, repairer, actors) and withdraw its dataset."""
+        store = self.stores.pop(name, None)
+        if store is None:
+            raise StoreUnavailable(f"no store named {name!r} is hosted on this scheduler")
+        self.started_s.pop(name, None)
+        self.requests.pop(name, None)
+        self.published_version.pop(name, None)
+        out = store.close()
+        client = self.client()
+        if name in client.list_datasets():
+            client.unpublish_dataset(name)
+        return out
+
+    def info(self, name: str) -> HostedStoreInfo:
+        store = self.stores[name]
+        repairer = store.owner.repairer if store.owner is not None else None
+        return HostedStoreInfo(
+            name=name, units=len(store.units), workers=list(store.unit_workers),
+            replicas=self.requests[name].replicas, version=store.version,
+            started_s=self.started_s.get(name, 0.0), repaired=list(repairer.repaired) if repairer else [],
+        )
