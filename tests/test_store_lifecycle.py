@@ -276,7 +276,16 @@ class AssembleGate:
         return self.real(rows, rewards)
 
 
-def test_a_step_is_cleared_only_after_all_its_groups_are_assembled(inprocess_client, thread_store, monkeypatch):
+def callbacks_ran(futures) -> None:
+    """Return once every done-callback registered on ``futures`` before this call ran:
+    Dask runs them in order on one callback thread, so one registered last runs after."""
+    ran = [threading.Event() for _ in futures]
+    for fut, event in zip(futures, ran):
+        fut.add_done_callback(lambda _f, e=event: e.set())
+    assert all(e.wait(30) for e in ran), "the futures' callbacks never ran"
+
+
+def test_a_step_is_cleared_only_after_its_groups_were_delivered(inprocess_client, thread_store, monkeypatch):
     store = thread_store
     rng = np.random.default_rng(5)
     g0 = stage(store, make_group(rng, "ord0", 3, n_calls=2))
@@ -297,12 +306,82 @@ def test_a_step_is_cleared_only_after_all_its_groups_are_assembled(inprocess_cli
         assert present(store, keys) == set(keys)
     finally:
         gate.release.set()
-    # No result() call: the step's completion alone submits its clear.
-    wait_until(lambda: handle.clear_future is not None and handle.clear_future.done(), what="the step's clear")
+    # Every group's tensors exist, none was delivered: completion alone clears nothing
+    # (a controller dying now must find every row for its resubmission).
+    futures = list(handle.group_futures.values())
+    callbacks_ran(futures)
+    assert all(f.status == "finished" for f in futures)
+    assert handle.clear_future is None
+    assert unit_deletes(store) == before
+    assert present(store, keys) == set(keys)
+    # result() delivers the tensors, then clears: one delete per unit holding the rows.
+    assert handle.result().groups["ord1"].status == ["ok"] * 3
+    assert handle.clear_future is not None
     assert handle.clear_future.result()["deleted"] == len(keys)
     assert present(store, keys) == set()
     assert [a - b for a, b in zip(unit_deletes(store), before)] == [int(u in units_of(store, keys)) for u in range(2)]
-    assert handle.result().groups["ord1"].status == ["ok"] * 3
+
+
+class AssembleFault:
+    """Makes the assemble of any group containing one of ``rollouts`` raise."""
+
+    def __init__(self, rollouts):
+        self.rollouts = set(rollouts)
+        self.real = worker_tasks.assemble_group
+
+    def __call__(self, rows, rewards):
+        if any(r.rollout_id in self.rollouts for r in rows):
+            raise RuntimeError("injected assemble failure")
+        return self.real(rows, rewards)
+
+
+def test_a_failed_step_clears_nothing_and_keeps_no_other_step_from_clearing(inprocess_client, thread_store, monkeypatch):
+    store = thread_store
+    rng = np.random.default_rng(7)
+    bs = stage(store, make_group(rng, "fail", 3, n_calls=2))
+    keys = keys_of(bs)
+    real = worker_tasks.assemble_group
+    monkeypatch.setattr(worker_tasks, "assemble_group", AssembleFault({bs[0].rollout_id}))
+    before = unit_deletes(store)
+    fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
+    fin.with_settings(clear_staged=True, retries=0)
+    failed = fin.submit_step([[b.receipt for b in bs]], step_id="F")
+    with pytest.raises(RuntimeError, match="injected assemble failure"):
+        failed.result()
+    assert failed.failed() and failed in fin.in_flight
+    assert failed.clear_future is None
+    assert unit_deletes(store) == before
+    assert present(store, keys) == set(keys)  # every row stays for the resubmission
+    # The resubmission delivers, then clears them all: the failed step will never read them.
+    monkeypatch.setattr(worker_tasks, "assemble_group", real)
+    again = fin.submit_step([[b.receipt for b in bs]], step_id="F-again")
+    assert again.result().groups["g0"].status == ["ok"] * 3
+    assert again.kept_keys == []
+    assert again.clear_future.result()["deleted"] == len(keys)
+    assert present(store, keys) == set()
+
+
+def test_a_complete_but_undelivered_step_keeps_the_keys_it_shares(inprocess_client, thread_store):
+    store = thread_store
+    rng = np.random.default_rng(8)
+    only_a = stage(store, make_group(rng, "udA", 2, n_calls=2))
+    shared = stage(store, make_group(rng, "udS", 1, n_calls=2))
+    only_b = stage(store, make_group(rng, "udB", 2, n_calls=2))
+    fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
+    fin.with_settings(clear_staged=True)
+    step_a = fin.submit_step([[b.receipt for b in only_a + shared]], step_id="A")
+    step_b = fin.submit_step([[b.receipt for b in shared + only_b]], step_id="B")
+    callbacks_ran(step_a.futures + step_b.futures)  # both complete, neither delivered
+    step_a.result()
+    # B's graph is complete, but B was not delivered: its rows stay for a resubmission.
+    assert sorted(step_a.kept_keys) == sorted(keys_of(shared))
+    step_a.clear_future.result()
+    assert present(store, keys_of(only_a)) == set()
+    assert present(store, keys_of(shared + only_b)) == set(keys_of(shared + only_b))
+    step_b.result()
+    assert step_b.kept_keys == []
+    assert step_b.clear_future.result()["deleted"] == len(keys_of(shared + only_b))
+    assert all(s["rows"] == 0 for s in store.stats())
 
 
 def test_a_key_another_in_flight_step_reads_survives_until_both_are_done(inprocess_client, thread_store, monkeypatch):

@@ -41,13 +41,20 @@ def unpublish_store(client: Client, name: str | None = None) -> None:
 def lookup_store(client: Client, name: str | None = None) -> StagingStore:
     """The store published as ``name`` on ``client``'s scheduler.
 
-    Raises :class:`~tasks.errors.StoreUnavailable` naming the dataset when none is published.
+    Raises :class:`~tasks.errors.StoreUnavailable` (one line: the dataset, the scheduler
+    and the fix) when none is published.
     """
     name = store_name(name)
     try:
         return client.get_dataset(name)
     except KeyError:
-        raise StoreUnavailable(
-            f"no store is published as {name!r} on {client.scheduler.address}; the controller "
-            "must call pipeline.client.publish_store(client, store) first"
-        ) from None
+        raise StoreUnavailable(missing_store_message(name, client.scheduler.address)) from None
+
+
+def missing_store_message(name: str, address: str) -> str:
+    """One line: no store is published as ``name`` on ``address``, and how to publish one."""
+    return (
+        f"no store is published as dataset {name!r} on {address}; start or publish it there first: "
+        f"StagingStore.start(client, hosted=True, name={name!r}) (a store that outlives its controller) "
+        f"or pipeline.client.publish_store(client, store, name={name!r})"
+    )

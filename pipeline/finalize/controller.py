@@ -2,10 +2,16 @@
 
 :class:`Finalizer` submits each step as a Dask graph (:mod:`pipeline.finalize.graph`) and
 tracks queue depth from the futures' client-side status; :meth:`StepHandle.result`
-gathers the groups, computes the step's metrics and publishes its finalize event. With
-``finalize.clear-staged`` a step's staged rows (every key of its rollouts, rejected ones
-included) are deleted in ONE batched delete (one call per storage unit) once every group's
-tensors exist, except keys another in-flight step of the same Finalizer still reads.
+gathers the groups, computes the step's metrics and publishes its finalize event.
+
+With ``finalize.clear-staged`` a step's staged rows (every key of its rollouts, rejected
+ones included) are deleted in ONE batched delete (one call per storage unit), decided
+and submitted by :meth:`StepHandle.result` only AFTER the groups' tensors were gathered
+into the caller's process: a controller that dies before delivering a step leaves all of
+its rows staged, so the same receipts can be resubmitted (by another Finalizer, in
+another process: :meth:`Finalizer.attach`) and give the same tensors. A step whose
+groups failed or were cancelled clears nothing; keys another in-flight step of the same
+Finalizer still reads (or could still deliver) are kept for that step to clear.
 """
 from __future__ import annotations
 
@@ -131,7 +137,9 @@ def rejected_receipt_keys(groups: Mapping[str, Sequence[object]], rejected: Mapp
 
 
 class StepHandle:
-    """One submitted step: Dask futures per group; :meth:`result` collects a StepResult."""
+    """One submitted step: Dask futures per group; :meth:`result` collects a StepResult
+    and, with ``clear``, submits the step's clear once the groups are in the caller's
+    process (never from the groups' completion alone)."""
 
     def __init__(self, finalizer: Finalizer, graph: StepGraph, *, clear: bool = False, rejected_keys: Sequence[str] = ()) -> None:
         self._finalizer = finalizer
@@ -141,29 +149,15 @@ class StepHandle:
         self.group_futures: dict[str, Future] = dict(graph.group_futures)
         self.clear = bool(clear)  # the finalizer's clear_staged when the step was submitted
         self.rejected_keys = list(rejected_keys)  # rows of receipts rejected at plan time
-        self.clear_future: Future | None = None  # the tc-clear task, once the graph is complete
+        self.clear_future: Future | None = None  # the tc-clear task, once result() delivered
         self.kept_keys: list[str] = []  # keys left for another in-flight step to clear
         self._result: StepResult | None = None
         self._lock = threading.Lock()
-        self._settle_lock = threading.Lock()
-        self._settled = False  # graph complete, clear decided (set under the Finalizer's lock)
-        self._unfinished = len(self.group_futures)
-
-    def _watch(self) -> None:
-        """Settle once every group future is done (callbacks run on Dask's callback thread)."""
-        for fut in list(self.group_futures.values()):
-            fut.add_done_callback(self._group_done)
-
-    def _group_done(self, _fut: Future) -> None:
-        with self._settle_lock:
-            self._unfinished -= 1
-            last = self._unfinished <= 0
-        if last:
-            self._settle()
 
     @property
     def reads_keys(self) -> list[str]:
-        """Keys this step's graph reads (fetched rows) while it is not complete."""
+        """Keys this step's graph reads (fetched rows): a resubmission of its receipts
+        reads the same ones."""
         return list(self.graph.plan.staging_keys)
 
     def clear_keys(self) -> list[str]:
@@ -173,24 +167,22 @@ class StepHandle:
         keys.update(dict.fromkeys(self.rejected_keys))
         return list(keys)
 
-    def _settle(self) -> None:
-        """The graph is complete (or was collected): decide and submit the step's clear,
-        once. Runs only after every group future is done; a step with a failed or cancelled
-        group clears nothing (its rows stay for a resubmission)."""
-        with self._settle_lock:
-            if self._settled:
-                return
-            futures = list(self.group_futures.values())
-            succeeded = all(f.status == "finished" for f in futures)
-            keys = self.clear_keys() if self.clear and succeeded else []
-            with self._finalizer._lock:
-                self._settled = True
-                still_read = self._finalizer._keys_read_in_flight()
-            if keys:
-                self.kept_keys = [k for k in keys if k in still_read]
-                keys = [k for k in keys if k not in still_read]
-            if keys:
-                self.clear_future = self._submit_clear(keys)
+    def failed(self) -> bool:
+        """Some group of this (uncollected) step failed or was cancelled: it will never
+        deliver, so it neither clears its rows nor keeps another step from clearing them."""
+        return any(f.status in ("error", "cancelled") for f in self.group_futures.values())
+
+    def _clear_delivered(self) -> None:
+        """The groups are in the caller's process: forget the step and submit its clear
+        (keys another in-flight step still reads stay, in :attr:`kept_keys`)."""
+        still_read = self._finalizer._deliver(self)
+        if not self.clear:
+            return
+        keys = self.clear_keys()
+        self.kept_keys = [k for k in keys if k in still_read]
+        keys = [k for k in keys if k not in still_read]
+        if keys:
+            self.clear_future = self._submit_clear(keys)
 
     @property
     def futures(self) -> list[Future]:
@@ -209,10 +201,12 @@ class StepHandle:
         self._finalizer.client.cancel(self.futures + g.verify_futures + g.piece_futures + g.fetch_futures)
 
     def result(self, timeout: float | None = None) -> StepResult:
-        """Wait for every group, compute and publish the step metrics (once) and return them.
+        """Wait for every group, gather them into this process, compute and publish the
+        step metrics (once), submit the step's clear (``clear``) and return them.
 
         Raises the task's exception if a group failed for a non-data reason (e.g. the store
-        was unreachable after ``finalize.retries`` retries); bad data never raises.
+        was unreachable after ``finalize.retries`` retries), or ``TimeoutError`` past
+        ``timeout`` (s); either way nothing is cleared. Bad data never raises.
         """
         with self._lock:
             if self._result is not None:
@@ -233,13 +227,13 @@ class StepHandle:
                 client.log_event(events.FINALIZE, metrics)
             except Exception:  # metrics never fail the work they describe
                 pass
-            self._settle()  # every group is here: the clear (if not already submitted)
             self._result = StepResult(self.step_id, by_id, metrics)
+            # Delivered: now (and only now) the step's rows may go.
+            self._clear_delivered()
             # Free the cluster side: the groups are here now.
             self.group_futures = {}
             self.graph.fetch_futures, self.graph.piece_futures, self.graph.verify_futures = [], [], []
             self.graph.group_futures = {}
-            self._finalizer._forget(self)
             return self._result
 
     def _submit_clear(self, keys: list[str]) -> Future:
@@ -308,6 +302,18 @@ class Finalizer:
         if check_resources:
             self._check_resources()
 
+    @classmethod
+    def attach(cls, client: Client, name: str | None = None, **kwargs: object) -> Finalizer:
+        """A Finalizer on the store published as ``name`` on ``client``'s scheduler (default
+        ``capture-client.store-name``; :func:`pipeline.client.lookup_store`), e.g. in a
+        controller that replaced one that died. ``kwargs`` go to the constructor.
+
+        Raises :class:`~tasks.errors.StoreUnavailable` naming the dataset and the fix when
+        no store is published under that name."""
+        from ..client.discovery import lookup_store
+
+        return cls(client, lookup_store(client, name), **kwargs)  # type: ignore[arg-type]
+
     def _check_resources(self) -> None:
         try:
             info = self.client.scheduler_info(n_workers=-1)  # all workers, not the first few
@@ -375,19 +381,23 @@ class Finalizer:
         handle = StepHandle(self, graph, clear=clear, rejected_keys=rejected_receipt_keys(named, graph.plan.rejected) if clear else ())
         with self._lock:
             self._in_flight.append(handle)
-        handle._watch()
         return handle
 
     def drain(self, timeout: float | None = None) -> list[StepResult]:
         """Collect every in-flight step, oldest first."""
         return [h.result(timeout) for h in self.in_flight]
 
-    def _keys_read_in_flight(self) -> set[str]:
-        """Keys the graphs of in-flight steps not yet complete still read (caller holds
-        ``_lock``), derived from their plans: their rows must not be cleared yet."""
-        return {k for h in self._in_flight if not h._settled for k in h.reads_keys}
+    def _keys_read_in_flight(self, exclude: StepHandle | None = None) -> set[str]:
+        """Keys the in-flight steps (other than ``exclude``) read, derived from their plans,
+        unless the step failed (caller holds ``_lock``). A complete but undelivered step
+        counts: should this controller die before delivering it, a resubmission reads them."""
+        return {k for h in self._in_flight if h is not exclude and not h.failed() for k in h.reads_keys}
 
-    def _forget(self, handle: StepHandle) -> None:
+    def _deliver(self, handle: StepHandle) -> set[str]:
+        """``handle`` was delivered: forget it and return the keys the other in-flight steps
+        still read, in one step under the lock (of two steps sharing keys and delivered
+        at once, exactly one finds the other gone, and clears them)."""
         with self._lock:
             if handle in self._in_flight:
                 self._in_flight.remove(handle)
+            return self._keys_read_in_flight()
