@@ -47,8 +47,12 @@ unit itself; ``report_store()`` publishes one more at once). Keys: unit, worker,
 memory_bytes, spilled_bytes; optional: used_bytes, capacity_bytes, lost_keys (keys staged whose both copies were lost)."""
 
 SCALE = "token-capture-scale"
-"""One per adaptive scaling decision. Keys: action ("up", "down", "hold"), target,
-current, reason, verify_ms, fetch_ms, queue_depth."""
+"""One per adaptive scaling decision (published when it changes). Keys: action ("up",
+"down", "hold"), target, current (workers), reason, reason_code, kind (optional:
+"finalize", the default, for the finalize pool's decisions, or "storage" for the
+store's). Finalize decisions add verify_ms, fetch_ms, queue_depth; storage ones (reason
+codes ``storage-*``) add store_used_bytes, store_capacity_bytes, store_units (the live
+units the decision read) and store_fill (used / capacity, a fraction)."""
 
 TOPICS = (FINALIZE, CUT, RESTORE, STORE, SCALE)
 

@@ -17,6 +17,7 @@ from tasks.errors import InvalidEvent
 from ..events import CUT, FINALIZE, RESTORE, RESTORE_OPTIONAL, SCALE, STORE, TOPICS
 
 SCALE_ACTIONS = ("up", "down", "hold")
+SCALE_KINDS = ("finalize", "storage")  # which side of the adaptive policy decided
 FINALIZE_KINDS = ("group", "step")
 DETAIL_CHARS = 200  # a rejection detail is kept this many characters long
 DETAIL_REASONS = 64  # latest details kept, one per reason (oldest reason dropped first)
@@ -104,14 +105,20 @@ class StoreEvent(_Stamped):
 
 
 class ScaleEvent(_Stamped):
-    """An adaptive scaling decision; unknown keys are kept too."""
+    """An adaptive scaling decision (``kind`` ``"finalize"``, the default, or ``"storage"``);
+    unknown keys are kept too."""
 
+    kind: Literal["finalize", "storage"]
     action: Literal["up", "down", "hold"]
     target: float  # workers
     current: float  # workers
     verify_ms: float
     fetch_ms: float
     queue_depth: float
+    store_used_bytes: float  # storage decisions: bytes used in the live units
+    store_capacity_bytes: float  # storage decisions: their capacity (bytes)
+    store_units: float  # storage decisions: live units
+    store_fill: float  # storage decisions: used / capacity (fraction)
     reason: str
     reason_code: str
 
@@ -149,7 +156,10 @@ _STORE_NUMBERS = {
     "memory_bytes": True, "spilled_bytes": True, "rows": False, "used_bytes": False, "capacity_bytes": False,
     "lost_keys": False,  # keys staged whose both copies were lost (replicas=2)
 }
-_SCALE_NUMBERS = {"target": True, "current": True, "verify_ms": False, "fetch_ms": False, "queue_depth": False}
+_SCALE_NUMBERS = {
+    "target": True, "current": True, "verify_ms": False, "fetch_ms": False, "queue_depth": False,
+    "store_used_bytes": False, "store_capacity_bytes": False, "store_units": False, "store_fill": False,  # storage
+}
 
 
 # --------------------------------------------------------------------------- fields
@@ -288,11 +298,14 @@ def _store(topic: str, msg: Message, out: dict[str, object]) -> None:
 
 def _scale(topic: str, msg: Message, out: dict[str, object]) -> None:
     """Fill ``out`` as a :class:`ScaleEvent`; ``reason_code`` defaults to the reason's
-    words before its first ``:``."""
+    words before its first ``:``, ``kind`` to ``"finalize"``."""
     out.update(_numbers(topic, msg, _SCALE_NUMBERS))
     action = msg.get("action")
     if action not in SCALE_ACTIONS:
         raise InvalidEvent(topic, "action", f"expected one of {SCALE_ACTIONS}, got {action!r}")
+    out["kind"] = msg.get("kind") or "finalize"
+    if out["kind"] not in SCALE_KINDS:
+        raise InvalidEvent(topic, "kind", f"expected one of {SCALE_KINDS}, got {out['kind']!r}")
     reason = _label(topic, msg, "reason", required=True)
     out["reason"] = reason
     out["reason_code"] = _label(topic, msg, "reason_code", required=False) or reason.split(":")[0]

@@ -13,10 +13,12 @@ import math
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import cast
 
 from tasks.errors import InvalidEvent
 
+from .. import config
 from ..events import CUT, FINALIZE, RESTORE, SCALE, STORE, TOPICS
 from .histogram import Histogram
 from .parsing import (
@@ -37,7 +39,7 @@ from .snapshot import StateSnapshot, StepRecord
 
 __all__ = [
     "DETAIL_CHARS", "DETAIL_REASONS", "FINALIZE_KINDS", "MS_PER_S", "RESTORE_COUNTERS", "SCALE_ACTIONS",
-    "Histogram", "InvalidEvent", "SchedulerLoad", "TokenCaptureState", "parse_event",
+    "Histogram", "InvalidEvent", "SchedulerLoad", "StoreFillSettings", "TokenCaptureState", "parse_event",
 ]
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,25 @@ SchedulerLoad = Mapping[str, float]
 """The scheduler's load as :meth:`TokenCaptureState.signal` takes it: ``tasks``,
 ``workers``, ``finalize_slots``, ``actor_hosts`` (counts)."""
 
+STALE_REPORTS = 3
+"""A unit whose latest ``STORE`` event is older than this many report intervals is gone:
+its bytes no longer count toward the store's fill."""
+
+
+@dataclass(frozen=True)
+class StoreFillSettings:
+    """``stale_s``: a unit's latest report older than this no longer counts toward the
+    store's fill (s; ``STALE_REPORTS`` x ``store.report-interval-s``, infinite when units
+    do not report by themselves)."""
+
+    stale_s: float
+
+    @classmethod
+    def from_config(cls) -> StoreFillSettings:
+        """The knob read now, once."""
+        interval_s = float(config.get("store.report-interval-s"))
+        return cls(STALE_REPORTS * interval_s if interval_s > 0 else math.inf)
+
 
 # --------------------------------------------------------------------------- state
 class TokenCaptureState:
@@ -60,8 +81,10 @@ class TokenCaptureState:
     ``settings`` (default: read from the config now, ``history`` applied) are its knobs.
     """
 
-    def __init__(self, history: int | None = None, settings: StateSettings | None = None) -> None:
+    def __init__(self, history: int | None = None, settings: StateSettings | None = None,
+                 store_settings: StoreFillSettings | None = None) -> None:
         self.settings = settings if settings is not None else StateSettings.from_config(history)
+        self.store_settings = store_settings if store_settings is not None else StoreFillSettings.from_config()
         self.history = self.settings.history
         self.seconds_bounds = self.settings.seconds_bounds
         self.started = time.time()
@@ -306,8 +329,9 @@ class TokenCaptureState:
         ``fetch_ms``/``verify_ms``/``assemble_ms`` summed over those steps (per step: the
         step event's figures, or the provisional split of its groups so far),
         ``queue_depth_first``/``_last``/``_max``; ``last_event_age_s`` (seconds since the
-        newest finalize event, ``inf`` if none). The scheduler load ``tasks``, ``workers``,
-        ``finalize_slots`` and ``actor_hosts`` come from ``load`` (0 when not given).
+        newest finalize event, ``inf`` if none); the store's fill (:meth:`store_fill`). The
+        scheduler load ``tasks``, ``workers``, ``finalize_slots`` and ``actor_hosts`` come
+        from ``load`` (0 when not given).
         """
         window = float(window_s if window_s is not None else self.settings.window_s)
         now = time.time()
@@ -330,10 +354,25 @@ class TokenCaptureState:
             "workers": 0,
             "finalize_slots": 0.0,
             "actor_hosts": 0,
+            **self.store_fill(now),
         }
         if load is not None:
             out.update(load)
         return out
+
+    def store_fill(self, now: float | None = None) -> dict[str, float]:
+        """The store's fill from the latest ``STORE`` event of each live unit (one that
+        reported within ``store_settings.stale_s`` of ``now``, scheduler wall-clock s):
+        ``store_used_bytes``, ``store_capacity_bytes`` (sums), ``store_units`` (count) and
+        ``store_unit_capacity_max_bytes`` (the largest unit's capacity); 0 when none."""
+        now = time.time() if now is None else now
+        live = [ev for ev in self.store_units.values() if now - ev["t"] <= self.store_settings.stale_s]
+        return {
+            "store_used_bytes": sum(ev["used_bytes"] for ev in live),
+            "store_capacity_bytes": sum(ev["capacity_bytes"] for ev in live),
+            "store_units": len(live),
+            "store_unit_capacity_max_bytes": max((ev["capacity_bytes"] for ev in live), default=0.0),
+        }
 
     def snapshot(self) -> StateSnapshot:
         """All state as plain JSON-able data (for the RPC handler, tests and tools).

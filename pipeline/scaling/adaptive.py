@@ -1,8 +1,9 @@
-"""Adaptive scaling of the finalize pool, driven by the finalize split timing.
+"""Adaptive scaling of the finalize pool (from the finalize split timing) and the store.
 
 A pure :func:`decide` turns one aggregator signal (verify/fetch shares, queue depth and
-trend, idle time) into a frozen :class:`Decision`; :class:`TokenCaptureAdaptive` is the thin
-``distributed.deploy.Adaptive`` shell around it. Use it through the cluster's own ``adapt``::
+trend, idle time) into a frozen :class:`ScalingDecision`; :func:`~.storage.decide_storage`
+turns the store's fill into a storage decision; :class:`TokenCaptureAdaptive` is the thin
+``distributed.deploy.Adaptive`` shell that combines them. Use it through ``adapt``::
 
     cluster.adapt(Adaptive=TokenCaptureAdaptive, minimum=2, maximum=8)
 
@@ -14,6 +15,7 @@ import logging
 import math
 import time
 from collections import deque
+from inspect import isawaitable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Mapping, Sequence
 
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
 
 from .. import config
 from ..events import SCALE
+from .storage import STORAGE_RESOURCE, StorageDecision, StorageScalingSettings, WorkerPlan, combine, decide_storage, pending, storage_worker_spec
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +45,8 @@ class ScalingDecision:
     queue_depth: float = 0.0
 
     def payload(self) -> dict[str, str | int | float]:
-        """The ``SCALE`` event (schema in ``pipeline.events``)."""
-        return asdict(self)
+        """The ``SCALE`` event (schema in ``pipeline.events``), ``kind`` ``finalize``."""
+        return {"kind": "finalize", **asdict(self)}
 
 
 @dataclass(frozen=True)
@@ -130,20 +133,32 @@ def decide(
 
 
 class TokenCaptureAdaptive(Adaptive):
-    """``Adaptive`` whose target follows the finalize split; see the module docstring.
+    """``Adaptive`` whose target follows the finalize split and the store's fill; see the
+    module docstring.
 
-    Extra attributes: ``decisions`` (the last ``dashboard.history`` decisions, newest
-    last), ``last_decision`` and ``settings`` (:class:`ScalingSettings`, read once when
-    built; :meth:`with_settings` changes them live, e.g. for a demo's own thresholds).
+    Extra attributes: ``decisions`` (the last ``dashboard.history`` finalize decisions,
+    newest last), ``last_decision``, ``storage_decisions`` / ``last_storage_decision``
+    (the same for the store), ``settings`` (:class:`ScalingSettings`) and
+    ``storage_settings`` (:class:`~.storage.StorageScalingSettings`), both read once when
+    built; :meth:`with_settings` / :meth:`with_storage_settings` change them live (e.g. for
+    a demo's own thresholds).
     """
 
     def __init__(self, cluster: Cluster | None = None, *args: object, **kwargs: object) -> None:
         super().__init__(cluster, *args, **kwargs)
         self.settings = ScalingSettings.from_config()
+        self.storage_settings = StorageScalingSettings.from_config()
         self._slots_per_worker = float(config.get("finalize.slots-per-worker"))
-        self.decisions: deque[ScalingDecision] = deque(maxlen=int(config.get("dashboard.history")))
+        history = int(config.get("dashboard.history"))
+        self.decisions: deque[ScalingDecision] = deque(maxlen=history)
         self.last_decision: ScalingDecision | None = None
+        self.storage_decisions: deque[StorageDecision] = deque(maxlen=history)
+        self.last_storage_decision: StorageDecision | None = None
+        self.worker_plan: WorkerPlan | None = None  # this round's combined target
         self._last_published: tuple[str, str, int] | None = None
+        self._last_storage_published: tuple[str, str, int] | None = None
+        self._storage_pending: tuple[int, float] | None = None  # (units at the last up, monotonic deadline)
+        self._retire_names: list[str | int] = []  # the drained storage worker a storage down retires
         self._probe_after = 0.0  # monotonic s; skip the signal RPC until then
         if cluster is not None and config.get("scaling.ensure-finalize-resource"):
             ensure_finalize_resource(cluster, self._slots_per_worker)
@@ -159,27 +174,117 @@ class TokenCaptureAdaptive(Adaptive):
         """Put back settings returned by :meth:`with_settings`."""
         self.settings = settings
 
+    def with_storage_settings(self, **changes: float | int) -> StorageScalingSettings:
+        """Replace some storage knobs from the next decision on (checked as when read);
+        returns the previous ones (hand them back to ``restore_storage_settings``)."""
+        previous = self.storage_settings
+        self.storage_settings = replace(previous, **changes)
+        return previous
+
+    def restore_storage_settings(self, settings: StorageScalingSettings) -> None:
+        """Put back settings returned by :meth:`with_storage_settings`."""
+        self.storage_settings = settings
+
     async def target(self) -> int:
         current = len(self.plan)
+        signal = await self._signal()
+        if signal is None:
+            decision = ScalingDecision(
+                "hold", current, current, "no-aggregator",
+                "no-aggregator: the scheduler has no token-capture aggregator; start it with "
+                "the preload 'pipeline.dashboard.preload' or pipeline.dashboard.install(client)",
+            )
+            self.worker_plan = None
+            await self._record(decision)
+            return decision.target
+        decision = decide(signal, current, self.minimum, self.maximum, self.settings)
+        plan = self.worker_plan = await self._storage_plan(signal, decision, current)
+        await self._record(decision)
+        await self._record_storage(plan.storage, current)
+        return plan.target
+
+    async def _signal(self) -> dict[str, float] | None:
+        """The aggregator's signal, or None when the scheduler has none (asked again only
+        after a signal window then, not every interval: never guess)."""
         signal: object = None
         if time.monotonic() >= self._probe_after:
             try:
                 signal = await self.scheduler.token_capture_signal(window_s=None)
             except Exception:
                 signal = None
-        if not isinstance(signal, dict):
-            # No aggregator on this scheduler (an unknown RPC answers None): never guess,
-            # and ask again only after a signal window, not every interval.
+        if not isinstance(signal, dict):  # an unknown RPC answers None
             self._probe_after = time.monotonic() + self.settings.window_s
-            decision = ScalingDecision(
-                "hold", current, current, "no-aggregator",
-                "no-aggregator: the scheduler has no token-capture aggregator; start it with "
-                "the preload 'pipeline.dashboard.preload' or pipeline.dashboard.install(client)",
-            )
-        else:
-            decision = decide(signal, current, self.minimum, self.maximum, self.settings)
-        await self._record(decision)
-        return decision.target
+            return None
+        return signal
+
+    async def _storage_plan(self, signal: dict[str, float], decision: ScalingDecision, current: int) -> WorkerPlan:
+        """The storage decision for ``signal`` joined with the finalize ``decision``: an up
+        waits while the last up's unit has not reported (until ``settle_s``); a down
+        retires a storage worker only once one hosts no unit any more."""
+        storage = decide_storage(signal, self.storage_settings)
+        if storage.action == "up" and self._storage_pending is not None:
+            units_at_up, deadline = self._storage_pending
+            if storage.units <= units_at_up and time.monotonic() < deadline:
+                storage = pending(storage, units_at_up)
+        if storage.reason_code != "storage-up-pending":
+            self._storage_pending = None
+        drained: list[str | int] = []
+        if storage.action == "down" and decision.action == "hold" and not (self.requested - self.observed):
+            drained = await self._drained_storage_workers()
+        plan = combine(decision.action, decision.target, storage, current, self.minimum, self.maximum, bool(drained))
+        self._retire_names = drained[:1] if plan.retire_storage_worker else []
+        if plan.add_storage_worker:
+            self._storage_pending = (storage.units, time.monotonic() + self.storage_settings.settle_s)
+        return plan
+
+    async def _drained_storage_workers(self) -> list[str | int]:
+        """Names of the workers with the storage role that host no actor (their unit has
+        drained) and are not pinned; none when the scheduler cannot say."""
+        try:
+            info = await self.scheduler.identity()
+            prot = await self.scheduler.token_capture_protected()
+        except Exception:
+            return []
+        protected = set(prot["addresses"])
+        return [
+            w["name"] for addr, w in sorted(info["workers"].items())
+            if float((w.get("resources") or {}).get(STORAGE_RESOURCE, 0)) > 0 and addr not in protected
+        ]
+
+    async def workers_to_close(self, target: int) -> list[str | int]:
+        """Names to retire: in a storage down's round only the drained storage worker, else
+        distributed's choice (which never offers a protected worker)."""
+        plan = self.worker_plan
+        if plan is not None and plan.retire_storage_worker:
+            return list(self._retire_names)
+        return await super().workers_to_close(target)
+
+    async def scale_up(self, n: int) -> None:
+        """Grow to ``n`` workers; when the storage side asked, the first new one takes the
+        storage role (``scaling.ensure-storage-resource``), the others the plain template."""
+        plan = self.worker_plan
+        if plan is not None and plan.add_storage_worker and self.storage_settings.storage_resource:
+            await self._add_storage_worker()
+        await super().scale_up(n)
+
+    async def _add_storage_worker(self) -> bool:
+        """One more worker from the cluster's template with ``storage: 1`` added; False
+        when the cluster has no such template (then the new worker is a plain one)."""
+        cluster = self.cluster
+        spec = storage_worker_spec(getattr(cluster, "new_spec", None))
+        worker_spec = getattr(cluster, "worker_spec", None)
+        if spec is None or not isinstance(worker_spec, dict):
+            return False
+        template = cluster.new_spec
+        cluster.new_spec = spec
+        try:
+            f = cluster.scale(len(worker_spec) + 1)  # adds the spec at once, starts it later
+        finally:
+            cluster.new_spec = template
+        if isawaitable(f):
+            await f
+        logger.info("the next worker takes the storage role (resource %r)", STORAGE_RESOURCE)
+        return True
 
     async def _record(self, decision: ScalingDecision) -> None:
         self.last_decision = decision
@@ -193,8 +298,24 @@ class TokenCaptureAdaptive(Adaptive):
         self._last_published = key
         if decision.action != "hold":
             logger.info("scaling %s to %d: %s", decision.action, decision.target, decision.reason)
+        await self._publish(decision.payload())
+
+    async def _record_storage(self, decision: StorageDecision, current: int) -> None:
+        """Keep the storage decision; publish it only when it changed (action, reason
+        code or the worker count it asks for), not every interval."""
+        self.last_storage_decision = decision
+        self.storage_decisions.append(decision)
+        key = (decision.action, decision.reason_code, decision.asked(current))
+        if key == self._last_storage_published:
+            return
+        self._last_storage_published = key
+        if decision.action != "hold":
+            logger.info("storage scaling %s: %s", decision.action, decision.reason)
+        await self._publish(decision.payload(current))
+
+    async def _publish(self, msg: dict[str, str | int | float]) -> None:
         try:
-            await self.scheduler.log_event(topic=SCALE, msg=decision.payload())
+            await self.scheduler.log_event(topic=SCALE, msg=msg)
         except Exception:  # metrics must not fail scaling
             logger.debug("could not record scaling decision", exc_info=True)
 
