@@ -5,9 +5,12 @@ back into its identity (a finalizer checks a row's ids against its key).
 """
 from __future__ import annotations
 
-import zlib
+from typing import Sequence
+
+import numpy as np
 
 from .errors import InvalidKey
+from .placement_hash import default_unit_ids, primaries
 
 STAGING_PARTITION = "staging"
 """Store partition of staged call deltas (keys from :func:`staging_key`)."""
@@ -110,18 +113,36 @@ def key_problem(key: object) -> str | None:
 
 
 def unit_for_rollout(rollout_id: str, n_units: int) -> int:
-    """Storage unit index for a rollout: a stable hash (crc32), same in every process.
+    """Storage unit index for a rollout among ``n_units`` units with the default ids
+    ``"0".."n-1"``: its top-ranked unit by rendezvous hashing
+    (:mod:`tasks.placement_hash`), the same in every process. Adding a unit moves about
+    1/(n+1) of the rollouts, all to the new unit.
 
     Raises :class:`InvalidKey` for an id that is not valid UTF-8 (a lone surrogate)."""
     if n_units <= 0:
         raise ValueError(f"n_units must be positive, got {n_units}")
-    try:
-        data = rollout_id.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise InvalidKey(f"rollout id {_short(rollout_id)} is not valid UTF-8 ({e.reason} at character {e.start})") from None
-    return zlib.crc32(data) % n_units
+    return primary_unit(rollout_id, default_unit_ids(n_units))
 
 
 def unit_for_key(key: str, n_units: int) -> int:
     """Storage unit index for a key: all of a rollout's rows land on one unit."""
     return unit_for_rollout(rollout_of_key(key), n_units)
+
+
+def primary_unit(rollout_id: str, unit_ids: Sequence[str]) -> int:
+    """Index (into ``unit_ids``) of the unit a rollout's rows live on (their primary)."""
+    if not isinstance(rollout_id, str):
+        raise InvalidKey(f"rollout id must be str, got {type(rollout_id).__name__}")
+    try:
+        rollout_id.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidKey(f"rollout id {_short(rollout_id)} is not valid UTF-8 ({e.reason} at character {e.start})") from None
+    return 0 if len(unit_ids) == 1 else int(primaries([rollout_id], unit_ids)[0])
+
+
+def primary_units(keys: Sequence[str], units: int | Sequence[str]) -> np.ndarray:
+    """int64 primary unit index per staging/cut key, vectorised: ``units`` is the unit ids
+    of the table (or a unit count: the default ids). Raises :class:`InvalidKey` for a
+    malformed key."""
+    ids = default_unit_ids(units) if isinstance(units, int) else tuple(units)
+    return primaries([rollout_of_key(k) for k in keys], ids)

@@ -1,9 +1,9 @@
 """Losses said plainly (``store.replicas: 2``): when BOTH copies of a key die with their
 units, the key reads as lost, never as never staged.
 
-Three named workers, three units: replica ``[1, 2, 0]``, witness ``[2, 0, 1]`` (unit 2
-records the names of unit 0's keys). Workers ``a`` and ``b`` (units 0 and 1) are SIGKILLed
-together, so the keys whose primary is unit 0 lose both copies. After re-replication
+Three named workers, three units: a key's copies are on two of them and its witness
+(recording its name) on the third. Workers ``a`` and ``b`` (units 0 and 1) are SIGKILLed
+together, so the keys whose copies are units 0 and 1 (witness: unit 2) lose both. After re-replication
 they read ``lost_key`` (a distinct reason, counted by the units, on ``/metrics`` and on
 the dashboard's store table), are listed by ``keys()``, refuse any put (write-once holds),
 and the finalizer rejects their rollouts ``lost_staging_row``. Deleting a lost key
@@ -23,11 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.finalize import Finalizer
 from pipeline.store import StagingStore
-from pipeline.store.replication import witness_map
+from pipeline.store.placement import Placement
 from pipeline.store.unit import StorageUnit
 from rollout_factory import make_group
 from tasks import reasons
-from tasks.keys import unit_for_key
 from tasks.packed import pack_rows
 from support import wait_until
 
@@ -68,29 +67,35 @@ def _lost_gauge(client) -> float:
 
 
 def test_witness_is_a_third_worker_or_none():
-    assert witness_map(["a", "b", "c"], [1, 2, 0]) == [2, 0, 1]
-    assert witness_map(["a", "b", "a", "b"], [1, 2, 3, 0]) == [None] * 4  # two workers: no witness
+    keys = [f"r{i}/c0" for i in range(60)]
+    three = Placement(0, ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "tcp://127.0.0.1:3"), replicas=2).locate(keys)
+    assert sorted({(int(p), int(r), int(w)) for p, r, w in zip(three.primary, three.replica, three.witness)}) == [
+        (p, r, 3 - p - r) for p in range(3) for r in range(3) if p != r
+    ]
+    two = Placement(0, ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2") * 2, replicas=2).locate(keys)
+    assert two.witness.tolist() == [-1] * len(keys)  # two workers: no witness
 
 
 def test_both_copies_lost_read_as_lost_refuse_puts_and_reject_rollouts(cluster, tmp_path):
     names = _names(cluster)
     store = StagingStore.start(cluster, n_units=3, workers=[names[n] for n in "abc"], spill_directory=str(tmp_path / "s"))
     try:
-        assert (store.replica, store.witness) == ([1, 2, 0], [2, 0, 1])
         rng = np.random.default_rng(7)
         groups = {f"g{g}": make_group(rng, f"g{g}", 4, rollout_prefix=f"lk{g}", n_calls=2, routes=(L, K, E), vocab_size=VOCAB)
                   for g in range(3)}
         rows = [r for bs in groups.values() for b in bs for r in b.rows]
         assert not store.put_many(pack_rows(rows)).failed
-        doomed = {r.staging_key for r in rows if unit_for_key(r.staging_key, 3) == 0}
+        keys = [r.staging_key for r in rows]
+        loc = store.placement.locate(keys)
+        doomed = {k for k, p, r in zip(keys, loc.primary, loc.replica) if {int(p), int(r)} == {0, 1}}
         assert doomed and store.stats()[2]["witnessed_keys"] == len(doomed)
+        assert {k for k, w in zip(keys, loc.witness) if w == 2} == doomed
 
         pids = cluster.run(os.getpid, workers=[names["a"], names["b"]])
         for pid in pids.values():
             os.kill(pid, signal.SIGKILL)
         wait_until(lambda: {0, 1} <= {r["unit"] for r in store.owner.repairer.repaired}, 120, "units 0 and 1 re-replicated")
 
-        keys = [r.staging_key for r in rows]
         got = store.get_many(keys)
         assert {k for k, (why, _) in got.failed.items() if why == "lost_key"} == doomed
         assert set(got.failed) == doomed, "every other key survived on its second copy"

@@ -123,16 +123,18 @@ def test_two_copies_primary_reads_and_deletes_both(cluster, tmp_path):
     names = wait_for_names(cluster, ["a", "b", "c"])
     store = StagingStore.start(cluster, n_units=3, workers=[names["a"], names["b"], names["c"]], spill_directory=str(tmp_path / "s"))
     try:
-        assert store.replica == [1, 2, 0]
         rows = rows_of(make_groups("h"))
         keys = [r.staging_key for r in rows]
+        loc = store.placement.locate(keys)
+        assert all(store.unit_workers[p] != store.unit_workers[r] for p, r in zip(loc.primary, loc.replica))
+        assert len(set(loc.replica.tolist())) == 3, "every unit holds some key's second copy"
         res = store.put_many(pack_rows(rows))
         assert not res.failed and sorted(res.ok) == sorted(keys)
         st = counters(store)
         assert [s["puts"] for s in st] == [1, 1, 1]  # ONE put per unit carries both roles
         assert sum(s["rows"] for s in st) == 2 * len(keys)  # every key on exactly two units
         for u, s in enumerate(st):
-            mine = [k for k in keys if unit_for_key(k, 3) == u or store.replica[unit_for_key(k, 3)] == u]
+            mine = [k for k, p, r in zip(keys, loc.primary, loc.replica) if u in (p, r)]
             assert s["rows"] == len(mine)
         got = store.get_many(keys, list(STAGING_FIELDS))
         assert not got.failed and got.batch.keys == keys

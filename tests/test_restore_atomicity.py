@@ -11,8 +11,8 @@ import pytest
 
 from pipeline.store import checkpoint as ck
 from pipeline.store.unit import StorageUnit
+from pipeline.store.placement import Placement
 from tasks.errors import RestoreIncomplete
-from tasks.keys import unit_for_key
 from tasks.packed import pack_rows
 
 from test_store import make_rows
@@ -40,24 +40,29 @@ def _row_bytes(store_factory, rows) -> int:
 
 
 def test_replicated_restore_failing_on_one_copy_keeps_neither(store_factory, tmp_path):
-    """Units 0, 1, 2 on two workers: unit 1 holds the copies of units 0's and 2's keys, so
-    it fills first and refuses some keys whose other copy was written."""
+    """Units 0, 1, 2 on two workers: unit 1, alone on its worker, holds a copy of every
+    key (units 0's and 2's keys need their other copy on another worker), so it fills
+    first and refuses some keys whose other copy was written."""
     rows = make_rows(8, calls=2, tokens=48, seed=11)
     path = _saved(store_factory, tmp_path, rows)
-    replica = [1, 2, 1]
-    load = {u: sum(1 for r in rows if u in (unit_for_key(r.staging_key, 3), replica[unit_for_key(r.staging_key, 3)])) for u in range(3)}
+    keys = [r.staging_key for r in rows]
+    # The store's placement as it will be: round-robin over two workers of one host.
+    loc = Placement(0, ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "tcp://127.0.0.1:1"), replicas=2).locate(keys)
+    load = {u: int(((loc.primary == u) | (loc.replica == u)).sum()) for u in range(3)}
+    assert load[1] == len(keys), f"unit 1 holds a copy of every key: {load}"
     room = max(load[0], load[2])  # rows every unit but unit 1 can hold
     assert load[1] > room, f"unit 1 must overflow alone: {load}"
     capacity = room * _row_bytes(store_factory, rows)
     with dask.config.set({"token-capture.store.replicas": 2}):
         store = store_factory(n_units=3, capacity=capacity)
-    assert store.replica == replica
+    assert store.placement.locate(keys).replica.tolist() == loc.replica.tolist()
 
     with pytest.raises(RestoreIncomplete) as info:
         store.restore(path)
     err = info.value
     assert {reason for reason, _ in err.failed.values()} == {"store_full"}
-    half_written = [k for k in err.failed if store.replica[unit_for_key(k, 3)] == 1 or unit_for_key(k, 3) == 1]
+    failed_loc = store.placement.locate(list(err.failed))
+    half_written = [k for k, p, r in zip(err.failed, failed_loc.primary, failed_loc.replica) if 1 in (p, r)]
     assert half_written, "some failed key had its other copy written"
     stats = store.stats()
     assert [s["rows"] for s in stats] == [0, 0, 0], "no copy of any restored key stays"

@@ -2,7 +2,8 @@
 
 Every routable key goes to exactly its primary (and, with two copies, its replica) in
 exactly one call per unit within the byte cap; a read asks each key's primary once; a
-fail-over goes to the replica; witnesses never sit on a copy's worker."""
+fail-over goes to the replica; witnesses never sit on a copy's worker. (The rendezvous
+ranking itself: tests/test_hrw_placement.py.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -11,7 +12,6 @@ from hypothesis import given, settings, strategies as st
 
 from pipeline.store.placement import Placement, chunks_by_bytes, failover, plan_all_copies, plan_put, plan_read
 from pipeline.store.protocol import UNIT_UNAVAILABLE, GetResult
-from pipeline.store.replication import replica_map, witness_map
 from tasks.errors import InvalidStoreRequest
 from tasks.keys import unit_for_key
 from tasks.packed import PackedBatch, PackedField
@@ -21,10 +21,7 @@ KEYS = st.lists(st.from_regex(r"[a-z]{1,6}/c[0-9]{1,2}", fullmatch=True), min_si
 
 def placement(n_units: int, n_workers: int, copies: int) -> Placement:
     workers = tuple(f"tcp://127.0.0.{1 + u % n_workers}:4000" for u in range(n_units))
-    if copies == 1:
-        return Placement(0, workers)
-    rep = replica_map(workers)
-    return Placement(0, workers, tuple(rep), tuple(witness_map(workers, rep)))
+    return Placement(0, workers, replicas=copies)
 
 
 def batch_of(keys: list[str], row_len: int = 8) -> PackedBatch:
@@ -44,16 +41,25 @@ def test_a_put_plan_sends_every_copy_once_within_the_cap(keys, n_units, n_worker
         assert len(chunk) <= cap_rows and list(chunk) == sorted(chunk)
         for i in chunk:
             sent.setdefault(keys[i], []).append(u)
-    for k in keys:
+    loc = p.locate(keys)
+    for i, k in enumerate(keys):
         primary = unit_for_key(k, n_units)
-        want = [primary] if copies == 1 else sorted({primary, p.replica[primary]})
+        assert loc.primary[i] == primary
+        want = [primary] if copies == 1 else sorted({primary, int(loc.replica[i])})
         assert sorted(sent[k]) == want, k
+        if copies == 2:
+            assert p.host(int(loc.replica[i])) != p.host(primary), "copies on two hosts"
     if copies == 2:
+        witnessed = [k for names in plan.witness.values() for k in names]
+        assert len(witnessed) == len(set(witnessed)), "one witness per key"
         for w, names in plan.witness.items():
             for k in names:
-                primary = unit_for_key(k, n_units)
-                assert p.witness[primary] == w
-                assert p.workers[w] not in {p.workers[primary], p.workers[p.replica[primary]]}
+                i = keys.index(k)
+                assert loc.witness[i] == w
+                assert p.workers[w] not in {p.workers[loc.primary[i]], p.workers[loc.replica[i]]}
+        # A key has a witness exactly when some worker hosts neither of its copies.
+        has_third = [len(set(p.workers) - {p.workers[loc.primary[i]], p.workers[loc.replica[i]]}) > 0 for i in range(len(keys))]
+        assert sorted(witnessed) == sorted(k for k, third in zip(keys, has_third) if third)
 
 
 @settings(max_examples=60, deadline=None)
@@ -74,7 +80,12 @@ def test_all_copies_and_failover_go_to_the_replica():
     assert sum(len(ks) for _, ks in parts) == 2 * len(keys)
     lost = GetResult(PackedBatch([], {}), {k: (UNIT_UNAVAILABLE, "gone") for k in keys if unit_for_key(k, 3) == 0})
     again = failover(p, [lost])
-    assert again == [(p.replica[0], sorted(lost.failed, key=keys.index))]
+    replica = dict(zip(keys, p.copies_of(keys).tolist()))
+    want: dict[int, list[str]] = {}
+    for k in lost.failed:
+        want.setdefault(replica[k], []).append(k)
+    assert again == sorted(want.items()) and 0 not in want
+    assert sum(len(ks) for _, ks in again) == len(lost.failed) > 0
     assert failover(placement(3, 3, 1), [lost]) == []
 
 
@@ -89,11 +100,15 @@ def test_unusable_keys_and_batches_fail_before_any_call():
         plan_put(p, {"a": 1}, 1 << 20)  # type: ignore[arg-type]
 
 
-def test_a_replaced_unit_moves_one_version_on_and_keeps_the_maps():
+def test_a_replaced_unit_moves_one_version_on_and_keeps_every_keys_units():
     p = placement(3, 3, 2)
     q = p.replaced(1, "tcp://127.0.0.9:4000")
-    assert (q.version, q.workers[1], q.replica, q.witness) == (1, "tcp://127.0.0.9:4000", p.replica, p.witness)
+    assert (q.version, q.workers[1], q.unit_ids, q.homes) == (1, "tcp://127.0.0.9:4000", p.unit_ids, p.homes)
     assert q.host(1) == "127.0.0.9" and p.workers[1] != q.workers[1]
+    keys = [f"r{i}/c0" for i in range(200)]
+    a, b = p.locate(keys), q.locate(keys)
+    for x, y in ((a.primary, b.primary), (a.replica, b.replica), (a.witness, b.witness)):
+        assert np.array_equal(x, y)
 
 
 def test_chunks_by_bytes_keeps_order_and_lets_a_big_row_go_alone():

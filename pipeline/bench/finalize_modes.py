@@ -256,10 +256,9 @@ def run_graph(client: Client, store: StagingStore, groups: list[list[Receipt]], 
 
 def _site_of(store: StagingStore, rollout_id: str) -> str:
     """The worker hosting the unit that holds ``rollout_id``'s rows (a graph fetch site)."""
-    from tasks.keys import unit_for_rollout
+    from tasks.keys import primary_unit
 
-    workers = list(store.unit_workers)
-    return workers[unit_for_rollout(rollout_id, len(workers))]
+    return store.unit_workers[primary_unit(rollout_id, store.placement.unit_ids)]
 
 
 def run_mode(mode: str, client: Client, store: StagingStore, groups: list[list[Receipt]], groups_per_step: int,

@@ -23,9 +23,10 @@ from distributed import span
 from tasks.errors import FinalizeError
 from tasks.finalize.layout import SiteFetch, Slot, StepLayout, step_layout
 from tasks.finalize.plan import ReceiptLike, StepPlan, plan_step
-from tasks.keys import STAGING_PARTITION, unit_for_key
+from tasks.keys import STAGING_PARTITION, primary_units
 from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
 
+from ..store.placement import Placement
 from ..store.protocol import PlacedStoreLike
 from . import serializers  # noqa: F401  registers how Dask weighs and ships the step's objects
 from . import timing
@@ -96,12 +97,19 @@ class StepGraph:
 
 
 def affinity(store: PlacedStoreLike, keys: Sequence[str]) -> list[str]:
-    """Workers hosting the units that hold ``keys`` (soft affinity for the fetch task)."""
+    """Workers hosting the units that hold ``keys`` (soft affinity for the fetch task):
+    their primaries by the store's placement, or by the default unit ids over its
+    ``unit_workers`` for a store without one."""
     workers = list(store.unit_workers)
-    if not workers:
+    if not workers or not keys:
         return []
-    units = {unit_for_key(k, len(workers)) for k in keys}
-    return sorted({workers[u] for u in units})
+    placement = getattr(store, "placement", None)
+    if isinstance(placement, Placement) and placement.n_units == len(workers):
+        where, _ = placement.route(list(keys))
+        units = where[where >= 0]
+    else:
+        units = primary_units(keys, len(workers))
+    return sorted({workers[u] for u in set(units.tolist())})
 
 
 # ---- emitting the layout as tasks ----------------------------------------------------------

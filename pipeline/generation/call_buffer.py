@@ -29,7 +29,8 @@ from tasks.cut.receipt import (
     prefix_state,
 )
 from tasks.errors import InvalidCall
-from tasks.keys import CUT_PREFIX, check_id, unit_for_rollout
+from tasks.keys import CUT_PREFIX, check_id, primary_unit
+from tasks.placement_hash import default_unit_ids
 from tasks.schema import StagedRow
 
 # A call's lifecycle state: plain strings (they appear as such in ``info()``/``output()``).
@@ -152,7 +153,7 @@ class CallBuffer:
         self._key_stem = f"{self.rollout_id}/{self.model_call_id}/"  # cut key after the checkpoint root
         self._signature = chunk_signature(self.routes_shape)
         self._token_nbytes = token_nbytes(self.routes_shape)  # bytes per token of a packed row
-        self._unit = (0, 0)  # (n_units, storage unit of the call's rows): unit() caches it
+        self._unit: tuple[int | tuple[str, ...], int] = (0, 0)  # (units asked, the rows' unit): unit() caches it
 
     @property
     def key(self) -> str:
@@ -163,10 +164,12 @@ class CallBuffer:
         """``(rollout_id, model_call_id)``: made once (a cut keys its acks by it per row)."""
         return self._call
 
-    def unit(self, n_units: int) -> int:
-        """The storage unit of the call's rows among ``n_units`` (:func:`~tasks.keys.unit_for_rollout`)."""
-        if self._unit[0] != n_units:
-            self._unit = (n_units, unit_for_rollout(self.rollout_id, n_units))
+    def unit(self, units: int | tuple[str, ...]) -> int:
+        """The storage unit (index) of the call's rows: its rollout's primary among
+        ``units``, a placement's unit ids or a unit count (the default ids); cached."""
+        if self._unit[0] != units:
+            ids = default_unit_ids(units) if isinstance(units, int) else units
+            self._unit = (units, primary_unit(self.rollout_id, ids))
         return self._unit[1]
 
     # ---- decoding side ----

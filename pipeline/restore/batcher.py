@@ -14,17 +14,20 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import time
 import uuid
 from typing import Any, Callable, Sequence
 
 from tasks import reasons
-from tasks.keys import CUT_PARTITION, unit_for_key
+from tasks.keys import CUT_PARTITION, primary_unit, rollout_of_key
+from tasks.placement_hash import default_unit_ids
 from tasks.packed import PackedBatch
 from tasks.cut.prefix import Continuation, PrefixVerdict, verify_prefix
 
 from .. import config, events
 from ..actors import current_workers, local_instance, start_pinned_actors
+from ..store.placement import Placement
 from ..store.protocol import AsyncStoreLike
 from .coalescer import PrefixReadCoalescer, PrefixReadError
 
@@ -200,7 +203,9 @@ class PrefixReadBatcher:
 
 
 def unit_grouping(store: AsyncStoreLike) -> Callable[[str], int] | None:
-    """``key -> storage unit`` for a store with ``units`` (placement by rollout), else None.
+    """``key -> storage unit`` (its primary) for a store with ``units``, by its
+    current placement's unit ids (default ids without one), else None. Cached per
+    rollout id and ids: a rollout's keys share their unit.
 
     Coalesced gets then stay within one unit: the store answers such a get with the
     unit's own batch, no cross-unit merge copy, and units serve their gets in parallel.
@@ -208,8 +213,14 @@ def unit_grouping(store: AsyncStoreLike) -> Callable[[str], int] | None:
     units = getattr(store, "units", None)
     if not units:
         return None
-    n = len(units)
-    return lambda key: unit_for_key(key, n)
+    default = default_unit_ids(len(units))
+    of_rollout = functools.lru_cache(maxsize=1 << 14)(primary_unit)
+
+    def group(key: str) -> int:
+        placement = getattr(store, "placement", None)  # the handle's current table
+        return of_rollout(rollout_of_key(key), placement.unit_ids if isinstance(placement, Placement) else default)
+
+    return group
 
 
 def local_batcher(handle: Any) -> Any:

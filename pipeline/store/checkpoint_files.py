@@ -6,9 +6,10 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Iterable, Sequence, TypeVar
 
 from tasks.errors import CheckpointCorrupt
+from tasks.keys import primary_units
 from tasks.packed import PackedBatch
 
 from . import batch_file
@@ -20,6 +21,8 @@ from .row_packing import pack_stored_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     from .protocol import StoreLike
+
+T = TypeVar("T")
 
 
 def _read_regular(path: str) -> bytearray:
@@ -102,10 +105,20 @@ def load_file(root: str, entry: dict, generation: str) -> PackedBatch:
 
 
 def restore_file(store: "StoreLike", root: str, entry: dict, generation: str, claim: str) -> dict:
-    """Load one file into ``store`` (rows placed by ``unit_for_key``), its new rows
+    """Load one file into ``store`` (rows placed by the store's placement), its new rows
     provisional under ``claim``: ``{"ok": [keys], "failed": {key: (reason, detail)}}``."""
     result = store.put_claimed(load_file(root, entry, generation), claim, partition=entry["partition"])
     return {"ok": list(result.ok), "failed": dict(result.failed)}
+
+
+def primary_items(items: list[tuple[str, T]], units: int | Sequence[str], unit_index: int) -> list[tuple[str, T]]:
+    """Those ``(key, value)`` of ``items`` whose key's primary is unit ``unit_index`` of
+    ``units`` (the placement's unit ids, or a count: the default ids), ranked as the
+    placement ranks them (vectorised): what a replicated store's unit checkpoints."""
+    if not items:
+        return []
+    mine = (primary_units([k for k, _ in items], units) == unit_index).tolist()
+    return [item for item, keep in zip(items, mine) if keep]
 
 
 def write_partition_files(

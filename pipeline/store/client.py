@@ -4,7 +4,8 @@ Picklable (unit actor handles, the placement, the settings), so one object works
 controller, in Dask tasks and in other actors. Every key-routed operation is ONE path
 (:mod:`~pipeline.store.operations`: plan, calls, settle, merge) driven synchronously or
 asynchronously (:mod:`~pipeline.store.calls`): a request is split by
-:func:`~tasks.keys.unit_for_key`, ONE actor call goes to each unit involved (puts capped
+its :class:`~pipeline.store.placement.Placement` (rendezvous hashing of each key's rollout
+id over stable unit ids), ONE actor call goes to each unit involved (puts capped
 at ``store.max-call-bytes`` per call), all concurrently, and the per-key answers are
 merged (gets back into request order as ONE packed batch). The creating process also
 holds the :class:`~pipeline.store.owner.StoreOwner` (actor futures, repairer, close).
@@ -28,7 +29,6 @@ from .directory import UnitDirectory, UnitTable
 from .owner import StoreOwner, start_units, unit_args_from_config
 from .placement import Placement, plan_all_copies
 from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult, check_partition, pack_names
-from .replication import partners
 from .settings import StoreSettings
 from .slab_pool import SlabPool, process_pool
 
@@ -51,17 +51,22 @@ class StagingStore:
         units: Sequence["Actor"],
         unit_workers: Sequence[str],
         partitions: Sequence[str] | None = None,
-        replica: Sequence[int] | None = None,
+        *,
+        placement: Placement | None = None,
         directory: UnitDirectory | None = None,
-        version: int = 0,
-        witness: Sequence[int | None] | None = None,
         settings: StoreSettings | None = None,
         owner: StoreOwner | None = None,
     ):
+        """``units[u]`` on ``unit_workers[u]``; ``placement`` (default: version 0, ids
+        ``"0".."n-1"``, one copy) must name the same workers."""
         self.units = list(units)
-        rep = None if replica is None else tuple(replica)
-        wit = None if witness is None else tuple(witness)
-        self.placement = Placement(int(version), tuple(unit_workers), rep, wit)
+        if placement is None:
+            placement = Placement(0, tuple(unit_workers))
+        elif tuple(unit_workers) != placement.workers or len(self.units) != placement.n_units:
+            raise InvalidStoreRequest(
+                f"{len(self.units)} unit(s) on {list(unit_workers)} do not match the placement's {list(placement.workers)}"
+            )
+        self.placement = placement
         self.partitions = None if partitions is None else list(partitions)
         self.directory = directory  # the shared unit table (replicas=2), see directory.py
         self.settings = settings or StoreSettings.from_config()
@@ -75,14 +80,23 @@ class StagingStore:
         return list(self.placement.workers)
 
     @property
-    def replica(self) -> list[int] | None:
-        """replicas=2: ``replica[u]`` is the unit holding the second copy of unit u's keys."""
-        return None if self.placement.replica is None else list(self.placement.replica)
+    def unit_ids(self) -> list[str]:
+        """The units' stable names, by index (a replacement keeps its unit's)."""
+        return list(self.placement.unit_ids)
 
     @property
-    def witness(self) -> list[int | None] | None:
-        """replicas=2: ``witness[p]`` records the names of unit p's keys (replication.witness_map)."""
-        return None if self.placement.witness is None else list(self.placement.witness)
+    def replicas(self) -> int:
+        """Copies of every key: 1, or 2 (``token-capture.store.replicas`` when started)."""
+        return self.placement.replicas
+
+    @property
+    def replica(self) -> list[list[int]] | None:
+        """replicas=2: ``replica[u]``, the units that may hold the other copy of a key with
+        a copy on unit ``u`` (a derived view: each key's own replica is
+        ``placement.copies_of([key])``); None with one copy."""
+        if self.placement.replicas == 1:
+            return None
+        return [self.placement.partners(u) for u in range(self.placement.n_units)]
 
     @property
     def version(self) -> int:
@@ -109,7 +123,7 @@ class StagingStore:
         n_units = int(config.get("store.units") if n_units is None else n_units)
         args = unit_args_from_config(memory_limit, capacity, spill_directory)
         units, owner, placement, directory = start_units(client, n_units, args, workers)
-        store = cls(units, placement.workers, args.partitions, placement.replica, directory, witness=placement.witness, owner=owner)
+        store = cls(units, placement.workers, args.partitions, placement=placement, directory=directory, owner=owner)
         if directory is not None:
             from .repair import Repairer
 
@@ -283,11 +297,11 @@ class StagingStore:
             if isinstance(ks, Exception):
                 raise ks
             out.extend(ks if prefix is None else (k for k in ks if k.startswith(prefix)))
-        replica = self.placement.replica
+        one_copy = self.placement.replicas == 1
         for i, why in lost.items():
-            if replica is None or any(p in lost for p in partners(i, replica)):
+            if one_copy or any(p in lost for p in self.placement.partners(i)):
                 raise StoreUnavailable(why)
-        return out if replica is None else list(dict.fromkeys(out))
+        return out if one_copy else list(dict.fromkeys(out))
 
     def close(self) -> list[dict]:
         """Close every unit (drops rows, removes spill directories) and, in the creating
@@ -309,7 +323,7 @@ class StagingStore:
     # ---- units replaced (replicas=2): the shared table --------------------------------
 
     def table(self) -> UnitTable:
-        return UnitTable(self.version, list(self.units), list(self.placement.workers), self.replica)
+        return UnitTable(self.version, list(self.units), list(self.placement.workers))
 
     def install_unit(self, u: int, handle: "Actor", worker: str) -> None:
         """Unit ``u`` now lives on ``worker`` behind ``handle`` (its replacement)."""
@@ -323,7 +337,7 @@ class StagingStore:
             return False
         p = self.placement
         self.units = list(table.units)
-        self.placement = Placement(table.version, tuple(table.unit_workers), p.replica, p.witness)
+        self.placement = Placement(table.version, tuple(table.unit_workers), p.unit_ids, p.replicas, p.homes)
         return True
 
     def refresh(self, seen: int) -> bool:
@@ -353,8 +367,8 @@ class StagingStore:
         return _checkpoint.save(self, path, config.parse_bytes(chunk_bytes))
 
     def restore(self, path: str, client=None, allow_older: bool = False) -> dict:
-        """Load the checkpoint at ``path`` into this store (rows placed by ``unit_for_key``
-        over THIS store's units), all or nothing.
+        """Load the checkpoint at ``path`` into this store (rows placed by THIS store's
+        placement, whatever its unit count), all or nothing.
 
         Refuses a corrupt checkpoint (a file failing its digest or decode, a file name
         outside ``path``, an unsigned or wrongly signed manifest when
@@ -367,7 +381,7 @@ class StagingStore:
         return _checkpoint.restore(self, path, client=client, allow_older=allow_older)
 
     def __repr__(self) -> str:
-        copies = "" if self.placement.replica is None else " replicas=2"
+        copies = "" if self.placement.replicas == 1 else " replicas=2"
         return f"<StagingStore units={len(self.units)}{copies} workers={sorted(set(self.placement.workers))}>"
 
     # ---- request checks ---------------------------------------------------------------

@@ -9,9 +9,12 @@ lost key reads ``lost_key`` and refuses puts until a delete forgets it (see
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Sequence
 
-from tasks.keys import unit_for_key
+import numpy as np
+
+from tasks.errors import InvalidStoreRequest
+from tasks.keys import primary_units
 
 
 def lost_detail(key: str, how: str) -> str:
@@ -33,9 +36,16 @@ class LossBook:
             names.pop(key, None)
         return len(names)
 
-    def witnessed_of(self, partition: str, primary: int, n_units: int) -> list[str]:
-        """The witnessed names of ``partition`` whose primary unit is ``primary``."""
-        return [k for k in self.witnessed.get(partition, {}) if unit_for_key(k, n_units) == primary]
+    def witnessed_of(self, partition: str, primary: int | None = None, units: int | Sequence[str] | None = None) -> list[str]:
+        """The witnessed names of ``partition``: all of them, or (``primary`` given) those
+        whose primary is unit ``primary`` of ``units`` (the table's unit ids, or a unit
+        count: the default ids), ranked as the placement ranks them."""
+        names = list(self.witnessed.get(partition, {}))
+        if primary is None or not names:
+            return names
+        if units is None:
+            raise InvalidStoreRequest("witnessed names by primary need the table's units (ids or count)")
+        return [names[i] for i in np.flatnonzero(primary_units(names, units) == primary)]
 
     def mark(self, partition: str, keys: Iterable[str], how: str, held: dict[str, str]) -> int:
         """Record ``keys`` not in ``held`` (the unit's index) as lost; how many were new."""

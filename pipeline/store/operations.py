@@ -27,7 +27,7 @@ from .merging import (
     splice,
     unavailable_keys,
 )
-from .placement import Placement, failover, plan_all_copies, plan_put, plan_read
+from .placement import Placement, failover, plan_delete, plan_put, plan_read
 from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult, pack_names
 from .replication import merge_deletes
 
@@ -79,7 +79,7 @@ def _put_once(store: Driven, batch: PackedBatch, partition: str, adopt: bool, cl
         args = lambda chunk=chunk, wit=wit: (partition, cut_rows(batch, chunk, allocator), adopt, claim, wit)  # noqa: E731
         calls.append(Call(u, "put_many", args, [batch.keys[i] for i in chunk]))
     answers = yield calls + _witness_calls(partition, plan.witness, drop=False)
-    return merge_puts(batch, answers[: len(calls)], plan.failed, placement.replica is not None)
+    return merge_puts(batch, answers[: len(calls)], plan.failed, placement.replicas == 2)
 
 
 # ---- get ----------------------------------------------------------------------------------
@@ -127,14 +127,13 @@ def delete(store: Driven, keys: Sequence[str], partition: str) -> Operation[Stor
 
 
 def _delete_once(placement: Placement, keys: Sequence[str], partition: str) -> Operation[StoreResult]:
-    uniq, parts, failed = plan_all_copies(placement, keys)
-    names = placement.witnesses_of(uniq, placement.route(uniq)[0])
+    uniq, parts, names, failed = plan_delete(placement, keys)
     calls = [
         Call(u, "delete", lambda ks=ks, wit=_packed(names.pop(u, None)): (partition, pack_names(ks), wit), ks)
         for u, ks in parts
     ]
     answers = yield calls + _witness_calls(partition, names, drop=True)
     results = answers[: len(calls)]
-    result = StoreResult.merge(results) if placement.replica is None else merge_deletes(results, uniq)
+    result = StoreResult.merge(results) if placement.replicas == 1 else merge_deletes(results, uniq)
     result.failed.update(failed)
     return result

@@ -22,7 +22,6 @@ from ..actors import current_workers, start_pinned_actors
 from .directory import UnitDirectory, UnitTable
 from .placement import Placement
 from .protocol import check_partition
-from .replication import replica_map, witness_map
 from .unit import StorageUnit
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -111,27 +110,27 @@ def unit_args_from_config(
 
 
 def start_units(
-    client: Client, n_units: int, args: UnitArgs, workers: Sequence[str] | None
+    client: Client, n_units: int, args: UnitArgs, workers: Sequence[str] | None, replicas: int | None = None
 ) -> tuple[list[Actor], StoreOwner, Placement, UnitDirectory | None]:
-    """Start ``n_units`` units round-robin over ``workers`` (default: every worker now).
+    """Start ``n_units`` units round-robin over ``workers`` (default: every worker now),
+    named ``"0".."n-1"``, with ``replicas`` copies of every key (``None``:
+    ``token-capture.store.replicas``, read here).
 
-    Returns the unit handles, their owner, the placement (with replicas=2 its replica and
-    witness maps, fixed for the store's life) and, with replicas=2, the unit directory."""
+    Returns the unit handles, their owner, the placement (each unit's home is the worker
+    it starts on; with replicas=2 a key's replica is on another worker, or another host
+    when the workers span several) and, with replicas=2, the unit directory."""
     if n_units <= 0:
         raise InvalidStoreRequest(f"n_units must be positive, got {n_units}")
     workers = current_workers(client) if workers is None else list(workers)
     if not workers:
         raise StoreUnavailable("no workers to host storage units")
-    placed = [workers[i % len(workers)] for i in range(n_units)]
-    replicas = int(config.get("store.replicas"))
-    if replicas not in (1, 2):
-        raise InvalidStoreRequest(f"token-capture.store.replicas must be 1 or 2, got {replicas}")
-    replica = replica_map(placed) if replicas == 2 else None  # refuses a single worker
-    units, futures = start_pinned_actors(client, StorageUnit, placed, args=[args.for_unit(i) for i in range(n_units)])
+    placed = tuple(workers[i % len(workers)] for i in range(n_units))
+    copies = int(config.get("store.replicas")) if replicas is None else replicas
+    placement = Placement(0, placed, replicas=copies)  # refuses replicas=2 on a single worker
+    units, futures = start_pinned_actors(client, StorageUnit, list(placed), args=[args.for_unit(i) for i in range(n_units)])
     owner = StoreOwner(client, list(futures), args)
-    if replica is None:
-        return units, owner, Placement(0, tuple(placed)), None
+    if copies == 1:
+        return units, owner, placement, None
     import uuid
 
-    placement = Placement(0, tuple(placed), tuple(replica), tuple(witness_map(placed, replica)))
     return units, owner, placement, UnitDirectory(f"token-capture-units-{uuid.uuid4().hex[:12]}")

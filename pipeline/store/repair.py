@@ -3,18 +3,21 @@
 Runs in the process that started a replicas=2 :class:`~pipeline.store.client.StagingStore`
 (it holds the client and the actor futures), in one daemon thread. Every
 ``store.repair-interval-s`` it compares the units' workers with the scheduler's; for a
-unit whose worker is gone it starts a replacement actor on another worker (not one
-hosting a unit that shares keys with it), lists the keys each surviving partner holds a
-copy of, copies them in chunks (one get per survivor per chunk, one put per chunk) and
-then installs the new unit in the shared directory.
+unit whose worker is gone it starts a replacement actor on another worker (one hosting
+no unit of another failure domain: :meth:`~pipeline.store.placement.Placement.may_host`),
+and each surviving unit sends, in chunks (one get per chunk, one put per chunk), the
+keys the lost unit holds a copy of (it holds their other copy) and the names of the keys
+it witnesses (the survivor being their primary, or their replica when the primary is
+lost too). Then the new unit is installed in the shared directory. The replacement
+keeps its unit's id and home, so no key changes units (:meth:`Placement.replaced`).
 
-Keys whose two copies were BOTH lost (the unit and the partner holding the other copy
-died together) cannot be copied; their names survive on their witness unit
-(:func:`~pipeline.store.replication.witness_map`), and the new unit records them as lost:
-they read ``lost_key`` and refuse new content, never pass for keys never staged. A
-survivor's lost keys are copied like its rows, and a replaced witness gets its names
-back from the units holding the keys it witnessed. Puts and gets go on meanwhile; reads
-of the lost unit's keys are served by the survivors until the new unit is installed.
+Keys whose two copies were BOTH lost (the unit and the unit holding the other copy
+died together) cannot be copied; their names survive on their witness unit, and the
+new unit records them as lost: they read ``lost_key`` and refuse new content, never pass
+for keys never staged. A survivor's lost keys are copied like its rows, and a replaced
+witness gets its names back from the units holding the keys it witnessed. Puts and gets
+go on meanwhile; reads of the lost unit's keys are served by the survivors until the new
+unit is installed.
 """
 from __future__ import annotations
 
@@ -23,12 +26,12 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
-from tasks.keys import unit_for_key
+import numpy as np
 
 from .. import config
 from ..actors import current_workers, start_pinned_actors
+from .placement import Placement
 from .protocol import pack_names
-from .replication import partners, witnessed_by
 from .unit import StorageUnit
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,26 +87,21 @@ class Repairer:
 
     def repair(self, u: int, live: set[str]) -> bool:
         store = self.store
-        replica = store.replica
-        mates = [p for p in partners(u, replica) if store.unit_workers[p] in live]
-        avoid = {store.unit_workers[p] for p in partners(u, replica)}
-        candidates = sorted(w for w in live if w not in avoid)
-        if not candidates:
-            logger.warning("unit %d lost: no live worker apart from its partners' %s; waiting", u, sorted(avoid))
+        placement: Placement = store.placement
+        worker = self._replacement_worker(placement, u, live)
+        if worker is None:
             return False
-        worker = min(candidates, key=lambda w: (store.unit_workers.count(w), w))
         units, futures = start_pinned_actors(self.client, StorageUnit, [worker], args=[self.unit_args.for_unit(u)])
         new = units[0]
-        timeout, chunk_rows = self.call_timeout_s, self.chunk_rows
-        dead = [p for p in partners(u, replica) if p not in mates]
+        survivors = [s for s in range(placement.n_units) if s != u and placement.workers[s] in live]
+        dead = [d for d in range(placement.n_units) if d != u and placement.workers[d] not in live]
         copied = lost = 0
         try:
             for partition in store.partitions or []:
-                for s in mates:
-                    copied += self._copy_pair(new, partition, u, s, timeout, chunk_rows)
-                for d in dead:
-                    lost += self._mark_pair_lost(new, partition, u, d, live, timeout)
-                self._rebuild_witness(new, partition, u, live, timeout)
+                for s in survivors:
+                    copied += self._copy_from(new, partition, placement, u, s, dead)
+                if dead:
+                    lost += self._mark_lost_together(new, partition, placement, u, dead, survivors)
         except BaseException:
             self.client.cancel(futures, force=True)
             raise
@@ -112,60 +110,92 @@ class Repairer:
         logger.info("storage unit %d re-replicated onto %s (%d rows)", u, worker, copied)
         return True
 
-    def _pair_keys(self, keys: list[str], u: int, s: int) -> list[str]:
-        """Those of ``keys`` whose two copies are on units ``u`` and ``s``."""
-        n, replica = len(self.store.units), self.store.replica
-        return [k for k in keys if ((p := unit_for_key(k, n)) == u and replica[u] == s) or (p == s and replica[s] == u)]
+    @staticmethod
+    def _replacement_worker(placement: Placement, u: int, live: set[str]) -> str | None:
+        """A live worker for unit ``u``'s replacement sharing no failure domain with units
+        that may hold its keys' other copies (fewest units first), or None (wait)."""
+        ok = sorted(w for w in live if placement.may_host(u, w))
+        if not ok and placement.by_host:
+            ok = sorted(w for w in live if placement.may_host(u, w, by_host=False))
+            if ok:
+                logger.warning("unit %d lost: no live host free of its partners; its replacement shares a host with some", u)
+        if not ok:
+            logger.warning("unit %d lost: every live worker hosts a unit that may hold its keys' other copies; waiting", u)
+            return None
+        return min(ok, key=lambda w: (placement.workers.count(w), w))
 
-    def _copy_pair(self, new: "Actor", partition: str, u: int, s: int, timeout: float, chunk_rows: int) -> int:
-        """Copy the rows (and lost-key records) of pair (u, s) from survivor ``s``; rows copied.
-        Lost keys are copied as records only: they have no row to read."""
-        mate = self.store.units[s]
+    def _copy_from(self, new: "Actor", partition: str, placement: Placement, u: int, s: int, dead: list[int]) -> int:
+        """Survivor ``s``'s share of unit ``u``'s contents: the rows (and lost-key records)
+        of the keys whose two copies are on ``u`` and ``s``, and the names ``u`` witnesses
+        of keys ``s`` holds (``s`` their primary, or their replica with the primary in
+        ``dead`` too). Lost keys are copied as records only: they have no row to read.
+        Returns the rows copied."""
+        timeout, mate = self.call_timeout_s, self.store.units[s]
+        listed = mate.keys(partition).result(timeout=timeout)
+        if not listed:
+            return 0
         lost = mate.lost_keys(partition).result(timeout=timeout)
-        held = [k for k in self._pair_keys(mate.keys(partition).result(timeout=timeout), u, s) if k not in lost]
-        copied = 0
-        for i in range(0, len(held), chunk_rows):
-            chunk = held[i : i + chunk_rows]
+        loc = placement.locate(listed)
+        p, r, w = loc.primary, loc.replica, loc.witness
+        assert r is not None and w is not None  # replicas=2
+        pair = ((p == u) & (r == s)) | ((p == s) & (r == u))
+        shared = [listed[i] for i in np.flatnonzero(pair)]
+        copied = self._copy_rows(new, partition, u, mate, [k for k in shared if k not in lost])
+        by_how: dict[str, list[str]] = {}
+        for k in shared:
+            if k in lost:
+                by_how.setdefault(lost[k], []).append(k)
+        for how, names in by_how.items():
+            new.mark_lost(partition, pack_names(names), how).result(timeout=timeout)
+        witnessed = (w == u) & ((p == s) | ((r == s) & np.isin(p, dead)))
+        names = [listed[i] for i in np.flatnonzero(witnessed)]
+        if names:
+            new.witness(partition, pack_names(names)).result(timeout=timeout)
+        return copied
+
+    def _copy_rows(self, new: "Actor", partition: str, u: int, mate: "Actor", held: list[str]) -> int:
+        """Copy rows ``held`` from ``mate`` to ``new`` in chunks; rows copied."""
+        timeout, copied = self.call_timeout_s, 0
+        for i in range(0, len(held), self.chunk_rows):
+            chunk = held[i : i + self.chunk_rows]
             got = mate.get_many(partition, pack_names(chunk), None).result(timeout=timeout)
             if len(got.batch):
                 res = new.put_many(partition, got.batch, True).result(timeout=timeout)
                 copied += len(res.ok)
                 if res.failed:
                     logger.warning("re-replicating unit %d: %d rows refused, e.g. %s", u, len(res.failed), next(iter(res.failed.items())))
-        by_how: dict[str, list[str]] = {}
-        for k in self._pair_keys(list(lost), u, s):
-            by_how.setdefault(lost[k], []).append(k)
-        for how, names in by_how.items():
-            new.mark_lost(partition, pack_names(names), how).result(timeout=timeout)
         return copied
 
-    def _mark_pair_lost(self, new: "Actor", partition: str, u: int, d: int, live: set[str], timeout: float) -> int:
-        """Pair (u, d) died together: record its keys' names (from their witness) as lost."""
-        store, n = self.store, len(self.store.units)
-        how = f"units {min(u, d)} and {max(u, d)} lost together, noticed {time.strftime('%Y-%m-%dT%H:%M:%S')}"
+    def _mark_lost_together(
+        self, new: "Actor", partition: str, placement: Placement, u: int, dead: list[int], survivors: list[int]
+    ) -> int:
+        """Keys whose two copies were on ``u`` and a unit of ``dead`` (lost together: the
+        lost units not yet replaced): their names, from the surviving witnesses, recorded
+        lost on ``new``. Returns how many."""
+        timeout, ids = self.call_timeout_s, placement.unit_ids
+        noticed = time.strftime("%Y-%m-%dT%H:%M:%S")
         marked = 0
-        for primary in (p for p in (u, d) if store.replica[p] in (u, d)):
-            w = store.witness[primary] if store.witness else None
-            if w is None or store.unit_workers[w] not in live:
-                logger.error(
-                    "storage units %d and %d lost together and the witness of unit %d's keys is %s: "
-                    "those keys read as missing, not lost", u, d, primary, "none" if w is None else "lost too",
-                )
+        for v in survivors:
+            names = self.store.units[v].witnessed_keys(partition).result(timeout=timeout)
+            if not names:
                 continue
-            names = store.units[w].witnessed_keys(partition, primary, n).result(timeout=timeout)
-            if names:
-                marked += new.mark_lost(partition, pack_names(names), how).result(timeout=timeout)
+            loc = placement.locate(names)
+            p, r, w = loc.primary, loc.replica, loc.witness
+            assert r is not None and w is not None  # replicas=2
+            for d in dead:
+                both = (w == v) & (((p == u) & (r == d)) | ((p == d) & (r == u)))
+                gone = [names[i] for i in np.flatnonzero(both)]
+                if gone:
+                    how = f"units {ids[min(u, d)]} and {ids[max(u, d)]} lost together, noticed {noticed}"
+                    marked += new.mark_lost(partition, pack_names(gone), how).result(timeout=timeout)
         if marked:
-            logger.error("storage units %d and %d lost together: %d key(s) of partition %r lost (both copies)", u, d, marked, partition)
+            logger.error("storage unit %d lost with unit(s) %s: %d key(s) of partition %r lost (both copies)", u, dead, marked, partition)
+        homes = placement.homes
+        for d in dead:
+            could_witness = [v for v, h in enumerate(homes) if h not in (homes[u], homes[d])]
+            if d in placement.partners(u) and (not could_witness or not set(could_witness) <= set(survivors)):
+                logger.error(
+                    "storage units %d and %d lost together and some of their keys' witness is %s: those keys read "
+                    "as missing, not lost", u, d, "lost too" if could_witness else "none (units on two workers)",
+                )
         return marked
-
-    def _rebuild_witness(self, new: "Actor", partition: str, u: int, live: set[str], timeout: float) -> None:
-        """``u`` witnessed other units' keys: give the new unit their names back."""
-        store, n = self.store, len(self.store.units)
-        for p in witnessed_by(u, store.witness or []):
-            source = next((c for c in (p, store.replica[p]) if store.unit_workers[c] in live), None)
-            if source is None:
-                continue
-            names = [k for k in store.units[source].keys(partition).result(timeout=timeout) if unit_for_key(k, n) == p]
-            if names:
-                new.witness(partition, pack_names(names)).result(timeout=timeout)

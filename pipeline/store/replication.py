@@ -1,66 +1,16 @@
-"""Replica placement and the merge of two copies' answers (pure: no Dask).
+"""The merge of two copies' answers (pure: no Dask).
 
-With ``token-capture.store.replicas: 2`` every key has a primary unit
-(``unit_for_key``) and a replica unit on a different worker: the first unit after the
-primary, cyclically in unit order, hosted on another worker (:func:`replica_map`; units
-are placed round-robin over workers, so that is the next unit except at the wrap). The map
-is fixed when the store starts and kept when a lost unit is replaced, so a key's two units
-never change. Reasoning and costs: docs/reliability.md, "Replication".
+With ``token-capture.store.replicas: 2`` every key has a primary unit and a replica
+unit in another failure domain, chosen per key by rendezvous ranking
+(:class:`~pipeline.store.placement.Placement`); a put and a delete reach both copies,
+and their answers merge here into one per key. Reasoning and costs:
+docs/reliability.md, "Replication".
 """
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from tasks.errors import InvalidStoreRequest
-
 from .protocol import MISSING_KEY, UNIT_UNAVAILABLE, StoreResult
-
-
-def replica_map(unit_workers: Sequence[str]) -> list[int]:
-    """``replica[u]``: the first unit after ``u`` (cyclically) on a worker other than ``u``'s.
-
-    Raises :class:`InvalidStoreRequest` when every unit is on one worker (a second copy on
-    the same worker dies with the first)."""
-    n = len(unit_workers)
-    if len(set(unit_workers)) < 2:
-        raise InvalidStoreRequest(
-            f"store.replicas=2 needs storage units on at least 2 workers, got {n} unit(s) on "
-            f"{len(set(unit_workers))} worker(s); start more workers or set token-capture.store.replicas: 1"
-        )
-    out = []
-    for u in range(n):
-        for step in range(1, n):
-            v = (u + step) % n
-            if unit_workers[v] != unit_workers[u]:
-                out.append(v)
-                break
-    return out
-
-
-def witness_map(unit_workers: Sequence[str], replica: Sequence[int]) -> list[int | None]:
-    """``witness[p]``: the unit recording the NAMES of the keys whose primary is ``p``, so a
-    key whose two copies (units ``p`` and ``replica[p]``) are both lost reads as lost, not
-    as never staged. The first unit after ``replica[p]`` (cyclically) on a worker hosting
-    neither copy; ``None`` when every unit is on one of those two workers (a store on two
-    workers cannot tell a lost key from an unknown one)."""
-    n = len(unit_workers)
-    out: list[int | None] = []
-    for p in range(n):
-        r = replica[p]
-        taken = {unit_workers[p], unit_workers[r]}
-        out.append(next((w for step in range(1, n) if unit_workers[w := (r + step) % n] not in taken), None))
-    return out
-
-
-def witnessed_by(u: int, witness: Sequence[int | None]) -> list[int]:
-    """The primaries whose keys unit ``u`` witnesses."""
-    return [p for p, w in enumerate(witness) if w == u]
-
-
-def partners(u: int, replica: Sequence[int]) -> list[int]:
-    """Units holding the other copy of some key of unit ``u``: its replica, and every unit
-    whose replica ``u`` is (sorted, without ``u``)."""
-    return sorted({replica[u], *(p for p, r in enumerate(replica) if r == u)} - {u})
 
 
 # A unit's own refusal (key_conflict, store_full, ...) outranks not reaching a unit: a

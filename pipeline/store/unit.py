@@ -20,10 +20,9 @@ import uuid
 from typing import Sequence
 
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
-from tasks.keys import unit_for_key
 from tasks.packed import PackedBatch
 
-from .checkpoint_files import write_partition_files
+from .checkpoint_files import primary_items, write_partition_files
 from .checkpoint_guard import CheckpointGuard
 from .held_rows import HeldRows
 from .losses import LossBook, lost_detail
@@ -328,9 +327,9 @@ class StorageUnit:
             () if drop is None else unpack_names(drop, "unwitness"),
         )
 
-    def witnessed_keys(self, partition: str, primary: int, n_units: int) -> list[str]:
-        """The witnessed names of ``partition`` whose primary unit is ``primary`` (of ``n_units``)."""
-        return self.losses.witnessed_of(partition, primary, n_units)
+    def witnessed_keys(self, partition: str, primary: int | None = None, units: int | Sequence[str] | None = None) -> list[str]:
+        """Witnessed names of ``partition`` (given ``primary``: those of unit ``primary`` of ``units``, ids or count)."""
+        return self.losses.witnessed_of(partition, primary, units)
 
     def mark_lost(self, partition: str, keys: bytes | Sequence[str], how: str) -> int:
         """Record ``keys`` (not held here) as lost, ``how`` saying when and where; returns
@@ -460,19 +459,19 @@ class StorageUnit:
 
     # ---- checkpoint -------------------------------------------------------------
 
-    def checkpoint_write(self, directory: str, chunk_bytes: int, primary_of_units: int | None = None) -> list[dict]:
+    def checkpoint_write(self, directory: str, chunk_bytes: int, primary_of_units: int | Sequence[str] | None = None) -> list[dict]:
         """Write every partition's rows as packed batch files (about ``chunk_bytes`` each)
         into ``directory`` atomically per file (temp, fsync, rename). Returns one manifest
         entry per file. Runs on the actor thread, so it is a consistent snapshot of this unit.
 
-        ``primary_of_units`` (a replicated store's unit count): write only the keys this unit
-        is the primary of, so a checkpoint holds each key once, not once per copy."""
+        ``primary_of_units`` (a replicated store's unit ids, or count: default ids): write only
+        the keys this unit is the primary of, so a checkpoint holds each key once, not twice."""
         self._check_open()
         entries: list[dict] = []
         for partition, index in self.held.index.items():
             items = list(index.items())
             if primary_of_units is not None:
-                items = [(k, v) for k, v in items if unit_for_key(k, primary_of_units) == self.unit_index]
+                items = primary_items(items, primary_of_units, self.unit_index)
             reg = self.registry.get(partition)
             rows = ((key, self.held.rows.peek(slot), self.held.weights[slot]) for key, slot in items)
             entries.extend(write_partition_files(directory, f"u{self.unit_index:03d}-{partition}", partition, rows, reg, chunk_bytes))

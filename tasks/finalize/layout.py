@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from ..keys import unit_for_key
+from ..keys import primary_units
 from .plan import RolloutPlan, StepPlan, pack_verify_tasks
 
 
@@ -140,7 +140,8 @@ def group_slots(plan: StepPlan, group_sizes: Sequence[int]) -> list[list[Slot]]:
 def sites(unit_workers: Sequence[str], rollouts: Sequence[RolloutPlan]) -> list[tuple[str | None, list[int]]]:
     """The step's rollouts (indices, plan order) by the worker hosting their rows' unit.
 
-    ``unit_workers[u]`` is the worker hosting storage unit ``u``. A rollout's rows all
+    ``unit_workers[u]`` is the worker hosting storage unit ``u`` (default unit ids
+    ``"0".."n-1"``, ranked as the store's placement ranks them). A rollout's rows all
     live on one unit (placed by rollout id), so each site's fetch reads only units of
     that worker: one get per unit per step, and its verify tasks run where the rows
     landed. Sites are numbered in unit order. Without unit placement every rollout is one
@@ -150,8 +151,9 @@ def sites(unit_workers: Sequence[str], rollouts: Sequence[RolloutPlan]) -> list[
     if not workers:
         return [(None, list(range(len(rollouts))))] if rollouts else []
     by_worker: dict[str, list[int]] = {}
-    for r, p in enumerate(rollouts):
-        by_worker.setdefault(workers[unit_for_key(p.keys[0], len(workers))], []).append(r)
+    units = primary_units([p.keys[0] for p in rollouts], len(workers)).tolist()
+    for r, u in enumerate(units):
+        by_worker.setdefault(workers[u], []).append(r)
     order = list(dict.fromkeys(workers))
     return [(w, by_worker[w]) for w in order if w in by_worker]
 
