@@ -136,6 +136,11 @@ class StoreUnavailable(StoreError, RuntimeError):
     """A store or storage unit is closed, lost or unreachable."""
 
 
+class StoreBusy(StoreError, RuntimeError):
+    """The store is in the middle of a change that excludes this one (a move of keys and
+    a store checkpoint never overlap); retry once the other has ended."""
+
+
 # ---- the cluster -------------------------------------------------------------------------
 
 

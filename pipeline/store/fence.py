@@ -1,0 +1,99 @@
+"""A unit's view of the placement table while keys move (pure: no Dask).
+
+Before a change of the table copies anything, every unit is *fenced* with the new table:
+from then on a unit refuses a put of a key the new table does not give it (reason
+``moved``: the writer's table is stale; it refreshes and writes to the new holders) and
+answers ``moved``, not ``missing_key``, for a read or delete of a key it neither holds
+nor is given. A delete, during the move, of a key the unit is given but does not hold
+yet leaves a *tombstone*, so the move's copy of that key (which may have been read from
+its old holder before the delete) is not written after it: a deleted key never comes
+back. :meth:`Fence.settled` ends the move (tombstones dropped); the table stays.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping, Sequence
+
+import numpy as np
+
+from .placement import Placement
+
+MOVED = "moved"
+
+
+@dataclass
+class Fence:
+    """The table a unit was last told (``placement``), its own id in it, and whether a
+    move into that table is still copying (``moving``: tombstones are kept)."""
+
+    placement: Placement
+    unit_id: str
+    moving: bool = True
+    leaving: bool = False  # the table no longer names this unit (it is being drained)
+    tombstones: dict[str, set[str]] = field(default_factory=dict)  # partition -> deleted keys
+
+    @classmethod
+    def from_message(cls, msg: Mapping[str, object]) -> Fence:
+        """The fence a ``fence`` call describes (what :meth:`message` wrote)."""
+        placement = Placement(
+            int(msg["version"]), tuple(msg["workers"]), tuple(msg["unit_ids"]),  # type: ignore[arg-type]
+            int(msg["replicas"]), tuple(msg["homes"]),  # type: ignore[arg-type]
+        )
+        unit_id, leaving = str(msg["unit_id"]), bool(msg.get("leaving", False))
+        if not leaving:
+            placement.index_of(unit_id)  # refuses an id the table does not name
+        return cls(placement, unit_id, bool(msg.get("moving", True)), leaving)
+
+    @staticmethod
+    def message(placement: Placement, unit_id: str, moving: bool = True) -> dict[str, object]:
+        """What a ``fence`` call carries (plain values: it crosses the wire). A
+        ``unit_id`` the table does not name marks a unit being drained (``leaving``)."""
+        return {
+            "version": placement.version, "workers": list(placement.workers), "unit_ids": list(placement.unit_ids),
+            "replicas": placement.replicas, "homes": list(placement.homes), "unit_id": unit_id, "moving": moving,
+            "leaving": unit_id not in placement.unit_ids,
+        }
+
+    @property
+    def version(self) -> int:
+        return self.placement.version
+
+    def given(self, keys: Sequence[str]) -> np.ndarray:
+        """bool per key: the table gives this unit a copy of it (unusable keys: False)."""
+        if not len(keys) or self.leaving:
+            return np.zeros(len(keys), dtype=bool)
+        me = self.placement.index_of(self.unit_id)
+        loc = self.placement.locate(keys)
+        mine = loc.primary == me
+        if loc.replica is not None:
+            mine |= loc.replica == me
+        return mine
+
+    def not_given(self, keys: Sequence[str]) -> list[str]:
+        """The keys of ``keys`` this unit must refuse to write (see the module docstring)."""
+        mask = self.given(keys)
+        return [k for k, ok in zip(keys, mask) if not ok]
+
+    def detail(self, key: str) -> str:
+        return f"key {key!r} is not this unit's ({self.unit_id!r}) under placement version {self.version}; refresh the table"
+
+    def deleted(self, partition: str, keys: Sequence[str]) -> None:
+        """Remember deletes while moving, so a late copy does not bring them back."""
+        if self.moving and keys:
+            self.tombstones.setdefault(partition, set()).update(keys)
+
+    def revived(self, partition: str, keys: Sequence[str]) -> None:
+        """A writer put ``keys`` again after deleting them: theirs now, not buried."""
+        dead = self.tombstones.get(partition)
+        if dead:
+            dead.difference_update(keys)
+
+    def buried(self, partition: str, keys: Sequence[str]) -> set[str]:
+        """The keys of ``keys`` deleted during the move (a move's copy skips them)."""
+        dead = self.tombstones.get(partition)
+        return set() if not dead else {k for k in keys if k in dead}
+
+    def settled(self) -> None:
+        """The move is over: every copy is written; tombstones are no longer needed."""
+        self.moving = False
+        self.tombstones.clear()
