@@ -192,3 +192,24 @@ def scale_outcome_lines(decisions: Sequence[Decision], up: bool, down: bool, bur
     elif not down:
         out.append(f"scaling: no scale-down decision within {down_bound_s:g} s of idling")
     return out
+
+
+def scale_store_line(threshold: float, deployment_fill: float, used_bytes: float, capacity_bytes: float, units: int) -> str:
+    """The storage threshold the demo's own cluster uses for a moment of the phase, and the default."""
+    from dask.utils import format_bytes
+
+    return (f"scaling: the burst's rows fill the store to {used_bytes / capacity_bytes:.4%} "
+            f"({format_bytes(int(used_bytes))} of {format_bytes(int(capacity_bytes))} in {units} units); for a moment the store "
+            f"counts as full above {threshold:.4%} (demo setting; deployment default store.scale-up-fill {deployment_fill:.0%})")
+
+
+def scale_store_empty_line() -> str:
+    """The store held nothing to decide on (no storage decision to show)."""
+    return "scaling: the store holds no bytes of the burst (or reports no capacity): no storage decision to show"
+
+
+def scale_storage_line(decisions: Sequence[Decision]) -> str:
+    """The phase's storage decisions (the first four changes), or plainly that none came."""
+    if not decisions:
+        return "scaling: the policy recorded no storage decision during the phase"
+    return f"scaling (storage): {'; '.join(describe_decision(d) for d in decisions[:4])}"

@@ -6,15 +6,19 @@ long synthetic dense rollouts (``--scale-calls`` calls of ``--scale-tokens`` tok
 staged first, then all submitted back to back, so the queue rises while verification
 dominates the finalize split. Then the phase waits (bounded) for an ``up`` decision, and
 idles (bounded: ``scaling.idle-s`` plus a few adaptive intervals) for a ``down``; none
-within its bound is said plainly, not an error. Embedded cluster only.
+within its bound is said plainly, not an error. While the first burst is in flight the
+store's own fill is shown against a demo threshold (half of it, until the burst is
+collected), so the storage side of the policy decides too (:func:`_storage_moment`).
+Embedded cluster only.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 
+from ..store.report import report_store
 from . import reporter
 from .context import DemoRun, Row
 from .finishing import FinishWatch, report_step, wait_step, wall_s
@@ -67,6 +71,11 @@ def scaling_since(decisions: Iterable[Decision], since: float) -> list[Decision]
     """The scheduler's recorded scaling decisions (``token_capture_state()["decisions"]``)
     made at or after ``since`` (scheduler wall-clock seconds), oldest first."""
     return [d for d in decisions if float(d.get("t", 0.0)) >= since]
+
+
+def kind_of(d: Decision) -> str:
+    """Which side of the policy made ``d``: ``finalize`` (also when unnamed) or ``storage``."""
+    return str(d.get("kind") or "finalize")
 
 
 def _decisions(client: Client, since: float) -> list[Decision]:
@@ -151,15 +160,48 @@ def _clear_window(run: DemoRun) -> None:
 
 
 def _wait_for_decision(client: Client, since: float, action: str, bound_s: float, progress: Progress, note: str) -> list[Decision]:
-    """Poll the scheduler's decisions until one ``action`` since ``since`` or ``bound_s`` passed."""
+    """Poll the scheduler's decisions until one finalize ``action`` since ``since`` or
+    ``bound_s`` passed (``action`` ``"storage"``: any storage decision made on the store's fill)."""
     deadline = time.monotonic() + bound_s
     while True:
         ds = _decisions(client, since)
-        if any(d["action"] == action for d in ds) or time.monotonic() >= deadline:
+        if any(_is(d, action) for d in ds) or time.monotonic() >= deadline:
             return ds
         progress.advance(0, note)
         check_interrupt()
         wait_for_stop(0.25)
+
+
+def _is(d: Decision, action: str) -> bool:
+    """``d`` is a finalize ``action``, or for ``"storage"`` a storage decision on a full store."""
+    if action == "storage":
+        return kind_of(d) == "storage" and d.get("reason_code") in ("storage-fill-high", "storage-at-maximum")
+    return kind_of(d) == "finalize" and d["action"] == action
+
+
+def _storage_moment(run: DemoRun, plan: _Plan, progress: Progress) -> Callable[[], None] | None:
+    """With the first burst staged and in flight: publish the units' figures now, count
+    the store as full above half of its current fill (a demo setting, said so) and wait
+    (bounded) for the storage decision (the outcome lines print it). Returns what puts
+    the deployment's threshold back (once the burst is collected: while its rows fill
+    the store the worker added for it stays), or None when nothing was changed."""
+    adaptive = run.adaptive
+    since = time.time()
+    stats = report_store(run.store)
+    used, capacity = sum(float(u["used_bytes"]) for u in stats), sum(float(u["capacity"]) for u in stats)
+    if adaptive is None or used <= 0 or capacity <= 0:
+        run.report.line(reporter.scale_store_empty_line())
+        return None
+    fill = used / capacity
+    run.report.line(reporter.scale_store_line(fill / 2, adaptive.storage_settings.scale_up_fill, used, capacity, len(stats)))
+    previous = adaptive.with_storage_settings(scale_up_fill=fill / 2, scale_down_fill=0.0)
+    try:
+        _wait_for_decision(run.client, since, "storage", plan.up_bound_s, progress,
+                           "waiting for the adaptive policy's storage decision")
+    except BaseException:
+        adaptive.restore_storage_settings(previous)
+        raise
+    return lambda: adaptive.restore_storage_settings(previous)
 
 
 def _run_bursts(run: DemoRun, plan: _Plan) -> Row:
@@ -172,21 +214,27 @@ def _run_bursts(run: DemoRun, plan: _Plan) -> Row:
     ds: list[Decision] = []
     with Progress("scale", total=plan.bursts * plan.n_steps * run.args.groups, unit="groups", quiet=run.quiet) as progress:
         for b in range(plan.bursts):
-            rows += _burst(run, progress, b, plan.n_steps)
+            # the first burst in flight also shows the storage side of the policy
+            rows += _burst(run, progress, b, plan.n_steps, (lambda: _storage_moment(run, plan, progress)) if b == 0 else None)
             ds = _wait_for_decision(run.client, plan.since, "up", plan.up_bound_s, progress,
                                     "waiting for the adaptive policy's scale-up decision")
-            up = [d for d in ds if d["action"] == "up"]
+            up = [d for d in ds if _is(d, "up")]
             if up:
                 break
         if up:
             ds = _wait_for_decision(run.client, float(up[-1]["t"]), "down", plan.down_bound_s, progress,
                                     f"idle: waiting for the scale-down decision (after {plan.idle_s:g} s without finalize events)")
             ds = _decisions(run.client, plan.since)
-            down = [d for d in ds if d["action"] == "down" and float(d["t"]) >= float(up[0]["t"])]
-    run.report.lines(reporter.scale_outcome_lines(ds, bool(up), bool(down), plan.bursts, plan.up_bound_s, plan.down_bound_s))
+            down = [d for d in ds if _is(d, "down") and float(d["t"]) >= float(up[0]["t"])]
+    finalize_ds = [d for d in ds if kind_of(d) == "finalize"]
+    storage_ds = [d for d in ds if kind_of(d) == "storage"]
+    run.report.lines(reporter.scale_outcome_lines(finalize_ds, bool(up), bool(down), plan.bursts, plan.up_bound_s, plan.down_bound_s))
+    run.report.line(reporter.scale_storage_line(storage_ds))
     return {
         "steps": rows,
         "decisions": ds,
+        "storage_decisions": storage_ds,
+        "storage_up": any(_is(d, "storage") and d["action"] == "up" for d in storage_ds),
         "up": bool(up),
         "down": bool(down),
         "rollouts": sum(r["rollouts"] for r in rows),
@@ -217,9 +265,11 @@ def _stage_burst(run: DemoRun, progress: Progress, steps: list[dict[str, list[st
     return receipts
 
 
-def _burst(run: DemoRun, progress: Progress, b: int, n_steps: int) -> list[Row]:
+def _burst(run: DemoRun, progress: Progress, b: int, n_steps: int,
+           in_flight: Callable[[], Callable[[], None] | None] | None = None) -> list[Row]:
     """Stage ``n_steps`` steps of long rollouts, then submit all their graphs back to back
-    (each finds the earlier ones queued) and collect them; the printed step rows."""
+    (each finds the earlier ones queued), run ``in_flight`` while they are, collect them,
+    then run what ``in_flight`` returned; the printed step rows."""
     args = run.args
     steps = [
         {gid: [f"{gid}-{i}" for i in range(args.rollouts)] for gid in (f"sc{b}x{k}p{g}" for g in range(args.groups))}
@@ -231,7 +281,9 @@ def _burst(run: DemoRun, progress: Progress, b: int, n_steps: int) -> list[Row]:
         h = run.steps_finalizer.submit_step({gid: receipts[(k, gid)] for gid in step}, step_id=f"{run.run_id}-scale-{b * n_steps + k}")
         watches.append(FinishWatch(h, wall_s()))
     rows = []
+    done: Callable[[], None] | None = None
     try:
+        done = in_flight() if in_flight is not None else None
         for w in watches:
             wait_step(w.handle, cancel=())
             step = w.handle.result()
@@ -241,4 +293,7 @@ def _burst(run: DemoRun, progress: Progress, b: int, n_steps: int) -> list[Row]:
         for w in watches:
             w.handle.cancel()
         raise
+    finally:
+        if done is not None:
+            done()
     return rows

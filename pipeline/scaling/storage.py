@@ -117,8 +117,13 @@ class StorageDecision:
         }
 
 
+def percent(fraction: float) -> str:
+    """``fraction`` as a percentage for people: whole percents, two digits below 1%."""
+    return f"{fraction:.0%}" if fraction == 0 or fraction >= 0.01 else f"{fraction * 100:.2g}%"
+
+
 def _filled(used: float, capacity: float, units: int) -> str:
-    return f"store {used / capacity:.0%} full ({format_bytes(int(used))} of {format_bytes(int(capacity))} in {units} unit(s))"
+    return f"store {percent(used / capacity)} full ({format_bytes(int(used))} of {format_bytes(int(capacity))} in {units} unit(s))"
 
 
 def decide_storage(signal: Mapping[str, float], settings: StorageScalingSettings | None = None) -> StorageDecision:
@@ -144,7 +149,7 @@ def decide_storage(signal: Mapping[str, float], settings: StorageScalingSettings
     fill = used / capacity
     filled = _filled(used, capacity, units)
     if fill >= s.scale_up_fill:
-        return made("up", "storage-fill-high", f"{filled}, at or above {s.scale_up_fill:.0%}: one more storage worker")
+        return made("up", "storage-fill-high", f"{filled}, at or above {percent(s.scale_up_fill)}: one more storage worker")
     rest = capacity - largest
     without = used / rest if rest > 0 else fill  # one unit (or one holding it all): its own fill
     if without < s.scale_down_fill:
@@ -152,24 +157,26 @@ def decide_storage(signal: Mapping[str, float], settings: StorageScalingSettings
             return made("hold", "storage-at-floor", f"{filled}; {units} unit(s) is the floor "
                         f"(store.min-units {s.min_units}, replicas {s.replicas})")
         return made("down", "storage-fill-low", (
-            f"{filled}; without its largest unit ({format_bytes(int(largest))}) {without:.0%}, below "
-            f"{s.scale_down_fill:.0%}: one storage worker fewer, retired only once its unit has drained "
+            f"{filled}; without its largest unit ({format_bytes(int(largest))}) {percent(without)}, below "
+            f"{percent(s.scale_down_fill)}: one storage worker fewer, retired only once its unit has drained "
             "(a unit's host is protected until then)"))
-    return made("hold", "storage-balanced", f"{filled}; between {s.scale_down_fill:.0%} (without the largest unit) "
-                f"and {s.scale_up_fill:.0%}")
+    return made("hold", "storage-balanced", f"{filled}; between {percent(s.scale_down_fill)} (without the largest unit) "
+                f"and {percent(s.scale_up_fill)}")
 
 
 def pending(decision: StorageDecision, units_at_up: int) -> StorageDecision:
     """``decision`` (an up) held while the last up's unit has not reported yet."""
+    filled = _filled(decision.used_bytes, decision.capacity_bytes, decision.units)
     return replace(decision, action="hold", reason_code="storage-up-pending", reason=(
-        f"storage-up-pending: {decision.reason.split(': ', 1)[-1]}; waiting for the unit of the storage worker "
-        f"added at {units_at_up} unit(s) to report"))
+        f"storage-up-pending: {filled}; the storage worker added at {units_at_up} unit(s) has no unit "
+        "reporting yet: no other one before it does (or store.scale-settle-s passed)"))
 
 
 def at_maximum(decision: StorageDecision, maximum: float) -> StorageDecision:
     """``decision`` (an up) held at the cluster's maximum."""
+    filled = _filled(decision.used_bytes, decision.capacity_bytes, decision.units)
     return replace(decision, action="hold", reason_code="storage-at-maximum", reason=(
-        f"storage-at-maximum: {decision.reason.split(': ', 1)[-1]}; the cluster is at its maximum {maximum:g}"))
+        f"storage-at-maximum: {filled}, full, but the cluster is at its maximum {maximum:g} workers"))
 
 
 @dataclass(frozen=True)
