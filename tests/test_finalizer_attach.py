@@ -84,7 +84,7 @@ def test_attach_without_a_published_store_says_which_dataset_and_how(cluster_cli
     assert "\n" not in message  # one line
     assert "'attach-nothing-here'" in message and address in message
     assert "publish_store(client, store, name='attach-nothing-here')" in message
-    assert "hosted=True" in message
+    assert "start_hosted(client, name='attach-nothing-here')" in message
     with pytest.raises(StoreUnavailable, match="attach-nothing-here"):
         lookup_store(cluster_client, "attach-nothing-here")
 

@@ -55,6 +55,6 @@ def missing_store_message(name: str, address: str) -> str:
     """One line: no store is published as ``name`` on ``address``, and how to publish one."""
     return (
         f"no store is published as dataset {name!r} on {address}; start or publish it there first: "
-        f"StagingStore.start(client, hosted=True, name={name!r}) (a store that outlives its controller) "
+        f"pipeline.store.hosted.start_hosted(client, name={name!r}) (a store that outlives its controller) "
         f"or pipeline.client.publish_store(client, store, name={name!r})"
     )
