@@ -8,10 +8,11 @@ the one that replaces it.
 under NAME, stages the rollouts of SEED (:func:`build_steps`), writes the receipts to
 STATE (pickle, before anything is submitted: they are the controller's only state),
 finalizes the first step and delivers it (OUT: its tensors, ``torch.save``; STATE: the
-step marked delivered), then occupies every ``finalize`` slot of the cluster with tasks
-waiting on the Dask event :data:`HOLD` (so the next steps surely stay in flight),
-submits the other steps and prints ``in-flight <step ids> pending=<groups>``. It then
-waits to be killed (SIGKILL).
+step marked delivered), lets the second step's graph complete without collecting it,
+then occupies every ``finalize`` slot of the cluster with tasks waiting on the Dask event
+:data:`HOLD` (so the next steps surely stay in flight), submits the other steps and
+prints ``complete <id> in-flight <ids> pending=<groups>``. It then waits to be killed
+(SIGKILL).
 
 ``second``: attaches to the store by NAME (``Finalizer.attach``), resubmits every step
 STATE does not mark delivered (all in flight at once), collects them, writes their
@@ -92,7 +93,7 @@ def hold_every_slot(client) -> list:
 def first(scheduler: str, name: str, seed: int, state_path: str, out: str) -> None:
     import dask
     import torch
-    from distributed import Client
+    from distributed import Client, wait
 
     from pipeline.finalize import Finalizer
     from pipeline.store.hosted import start_hosted
@@ -116,9 +117,12 @@ def first(scheduler: str, name: str, seed: int, state_path: str, out: str) -> No
     save_atomically(out, lambda f: torch.save({delivered: step_tensors(result)}, f))
     handle.clear_future.result()
     write_state(state_path, as_dicts, [delivered])
+    (complete, *rest) = rest
+    done = fin.submit_step(receipts[complete], step_id=complete)
+    wait(done.futures)  # every group computed, none delivered (no result() call)
     holders = hold_every_slot(client)  # held (referenced) until this process dies
     handles = [fin.submit_step(receipts[sid], step_id=sid) for sid in rest]
-    print(f"in-flight {','.join(h.step_id for h in handles)} pending={fin.queue_depth}", flush=True)
+    print(f"complete {complete} in-flight {','.join(h.step_id for h in handles)} pending={fin.queue_depth}", flush=True)
     while holders:  # the test kills this process here
         time.sleep(1)
 

@@ -5,8 +5,8 @@ Real processes on 127.0.0.1: a scheduler (with the ``pipeline.dashboard.preload`
 so a store host) and 3 nanny workers (``finalize=2`` each) in this process's cluster, and
 two controller processes (tests/failover_controller.py). The first starts a store hosted
 by the scheduler (replicas 2), stages 4 steps of rollouts, writes their receipts to a file,
-delivers step s0, and is SIGKILLed while s1..s3 are in flight (every ``finalize`` slot is
-held, so they surely are). One storage unit's worker is SIGKILLed too; the store host
+delivers step s0, lets s1 complete without collecting it, and is SIGKILLed while s2 and s3
+are in flight (every ``finalize`` slot is held, so they surely are). One storage unit's worker is SIGKILLed too; the store host
 re-replicates it. Until a controller has delivered a step, every row of it stays readable;
 the second controller attaches by name, resubmits s1..s3 and writes their tensors, which
 equal those of a reference run of the same seeds without kills in every field.
@@ -102,7 +102,7 @@ def readable(store, rows) -> set[str]:
 
 
 def start_first(client, state: str, out: str, log) -> tuple[subprocess.Popen, str]:
-    """The first controller, and its ``in-flight ...`` line once it printed it."""
+    """The first controller, and its ``complete ... in-flight ...`` line once it printed it."""
     proc = subprocess.Popen([sys.executable, SCRIPT, "first", client.scheduler.address, NAME, str(SEED), state, out],
                             stdout=subprocess.PIPE, stderr=log, text=True, env=controller_env())
     lines: queue.Queue[str] = queue.Queue()
@@ -112,7 +112,7 @@ def start_first(client, state: str, out: str, log) -> tuple[subprocess.Popen, st
             line = lines.get(timeout=90)
         except queue.Empty:
             raise AssertionError("the first controller printed no in-flight marker") from None
-        if line.startswith("in-flight"):
+        if line.startswith("complete"):
             return proc, line.strip()
 
 
@@ -122,19 +122,21 @@ def test_a_killed_controller_is_replaced_and_its_steps_come_back_bit_for_bit(cli
     steps = build_steps(SEED)
     reference = reference_run(client, steps)
     state, out_first, out_second = (str(tmp_path / n) for n in ("receipts.pkl", "first.pt", "second.pt"))
-    delivered, in_flight = "s0", [f"s{s}" for s in range(1, STEPS)]
+    delivered, complete, running = "s0", "s1", [f"s{s}" for s in range(2, STEPS)]
+    in_flight = [complete, *running]  # undelivered: the second controller resubmits them
     with open(tmp_path / "first.log", "w") as log:
         proc, marker = start_first(client, state, out_first, log)
         try:
-            assert marker == f"in-flight {','.join(in_flight)} pending={sum(len(steps[s]) for s in in_flight)}"
+            assert marker == f"complete {complete} in-flight {','.join(running)} pending={sum(len(steps[s]) for s in running)}"
         finally:
-            os.kill(proc.pid, signal.SIGKILL)  # mid-step: s1..s3 submitted, none complete
+            os.kill(proc.pid, signal.SIGKILL)  # s1 complete but not delivered, s2 and s3 mid-step
             proc.wait(30)
     try:
         Event(HOLD, client=client).set()  # the dead controller's slot holders end
         store = lookup_store(client, NAME)
         assert store.owner is None  # the scheduler owns it, not the dead controller
-        # s0 was delivered, so it was cleared; nothing of the undelivered steps was.
+        # s0 was delivered, so it was cleared; nothing of the undelivered steps was (s1's
+        # graph completed: completion alone clears nothing).
         assert readable(store, rows_of(steps[delivered])) == set()
         in_flight_rows = [r for s in in_flight for r in rows_of(steps[s])]
         assert_readable(store, in_flight_rows)
