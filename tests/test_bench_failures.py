@@ -210,10 +210,17 @@ def test_restore_bench_healthy_reports_medians_through_the_batchers(address):
     # resume (all at once) each simulated worker's first restore finds its batcher idle and
     # goes alone; the rest share one get per storage unit.
     sc = bench_restore.scenarios(parse(bench_restore, address, *RESTORE_FLAGS))[0]
-    units = {(i // 4, unit_for_key(ks[0], 2)) for i, ks in enumerate(bench_restore.restore_keys(sc))}
-    assert len(units) == 2  # each worker's restores sit on one unit (whichever goes first)
+    by_worker: dict[int, list[int]] = {}
+    for i, ks in enumerate(bench_restore.restore_keys(sc)):
+        by_worker.setdefault(i // 4, []).append(unit_for_key(ks[0], 2))
+
+    def gets(units: list[int]) -> set[int]:
+        # Whichever restore goes first goes alone; the others share one get per unit.
+        return {1 + len(set(units[:j] + units[j + 1 :])) for j in range(len(units))}
+
     assert rows["mass_resume", "per-request"]["gets"] == 8
-    assert rows["mass_resume", "coalesced"]["gets"] == 2 + 2
+    fewest, most = sum(min(gets(u)) for u in by_worker.values()), sum(max(gets(u)) for u in by_worker.values())
+    assert fewest <= rows["mass_resume", "coalesced"]["gets"] <= most < 8, (fewest, most)
     assert result["knobs"]["eager-inflight"] >= 0
 
 

@@ -147,9 +147,20 @@ def test_step_without_routes_fetches_once(cluster_client, store):
     assert group.metrics["bytes_fetched"] == row_bytes([b.row(c) for b in bs for c in b.chain_ids], with_routes=False)
 
 
+def several_per_unit(tag: str, n_groups: int, per_group: int, n_units: int) -> str:
+    """A rollout prefix ``{tag}{t}`` whose rollouts ``{prefix}g{g}-r{i}`` put at least two
+    on every one of ``n_units`` units (a site of several rollouts)."""
+    for t in range(1000):
+        ids = [f"{tag}{t}g{g}-r{i}" for g in range(n_groups) for i in range(per_group)]
+        if min(Counter(unit_for_rollout(r, n_units) for r in ids).get(u, 0) for u in range(n_units)) >= 2:
+            return f"{tag}{t}"
+    raise AssertionError("no such prefix")
+
+
 def test_each_verify_task_receives_only_its_rollouts_rows(cluster_client, store):
     rng = np.random.default_rng(3)
-    groups = [stage(store, make_group(rng, f"s3g{g}", 3, n_calls=2, routes=(L, K, E))) for g in range(2)]
+    prefix = several_per_unit("s3", 2, 3, len(store.units))
+    groups = [stage(store, make_group(rng, f"s3g{g}", 3, rollout_prefix=f"{prefix}g{g}", n_calls=2, routes=(L, K, E))) for g in range(2)]
     fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, keep_intermediates=True)
     fin.with_settings(verify_token_budget=1)  # one rollout per task
     handle = fin.submit_step([[b.receipt for b in bs] for bs in groups])

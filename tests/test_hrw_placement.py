@@ -270,3 +270,32 @@ def test_route_ranks_keys_by_units_in_one_numpy_pass(monkeypatch):
     batch = PackedBatch(keys, {"token_ids": PackedField(np.zeros(256 * 4, np.int64), np.arange(257, dtype=np.int64) * 4, None)})
     plan = plan_put(p, batch, 1 << 20)
     assert calls == [(256, 8)] and sum(len(c) for _, c in plan.parts) == 512
+
+
+# ---- a handle taking a changed table ---------------------------------------------------------
+
+
+def test_a_handle_installs_a_newer_table_and_refuses_an_older_or_unnamed_one():
+    from pipeline.store.client import StagingStore
+    from pipeline.store.directory import UnitTable
+    from tasks.errors import StoreUnavailable
+
+    old = one_host(2)
+    store = StagingStore(["h0", "h1"], old.workers, placement=old)  # handles are opaque here
+    grown = old.with_unit("2", "tcp://127.0.0.1:5000")
+    store.install_placement(grown, ["h0", "h1", "h2"])
+    assert (store.placement, store.units, store.unit_ids) == (grown, ["h0", "h1", "h2"], ["0", "1", "2"])
+    store.install_placement(grown, ["h0", "h1", "h2"])  # the current table again: no change
+    with pytest.raises(InvalidStoreRequest, match="not newer"):
+        store.install_placement(old, ["h0", "h1"])
+    with pytest.raises(InvalidStoreRequest, match="one handle per unit"):
+        store.install_placement(grown.without_unit("0"), ["h1"] * 3)
+    with pytest.raises(InvalidStoreRequest, match="do not match"):
+        StagingStore(["h0"], old.workers, placement=old)
+    # A shared table naming workers only keeps the handle's ids; a different unit count
+    # without the ids cannot be taken.
+    moved_worker = UnitTable(grown.version + 1, ["h0", "x", "h2"], [grown.workers[0], "tcp://127.0.0.1:6000", grown.workers[2]])
+    assert store._take_table(moved_worker) and store.placement.unit_ids == grown.unit_ids
+    assert store.placement.homes == grown.homes and store.placement.workers[1] == "tcp://127.0.0.1:6000"
+    with pytest.raises(StoreUnavailable, match="does not say their ids"):
+        store._take_table(UnitTable(store.version + 1, ["h0"], [grown.workers[0]]))

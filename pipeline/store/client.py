@@ -331,13 +331,36 @@ class StagingStore:
         units[u] = handle
         self.units, self.placement = units, self.placement.replaced(u, worker)
 
+    def install_placement(self, placement: Placement, units: Sequence["Actor"]) -> None:
+        """Take ``placement`` (units added or removed: ``units[u]`` serves its unit ``u``)
+        and, in the creating process, publish it in the shared directory. Installing the
+        current table again changes nothing; an older one is refused."""
+        if not isinstance(placement, Placement) or len(units) != placement.n_units:
+            raise InvalidStoreRequest(f"install_placement needs a Placement and one handle per unit, got {len(units)} handle(s)")
+        if placement.version < self.version or (placement.version == self.version and placement != self.placement):
+            raise InvalidStoreRequest(f"placement version {placement.version} is not newer than this store's {self.version}")
+        changed = placement != self.placement
+        self.units, self.placement = list(units), placement
+        if changed and self.owner is not None and self.directory is not None:
+            self.directory.publish(self.owner.client, self.table())
+
     def _take_table(self, table: UnitTable | None) -> bool:
-        """Take ``table`` if it is newer than ours; True if the units changed."""
+        """Take ``table`` if it is newer than ours; True if the units changed. A table
+        carrying its placement (unit ids, homes) is taken whole; one naming only workers
+        keeps this handle's ids and homes, so it must have as many units."""
         if table is None or table.version <= self.version:
             return False
-        p = self.placement
-        self.units = list(table.units)
-        self.placement = Placement(table.version, tuple(table.unit_workers), p.unit_ids, p.replicas, p.homes)
+        p, carried = self.placement, getattr(table, "placement", None)
+        if isinstance(carried, Placement):
+            new = carried
+        elif len(table.unit_workers) == p.n_units:
+            new = Placement(table.version, tuple(table.unit_workers), p.unit_ids, p.replicas, p.homes)
+        else:
+            raise StoreUnavailable(
+                f"the shared unit table (version {table.version}) has {len(table.unit_workers)} units, this handle "
+                f"{p.n_units}, and does not say their ids: make a new handle"
+            )
+        self.units, self.placement = list(table.units), new
         return True
 
     def refresh(self, seen: int) -> bool:
