@@ -19,6 +19,7 @@ import torch
 
 from pipeline.finalize import Finalizer
 from pipeline.store import StagingStore
+from pipeline.store.owner import start_units, unit_args_from_config
 from rollout_factory import make_group
 from tasks.errors import InvalidStoreRequest
 from tasks.keys import unit_for_key
@@ -154,6 +155,24 @@ def test_two_copies_need_two_workers(cluster, tmp_path):
     names = wait_for_names(cluster, ["a", "b", "c"])
     with pytest.raises(InvalidStoreRequest, match="at least 2 workers"):
         StagingStore.start(cluster, n_units=2, workers=[names["a"]], spill_directory=str(tmp_path / "s"))
+
+
+def test_start_units_takes_the_copies_asked_over_the_config(cluster, tmp_path):
+    names = wait_for_names(cluster, ["a", "b", "c"])
+    args = unit_args_from_config(None, None, str(tmp_path / "s"))
+    with pytest.raises(InvalidStoreRequest, match="at least 2 workers"):
+        start_units(cluster, 2, args, [names["a"]], replicas=2)
+    units, owner, placement, directory = start_units(cluster, 2, args, [names["a"], names["b"]], replicas=1)
+    try:  # the config says 2 (this module's fixture); the argument wins
+        assert (placement.replicas, directory, placement.unit_ids) == (1, None, ("0", "1"))
+        assert len(units) == 2 and placement.workers == (names["a"], names["b"])
+    finally:
+        cluster.cancel(owner.futures, force=True)
+    _, owner, placement, directory = start_units(cluster, 2, args, [names["a"], names["b"]])
+    try:
+        assert placement.replicas == 2 and directory is not None
+    finally:
+        cluster.cancel(owner.futures, force=True)
 
 
 # ---- units killed: mid-put, mid-get, mid-finalization, then a second loss ----------------
