@@ -21,6 +21,7 @@ from tasks.errors import StoreError
 
 from ..actors import local_call
 from .deadline import bounded, waiter
+from .moving import MovingTable
 from .placement import Placement
 from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult
 from .settings import StoreSettings
@@ -75,6 +76,7 @@ class Driven(Protocol):
 
     units: list["Actor"]  # the storage units' handles
     placement: Placement
+    moving: MovingTable | None  # a move in progress: its two tables (units: the union)
     settings: StoreSettings
 
     def refresh(self, seen: int) -> bool: ...

@@ -79,8 +79,9 @@ def _save_locked(store: "StoreLike", path: str, chunk_bytes: int, key: bytes | N
         if not errors:
             # Wait for every unit before deciding: a failed unit must not leave others writing.
             # A replicated store holds every key twice: each unit writes only its primary keys.
-            primary_of = len(store.units) if getattr(store, "replica", None) is not None else None
-            outcomes = settle_all([unit.checkpoint_write(gen_dir, int(chunk_bytes), primary_of) for unit in store.units])
+            placement = store.placement
+            primary_of = list(placement.unit_ids) if placement.replicas == 2 else None
+            outcomes = settle_all([unit.checkpoint_write(gen_dir, int(chunk_bytes), primary_of, u) for u, unit in enumerate(store.units)])
             errors = [o for o in outcomes if isinstance(o, Exception)]
     finally:
         # Closing applies the deletes deferred meanwhile (a lost unit has nothing to close).

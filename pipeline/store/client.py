@@ -27,6 +27,7 @@ from .calls import Operation, run_async, run_sync
 from .deadline import deadline, settle_all
 from .directory import UnitDirectory, UnitTable
 from .owner import StoreOwner, start_units, unit_args_from_config
+from .moving import MovingTable
 from .placement import Placement, plan_all_copies
 from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult, check_partition, pack_names
 from .settings import StoreSettings
@@ -67,6 +68,7 @@ class StagingStore:
                 f"{len(self.units)} unit(s) on {list(unit_workers)} do not match the placement's {list(placement.workers)}"
             )
         self.placement = placement
+        self.moving: MovingTable | None = None  # a move in progress (units: both tables'; see moving.py)
         self.partitions = None if partitions is None else list(partitions)
         self.directory = directory  # the shared unit table (replicas=2), see directory.py
         self.settings = settings or StoreSettings.from_config()
@@ -113,13 +115,23 @@ class StagingStore:
         capacity: int | str | None = None,
         spill_directory: str | None = None,
         workers: Sequence[str] | None = None,
+        *,
+        hosted: bool = False,
+        name: str | None = None,
     ) -> "StagingStore":
         """Create ``n_units`` storage units spread round-robin over ``workers``.
 
         Knobs left ``None`` come from config (``token-capture.store.units``,
         ``memory-limit`` and ``capacity`` in bytes or ``"256MiB"`` strings,
         ``spill-directory``; ``None`` there means each hosting worker's local directory).
+        ``hosted``: the scheduler's store host starts and owns the store (it outlives
+        this process, grows onto storage workers, drains before retirement) and publishes
+        it as dataset ``name`` (:func:`pipeline.store.hosted.start_hosted`).
         """
+        if hosted:
+            from .hosted import start_hosted
+
+            return start_hosted(client, name, n_units, memory_limit, capacity, spill_directory, workers)
         n_units = int(config.get("store.units") if n_units is None else n_units)
         args = unit_args_from_config(memory_limit, capacity, spill_directory)
         units, owner, placement, directory = start_units(client, n_units, args, workers)
@@ -149,13 +161,14 @@ class StagingStore:
     def __getstate__(self) -> dict:
         # The owner stays with the creator; handles are enough to call the units.
         return {
-            "units": self.units, "placement": self.placement, "partitions": self.partitions,
+            "units": self.units, "placement": self.placement, "moving": self.moving, "partitions": self.partitions,
             "directory": self.directory, "settings": self.settings, "closed": self.closed,
         }
 
     def __setstate__(self, state: dict) -> None:
         self.units = state["units"]
         self.placement = state["placement"]
+        self.moving = state.get("moving")
         self.partitions = state["partitions"]
         self.directory = state["directory"]
         self.settings = state["settings"]
@@ -323,7 +336,8 @@ class StagingStore:
     # ---- units replaced (replicas=2): the shared table --------------------------------
 
     def table(self) -> UnitTable:
-        return UnitTable(self.version, list(self.units), list(self.placement.workers))
+        return UnitTable(self.version, list(self.units), list(self.placement.workers),
+                         placement=self.placement, moving=self.moving)
 
     def install_unit(self, u: int, handle: "Actor", worker: str) -> None:
         """Unit ``u`` now lives on ``worker`` behind ``handle`` (its replacement)."""
@@ -339,9 +353,20 @@ class StagingStore:
             raise InvalidStoreRequest(f"install_placement needs a Placement and one handle per unit, got {len(units)} handle(s)")
         if placement.version < self.version or (placement.version == self.version and placement != self.placement):
             raise InvalidStoreRequest(f"placement version {placement.version} is not newer than this store's {self.version}")
-        changed = placement != self.placement
-        self.units, self.placement = list(units), placement
+        changed = placement != self.placement or self.moving is not None
+        self.units, self.placement, self.moving = list(units), placement, None
         if changed and self.owner is not None and self.directory is not None:
+            self.directory.publish(self.owner.client, self.table())
+
+    def install_moving(self, moving: MovingTable, units: Sequence["Actor"]) -> None:
+        """A move begins: writes reach both tables' copies, reads fall back to the old
+        holders (``units``: one handle per unit of ``moving.unit_ids``); published like
+        :meth:`install_placement`. The move ends with :meth:`install_placement`."""
+        if len(units) != len(moving.unit_ids) or moving.version <= self.version:
+            raise InvalidStoreRequest(
+                f"install_moving needs one handle per unit ({len(moving.unit_ids)}) and a version above {self.version}")
+        self.units, self.placement, self.moving = list(units), moving.placement, moving
+        if self.owner is not None and self.directory is not None:
             self.directory.publish(self.owner.client, self.table())
 
     def _take_table(self, table: UnitTable | None) -> bool:
@@ -360,7 +385,7 @@ class StagingStore:
                 f"the shared unit table (version {table.version}) has {len(table.unit_workers)} units, this handle "
                 f"{p.n_units}, and does not say their ids: make a new handle"
             )
-        self.units, self.placement = list(table.units), new
+        self.units, self.placement, self.moving = list(table.units), new, getattr(table, "moving", None)
         return True
 
     def refresh(self, seen: int) -> bool:

@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Actor, Client, Variable
 
+    from .moving import MovingTable
+    from .placement import Placement
+
 
 @dataclass
 class UnitTable:
@@ -25,6 +28,8 @@ class UnitTable:
     units: list["Actor"]
     unit_workers: list[str]
     replica: list[int] | None = field(default=None)
+    placement: "Placement | None" = None  # the whole table (ids, homes, replicas)
+    moving: "MovingTable | None" = None  # a move in progress (``units``: both tables' units)
 
 
 class UnitDirectory:

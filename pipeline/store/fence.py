@@ -1,10 +1,10 @@
 """A unit's view of the placement table while keys move (pure: no Dask).
 
-Before a change of the table copies anything, every unit is *fenced* with the new table:
-from then on a unit refuses a put of a key the new table does not give it (reason
-``moved``: the writer's table is stale; it refreshes and writes to the new holders) and
-answers ``moved``, not ``missing_key``, for a read or delete of a key it neither holds
-nor is given. A delete, during the move, of a key the unit is given but does not hold
+Before a change of the table copies anything, every unit is *fenced* with the new table
+(and, while moving, the one keys come from): from then on a unit refuses every call
+planned on an older table (reason ``moved``: the caller refreshes its table and calls
+again), refuses a put of a key neither table gives it, and answers ``moved``, not
+``missing_key``, for a read or delete of a key it neither holds nor is given. A delete, during the move, of a key the unit is given but does not hold
 yet leaves a *tombstone*, so the move's copy of that key (which may have been read from
 its old holder before the delete) is not written after it: a deleted key never comes
 back. :meth:`Fence.settled` ends the move (tombstones dropped); the table stays.
@@ -17,8 +17,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from .placement import Placement
-
-MOVED = "moved"
+from .protocol import MOVED  # noqa: F401 (the reason a fenced unit answers)
 
 
 @dataclass
@@ -30,29 +29,33 @@ class Fence:
     unit_id: str
     moving: bool = True
     leaving: bool = False  # the table no longer names this unit (it is being drained)
+    previous: Placement | None = None  # while moving: the table keys come from (writes to its copies are accepted)
     tombstones: dict[str, set[str]] = field(default_factory=dict)  # partition -> deleted keys
 
     @classmethod
     def from_message(cls, msg: Mapping[str, object]) -> Fence:
         """The fence a ``fence`` call describes (what :meth:`message` wrote)."""
-        placement = Placement(
-            int(msg["version"]), tuple(msg["workers"]), tuple(msg["unit_ids"]),  # type: ignore[arg-type]
-            int(msg["replicas"]), tuple(msg["homes"]),  # type: ignore[arg-type]
-        )
+        placement = _placement(msg)
         unit_id, leaving = str(msg["unit_id"]), bool(msg.get("leaving", False))
         if not leaving:
             placement.index_of(unit_id)  # refuses an id the table does not name
-        return cls(placement, unit_id, bool(msg.get("moving", True)), leaving)
+        previous = msg.get("previous")
+        return cls(placement, unit_id, bool(msg.get("moving", True)), leaving,
+                   None if previous is None else _placement(previous))  # type: ignore[arg-type]
 
     @staticmethod
-    def message(placement: Placement, unit_id: str, moving: bool = True) -> dict[str, object]:
+    def message(placement: Placement, unit_id: str, moving: bool = True, previous: Placement | None = None) -> dict[str, object]:
         """What a ``fence`` call carries (plain values: it crosses the wire). A
         ``unit_id`` the table does not name marks a unit being drained (``leaving``)."""
         return {
-            "version": placement.version, "workers": list(placement.workers), "unit_ids": list(placement.unit_ids),
-            "replicas": placement.replicas, "homes": list(placement.homes), "unit_id": unit_id, "moving": moving,
-            "leaving": unit_id not in placement.unit_ids,
+            **_table(placement), "unit_id": unit_id, "moving": moving, "leaving": unit_id not in placement.unit_ids,
+            "previous": None if previous is None else _table(previous),
         }
+
+    def stale(self, version: int | None) -> bool:
+        """A call planned on a table older than this fence's (None: an unstamped call,
+        e.g. the move's own, is never stale)."""
+        return version is not None and version < self.placement.version
 
     @property
     def version(self) -> int:
@@ -60,13 +63,18 @@ class Fence:
 
     def given(self, keys: Sequence[str]) -> np.ndarray:
         """bool per key: the table gives this unit a copy of it (unusable keys: False)."""
-        if not len(keys) or self.leaving:
-            return np.zeros(len(keys), dtype=bool)
-        me = self.placement.index_of(self.unit_id)
-        loc = self.placement.locate(keys)
-        mine = loc.primary == me
-        if loc.replica is not None:
-            mine |= loc.replica == me
+        mine = np.zeros(len(keys), dtype=bool)
+        if not len(keys):
+            return mine
+        tables = [] if self.leaving else [self.placement]
+        if self.moving and self.previous is not None:
+            tables.append(self.previous)
+        for table in tables:
+            if self.unit_id in table.unit_ids:
+                me, loc = table.index_of(self.unit_id), table.locate(keys)
+                mine |= loc.primary == me
+                if loc.replica is not None:
+                    mine |= loc.replica == me
         return mine
 
     def not_given(self, keys: Sequence[str]) -> list[str]:
@@ -97,3 +105,15 @@ class Fence:
         """The move is over: every copy is written; tombstones are no longer needed."""
         self.moving = False
         self.tombstones.clear()
+
+
+def _table(p: Placement) -> dict[str, object]:
+    return {"version": p.version, "workers": list(p.workers), "unit_ids": list(p.unit_ids),
+            "replicas": p.replicas, "homes": list(p.homes)}
+
+
+def _placement(msg: Mapping[str, object]) -> Placement:
+    return Placement(
+        int(msg["version"]), tuple(msg["workers"]), tuple(msg["unit_ids"]),  # type: ignore[arg-type]
+        int(msg["replicas"]), tuple(msg["homes"]),  # type: ignore[arg-type]
+    )

@@ -21,7 +21,7 @@ import asyncio
 import concurrent.futures
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypedDict, TypeVar
 
@@ -31,6 +31,7 @@ from tornado.ioloop import PeriodicCallback
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
 
 from .. import config
+from .rebalance import Rebalancer
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client, Scheduler
@@ -40,6 +41,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 PLUGIN_NAME = "token-capture-store-host"
+STORAGE_RESOURCE = "storage"  # a worker advertising it (> 0) gets a unit of every hosted store
 T = TypeVar("T")
 
 
@@ -53,6 +55,7 @@ class HostedStoreInfo(TypedDict):
     version: int
     started_s: float  # wall clock, s
     repaired: list[dict]  # one record per re-replicated unit (the repairer's)
+    changes: list[dict]  # one record per unit added or drained (the rebalancer's)
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,8 @@ class StoreHost(SchedulerPlugin):
         self.started_s: dict[str, float] = {}
         self.published_version: dict[str, int] = {}  # the table version each dataset holds
         self._watch: PeriodicCallback | None = None
+        self._background: set[asyncio.Task] = set()
+        self.rebalancers: dict[str, Rebalancer] = {}
         self._client: Client | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="token-capture-store-host")
 
@@ -111,6 +116,10 @@ class StoreHost(SchedulerPlugin):
         scheduler.handlers["token_capture_store_start"] = self._handle_start
         scheduler.handlers["token_capture_store_close"] = self._handle_close
         scheduler.handlers["token_capture_store_list"] = self._handle_list
+        scheduler.handlers["token_capture_store_drain"] = self._handle_drain
+        # Retiring a worker drains its storage units first, whoever asks (a client's
+        # retire_workers, the adaptive policy's scale-down): the handler is wrapped.
+        scheduler.handlers["retire_workers"] = self._draining_retire(scheduler.handlers["retire_workers"])
         self._watch = PeriodicCallback(self._republish_changed, 1000 * float(config.get("store.repair-interval-s")))
         self._watch.start()
 
@@ -132,6 +141,56 @@ class StoreHost(SchedulerPlugin):
 
     async def _handle_close(self, name: str) -> list[dict]:
         return await self._run(lambda: self.close_store(name))
+
+    async def _handle_drain(self, workers: list[str]) -> list[dict]:
+        return await self._run(lambda: self.drain_workers(list(workers)))
+
+    def _draining_retire(self, retire: Callable[..., Awaitable[dict]]) -> Callable[..., Awaitable[dict]]:
+        async def retire_workers(*args: object, workers: list[str] | None = None, names: list | None = None, **kwargs: object) -> dict:
+            addresses = self._addresses(workers, names)
+            if addresses and self._hosting(addresses):
+                await self._run(lambda: self.drain_workers(addresses))
+                await self._released(addresses)
+            if workers is not None:
+                kwargs["workers"] = workers
+            if names is not None:
+                kwargs["names"] = names
+            return await retire(*args, **kwargs)
+
+        return retire_workers
+
+    async def _released(self, addresses: list[str], timeout_s: float = 10.0) -> None:
+        """Wait until the drained units' actor tasks are gone from the scheduler (Dask
+        refuses to retire a worker that hosts an actor)."""
+        assert self.scheduler is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not any(ws.actors for a, ws in self.scheduler.workers.items() if a in addresses):
+                return
+            await asyncio.sleep(0.05)
+
+    def _addresses(self, workers: list[str] | None, names: list | None) -> list[str]:
+        """The addresses a retire request names (by address or by worker name)."""
+        assert self.scheduler is not None
+        if workers is not None:
+            return [w for w in workers if w in self.scheduler.workers]
+        if names is not None:
+            wanted = {str(n) for n in names}
+            return [a for a, ws in self.scheduler.workers.items() if str(ws.name) in wanted]
+        return []
+
+    def _hosting(self, addresses: list[str]) -> bool:
+        return any(w in addresses for st in self.stores.values() for w in st.unit_workers)
+
+    def add_worker(self, scheduler: Scheduler, worker: str) -> None:
+        """A worker joined: one with the storage role gets a unit of every hosted store
+        (keys rebalanced onto it in the background; the hook never waits for that)."""
+        ws = scheduler.workers.get(worker)
+        if ws is None or float((ws.resources or {}).get(STORAGE_RESOURCE, 0)) <= 0 or not self.stores:
+            return
+        task = asyncio.get_running_loop().create_task(self._run(lambda: self.grow_onto(worker)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     def _handle_list(self) -> list[HostedStoreInfo]:
         return [self.info(n) for n in sorted(self.stores)]
@@ -182,12 +241,41 @@ class StoreHost(SchedulerPlugin):
             )
         if request.store_settings:
             store.settings = dataclasses.replace(store.settings, **request.store_settings)
+        if store.directory is None:  # every hosted store can change: its handles refresh from the directory
+            import uuid
+
+            from .directory import UnitDirectory
+
+            store.directory = UnitDirectory(f"token-capture-units-{uuid.uuid4().hex[:12]}")
+            store.directory.publish(client, store.table())
         self.stores[request.name] = store
         self.requests[request.name] = request
+        self.rebalancers[request.name] = Rebalancer(store, client, store.owner.unit_args)
         self.started_s[request.name] = time.time()
         self._publish(request.name)
         logger.info("hosting store %r: %d units on %s", request.name, len(store.units), sorted(set(store.unit_workers)))
         return self.info(request.name)
+
+    def grow_onto(self, worker: str) -> list[dict]:
+        """Add a unit on ``worker`` to every hosted store that has none there."""
+        out = []
+        for name, store in list(self.stores.items()):
+            if worker in store.unit_workers:
+                continue
+            try:
+                out.append({"store": name, **self.rebalancers[name].add_unit(worker)})
+            except Exception:  # noqa: BLE001 - one store's failure must not stop the others
+                logger.exception("could not add a unit of store %r on %s", name, worker)
+        return out
+
+    def drain_workers(self, workers: list[str]) -> list[dict]:
+        """Drain every unit of every hosted store on ``workers`` (keys moved, unit closed)."""
+        out = []
+        for name, store in list(self.stores.items()):
+            for unit_id, w in list(zip(store.placement.unit_ids, store.unit_workers)):
+                if w in workers:
+                    out.append({"store": name, **self.rebalancers[name].drain_unit(unit_id)})
+        return out
 
     def close_store(self, name: str) -> list[dict]:
         """Close the hosted store ``name`` (units, repairer, actors) and withdraw its dataset."""
@@ -197,6 +285,7 @@ class StoreHost(SchedulerPlugin):
         self.started_s.pop(name, None)
         self.requests.pop(name, None)
         self.published_version.pop(name, None)
+        self.rebalancers.pop(name, None)
         out = store.close()
         client = self.client()
         if name in client.list_datasets():
@@ -210,4 +299,5 @@ class StoreHost(SchedulerPlugin):
             name=name, units=len(store.units), workers=list(store.unit_workers),
             replicas=self.requests[name].replicas, version=store.version,
             started_s=self.started_s.get(name, 0.0), repaired=list(repairer.repaired) if repairer else [],
+            changes=list(self.rebalancers[name].changes),
         )

@@ -15,7 +15,7 @@ import numpy as np
 
 from tasks.packed import PackedBatch, PackedField, take_rows
 
-from .protocol import DTYPE_MISMATCH, UNIT_UNAVAILABLE, GetResult, StoreResult
+from .protocol import DTYPE_MISMATCH, MOVED, UNIT_UNAVAILABLE, GetResult, StoreResult
 from .replication import merge_copies
 
 Failures = dict[str, tuple[str, str]]
@@ -31,12 +31,17 @@ def merge_puts(batch: PackedBatch, results: list[StoreResult], failed: Failures,
     return result
 
 
+# A key failed for one of these may succeed on a newer table: the unit was lost (and may
+# have been replaced) or a move fenced it (the call's table is stale).
+RETRY_REASONS = frozenset({UNIT_UNAVAILABLE, MOVED})
+
+
 def any_unavailable(failed: dict) -> bool:
-    return any(r == UNIT_UNAVAILABLE for r, _ in failed.values())
+    return any(r in RETRY_REASONS for r, _ in failed.values())
 
 
 def unavailable_keys(results: list[GetResult]) -> list[str]:
-    return [k for r in results for k, (reason, _) in r.failed.items() if reason == UNIT_UNAVAILABLE]
+    return [k for r in results for k, (reason, _) in r.failed.items() if reason in RETRY_REASONS]
 
 
 def drop_failed(results: list[GetResult], keys: Sequence[str]) -> list[GetResult]:
@@ -56,14 +61,14 @@ def after_failover(first: list[GetResult], second: list[GetResult]) -> list[GetR
 
 
 def failed_rows(result: StoreResult, batch: PackedBatch) -> PackedBatch:
-    """The rows of ``batch`` whose keys failed ``unit_unavailable`` (to retry them)."""
-    idx = [i for i, k in enumerate(batch.keys) if isinstance(k, str) and result.failed.get(k, ("",))[0] == UNIT_UNAVAILABLE]
+    """The rows of ``batch`` whose keys failed ``unit_unavailable`` or ``moved`` (to retry them)."""
+    idx = [i for i, k in enumerate(batch.keys) if isinstance(k, str) and result.failed.get(k, ("",))[0] in RETRY_REASONS]
     return batch.take(np.asarray(idx, dtype=np.int64))
 
 
 def splice(result: StoreResult, again: StoreResult) -> StoreResult:
-    """``result`` with the keys it failed ``unit_unavailable`` answered by ``again``."""
-    redone = {k for k, (r, _) in result.failed.items() if r == UNIT_UNAVAILABLE}
+    """``result`` with the keys it failed ``unit_unavailable`` or ``moved`` answered by ``again``."""
+    redone = {k for k, (r, _) in result.failed.items() if r in RETRY_REASONS}
     out = StoreResult()
     out.ok = result.ok + [k for k in again.ok if k in redone]
     out.failed = {k: f for k, f in result.failed.items() if k not in redone}

@@ -17,6 +17,7 @@ from tasks.packed import PackedBatch, gathered_nbytes, slice_rows, take_rows
 
 from .calls import Call, Driven, Operation, Refresh
 from .merging import (
+    RETRY_REASONS,
     after_failover,
     any_unavailable,
     drop_failed,
@@ -27,9 +28,13 @@ from .merging import (
     splice,
     unavailable_keys,
 )
-from .placement import Placement, failover, plan_delete, plan_put, plan_read
-from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult, pack_names
+from .moving import plan_all_moving, plan_put_moving, still_elsewhere
+from .placement import failover, plan_delete, plan_put, plan_read
+from .protocol import GetResult, StoreResult, pack_names
 from .replication import merge_deletes
+
+
+REFRESHES = 3  # table refreshes one operation follows (a unit replaced, a move fenced it)
 
 
 def _packed(names: list[str] | None) -> bytes | None:
@@ -62,24 +67,28 @@ def put(store: Driven, batch: PackedBatch, partition: str, adopt: bool, claim: s
     """Stage every row of ``batch`` (see :meth:`StagingStore.put_many`)."""
     seen = store.placement.version
     result = yield from _put_once(store, batch, partition, adopt, claim)
-    if any_unavailable(result.failed) and (yield Refresh(seen)):
+    for _ in range(REFRESHES):
+        if not any_unavailable(result.failed) or not (yield Refresh(seen)):
+            break
+        seen = store.placement.version
         again = yield from _put_once(store, failed_rows(result, batch), partition, adopt, claim)
         result = splice(result, again)
     return result
 
 
 def _put_once(store: Driven, batch: PackedBatch, partition: str, adopt: bool, claim: str | None) -> Operation[StoreResult]:
-    placement = store.placement
-    plan = plan_put(placement, batch, store.settings.max_call_bytes)
+    placement, moving, version = store.placement, store.moving, stamp(store)
+    cap = store.settings.max_call_bytes
+    plan = plan_put(placement, batch, cap) if moving is None else plan_put_moving(moving, batch, cap)
     allocator = store.buffers().allocator
     calls = []
     for u, chunk in plan.parts:
         # The first call to a unit also carries the names it witnesses.
         wit = _packed(plan.witness.pop(u, None))
-        args = lambda chunk=chunk, wit=wit: (partition, cut_rows(batch, chunk, allocator), adopt, claim, wit)  # noqa: E731
+        args = lambda chunk=chunk, wit=wit: (partition, cut_rows(batch, chunk, allocator), adopt, claim, wit, False, version)  # noqa: E731
         calls.append(Call(u, "put_many", args, [batch.keys[i] for i in chunk]))
     answers = yield calls + _witness_calls(partition, plan.witness, drop=False)
-    return merge_puts(batch, answers[: len(calls)], plan.failed, placement.replicas == 2)
+    return merge_puts(batch, answers[: len(calls)], plan.failed, placement.replicas == 2 or moving is not None)
 
 
 # ---- get ----------------------------------------------------------------------------------
@@ -92,25 +101,40 @@ def get(store: Driven, keys: Sequence[str], fields: list[str] | None, partition:
     seen = store.placement.version
     wire_fields = None if fields is None else pack_names(fields)
     parts, failed = plan_read(store.placement, keys)
-    results = yield from _read(store.placement, parts, partition, wire_fields)
-    lost = unavailable_keys(results)
-    if lost and (yield Refresh(seen)):
+    results = yield from _read(store, parts, partition, wire_fields)
+    for _ in range(REFRESHES):
+        lost = unavailable_keys(results)
+        if not lost or not (yield Refresh(seen)):
+            break
+        seen = store.placement.version
         parts, _ = plan_read(store.placement, lost)
-        results = drop_failed(results, lost) + (yield from _read(store.placement, parts, partition, wire_fields))
+        results = drop_failed(results, lost) + (yield from _read(store, parts, partition, wire_fields))
     return merge_gets(keys, results, failed, store.buffers().allocator)
 
 
-def _read(placement: Placement, parts: list, partition: str, wire_fields: bytes | None) -> Operation[list[GetResult]]:
-    """Read ``parts`` from their primaries, then (replicas=2) what failed from replicas."""
+def _read(store: Driven, parts: list, partition: str, wire_fields: bytes | None) -> Operation[list[GetResult]]:
+    """Read ``parts`` from their primaries, then (replicas=2) what failed from replicas,
+    then (a move in progress) what the new holders lack from the old ones."""
+    placement, moving, version = store.placement, store.moving, stamp(store)
+
     def call(u: int, ks: list[str], local: bool) -> Call:
-        return Call(u, "get_many", lambda: (partition, pack_names(ks), wire_fields), ks, empty_get, local=local)
+        return Call(u, "get_many", lambda: (partition, pack_names(ks), wire_fields, version), ks, empty_get, local=local)
 
     results = yield [call(u, ks, True) for u, ks in parts]
     again = failover(placement, results)
-    if not again:
+    if again:
+        results = after_failover(results, (yield [call(r, ks, False) for r, ks in again]))
+    if moving is None:
         return results
-    second = yield [call(r, ks, False) for r, ks in again]
-    return after_failover(results, second)
+    behind = still_elsewhere(moving, {k: f for r in results for k, f in r.failed.items()})
+    if not behind:
+        return results
+    old = yield [call(u, ks, False) for u, ks in behind]
+    return drop_failed(results, [k for _, ks in behind for k in ks if _found(old, k)]) + old
+
+
+def _found(results: list[GetResult], key: str) -> bool:
+    return any(key in r.batch.keys for r in results)
 
 
 # ---- delete -------------------------------------------------------------------------------
@@ -119,21 +143,34 @@ def _read(placement: Placement, parts: list, partition: str, wire_fields: bytes 
 def delete(store: Driven, keys: Sequence[str], partition: str) -> Operation[StoreResult]:
     """Delete ``keys`` on every copy (see :meth:`StagingStore.delete`)."""
     seen = store.placement.version
-    result = yield from _delete_once(store.placement, keys, partition)
-    if any_unavailable(result.failed) and (yield Refresh(seen)):
-        retry = [k for k, (r, _) in result.failed.items() if r == UNIT_UNAVAILABLE]
-        result = splice(result, (yield from _delete_once(store.placement, retry, partition)))
+    result = yield from _delete_once(store, keys, partition)
+    for _ in range(REFRESHES):
+        if not any_unavailable(result.failed) or not (yield Refresh(seen)):
+            break
+        seen = store.placement.version
+        retry = [k for k, (r, _) in result.failed.items() if r in RETRY_REASONS]
+        result = splice(result, (yield from _delete_once(store, retry, partition)))
     return result
 
 
-def _delete_once(placement: Placement, keys: Sequence[str], partition: str) -> Operation[StoreResult]:
+def _delete_once(store: Driven, keys: Sequence[str], partition: str) -> Operation[StoreResult]:
+    placement, moving, version = store.placement, store.moving, stamp(store)
     uniq, parts, names, failed = plan_delete(placement, keys)
+    if moving is not None:  # every copy of either table
+        uniq, parts, failed = plan_all_moving(moving, keys)
     calls = [
-        Call(u, "delete", lambda ks=ks, wit=_packed(names.pop(u, None)): (partition, pack_names(ks), wit), ks)
+        Call(u, "delete", lambda ks=ks, wit=_packed(names.pop(u, None)): (partition, pack_names(ks), wit, version), ks)
         for u, ks in parts
     ]
     answers = yield calls + _witness_calls(partition, names, drop=True)
     results = answers[: len(calls)]
-    result = StoreResult.merge(results) if placement.replicas == 1 else merge_deletes(results, uniq)
+    replicated = placement.replicas == 2 or moving is not None
+    result = merge_deletes(results, uniq) if replicated else StoreResult.merge(results)
     result.failed.update(failed)
     return result
+
+
+def stamp(store: Driven) -> int:
+    """The table version a call is planned on: a unit fenced by a newer one refuses it
+    ``moved`` (a unit never fenced ignores it)."""
+    return store.placement.version

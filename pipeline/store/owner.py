@@ -10,6 +10,7 @@ at once instead of reaching a closed unit.
 """
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, Sequence
 
@@ -64,6 +65,9 @@ class StoreOwner:
     retired: list[Future] = field(default_factory=list)  # futures of replaced units
     repairer: "Repairer | None" = None
     closed: list[dict] | None = None
+    # Held by whoever changes the units (the repairer's replacement, a rebalancer's add or
+    # drain): one change at a time.
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     def replace_unit(self, store: Owned, u: int, handle: Actor, worker: str, future: Future) -> None:
         """Install a re-replicated unit ``u`` (the repairer) and publish the new table."""

@@ -35,6 +35,7 @@ MISSING_KEY = "missing_key"  # get/delete: no such key in the partition
 ABSENT_FIELD = "absent_field"  # get: the row is served but lacks a requested field
 STORE_ERROR = "store_error"  # the unit failed reading or writing the row (spill file)
 UNIT_UNAVAILABLE = "unit_unavailable"  # client: the unit holding the key cannot be reached
+MOVED = "moved"  # the unit was fenced by a move: the call's table is stale or the key is not its (refresh, retry)
 # get/put: the key was staged, but both its copies were lost with their units (replicas=2;
 # known from its witness). It reads as lost, never as missing, and a put of it is refused
 # until a delete forgets the loss.

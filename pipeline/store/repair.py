@@ -78,11 +78,12 @@ class Repairer:
         """Replace every unit whose worker has left; returns the units replaced."""
         live = set(current_workers(self.client))
         done = []
-        for u, w in enumerate(list(self.store.unit_workers)):
-            if self._stop.is_set():
-                break
-            if w not in live and self.repair(u, live):
-                done.append(u)
+        with self.store.owner.lock:  # never while a rebalancer adds or drains a unit
+            for u, w in enumerate(list(self.store.unit_workers)):
+                if self._stop.is_set():
+                    break
+                if w not in live and self.repair(u, live):
+                    done.append(u)
         return done
 
     def repair(self, u: int, live: set[str]) -> bool:

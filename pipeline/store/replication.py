@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import Iterable, Sequence
 
-from .protocol import MISSING_KEY, UNIT_UNAVAILABLE, StoreResult
+from .protocol import MISSING_KEY, MOVED, UNIT_UNAVAILABLE, StoreResult
 
 
 # A unit's own refusal (key_conflict, store_full, ...) outranks not reaching a unit: a
 # retry cannot fix it, so it is the answer the caller needs to see.
 def _rank(reason: str) -> int:
-    return 0 if reason == UNIT_UNAVAILABLE else 1
+    return 0 if reason in (UNIT_UNAVAILABLE, MOVED) else 1
 
 
 def merge_copies(results: Iterable[StoreResult], primary_order: Sequence[str]) -> StoreResult:

@@ -98,3 +98,19 @@ class StoreReporter:
             return False
         self.published += 1
         return True
+
+
+def start_reporter(unit: Reporting, interval_s: float) -> tuple[str | None, StoreReporter | None]:
+    """On a worker: its address and a started reporter for ``unit`` (None when
+    ``interval_s`` is 0); outside a worker (in-process use): (None, None)."""
+    from distributed import get_worker
+
+    try:
+        worker = get_worker()
+    except ValueError:
+        return None, None
+    if interval_s <= 0:
+        return worker.address, None
+    reporter = StoreReporter(unit, worker, interval_s)
+    reporter.start()
+    return worker.address, reporter

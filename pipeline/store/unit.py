@@ -19,11 +19,12 @@ import time
 import uuid
 from typing import Sequence
 
-from tasks.errors import InvalidStoreRequest, StoreUnavailable
+from tasks.errors import InvalidStoreRequest, StoreBusy, StoreUnavailable
 from tasks.packed import PackedBatch
 
 from .checkpoint_files import primary_items, write_partition_files
 from .checkpoint_guard import CheckpointGuard
+from .fence import Fence
 from .held_rows import HeldRows
 from .losses import LossBook, lost_detail
 from .protocol import (
@@ -33,6 +34,7 @@ from .protocol import (
     INVALID_KEY,
     LOST_KEY,
     MISSING_KEY,
+    MOVED,
     GetResult,
     StoreResult,
     check_key,
@@ -42,11 +44,13 @@ from .protocol import (
 )
 from .put_columns import Columns, batch_columns
 from .registry import PartitionRegistry
-from .reporter import StoreReporter
+from .reporter import start_reporter
 from .row_packing import ROW_OVERHEAD_BYTES, SMALL_FIELD_ELEMENTS, key_nbytes, pack_stored_rows  # noqa: F401 (re-exported)
 from .settings import UnitSettings
 from .slab_pool import SlabPool
 from .spill import Row, batch_row_nbytes
+from .unit_moves import MOVE_COUNTERS, drop, move_in, refused_keys, stale, stale_answer, take_fence
+from .unit_stats import unit_stats
 
 logger = logging.getLogger(__name__)
 
@@ -54,22 +58,12 @@ logger = logging.getLogger(__name__)
 class StorageUnit:
     """A Dask actor holding rows ``(partition, key) -> {field: array}``.
 
-    Parameters
-    ----------
-    unit_index:
-        This unit's position in the store (for names and stats).
-    memory_limit:
-        Bytes of rows kept in memory before spilling to disk.
-    capacity:
-        Bytes of rows (memory + disk) beyond which puts are refused with ``store_full``.
-    spill_directory:
-        Parent directory for this unit's spill files; ``None``: the hosting worker's
-        local directory. The unit's own subdirectory is removed by :meth:`close`.
-    partitions:
-        Allowed partition names; ``None`` allows any well-formed name.
-    adopt_received:
-        Keep the rows of a batch received off the wire as views of its buffers (no
-        second copy); ``None``: ``store.adopt-received``.
+    ``unit_index``: its position when the store started (names, stats); ``memory_limit``
+    and ``capacity``: bytes in memory before spilling, and in memory + disk before puts
+    are refused ``store_full``; ``spill_directory``: parent of its spill files (``None``:
+    the worker's local directory; its own subdirectory goes at :meth:`close`);
+    ``partitions``: allowed names (``None``: any well-formed one); ``adopt_received``:
+    keep a batch received off the wire as the rows (``None``: ``store.adopt-received``).
     """
 
     clock = staticmethod(time.monotonic)  # seconds, for checkpoint leases (tests turn it)
@@ -102,28 +96,15 @@ class StorageUnit:
             "puts": 0, "put_rows": 0, "gets": 0, "get_keys": 0, "get_rows": 0, "deletes": 0, "deleted_rows": 0,
             "deferred_rows": 0, "refused_rows": 0, "checkpoints_begun": 0, "checkpoints_ended": 0,
             "checkpoints_expired": 0, "adopted_rows": 0, "released_rows": 0, "lost_reads": 0,
+            **dict.fromkeys(MOVE_COUNTERS, 0),
         }
+        self.fence: Fence | None = None  # the table of the last move (unit_moves.py)
         self.losses = LossBook()
         self.guard = CheckpointGuard(self.settings.lease_s)
         self.answers = SlabPool(self.settings.answer_buffer_bytes)
         self.closed = False
-        self.worker_address: str | None = None
-        self.reporter: StoreReporter | None = None
-        self._start_reporter()
-
-    def _start_reporter(self) -> None:
-        """On a worker, publish this unit's figures every ``report_interval_s`` seconds (0:
-        never); outside a worker (in-process use) there is nothing to do."""
-        from distributed import get_worker
-
-        try:
-            worker = get_worker()
-        except ValueError:
-            return
-        self.worker_address = worker.address
-        if self.settings.report_interval_s > 0:
-            self.reporter = StoreReporter(self, worker, self.settings.report_interval_s)
-            self.reporter.start()
+        # On a worker it publishes its figures every report_interval_s (0: never).
+        self.worker_address, self.reporter = start_reporter(self, self.settings.report_interval_s)
 
     @property
     def pinned_bytes(self) -> int:
@@ -139,6 +120,8 @@ class StorageUnit:
         adopt: bool = False,
         claim: str | None = None,
         witness: bytes | Sequence[str] | None = None,
+        moving: bool = False,
+        version: int | None = None,
     ) -> StoreResult:
         """Store every row of ``batch`` under ``partition``; per-key results.
 
@@ -153,11 +136,16 @@ class StorageUnit:
         it until :meth:`settle_claim`, so :meth:`release_claim` can take back exactly
         them; a row another writer re-puts (and so is acknowledged to it) stops being
         provisional. ``witness``: names this unit records for keys stored on two other
-        units (:meth:`witness`). A key recorded lost is refused ``lost_key``."""
+        units (:meth:`witness`). A key recorded lost is refused ``lost_key``; once fenced
+        by a move, a key the table does not give this unit is refused ``moved``
+        (``moving``: the move's own copies, :meth:`move_in`), and every key of a call
+        planned on an older table (``version``)."""
         self._check_open()
         check_partition(partition, self.partitions)
         if not isinstance(batch, PackedBatch):
             raise InvalidStoreRequest(f"put_many needs a PackedBatch, got {type(batch).__name__}")
+        if stale(self, version):
+            return stale_answer(self, batch.keys)
         adopt = bool(adopt) or (self.settings.adopt_received and batch.received)
         if witness is not None:
             self.witness(partition, witness)
@@ -167,13 +155,17 @@ class StorageUnit:
         if problem:
             result.failed.update({k: (INVALID_BATCH, problem) for k in batch.keys})
         else:
-            self._put_rows(partition, batch, adopt, claim, result)
+            self._put_rows(partition, batch, adopt, claim, result, refused_keys(self, batch.keys, moving))
+            if self.fence is not None and not moving:
+                self.fence.revived(partition, result.ok)
         self.held.compact()
         self.counters["put_rows"] += len(result.ok)
         self.counters["refused_rows"] += len(result.failed)
         return result
 
-    def _put_rows(self, partition: str, batch: PackedBatch, adopt: bool, claim: str | None, result: StoreResult) -> None:
+    def _put_rows(
+        self, partition: str, batch: PackedBatch, adopt: bool, claim: str | None, result: StoreResult, refused: set[str]
+    ) -> None:
         """Store each row of a well-formed ``batch`` (per-key answers into ``result``)."""
         reg = self.registry[partition]
         columns = batch_columns(batch, reg, adopt)
@@ -181,9 +173,9 @@ class StorageUnit:
         stored_rows: list[int] = []  # batch rows stored under a NEW slot
         stored_slots: list[str] = []
         for i, key in enumerate(batch.keys):
-            refused = self._refusal(partition, key, columns.bad_field[i])
-            if refused is not None:
-                result.failed[key] = refused
+            why = (MOVED, self.fence.detail(key)) if key in refused else self._refusal(partition, key, columns.bad_field[i])  # type: ignore[union-attr]
+            if why is not None:
+                result.failed[key] = why
                 continue
             outcome, slot = self.held.store(partition, key, columns.row(i), row_weights[i], claim)
             if outcome is not None:
@@ -220,7 +212,8 @@ class StorageUnit:
     # ---- gets -------------------------------------------------------------------
 
     def get_many(
-        self, partition: str, keys: Sequence[str] | bytes, fields: Sequence[str] | bytes | None = None
+        self, partition: str, keys: Sequence[str] | bytes, fields: Sequence[str] | bytes | None = None,
+        version: int | None = None,
     ) -> GetResult:
         """Rows of ``keys`` (found ones, in request order) with ``fields`` (``None``: every
         field pinned in the partition; only explicitly requested fields report
@@ -228,6 +221,8 @@ class StorageUnit:
         self._check_open()
         check_partition(partition, self.partitions)
         keys = unpack_names(keys, "keys")
+        if stale(self, version):
+            return GetResult(PackedBatch([], {}), stale_answer(self, keys).failed)
         fields = None if fields is None else unpack_names(fields, "fields")
         self.counters["gets"] += 1
         self.counters["get_keys"] += len(keys)
@@ -248,9 +243,12 @@ class StorageUnit:
     def _find(self, partition: str, keys: list) -> tuple[list[str], list[Row], dict[str, tuple[str, str]]]:
         """(found keys, their rows, failures): ``missing_key``, ``lost_key`` or a read error."""
         found, rows, absent, failed = self.held.find(partition, keys)
+        elsewhere = set() if self.fence is None or not absent else set(self.fence.not_given(absent))
         for key in absent:
             how = self.losses.how(partition, key)
-            if how is None:
+            if key in elsewhere and how is None:
+                failed[key] = (MOVED, self.fence.detail(key))  # type: ignore[union-attr]
+            elif how is None:
                 failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
             else:
                 failed[key] = (LOST_KEY, lost_detail(key, how))
@@ -260,7 +258,8 @@ class StorageUnit:
     # ---- deletes ----------------------------------------------------------------
 
     def delete(
-        self, partition: str, keys: Sequence[str] | bytes, unwitness: bytes | Sequence[str] | None = None
+        self, partition: str, keys: Sequence[str] | bytes, unwitness: bytes | Sequence[str] | None = None,
+        version: int | None = None,
     ) -> StoreResult:
         """Remove ``keys`` (one call, any number of keys); an absent key is reported
         ``missing_key`` (nothing else changes). While an open checkpoint covers
@@ -271,6 +270,8 @@ class StorageUnit:
         self._check_open()
         check_partition(partition, self.partitions)
         keys = unpack_names(keys, "keys")
+        if stale(self, version):
+            return stale_answer(self, keys)
         if unwitness is not None:
             self.witness(partition, None, unwitness)
         self.counters["deletes"] += 1
@@ -279,9 +280,15 @@ class StorageUnit:
         defer = self.guard.covers(partition)
         result = StoreResult()
         removed = 0
+        fence = self.fence
+        elsewhere = set() if fence is None else set(fence.not_given([k for k in keys if isinstance(k, str) and k not in index]))
+        if fence is not None:
+            fence.deleted(partition, [k for k in keys if isinstance(k, str)])  # a late copy must not revive them
         for key in keys:
             if isinstance(key, str) and key not in index and self.losses.forget(partition, key):
                 result.ok.append(key)  # the loss is forgotten; no row to remove
+            elif key in elsewhere:
+                result.failed[key] = (MOVED, fence.detail(key))  # type: ignore[union-attr]
             elif not isinstance(key, str) or key not in index:
                 result.failed[key] = (MISSING_KEY, f"{key!r} not in partition {partition!r}")
             elif defer:
@@ -353,6 +360,9 @@ class StorageUnit:
         self._check_open()
         if not isinstance(token, str) or not token:
             raise InvalidStoreRequest(f"checkpoint token must be a non-empty str, got {token!r}")
+        if self.fence is not None and self.fence.moving:
+            raise StoreBusy(f"storage unit {self.unit_index} is moving keys (placement version {self.fence.version}); "
+                            "checkpoint once the move has ended")
         parts = None if partitions is None else frozenset(check_partition(p, self.partitions) for p in partitions)
         if self.guard.begin(token, parts, self.clock()):
             self.counters["checkpoints_begun"] += 1
@@ -382,10 +392,9 @@ class StorageUnit:
         return applied
 
     def expire_checkpoints(self) -> int:
-        """End every open checkpoint older than ``store.checkpoint-lease-s`` seconds (0: never),
-        as if its writer had, and apply the deletes it deferred: a controller that died
-        mid-checkpoint must not keep rows forever. Asked at every delete and report; the
-        writer's own ``end_checkpoint`` then answers ``expired``. Returns how many ended."""
+        """End every open checkpoint older than ``store.checkpoint-lease-s`` s (0: never) and apply
+        its deferred deletes (a dead writer keeps no rows forever); asked at every delete and
+        report, its writer's ``end_checkpoint`` then answers ``expired``. Returns how many."""
         old = self.guard.expire(self.clock())
         for token in old:
             self.counters["checkpoints_expired"] += 1
@@ -397,39 +406,25 @@ class StorageUnit:
             self._apply_deferred()
         return len(old)
 
+    # ---- moves (the store host's rebalancer, unit_moves.py) -------------------------
+
+    def set_fence(self, table: dict) -> dict:
+        """Take the next table of a move (older ones refused); see :mod:`.fence`."""
+        return take_fence(self, table)
+
+    def move_in(self, partition: str, batch: PackedBatch) -> int:
+        """Rows moved here by a move, except keys deleted meanwhile; rows written."""
+        return move_in(self, partition, batch)
+
+    def drop(self, partition: str, keys: Sequence[str] | bytes) -> int:
+        """Remove this unit's copies of ``keys`` (they live elsewhere now); rows removed."""
+        return drop(self, partition, keys)
+
     # ---- introspection ----------------------------------------------------------
 
     def stats(self) -> dict:
-        """Counters and sizes (bytes) of this unit."""
-        return {
-            "unit": self.unit_index,
-            "worker": self.worker_address,
-            "rows": self.held.count(),
-            "partitions": {p: len(ix) for p, ix in self.held.index.items()},
-            "used_bytes": self.held.used_bytes,
-            "pinned_bytes": self.pinned_bytes,
-            "shared_groups": len(self.held.adopted),
-            "memory_bytes": self.held.rows.memory_bytes,
-            "spilled_bytes": self.held.rows.spilled_bytes,
-            "disk_bytes": self.held.rows.spilled_bytes,
-            "spilled_rows": self.held.rows.spilled_rows,
-            "spill_errors": self.held.rows.spill_errors,
-            "answer_buffer_bytes": self.answers.held_bytes,
-            "answer_buffers_reused": self.answers.reused,
-            "answer_buffers_allocated": self.answers.allocated,
-            "answer_buffers_unpooled": self.answers.unpooled,
-            "memory_limit": self.memory_limit,
-            "capacity": self.capacity,
-            "spill_directory": self.directory,
-            "registry": self.registry.to_dict(),
-            "open_checkpoints": len(self.guard.open),
-            "pending_deletes": self.guard.pending(),
-            "provisional_rows": len(self.held.claims),
-            "lost_keys": self.losses.lost_count(),
-            "witnessed_keys": self.losses.witnessed_count(),
-            "event": self.event(),
-            **self.counters,
-        }
+        """Counters and sizes (bytes) of this unit (:func:`.unit_stats.unit_stats`)."""
+        return unit_stats(self)
 
     def report_figures(self) -> dict | None:
         """This unit's event for its reporter's tick (None once closed)."""
@@ -459,22 +454,26 @@ class StorageUnit:
 
     # ---- checkpoint -------------------------------------------------------------
 
-    def checkpoint_write(self, directory: str, chunk_bytes: int, primary_of_units: int | Sequence[str] | None = None) -> list[dict]:
+    def checkpoint_write(
+        self, directory: str, chunk_bytes: int, primary_of_units: int | Sequence[str] | None = None, index: int | None = None
+    ) -> list[dict]:
         """Write every partition's rows as packed batch files (about ``chunk_bytes`` each)
         into ``directory`` atomically per file (temp, fsync, rename). Returns one manifest
         entry per file. Runs on the actor thread, so it is a consistent snapshot of this unit.
 
         ``primary_of_units`` (a replicated store's unit ids, or count: default ids): write only
-        the keys this unit is the primary of, so a checkpoint holds each key once, not twice."""
+        the keys this unit is the primary of, so a checkpoint holds each key once, not twice.
+        ``index``: this unit's position in the caller's table (default ``unit_index``)."""
         self._check_open()
+        me = self.unit_index if index is None else int(index)
         entries: list[dict] = []
         for partition, index in self.held.index.items():
             items = list(index.items())
             if primary_of_units is not None:
-                items = primary_items(items, primary_of_units, self.unit_index)
+                items = primary_items(items, primary_of_units, me)
             reg = self.registry.get(partition)
             rows = ((key, self.held.rows.peek(slot), self.held.weights[slot]) for key, slot in items)
-            entries.extend(write_partition_files(directory, f"u{self.unit_index:03d}-{partition}", partition, rows, reg, chunk_bytes))
+            entries.extend(write_partition_files(directory, f"u{me:03d}-{partition}", partition, rows, reg, chunk_bytes))
         return entries
 
     # ---- lifecycle --------------------------------------------------------------

@@ -1,0 +1,95 @@
+"""Plans for a store whose keys are moving between two tables (pure: no Dask, no I/O).
+
+While a change copies keys (:mod:`pipeline.store.rebalance`), a handle carries a
+:class:`MovingTable`: the table keys go to (``placement``), the one they come from
+(``previous``) and every unit of either, in the order of the handle's unit list (the new
+table's units, then any unit being drained). Writes reach the copies of BOTH tables, so a
+row written during the copy is on its new holders whether or not the copy saw it; reads
+ask the new holders first and the old ones for what they lack; deletes reach every copy.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from tasks.packed import PackedBatch, payload_bytes_per_row
+
+from .placement import Failures, Placement, PutPlan, chunks_by_bytes, plan_put
+from .protocol import MISSING_KEY
+
+
+@dataclass(frozen=True)
+class MovingTable:
+    """A move in progress (module docstring); ``unit_ids`` index the handle's units."""
+
+    placement: Placement
+    previous: Placement
+
+    @property
+    def unit_ids(self) -> tuple[str, ...]:
+        leaving = tuple(u for u in self.previous.unit_ids if u not in self.placement.unit_ids)
+        return self.placement.unit_ids + leaving
+
+    @property
+    def version(self) -> int:
+        return self.placement.version
+
+    def previous_index(self) -> np.ndarray:
+        """Union index of each unit of ``previous`` (int64), plus -1 at the end (for -1)."""
+        where = {u: i for i, u in enumerate(self.unit_ids)}
+        return np.asarray([where[u] for u in self.previous.unit_ids] + [-1], dtype=np.int64)
+
+    def holders(self, keys: Sequence[str]) -> tuple[np.ndarray, Failures]:
+        """Union indices of every copy of each key under either table (``[keys, 4]``, -1
+        where none) and the unusable keys' failures."""
+        new, old = self.placement.locate(keys), self.previous.locate(keys)
+        back = self.previous_index()
+        none = np.full(len(keys), -1, dtype=np.int64)
+        cols = [new.primary, none if new.replica is None else new.replica,
+                back[old.primary], back[none if old.replica is None else old.replica]]
+        return np.stack(cols, axis=1), new.failed
+
+
+def plan_put_moving(table: MovingTable, batch: PackedBatch, max_call_bytes: int) -> PutPlan:
+    """:func:`~pipeline.store.placement.plan_put` over the copies of both tables (each row
+    once per unit), with the new table's witnesses."""
+    base = plan_put(table.placement, batch, max_call_bytes)
+    if base.failed and not base.parts:
+        return base  # the batch itself is unusable
+    where, failed = table.holders(batch.keys)
+    row_bytes = payload_bytes_per_row(batch)
+    parts: list[tuple[int, np.ndarray]] = []
+    for u in range(len(table.unit_ids)):
+        idx = np.flatnonzero((where == u).any(axis=1))
+        parts.extend((u, chunk) for chunk in chunks_by_bytes(idx, row_bytes, max_call_bytes))
+    return PutPlan(parts, failed, base.witness)
+
+
+def plan_all_moving(table: MovingTable, keys: Sequence[str]) -> tuple[list[str], list[tuple[int, list[str]]], Failures]:
+    """The unique keys and, per unit holding a copy under either table, its keys (a
+    delete during a move reaches every copy)."""
+    uniq = list(dict.fromkeys(keys))
+    where, failed = table.holders(uniq)
+    parts = []
+    for u in range(len(table.unit_ids)):
+        idx = np.flatnonzero((where == u).any(axis=1))
+        if len(idx):
+            parts.append((u, [uniq[i] for i in idx]))
+    return uniq, parts, failed
+
+
+def still_elsewhere(table: MovingTable, failed: dict[str, tuple[str, str]]) -> list[tuple[int, list[str]]]:
+    """Keys a read from the new holders did not find, per old primary (union index) that
+    may still hold them; the new table's own primary is not asked twice."""
+    keys = [k for k, (reason, _) in failed.items() if reason in (MISSING_KEY, "moved")]
+    if not keys:
+        return []
+    new, old = table.placement.locate(keys), table.previous.locate(keys)
+    back = table.previous_index()[old.primary]
+    out: dict[int, list[str]] = {}
+    for k, u, n in zip(keys, back.tolist(), new.primary.tolist()):
+        if u >= 0 and u != n:
+            out.setdefault(u, []).append(k)
+    return sorted(out.items())

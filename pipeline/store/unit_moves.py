@@ -1,0 +1,99 @@
+"""A storage unit's side of a move: taking a fence, rows moved in, copies dropped.
+
+The unit's actor methods ``set_fence``, ``move_in`` and ``drop`` call the functions here
+(a fence of the final table, not moving, ends the move and its tombstones); its put, get and delete consult the :class:`~pipeline.store.fence.Fence`
+(``moved`` answers, tombstones). The order of a move is
+:mod:`pipeline.store.rebalance`'s.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping, Sequence
+
+from tasks.errors import InvalidStoreRequest, StoreBusy
+import numpy as np
+
+from tasks.packed import PackedBatch, take_rows
+
+from .fence import Fence
+from .protocol import MOVED, StoreResult, check_partition, unpack_names
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .unit import StorageUnit
+
+MOVE_COUNTERS = ("moved_in_rows", "moved_out_rows", "moved_refusals", "move_tombstone_skips")
+
+
+def take_fence(unit: StorageUnit, msg: Mapping[str, object]) -> dict:
+    """Fence ``unit`` with the table of ``msg`` (:meth:`Fence.message`). Refuses an older
+    table than the one it has, and a move while a store checkpoint is open on it."""
+    unit._check_open()
+    fence = Fence.from_message(msg)
+    if unit.fence is not None and fence.version < unit.fence.version:
+        raise InvalidStoreRequest(
+            f"storage unit {unit.unit_index}: placement version {fence.version} is older than its {unit.fence.version}")
+    if unit.guard.open:
+        raise StoreBusy(f"storage unit {unit.unit_index} has a store checkpoint open; a move waits for it to end")
+    if unit.fence is not None and unit.fence.version == fence.version:
+        return {"version": fence.version, "unit_id": fence.unit_id}
+    unit.fence = fence
+    return {"version": fence.version, "unit_id": fence.unit_id}
+
+
+def move_in(unit: StorageUnit, partition: str, batch: PackedBatch) -> int:
+    """Store the moved rows of ``batch`` except keys deleted during the move; rows written
+    (a key already held identically counts as written: the copy is there)."""
+    unit._check_open()
+    check_partition(partition, unit.partitions)
+    fence = unit.fence
+    buried = set() if fence is None else fence.buried(partition, batch.keys)
+    if buried:
+        keep = np.asarray([i for i, k in enumerate(batch.keys) if k not in buried], dtype=np.int64)
+        unit.counters["move_tombstone_skips"] += len(buried)
+        if not len(keep):
+            return 0
+        batch = take_rows([batch], np.zeros(len(keep), np.int64), keep)
+    res = unit.put_many(partition, batch, adopt=True, moving=True)
+    unit.counters["moved_in_rows"] += len(res.ok)
+    return len(res.ok)
+
+
+def drop(unit: StorageUnit, partition: str, keys: Sequence[str] | bytes) -> int:
+    """Remove this unit's copies of ``keys`` (they live elsewhere now); rows removed. A
+    key deleted meanwhile is simply absent."""
+    unit._check_open()
+    check_partition(partition, unit.partitions)
+    names = unpack_names(keys, "keys")
+    index = unit.held.index.get(partition, {})
+    removed = 0
+    for key in names:
+        if key in index:
+            removed += unit.held.remove(partition, key)
+    unit.counters["moved_out_rows"] += removed
+    unit.held.compact()
+    return removed
+
+
+def refused_keys(unit: StorageUnit, keys: Sequence[str], moving: bool) -> set[str]:
+    """Keys a put must refuse ``moved`` (not this unit's under its fence); none for the
+    move's own puts (``moving``) and for a unit never fenced."""
+    fence = unit.fence
+    if fence is None or moving:
+        return set()
+    out = set(fence.not_given(keys))
+    unit.counters["moved_refusals"] += len(out)
+    return out
+
+
+def stale(unit: StorageUnit, version: int | None) -> bool:
+    """The call was planned on a table older than the unit's fence."""
+    return unit.fence is not None and unit.fence.stale(version)
+
+
+def stale_answer(unit: StorageUnit, keys: Sequence[str]) -> StoreResult:
+    """Every key of a stale call answers ``moved`` (the caller refreshes and calls again)."""
+    assert unit.fence is not None
+    unit.counters["moved_refusals"] += len(keys)
+    why = (MOVED, f"planned on an older placement than version {unit.fence.version}; refresh the table")
+    out = StoreResult()
+    out.failed = {k if isinstance(k, str) else repr(k): why for k in keys}
+    return out
