@@ -22,7 +22,8 @@ from support import wait_until
 
 from pipeline.client.discovery import lookup_store
 from pipeline.dashboard.preload import PRELOAD
-from pipeline.store.host import StartRequest, StoreHost
+from pipeline.store.host import StoreHost
+from pipeline.store.host_messages import StartRequest
 from pipeline.store.hosted import close_hosted, hosted_stores, start_hosted
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
 from tasks.packed import pack_rows

@@ -22,8 +22,7 @@ import concurrent.futures
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypedDict, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import PeriodicCallback
@@ -31,6 +30,7 @@ from tornado.ioloop import PeriodicCallback
 from tasks.errors import InvalidStoreRequest, StoreUnavailable
 
 from .. import config
+from .host_messages import HostedStoreInfo, StartRequest
 from .rebalance import Rebalancer
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -43,54 +43,6 @@ logger = logging.getLogger(__name__)
 PLUGIN_NAME = "token-capture-store-host"
 STORAGE_RESOURCE = "storage"  # a worker advertising it (> 0) gets a unit of every hosted store
 T = TypeVar("T")
-
-
-class HostedStoreInfo(TypedDict):
-    """What ``token_capture_store_list`` says about one hosted store."""
-
-    name: str
-    units: int
-    workers: list[str]
-    replicas: int
-    version: int
-    started_s: float  # wall clock, s
-    repaired: list[dict]  # one record per re-replicated unit (the repairer's)
-    changes: list[dict]  # one record per unit added or drained (the rebalancer's)
-
-
-@dataclass(frozen=True)
-class StartRequest:
-    """A store to start: the requester's own settings, so the store behaves as if the
-    requester had started it (the scheduler's config decides only the repair cadence)."""
-
-    name: str
-    n_units: int
-    replicas: int
-    memory_limit: int  # bytes per unit held in memory before spilling
-    capacity: int  # bytes per unit, memory and disk
-    spill_directory: str | None
-    workers: tuple[str, ...] | None
-    store_settings: dict[str, int | bool] = field(default_factory=dict)  # StoreSettings fields
-
-    @classmethod
-    def from_message(cls, msg: dict) -> StartRequest:
-        """Checked: a malformed request is refused with the field it got wrong."""
-        name = msg.get("name")
-        if not isinstance(name, str) or not name:
-            raise InvalidStoreRequest(f"a hosted store needs a non-empty name, got {name!r}")
-        ints = {}
-        for key in ("n_units", "replicas", "memory_limit", "capacity"):
-            value = msg.get(key)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidStoreRequest(f"hosted store {name!r}: {key} must be a positive int, got {value!r}")
-            ints[key] = value
-        workers = msg.get("workers")
-        if workers is not None and (not isinstance(workers, (list, tuple)) or not all(isinstance(w, str) for w in workers)):
-            raise InvalidStoreRequest(f"hosted store {name!r}: workers must be a list of addresses, got {workers!r}")
-        spill = msg.get("spill_directory")
-        settings = msg.get("store_settings") or {}
-        return cls(name, ints["n_units"], ints["replicas"], ints["memory_limit"], ints["capacity"],
-                   None if spill is None else str(spill), None if workers is None else tuple(workers), dict(settings))
 
 
 class StoreHost(SchedulerPlugin):

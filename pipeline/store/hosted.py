@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING
 from tasks.errors import StoreUnavailable
 
 from .. import config
-from .host import HostedStoreInfo
+from .host_messages import HostedStoreInfo
 from .owner import unit_args_from_config
 from .settings import StoreSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Client
 
-    from .client import StagingStore
+    from .protocol import PlacedStoreLike
 
 NO_HOST = (
     "the scheduler at {address} has no token-capture store host; start it with "
@@ -38,16 +38,15 @@ def start_hosted(
     capacity: int | str | None = None,
     spill_directory: str | None = None,
     workers: Sequence[str] | None = None,
-) -> StagingStore:
-    """Start a store owned by the scheduler process and return its handle.
+) -> PlacedStoreLike:
+    """Start a store owned by the scheduler process and return its handle (a
+    :class:`~pipeline.store.client.StagingStore`).
 
     ``name`` (default ``capture-client.store-name``) is the Dask dataset it is published
     under; the other arguments mean what they mean for ``StagingStore.start`` and default
     to THIS process's ``token-capture.store.*`` config (``replicas`` included).
     Raises :class:`~tasks.errors.StoreUnavailable` when the scheduler has no store host,
     :class:`~tasks.errors.InvalidStoreRequest` when a store of that name is hosted."""
-    from ..client.discovery import lookup_store, store_name
-
     name = store_name(name)
     args = unit_args_from_config(memory_limit, capacity, spill_directory)
     message = {
@@ -61,20 +60,24 @@ def start_hosted(
         "store_settings": dataclasses.asdict(StoreSettings.from_config()),
     }
     _call(client, "token_capture_store_start", **message)
-    return lookup_store(client, name)
+    return client.get_dataset(name)  # the host published it before answering
 
 
 def close_hosted(client: Client, name: str | None = None) -> list[dict]:
     """Close the hosted store ``name``: its units, its repairer, its actors and dataset.
     Returns each unit's close record."""
-    from ..client.discovery import store_name
-
     return _call(client, "token_capture_store_close", name=store_name(name))
 
 
 def hosted_stores(client: Client) -> list[HostedStoreInfo]:
     """Every store the scheduler hosts (name, units, workers, version, repairs)."""
     return _call(client, "token_capture_store_list")
+
+
+def store_name(name: str | None) -> str:
+    """``name``, or the configured ``capture-client.store-name`` (the dataset a store is
+    published under, as :func:`pipeline.client.discovery.lookup_store` reads it)."""
+    return str(config.get("capture-client.store-name") if name is None else name)
 
 
 def _call(client: Client, handler: str, **kwargs: object):

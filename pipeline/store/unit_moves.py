@@ -7,7 +7,7 @@ The unit's actor methods ``set_fence``, ``move_in`` and ``drop`` call the functi
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
 from tasks.errors import InvalidStoreRequest, StoreBusy
 import numpy as np
@@ -18,7 +18,24 @@ from .fence import Fence
 from .protocol import MOVED, StoreResult, check_partition, unpack_names
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .unit import StorageUnit
+    from .checkpoint_guard import CheckpointGuard
+    from .held_rows import HeldRows
+
+
+class StorageUnit(Protocol):
+    """What the functions here use of a :class:`~pipeline.store.unit.StorageUnit`."""
+
+    unit_index: int
+    fence: Fence | None
+    guard: CheckpointGuard
+    held: HeldRows
+    partitions: list[str] | None
+    counters: dict[str, int]
+
+    def _check_open(self) -> None: ...
+
+    def put_many(self, partition: str, batch: PackedBatch, adopt: bool = ..., claim: str | None = ...,
+                 witness: bytes | None = ..., moving: bool = ..., version: int | None = ...) -> StoreResult: ...
 
 MOVE_COUNTERS = ("moved_in_rows", "moved_out_rows", "moved_refusals", "move_tombstone_skips")
 

@@ -1,10 +1,37 @@
 """What a storage unit reports about itself: counters and sizes (bytes)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .unit import StorageUnit
+    from .checkpoint_guard import CheckpointGuard
+    from .fence import Fence
+    from .held_rows import HeldRows
+    from .losses import LossBook
+    from .registry import PartitionRegistry
+    from .slab_pool import SlabPool
+
+
+class StorageUnit(Protocol):
+    """What a report reads of a :class:`~pipeline.store.unit.StorageUnit`."""
+
+    unit_index: int
+    worker_address: str | None
+    held: HeldRows
+    answers: SlabPool
+    memory_limit: int
+    capacity: int
+    directory: str
+    registry: PartitionRegistry
+    guard: CheckpointGuard
+    losses: LossBook
+    fence: Fence | None
+    counters: dict[str, int]
+
+    @property
+    def pinned_bytes(self) -> int: ...
+
+    def event(self) -> dict: ...
 
 
 def unit_stats(unit: StorageUnit) -> dict:
