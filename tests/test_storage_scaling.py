@@ -1,10 +1,12 @@
 """Storage scaling: the store's fill in the aggregator's signal, the pure storage policy,
 how it joins the finalize decision, and a real LocalCluster whose units fill up.
 
-The cluster test fills real storage units (small capacity) past ``store.scale-up-fill``:
+The cluster tests fill real storage units (small capacity) past ``store.scale-up-fill``:
 the adaptive policy adds one worker with the storage role and publishes a ``storage``
 SCALE event; emptied again, a storage down retires only a storage worker hosting no
-unit, never a unit's host. Waits are on conditions, never on elapsed time.
+unit, never a unit's host. With the store hosted by the scheduler the loop closes: the
+host gives the new worker a unit, and a storage down has it drained before the worker
+is retired. Waits are on conditions, never on elapsed time.
 """
 from __future__ import annotations
 
@@ -338,3 +340,60 @@ def test_fill_is_read_from_the_units_own_reports_and_stale_ones_drop_out(storage
     assert (s["store_used_bytes"], s["store_capacity_bytes"]) == (used, 2 * CAPACITY)
     assert "ghost" in client.sync(client.scheduler.token_capture_state)["store_units"]  # still on the page
     store.delete(keys)
+
+
+# ------------------------------------------------------------------ with the store host
+@pytest.fixture(scope="module")
+def hosted_cluster(tmp_path_factory):
+    """A store hosted by the scheduler: a worker joining with the storage role gets a unit,
+    a drain moves a unit's keys away and closes it."""
+    from pipeline.store.hosted import close_hosted, start_hosted
+
+    with dask.config.set({**FAST, "token-capture.store.min-units": 2}):
+        with LocalCluster(
+            n_workers=2, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
+            worker_dashboard_address="127.0.0.1:0", scheduler_kwargs={"preload": [PRELOAD]},
+        ) as cluster, Client(cluster) as client:
+            hosts = sorted(client.scheduler_info()["workers"])
+            store = start_hosted(client, "scaling-store", n_units=2, capacity=CAPACITY, workers=hosts,
+                                 spill_directory=str(tmp_path_factory.mktemp("hosted")))
+            try:
+                adaptive = cluster.adapt(Adaptive=TokenCaptureAdaptive, minimum=2, maximum=3, interval="100ms", wait_count=1)
+                yield client, store, adaptive, hosts
+            finally:
+                close_hosted(client, "scaling-store")
+
+
+def test_a_hosted_store_grows_onto_the_storage_worker_and_a_storage_down_drains_it_before_retiring_it(hosted_cluster):
+    client, store, adaptive, hosts = hosted_cluster
+    n_workers = lambda: len(client.scheduler_info()["workers"])  # noqa: E731
+    units = lambda: client.sync(client.scheduler.token_capture_signal, window_s=None)["store_units"]  # noqa: E731
+    wait_until(lambda: adaptive.last_storage_decision and adaptive.last_storage_decision.reason_code == "storage-at-floor",
+               what="2 nearly empty units: at the floor (store.min-units 2)")
+
+    # full: one more worker with the storage role; the store host gives it a unit, which
+    # ends the pending up (no second storage worker is asked for)
+    keys = fill_store(store, 0.85)
+    wait_until(lambda: n_workers() == 3, timeout_s=60, what="the storage worker")
+    wait_until(lambda: units() == 3, timeout_s=60, what="its unit reporting")
+    wait_until(lambda: adaptive.last_storage_decision.reason_code == "storage-balanced", what="the up settled by the new unit")
+    (added,) = set(client.scheduler_info()["workers"]) - set(hosts)
+    hosted_by = client.run_on_scheduler(lambda dask_scheduler: {a: len(ws.actors) for a, ws in dask_scheduler.workers.items()})
+    assert hosted_by[added] >= 1 and client.scheduler_info()["workers"][added]["resources"].get(STORAGE_RESOURCE) == 1
+
+    # emptied, the finalize side holding: the store host drains the storage worker's unit,
+    # then (no actor left on it) the storage down retires that worker; the first two stay
+    with FetchBound(client):
+        wait_until(lambda: adaptive.last_decision.reason_code == "fetch-bound", what="finalize holding")
+        store.delete(keys)
+        wait_until(lambda: n_workers() == 2, timeout_s=90, what="the drained storage worker retired")
+        assert sorted(client.scheduler_info()["workers"]) == hosts
+        wait_until(lambda: units() == 2, what="the drained unit's reports gone stale")
+        wait_until(lambda: adaptive.last_storage_decision.reason_code == "storage-at-floor", what="back at the floor")
+    downs = [msg for _, msg in client.get_events(SCALE) if msg.get("kind") == "storage" and msg["action"] == "down"]
+    assert downs and downs[0]["reason_code"] == "storage-fill-low" and downs[0]["store_units"] == 3
+    # the store still takes and serves rows on its two units
+    rows = make_rows(2, "after-")
+    assert not store.put_many(pack_rows(rows)).failed
+    got = store.get_many([r.staging_key for r in rows])
+    assert not got.failed and len(got.batch) == 2

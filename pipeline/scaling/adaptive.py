@@ -11,6 +11,7 @@ Policy, event reporting and retirement rules: docs/design.md, "Scaling".
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -159,6 +160,8 @@ class TokenCaptureAdaptive(Adaptive):
         self._last_storage_published: tuple[str, str, int] | None = None
         self._storage_pending: tuple[int, float] | None = None  # (units at the last up, monotonic deadline)
         self._retire_names: list[str | int] = []  # the drained storage worker a storage down retires
+        self._drain_task: asyncio.Future[None] | None = None  # the store host draining a storage worker
+        self._drain_pending: tuple[int, float] | None = None  # (units at the last drain, monotonic deadline)
         self._probe_after = 0.0  # monotonic s; skip the signal RPC until then
         if cluster is not None and config.get("scaling.ensure-finalize-resource"):
             ensure_finalize_resource(cluster, self._slots_per_worker)
@@ -219,8 +222,9 @@ class TokenCaptureAdaptive(Adaptive):
 
     async def _storage_plan(self, signal: dict[str, float], decision: ScalingDecision, current: int) -> WorkerPlan:
         """The storage decision for ``signal`` joined with the finalize ``decision``: an up
-        waits while the last up's unit has not reported (until ``settle_s``); a down
-        retires a storage worker only once one hosts no unit any more."""
+        waits while the last up's unit has not reported (until ``settle_s``); a down asks
+        the store host to drain a storage worker's units and retires a storage worker
+        only once it hosts no unit any more."""
         storage = decide_storage(signal, self.storage_settings)
         if storage.action == "up" and self._storage_pending is not None:
             units_at_up, deadline = self._storage_pending
@@ -229,27 +233,54 @@ class TokenCaptureAdaptive(Adaptive):
         if storage.reason_code != "storage-up-pending":
             self._storage_pending = None
         drained: list[str | int] = []
-        if storage.action == "down" and decision.action == "hold" and not (self.requested - self.observed):
-            drained = await self._drained_storage_workers()
+        if storage.action == "down" and decision.action != "up" and not (self.requested - self.observed):
+            drained, hosting = await self._storage_workers()
+            if not drained and hosting:
+                self._request_drain(hosting[-1], storage.units)
         plan = combine(decision.action, decision.target, storage, current, self.minimum, self.maximum, bool(drained))
         self._retire_names = drained[:1] if plan.retire_storage_worker else []
         if plan.add_storage_worker:
             self._storage_pending = (storage.units, time.monotonic() + self.storage_settings.settle_s)
         return plan
 
-    async def _drained_storage_workers(self) -> list[str | int]:
-        """Names of the workers with the storage role that host no actor (their unit has
-        drained) and are not pinned; none when the scheduler cannot say."""
+    async def _storage_workers(self) -> tuple[list[str | int], list[str]]:
+        """The workers with the storage role: names of those hosting no actor (drained) and
+        not pinned, and addresses of the protected ones (hosting units), both ordered by
+        name; none when the scheduler cannot say."""
         try:
             info = await self.scheduler.identity()
             prot = await self.scheduler.token_capture_protected()
         except Exception:
-            return []
+            return [], []
         protected = set(prot["addresses"])
-        return [
-            w["name"] for addr, w in sorted(info["workers"].items())
-            if float((w.get("resources") or {}).get(STORAGE_RESOURCE, 0)) > 0 and addr not in protected
-        ]
+        storage = sorted(
+            ((str(w["name"]), w["name"], addr) for addr, w in info["workers"].items()
+             if float((w.get("resources") or {}).get(STORAGE_RESOURCE, 0)) > 0),
+            key=lambda t: t[0],
+        )
+        return [name for _, name, addr in storage if addr not in protected], [addr for _, _, addr in storage if addr in protected]
+
+    def _request_drain(self, address: str, units: int) -> None:
+        """Ask the scheduler's store host to drain the units on ``address`` (keys moved,
+        units closed), in the background and one drain at a time: the next waits until
+        the signal counts fewer than ``units`` units or ``settle_s`` passed."""
+        now = time.monotonic()
+        if self._drain_task is not None and not self._drain_task.done():
+            return
+        if self._drain_pending is not None:
+            units_at, deadline = self._drain_pending
+            if units >= units_at and now < deadline:
+                return
+        self._drain_pending = (units, now + self.storage_settings.settle_s)
+        self._drain_task = asyncio.ensure_future(self._drain(address))
+
+    async def _drain(self, address: str) -> None:
+        try:
+            drained = await self.scheduler.token_capture_store_drain(workers=[address])
+        except Exception as e:  # no store host (or the drain failed): the down waits
+            logger.info("storage scaling: could not drain the units on %s: %s", address, e)
+            return
+        logger.info("storage scaling: drained %d unit(s) on %s", len(drained or ()), address)
 
     async def workers_to_close(self, target: int) -> list[str | int]:
         """Names to retire: in a storage down's round only the drained storage worker, else
