@@ -195,12 +195,12 @@ def scale_outcome_lines(decisions: Sequence[Decision], up: bool, down: bool, bur
 
 
 def scale_store_line(threshold: float, deployment_fill: float, used_bytes: float, capacity_bytes: float, units: int) -> str:
-    """The storage threshold the demo's own cluster uses for a moment of the phase, and the default."""
+    """The storage threshold the demo's own cluster uses during the first burst, and the default."""
     from dask.utils import format_bytes
 
     return (f"scaling: the burst's rows fill the store to {used_bytes / capacity_bytes:.4%} "
-            f"({format_bytes(int(used_bytes))} of {format_bytes(int(capacity_bytes))} in {units} units); for a moment the store "
-            f"counts as full above {threshold:.4%} (demo setting; deployment default store.scale-up-fill {deployment_fill:.0%})")
+            f"({format_bytes(int(used_bytes))} of {format_bytes(int(capacity_bytes))} in {units} units); while the burst is in flight "
+            f"the store counts as full above {threshold:.4%} (demo setting; deployment default store.scale-up-fill {deployment_fill:.0%})")
 
 
 def scale_store_empty_line() -> str:
