@@ -397,3 +397,19 @@ def test_a_hosted_store_grows_onto_the_storage_worker_and_a_storage_down_drains_
     assert not store.put_many(pack_rows(rows)).failed
     got = store.get_many([r.staging_key for r in rows])
     assert not got.failed and len(got.batch) == 2
+
+
+def test_the_demo_scale_phase_tells_storage_decisions_apart():
+    from pipeline.demo import reporter
+    from pipeline.demo.scale import kind_of
+
+    storage_up = decide_storage(signal(85 * MiB, 100 * MiB, 2), SETTINGS).payload(current=2)
+    finalize_up = {"kind": "finalize", "action": "up", "current": 3, "target": 4, "reason": "verify-bound: verify 60%"}
+    older = {"action": "down", "current": 4, "target": 2, "reason": "idle: no finalize event for 5.1s"}  # names no kind
+    ds = [storage_up, finalize_up, older]
+    assert [kind_of(d) for d in ds] == ["storage", "finalize", "finalize"]
+    line = reporter.scale_storage_line([d for d in ds if kind_of(d) == "storage"])
+    assert line.startswith("scaling (storage): up 2 -> 3 (storage-fill-high: store 85% full")
+    assert "verify-bound" not in line
+    assert "no storage decision" in reporter.scale_storage_line([])
+    assert "0.015%" in reporter.scale_store_line(0.00015, 0.8, 40e6, 128 * 2**30, 2)
