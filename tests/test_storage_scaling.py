@@ -412,4 +412,4 @@ def test_the_demo_scale_phase_tells_storage_decisions_apart():
     assert line.startswith("scaling (storage): up 2 -> 3 (storage-fill-high: store 85% full")
     assert "verify-bound" not in line
     assert "no storage decision" in reporter.scale_storage_line([])
-    assert "0.015%" in reporter.scale_store_line(0.00015, 0.8, 40e6, 128 * 2**30, 2)
+    assert "full above 0.0150% (demo setting" in reporter.scale_store_line(0.00015, 0.8, 40e6, 128 * 2**30, 2)
