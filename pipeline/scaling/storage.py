@@ -48,7 +48,7 @@ class StorageScalingSettings:
     scale_down_fill: float  # store.scale-down-fill: below it without the largest unit, one fewer
     min_units: int  # store.min-units: never fewer units
     replicas: int  # store.replicas: never fewer units than copies of a key
-    settle_s: float  # store.scale-settle-s: after an up, the next waits for a new unit this long (s)
+    settle_s: float  # store.scale-settle-s: after an up (a drain), the next waits for the unit count to change, at most this long (s)
     storage_resource: bool  # scaling.ensure-storage-resource: a storage up's worker carries `storage: 1`
 
     def __post_init__(self) -> None:
