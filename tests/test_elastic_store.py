@@ -155,7 +155,10 @@ def test_storage_grows_2_4_3_2_while_the_loop_runs(cluster):
             before = len(units_of(cluster)["changes"])
             procs[name] = cli_worker(cluster, name)
             rec = wait_until(lambda: (c := units_of(cluster)["changes"])[before:] and c[before], 120, f"a unit on {name}")
-            copies = sum(s["rows"] for s in current(cluster).stats())  # rows held, both copies
+            stats = current(cluster).stats()
+            copies = sum(s["rows"] for s in stats)  # rows held, both copies
+            newcomer = next(s for s in stats if s["unit_id"] == rec["unit"])
+            assert newcomer["moved_in_rows"] == rec["rows_moved"]  # the unit's own count
             moved.append((rec["rows_moved"], copies, units_of(cluster)["units"]))
             balanced(cluster)
         for name in ("d", "c"):  # 4 -> 3 -> 2: each retirement drains first
