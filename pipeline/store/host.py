@@ -61,10 +61,11 @@ class StoreHost(SchedulerPlugin):
         self._background: set[asyncio.Task] = set()
         self.rebalancers: dict[str, Rebalancer] = {}
         self._client: Client | None = None
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="token-capture-store-host")
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None  # made in start: the plugin pickles
 
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="token-capture-store-host")
         scheduler.handlers["token_capture_store_start"] = self._handle_start
         scheduler.handlers["token_capture_store_close"] = self._handle_close
         scheduler.handlers["token_capture_store_list"] = self._handle_list
@@ -83,7 +84,8 @@ class StoreHost(SchedulerPlugin):
             repairer = store.owner.repairer if store.owner is not None else None
             if repairer is not None:
                 repairer.stop()
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- RPC handlers (event loop): the work runs on the plugin's thread ------------
 
