@@ -21,6 +21,7 @@ class Reporting(Protocol):
     """What a reporter needs of the unit it reports: its figures, read on the actor thread."""
 
     closed: bool
+    worker_address: str | None
 
     def report_figures(self) -> dict | None: ...
 
@@ -111,6 +112,7 @@ def start_reporter(unit: Reporting, interval_s: float) -> tuple[str | None, Stor
         return None, None
     if interval_s <= 0:
         return worker.address, None
+    unit.worker_address = worker.address  # before the first tick reads it
     reporter = StoreReporter(unit, worker, interval_s)
     reporter.start()
     return worker.address, reporter

@@ -103,6 +103,7 @@ class StorageUnit:
         self.guard = CheckpointGuard(self.settings.lease_s)
         self.answers = SlabPool(self.settings.answer_buffer_bytes)
         self.closed = False
+        self.worker_address: str | None = None  # set before the reporter's first tick reads it
         # On a worker it publishes its figures every report_interval_s (0: never).
         self.worker_address, self.reporter = start_reporter(self, self.settings.report_interval_s)
 
