@@ -19,6 +19,11 @@ class HostedStoreInfo(TypedDict):
     started_s: float  # wall clock, s
     repaired: list[dict]  # one record per re-replicated unit (the repairer's)
     changes: list[dict]  # one record per unit added or drained (the rebalancer's)
+    interrupted: dict | None  # the unfinished move (kind, unit, version, error) the host resumes, or None
+    waiting: dict[str, str]  # a change refused StoreBusy and retried ("add on <worker>") -> why it waits
+    unit_rows: dict[str, int]  # unit id -> its last known row count (its STORE report, or the last change)
+    lost_rows: int  # rows lost with units whose worker died (replicas=1: one copy), as last known
+    lost_units: list[dict]  # one record per such unit: unit, worker, rows, known (a count was known), noticed_s
 
 
 @dataclass(frozen=True)

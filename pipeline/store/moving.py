@@ -5,7 +5,8 @@ While a change copies keys (:mod:`pipeline.store.rebalance`), a handle carries a
 (``previous``) and every unit of either, in the order of the handle's unit list (the new
 table's units, then any unit being drained). Writes reach the copies of BOTH tables, so a
 row written during the copy is on its new holders whether or not the copy saw it; reads
-ask the new holders first and the old ones for what they lack; deletes reach every copy.
+ask the new holders first and the old ones for what they lack or cannot reach (a move
+interrupted by a new holder's death keeps its reads served); deletes reach every copy.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 from tasks.packed import PackedBatch, payload_bytes_per_row
 
 from .placement import Failures, Placement, PutPlan, chunks_by_bytes, plan_put
-from .protocol import MISSING_KEY
+from .protocol import MISSING_KEY, MOVED, UNIT_UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -81,9 +82,10 @@ def plan_all_moving(table: MovingTable, keys: Sequence[str]) -> tuple[list[str],
 
 
 def still_elsewhere(table: MovingTable, failed: dict[str, tuple[str, str]]) -> list[tuple[int, list[str]]]:
-    """Keys a read from the new holders did not find, per old primary (union index) that
-    may still hold them; the new table's own primary is not asked twice."""
-    keys = [k for k, (reason, _) in failed.items() if reason in (MISSING_KEY, "moved")]
+    """Keys a read from the new holders did not find (or could not reach: a new holder's
+    worker died mid-move), per old primary (union index) that may still hold them; the new
+    table's own primary is not asked twice."""
+    keys = [k for k, (reason, _) in failed.items() if reason in (MISSING_KEY, MOVED, UNIT_UNAVAILABLE)]
     if not keys:
         return []
     new, old = table.placement.locate(keys), table.previous.locate(keys)

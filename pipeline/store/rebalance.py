@@ -2,34 +2,33 @@
 worker is about to be retired), without losing or changing a row.
 
 :class:`Rebalancer` runs in the process that owns the store (the scheduler's store host),
-one change at a time, in this order:
+one change at a time (``store.owner.lock``, shared with the repairer): **fence** every unit
+with the moving table (older calls answer ``moved``; deletes leave tombstones), **copy**
+what the new table asks for in chunks (:func:`~pipeline.store.moves.plan_moves`,
+``move_in`` skips tombstoned keys), **switch** the handle and the unit directory to the
+final table, fence it, **drop** the copies no longer held and release a drained unit.
 
-1. **fence**: every unit (the new one included) is told the new table; from then on a
-   unit refuses writes of keys the new table does not give it (``moved``: the writer
-   refreshes its table and writes to the new holders) and keeps tombstones of deletes;
-2. **copy**: each unit lists its keys (after the fence, so the lists only shrink) and
-   sends the copies the new table asks for, in chunks (:func:`~pipeline.store.moves.plan_moves`),
-   as ``move_in`` puts that skip tombstoned keys;
-3. **switch**: the handle and the shared unit directory take the new table (clients
-   refresh by version when a unit answers ``moved``);
-4. **drop**: each unit deletes the copies it no longer holds under the new table, the
-   fence settles (tombstones go), and a drained unit is closed and released.
-
-A read during the change finds a row on its old holder until step 4, on its new one
-from step 3; a delete during it reaches every copy (tombstones); a store checkpoint is
-not taken during a change (the host refuses one while the other is in progress).
+Refused before anything changes, naming the fix: a second unit on one worker, draining
+the last unit or one without which replicas=2 keeps a single failure domain
+(:class:`~tasks.errors.InvalidStoreRequest`); a change while a unit has a store checkpoint
+open or an earlier move is unfinished (:class:`~tasks.errors.StoreBusy`). A change that
+fails after the fence leaves the store moving (still correct: writes reach both tables'
+copies, reads fall back); :meth:`Rebalancer.resume` completes it from current holdings,
+dropping a unit the move added whose worker died. docs/design.md, "Moves", says why.
 """
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
-from tasks.errors import InvalidStoreRequest, StoreBusy
+from tasks.errors import InvalidStoreRequest, StoreBusy, StoreUnavailable
 
 from .. import config
-from ..actors import start_pinned_actors
+from ..actors import current_workers, start_pinned_actors
+from .directory import UnitDirectory
 from .fence import Fence
 from .moves import Transfer, plan_moves
 from .moving import MovingTable
@@ -45,6 +44,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
+RETRY_INTERVAL_S = 0.5  # between two tries of a change refused StoreBusy (the store host's back-off), s
+
 
 @dataclass(frozen=True)
 class RebalanceSettings:
@@ -52,19 +53,30 @@ class RebalanceSettings:
 
     chunk_keys: int  # keys per copy call (``rebalance-chunk-rows``)
     call_timeout_s: float  # bound on each unit call, s (``repair-call-timeout-s``)
+    retry_s: float = 60.0  # how long the store host retries a change refused StoreBusy, s (``rebalance-retry-s``)
 
     @classmethod
     def from_config(cls) -> RebalanceSettings:
-        return cls(int(config.get("store.rebalance-chunk-rows")), float(config.get("store.repair-call-timeout-s")))
+        return cls(int(config.get("store.rebalance-chunk-rows")), float(config.get("store.repair-call-timeout-s")),
+                   float(config.get("store.rebalance-retry-s")))
 
 
 class Rebalancer:
-    """Adds and drains units of ``store`` (its owner's process); one change at a time."""
+    """Adds and drains units of ``store`` (its owner's process); one change at a time.
+
+    Handles copied from ``store`` after this is built follow every change (it gives a
+    store without one a shared unit directory, so a handle refreshes on ``moved``)."""
 
     def __init__(self, store: StagingStore, client: Client, unit_args: UnitArgs, settings: RebalanceSettings | None = None):
         self.store, self.client, self.unit_args = store, client, unit_args
         self.settings = settings or RebalanceSettings.from_config()
         self.changes: list[dict] = []  # one record per change: kind, unit, rows moved, seconds
+        self.interrupted: dict | None = None  # the unfinished move: kind, unit, version, error
+        if store.directory is None and store.owner is not None:
+            store.directory = UnitDirectory(f"token-capture-units-{uuid.uuid4().hex[:12]}")
+            store.directory.publish(client, store.table())
+
+    # ---- the changes (each under the owner's lock) ---------------------------------
 
     def add_unit(self, worker: str) -> dict:
         """Start a unit on ``worker`` and move to it the keys the new table gives it."""
@@ -76,59 +88,95 @@ class Rebalancer:
         with self.store.owner.lock:
             return self._drain_unit(unit_id)
 
+    def resume(self) -> dict | None:
+        """Complete an interrupted move (None when the store is not moving): re-fence every
+        reachable unit, re-plan from what each holds now, copy, switch, drop. A unit the
+        move added whose worker is gone is dropped from the table (nothing was only there:
+        every write of the move reached the old holders too)."""
+        with self.store.owner.lock:
+            return self._resume()
+
     def _add_unit(self, worker: str) -> dict:
+        self._refuse_if_moving()
         old = self.store.placement
+        check_worker(self.store, worker)
         unit_id = next_unit_id(old.unit_ids)
         new = old.with_unit(unit_id, worker)  # refuses a worker already hosting a unit
+        self._refuse_if_checkpointing(dict(zip(old.unit_ids, self.store.units)))
         args = self.unit_args.for_unit(int(unit_id))  # a unique unit_index (names, spill files)
         handles, futures = start_pinned_actors(self.client, StorageUnit, [worker], args=[args])
-        units = list(self.store.units) + handles
+        self.store.owner.futures.extend(futures)  # kept in the table's unit order
         try:
-            record = self._change("add", unit_id, old, new, units)
+            return self._change("add", unit_id, MovingTable(new, old), list(self.store.units) + handles)
         except BaseException:
-            self.client.cancel(futures, force=True)
+            if self.store.moving is None:  # nothing was published: the new unit goes
+                self._release_futures(handles)
             raise
-        self.store.owner.futures.extend(futures)
-        return record
 
     def _drain_unit(self, unit_id: str) -> dict:
+        self._refuse_if_moving()
         old = self.store.placement
+        new = drained(old, unit_id)
+        self._refuse_if_checkpointing(dict(zip(old.unit_ids, self.store.units)))
         u = old.index_of(unit_id)
-        new = old.without_unit(unit_id)  # refuses the last unit
-        leaving = self.store.units[u]
-        units = [h for i, h in enumerate(self.store.units) if i != u]
-        record = self._change("drain", unit_id, old, new, units, extra=[(unit_id, leaving)])
-        leaving.close().result(timeout=self.settings.call_timeout_s)  # it holds nothing of its own now
-        owner = self.store.owner
-        if u < len(owner.futures):
-            self.client.cancel([owner.futures.pop(u)], force=True)
+        units = [h for i, h in enumerate(self.store.units) if i != u] + [self.store.units[u]]
+        return self._change("drain", unit_id, MovingTable(new, old), units)
+
+    def _resume(self) -> dict | None:
+        moving = self.store.moving
+        if moving is None:
+            return None
+        # The current table, not the move's: a repair may have replaced a unit meanwhile.
+        current, previous = self.store.placement, moving.previous
+        handles = dict(zip(MovingTable(current, previous).unit_ids, self.store.units))
+        dead = self._unreachable(current, previous)
+        target = without_units(current, dead, moving.version)
+        table = MovingTable(target, previous)
+        live = {uid: h for uid, h in handles.items() if uid not in dead}
+        self._refuse_if_checkpointing(live)
+        abandoned = [uid for uid in handles if uid not in table.unit_ids]
+        why = self.interrupted or {"kind": "resume", "unit": ",".join(abandoned) or "?"}
+        record = self._change(str(why["kind"]), str(why["unit"]), table, [handles[u] for u in table.unit_ids], dead)
+        self._release_futures([handles[u] for u in abandoned])
+        record.update(resumed=True, abandoned=abandoned)  # the change's record, as ``changes`` holds it
         return record
 
-    def _change(self, kind: str, unit_id: str, old: Placement, new: Placement, units: Sequence[Actor],
-                extra: Sequence[tuple[str, Actor]] = ()) -> dict:
-        """Publish and fence the moving table, copy, publish and fence the final one,
-        drop (module docstring); returns the change's record. A store still moving
-        (a change that failed part-way) is refused: its keys are on both tables' units."""
-        if self.store.moving is not None:
-            raise StoreBusy(f"the store is still moving keys to placement version {self.store.moving.version}")
+    # ---- one move: publish, fence, copy, switch, fence final, drop -----------------
+
+    def _change(self, kind: str, unit_id: str, moving: MovingTable, units: Sequence[Actor], dead: set[str] = frozenset()) -> dict:
+        """Publish ``moving`` (``units``: one handle per ``moving.unit_ids``) and run it to
+        the end; a failure leaves the store moving and is remembered for :meth:`resume`."""
+        self.store.install_moving(moving, list(units))  # writers reach both tables' copies
+        try:
+            record = self._run(kind, unit_id, moving, dict(zip(moving.unit_ids, units)), dead)
+        except BaseException as e:
+            self.interrupted = {"kind": kind, "unit": unit_id, "version": moving.version, "error": f"{type(e).__name__}: {e}"}
+            logger.warning("store %s of unit %s interrupted at placement version %d (%s); the store keeps moving "
+                           "until Rebalancer.resume() completes it", kind, unit_id, moving.version, self.interrupted["error"])
+            raise
+        self.interrupted = None
+        return record
+
+    def _run(self, kind: str, unit_id: str, moving: MovingTable, units: dict[str, Actor], dead: set[str]) -> dict:
+        """Steps 1-4 of the module docstring over the reachable ``units``; the record."""
         t0 = time.perf_counter()
-        moving = MovingTable(new, old)
-        union = list(units) + [h for _, h in extra]
-        by_id = dict(zip(moving.unit_ids, union))
-        self.store.install_moving(moving, union)  # 1. writers reach both tables' copies
-        self._all(by_id, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old)))
-        moved = dropped = 0
-        drops: list[tuple[str, str, tuple[str, ...]]] = []
+        new, old = moving.placement, moving.previous
+        live = {uid: h for uid, h in units.items() if uid not in dead}
+        self._all(live, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old)))  # 1. fence
+        moved, drops = 0, []
         for partition in self.store.partitions or []:  # 2. copy
-            held = dict(zip(by_id, self._all(by_id, lambda uid, h, p=partition: h.keys(p))))
-            plan = plan_moves(old, new, held, self.settings.chunk_keys)
-            moved += self._copy(by_id, partition, plan.transfers)
+            held = dict(zip(live, self._all(live, lambda uid, h, p=partition: h.keys(p))))
+            plan = plan_moves(old, new, held, self.settings.chunk_keys, unreachable=sorted(dead))
+            moved += self._copy(live, partition, plan.transfers)
             drops.extend((partition, uid, keys) for uid, keys in plan.drops.items())
         final = Placement(new.version + 1, new.workers, new.unit_ids, new.replicas, new.homes)
-        self.store.install_placement(final, list(units))  # 3. switch: the new holders have every row
-        self._all(by_id, lambda uid, h: h.set_fence(Fence.message(final, uid, False)))
-        for partition, uid, keys in drops:  # 4. drop
-            dropped += by_id[uid].drop(partition, pack_names(list(keys))).result(timeout=self.settings.call_timeout_s)
+        self.store.install_placement(final, [units[u] for u in new.unit_ids])  # 3. switch
+        self._all(live, lambda uid, h: h.set_fence(Fence.message(final, uid, False)))
+        dropped = sum(live[uid].drop(p, pack_names(list(ks))).result(timeout=self.settings.call_timeout_s)
+                      for p, uid, ks in drops)  # 4. drop
+        leaving = [uid for uid in moving.unit_ids if uid not in new.unit_ids]
+        self._all({u: live[u] for u in leaving if u in live}, lambda uid, h: h.close())  # they hold nothing of their own now
+        self._release_futures([units[u] for u in leaving])
         record = {"kind": kind, "unit": unit_id, "rows_moved": moved, "copies_dropped": dropped,
                   "version": final.version, "seconds": time.perf_counter() - t0}
         self.changes.append(record)
@@ -144,10 +192,81 @@ class Rebalancer:
                 moved += by_id[t.target].move_in(partition, got.batch).result(timeout=timeout)
         return moved
 
-    def _all(self, by_id: dict[str, Actor], call) -> list:
+    def _all(self, by_id: dict[str, Actor], call: Callable) -> list:
         """``call(unit id, handle)`` on every unit at once; each answer (raises the first error)."""
         futures = [call(uid, h) for uid, h in by_id.items()]
         return [f.result(timeout=self.settings.call_timeout_s) for f in futures]
+
+    # ---- refusals and bookkeeping -------------------------------------------------
+
+    def _refuse_if_moving(self) -> None:
+        """A change while an earlier move is unfinished is refused, naming that move."""
+        moving = self.store.moving
+        if moving is None:
+            return
+        why = self.interrupted or {}
+        raise StoreBusy(
+            f"the store is still moving keys to placement version {moving.version} ({why.get('kind', 'a change')} of "
+            f"unit {why.get('unit', '?')!r} interrupted: {why.get('error', 'in progress')}); Rebalancer.resume() completes "
+            "it first (the store host resumes it by itself)"
+        )
+
+    def _refuse_if_checkpointing(self, units: dict[str, Actor]) -> None:
+        """StoreBusy, before anything changes, when a unit has a store checkpoint open (a
+        move must not overlap one: it would write some keys twice or not at all)."""
+        stats = self._all(units, lambda uid, h: h.stats())
+        busy = [uid for uid, s in zip(units, stats) if s["open_checkpoints"]]
+        if busy:
+            raise StoreBusy(
+                f"storage unit(s) {busy} have a store checkpoint open; a change of the units waits until it ends "
+                f"(the store host retries every {RETRY_INTERVAL_S} s for up to store.rebalance-retry-s)"
+            )
+
+    def _unreachable(self, current: Placement, previous: Placement) -> set[str]:
+        """Units of either table whose worker is not connected now."""
+        live = set(current_workers(self.client))
+        where = {**dict(zip(previous.unit_ids, previous.workers)), **dict(zip(current.unit_ids, current.workers))}
+        return {uid for uid, w in where.items() if w not in live}
+
+    def _release_futures(self, handles: Sequence[Actor]) -> None:
+        """Cancel the actor tasks of ``handles`` (units that left the table)."""
+        keys = {h.key for h in handles}
+        owner = self.store.owner
+        gone = [f for f in owner.futures if f.key in keys]
+        owner.futures[:] = [f for f in owner.futures if f.key not in keys]
+        if gone:
+            self.client.cancel(gone, force=True)
+
+
+def drained(old: Placement, unit_id: str) -> Placement:
+    """``old`` without unit ``unit_id``; refused, naming the fix, for the last unit and
+    for the unit without which replicas=2 would keep every copy in one failure domain."""
+    old.index_of(unit_id)  # an unknown id: InvalidStoreRequest naming the units
+    if old.n_units == 1:
+        raise InvalidStoreRequest(
+            f"cannot drain storage unit {unit_id!r}: it is the store's last unit; add a unit on another worker first, "
+            "or close the store")
+    try:
+        return old.without_unit(unit_id)
+    except InvalidStoreRequest:
+        left = sorted({w for u, w in zip(old.unit_ids, old.homes) if u != unit_id})
+        raise InvalidStoreRequest(
+            f"cannot drain storage unit {unit_id!r}: store.replicas=2 needs units in two failure domains and the "
+            f"units left would all be on {left}; start another storage worker first, then drain") from None
+
+
+def without_units(current: Placement, dead: set[str], above: int) -> Placement:
+    """``current`` without the units ``dead``, numbered above both ``current`` and ``above``;
+    StoreUnavailable, naming the fix, when no valid table is left without them."""
+    keep = [i for i, u in enumerate(current.unit_ids) if u not in dead]
+    pick = lambda t: tuple(t[i] for i in keep)  # noqa: E731
+    try:
+        return Placement(max(current.version, above) + 1, pick(current.workers), pick(current.unit_ids),
+                         current.replicas, pick(current.homes))
+    except InvalidStoreRequest as e:
+        raise StoreUnavailable(
+            f"the interrupted move cannot complete without the unreachable unit(s) {sorted(dead)}: {e}; start a "
+            "storage worker (the store host resumes the move by itself)") from None
 
 
 def next_unit_id(existing: Sequence[str]) -> str:
@@ -161,5 +280,9 @@ def next_unit_id(existing: Sequence[str]) -> str:
 
 def check_worker(store: StagingStore, worker: str) -> None:
     """Refuse a second unit on ``worker`` before starting anything."""
-    if worker in store.placement.workers:
-        raise InvalidStoreRequest(f"worker {worker!r} already hosts a unit of this store")
+    p = store.placement
+    if worker in p.workers or worker in p.homes:
+        held = [u for u, w, h in zip(p.unit_ids, p.workers, p.homes) if worker in (w, h)]
+        raise InvalidStoreRequest(
+            f"worker {worker!r} already hosts storage unit {held[0]!r} of this store; a store keeps one unit per "
+            "worker: add the unit on another worker")

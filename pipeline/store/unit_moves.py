@@ -42,16 +42,22 @@ MOVE_COUNTERS = ("moved_in_rows", "moved_out_rows", "moved_refusals", "move_tomb
 
 def take_fence(unit: StorageUnit, msg: Mapping[str, object]) -> dict:
     """Fence ``unit`` with the table of ``msg`` (:meth:`Fence.message`). Refuses an older
-    table than the one it has, and a move while a store checkpoint is open on it."""
+    table than the one it has, and a move while a store checkpoint is open on it. A move
+    resumed under a newer table keeps the tombstones of the one it replaces (a late copy
+    of the first attempt must not bring a deleted key back)."""
     unit._check_open()
     fence = Fence.from_message(msg)
-    if unit.fence is not None and fence.version < unit.fence.version:
+    old = unit.fence
+    if old is not None and fence.version < old.version:
         raise InvalidStoreRequest(
-            f"storage unit {unit.unit_index}: placement version {fence.version} is older than its {unit.fence.version}")
+            f"storage unit {unit.unit_index}: placement version {fence.version} is older than its {old.version}; "
+            "a fence never goes back (refresh the table)")
     if unit.guard.open:
         raise StoreBusy(f"storage unit {unit.unit_index} has a store checkpoint open; a move waits for it to end")
-    if unit.fence is not None and unit.fence.version == fence.version:
+    if old is not None and old.version == fence.version:
         return {"version": fence.version, "unit_id": fence.unit_id}
+    if old is not None and old.moving and fence.moving:
+        fence.tombstones = old.tombstones
     unit.fence = fence
     return {"version": fence.version, "unit_id": fence.unit_id}
 
