@@ -9,6 +9,8 @@ sample each storage worker's peak RSS and read every row back. ``replication_102
 over raw loopback TCP (:mod:`.loopback`; ``put_vs_loopback``, ``get_vs_loopback``) and
 through bare Dask actors on the same workers (:mod:`.actor_ceiling`; ``put_vs_dask``,
 ``get_vs_dask``: the store's share of what Dask moves; ``dask_*_vs_loopback``: Dask's).
+``--elastic`` adds the ``elastic`` block (:mod:`.store_elastic`, a cluster of its own): put
+and get rows/s while a storage unit is added vs without, seconds to rebalance ``--elastic-gb``.
 
 Each call size runs ``--repeats`` times (default 3), each on a fresh store; figures are
 medians (every run in ``*_runs``). A run fails on any key a put or get refuses or on a
@@ -33,7 +35,7 @@ from tasks.packed import PackedBatch
 
 from .. import config
 from ..progress import Progress
-from . import actor_ceiling, loopback
+from . import actor_ceiling, loopback, store_elastic
 from .common import add_cluster_arguments, bench_client, compare_rows, main, notes
 from .store_memory import memory_mode
 from .store_rows import template_batch, with_keys
@@ -69,6 +71,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unit-memory-limit", type=byte_size, default="256MiB", help="per-unit memory limit in memory mode")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs per mode, each on a fresh store; medians reported (default 3)")
     p.add_argument("--memory-row-tokens", type=positive_int, default=16384, help="tokens per row in memory mode")
+    store_elastic.add_flags(p)
     add_cluster_arguments(p, n_workers=2)
 
 
@@ -318,6 +321,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             except RuntimeError as e:
                 failures.append(f"memory mode: {e}")
         result["note"] = f"rows/s of {bs}-row calls vs one-row calls, same store, same run; medians of {args.repeats} run(s)"
+    if args.elastic:  # after the cluster above is closed: the block starts its own
+        result["elastic"] = store_elastic.block(args, failures)
     result["failures"] = failures
     result["ok"] = not failures
     if failures:
@@ -339,6 +344,8 @@ def _drop_ratios(result: dict[str, object]) -> None:
             for key in (f"{op}_vs_loopback", f"{op}_vs_dask", f"dask_{op}_vs_loopback"):
                 figures.pop(key, None)
         figures.pop("meets_loopback_target", None)
+    if isinstance(result.get("elastic"), dict):
+        store_elastic.drop_ratios(result["elastic"])
     rep = result.get("replication_1024")
     if isinstance(rep, dict):
         for key in [k for k in rep if "ratio" in k]:
