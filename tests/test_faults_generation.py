@@ -67,11 +67,19 @@ def _install_cut_hang(marker: str, put_no: int, when: str, batch_rows: int) -> i
     """In this process: cut puts of ``batch_rows`` rows, and the ``put_no``-th put into the
     cut partition hangs (``when`` = "before" or "after" the store applies it), after
     writing this pid to ``marker``. Only the victim's GenerationWorker puts from here."""
-    import dask as _dask
+    import dataclasses
 
+    import pipeline.generation.worker as gw
     import pipeline.store.client as sc
 
-    _dask.config.set({"token-capture.cut.generation-prefix-batch-size": batch_rows})
+    # The worker read its cut limits when it was built: hand this process's cuts smaller ones.
+    orig_cut = getattr(gw.run_cut, "_tc_orig", gw.run_cut)
+
+    def run_cut(*args, limits=None, **kwargs):
+        return orig_cut(*args, limits=dataclasses.replace(limits, max_rows=batch_rows), **kwargs)
+
+    run_cut._tc_orig = orig_cut
+    gw.run_cut = run_cut
     orig = getattr(sc.StagingStore.put_many, "_tc_orig", sc.StagingStore.put_many)
     count = [0]
 
