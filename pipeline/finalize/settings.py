@@ -23,7 +23,7 @@ class FinalizeSettings:
     retries: int  # Dask retries of a step's tasks and its clear (``finalize.retries``)
     fetch_timeout_s: float  # bound on a fetch's and a clear's store call, s (``finalize.fetch-timeout-s``)
     gather_direct: bool  # collect groups straight from workers (``finalize.gather-direct``)
-    clear_staged: bool  # delete a step's staged rows once it is complete (``finalize.clear-staged``)
+    clear_staged: bool  # delete a step's staged rows once result() delivered it (``finalize.clear-staged``)
     slots_per_worker: float  # the ``finalize`` resource a worker should advertise (error messages)
 
     @classmethod
