@@ -9,8 +9,7 @@ sample each storage worker's peak RSS and read every row back. ``replication_102
 over raw loopback TCP (:mod:`.loopback`; ``put_vs_loopback``, ``get_vs_loopback``) and
 through bare Dask actors on the same workers (:mod:`.actor_ceiling`; ``put_vs_dask``,
 ``get_vs_dask``: the store's share of what Dask moves; ``dask_*_vs_loopback``: Dask's).
-``--elastic`` adds the ``elastic`` block (:mod:`.store_elastic`, a cluster of its own): put
-and get rows/s while a storage unit is added vs without, seconds to rebalance ``--elastic-gb``.
+``--elastic``: the block of :mod:`.store_elastic` (rows/s while a unit is added, rebalance s).
 
 Each call size runs ``--repeats`` times (default 3), each on a fresh store; figures are
 medians (every run in ``*_runs``). A run fails on any key a put or get refuses or on a
