@@ -72,9 +72,11 @@ def by_name(client) -> dict[str, str]:
     return {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
 
 
-def spawn(client, procs: list, name: str, storage: bool) -> subprocess.Popen:
-    """A worker started the way a deployment starts one (no nanny: a SIGKILL ends it)."""
-    env = {**os.environ, "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "3s", "DASK_TOKEN_CAPTURE__STORE__REPORT_INTERVAL_S": "0"}
+def spawn(client, procs: list, name: str, storage: bool, report_s: float = 0) -> subprocess.Popen:
+    """A worker started the way a deployment starts one (no nanny: a SIGKILL ends it);
+    its units report every ``report_s`` seconds (0: never)."""
+    env = {**os.environ, "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "3s",
+           "DASK_TOKEN_CAPTURE__STORE__REPORT_INTERVAL_S": str(report_s)}
     cmd = [sys.executable, "-m", "distributed.cli.dask_worker", client.scheduler.address, "--name", name, "--no-nanny",
            "--nthreads", "1", "--host", "127.0.0.1", "--no-dashboard"] + (["--resources", "storage=1"] if storage else [])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -86,9 +88,9 @@ def joined(client, name: str) -> str:
     return wait_until(lambda: by_name(client).get(name), 60, f"worker {name} joined")
 
 
-def cli_worker(client, procs: list, name: str, storage: bool) -> tuple[subprocess.Popen, str]:
+def cli_worker(client, procs: list, name: str, storage: bool, report_s: float = 0) -> tuple[subprocess.Popen, str]:
     """:func:`spawn`, once joined: (process, address)."""
-    proc = spawn(client, procs, name, storage)
+    proc = spawn(client, procs, name, storage, report_s)
     return proc, joined(client, name)
 
 
@@ -289,6 +291,19 @@ def test_a_join_during_a_checkpoint_waits_and_the_host_retries_until_it_lands(cl
         fresh = current(cluster, name)
         same_rows(fresh, rows)
         assert counter(fresh, "moved_in_rows") > 0
+        # A drain (the worker's retirement) during a checkpoint waits for it the same way.
+        for u in fresh.units:
+            u.begin_checkpoint("again").result()
+        retiring = threading.Thread(target=cluster.retire_workers, args=([storage],), kwargs={"close_workers": True})
+        retiring.start()
+        waiting = wait_until(lambda: info(cluster, name)["waiting"], 60, "the drain waiting for the checkpoint")
+        assert [k for k in waiting if k.startswith("drain") and storage in k] and storage in info(cluster, name)["workers"]
+        for u in fresh.units:
+            u.end_checkpoint("again").result()
+        retiring.join(120)
+        wait_until(lambda: storage not in by_name(cluster).values(), 60, "the storage worker retired")
+        assert [c["kind"] for c in info(cluster, name)["changes"]] == ["add", "drain"]
+        same_rows(current(cluster, name), rows)
     finally:
         close_hosted(cluster, name)
 
@@ -361,12 +376,14 @@ def test_one_copy_rebalances_and_drains_and_a_lost_worker_is_counted(cluster, sp
         same_rows(fresh, rows)
         assert sum(s["rows"] for s in fresh.stats()) == len(rows) and not info(cluster, name)["lost_rows"]
 
-        p2, s2 = cli_worker(cluster, spawned, "s6b", storage=True)
+        p2, s2 = cli_worker(cluster, spawned, "s6b", storage=True, report_s=0.2)
         wait_until(lambda: len(info(cluster, name)["changes"]) == 3, 60, "a unit added on the second storage worker")
         fresh = current(cluster, name)
         uid = fresh.unit_ids[fresh.unit_workers.index(s2)]
+        put_all(fresh, rows_of(70))  # rows the host learns of only from the unit's STORE reports
         held = next(s["rows"] for s in fresh.stats() if s["worker"] == s2)
-        assert held > 0 and info(cluster, name)["unit_rows"][uid] == held
+        assert held > info(cluster, name)["changes"][-1]["rows_moved"] > 0
+        wait_until(lambda: info(cluster, name)["unit_rows"][uid] == held, 30, "the unit's report counted")
         with caplog.at_level(logging.WARNING, logger="pipeline.store.host"):
             p2.send_signal(signal.SIGKILL)
             p2.wait(30)

@@ -193,7 +193,7 @@ class StoreHost(SchedulerPlugin):
 
     async def _tick(self) -> None:
         """The watch: resume interrupted moves, then republish changed tables."""
-        for name in [n for n, rb in self.rebalancers.items() if rb.interrupted is not None]:
+        for name in [n for n, rb in list(self.rebalancers.items()) if rb.interrupted is not None]:
             try:
                 await self._run(lambda name=name: self.resume_store(name))
                 self._resume_error.pop(name, None)
