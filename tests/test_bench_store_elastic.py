@@ -83,6 +83,7 @@ def test_bench_store_elastic_tiny_run_is_ok(capsys):
         assert part["target_ratio"] == store_elastic.TARGET_RATIO and isinstance(part["meets_target"], bool)
         assert [c["kind"] for c in part["changes"]] == ["add", "drain"]
         assert part["changes"][0]["rows_moved"] > 0
+        assert part["unit_move_counters"]["moved_in_rows"] > 0  # the drain moved rows back onto the 2 units
         assert part["rows_read_back_in_loop"] > 0 and part["rows_read_back_after"] >= part["prefilled_rows"]
     move = block["rebalance"]
     assert move["rows_read_back"] == move["rows"] == move["copies"]

@@ -27,11 +27,16 @@ import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from . import loopback
 from .common import main, notes
+from .limits import CHUNK as LIMITS_CHUNK
 from .store_elastic_cluster import ElasticCluster, elastic_cluster, hosted_store
 from .store_elastic_loop import Call, Failures, Loop, Rows, fill, read_all, window_rates
+
+if TYPE_CHECKING:
+    from ..store.protocol import PlacedStoreLike
 
 TARGET_RATIO = 0.5  # rows/s while a unit is added vs without, put and get
 DEFAULT_ON = False  # about 2 minutes at default sizes: run with --elastic
@@ -142,6 +147,7 @@ def throughput(ec: ElasticCluster, sizes: ElasticSizes, replicas: int, rows: Row
         fill(store, rows, "f", prefilled, failures)
         loop = Loop(store, rows, prefilled, rows.batches_for(sizes.live_bytes), failures)
         loop.start()
+        time.sleep(sizes.window_s)  # warm-up, untimed: connections, pooled buffers
         try:
             for k in range(sizes.alternations):
                 added = _round(ec, sizes, windows, changes)
@@ -152,8 +158,9 @@ def throughput(ec: ElasticCluster, sizes: ElasticSizes, replicas: int, rows: Row
             loop.stop.set()
             loop.join()
         final = read_all(store, rows, loop.all_kept(), failures)
+        counters = _move_counters(store)
     out: dict = {"replicas": replicas, "prefilled_rows": prefilled * rows.n, "loop_rounds": loop.rounds,
-                 "rows_read_back_in_loop": loop.read_back_rows, "rows_read_back_after": final}
+                 "rows_read_back_in_loop": loop.read_back_rows, "rows_read_back_after": final, "unit_move_counters": counters}
     out |= {kind: _summary(loop.calls, bounds) for kind, bounds in windows.items()}
     base, during = out["baseline"], out["during_add"]
     for op in ("put", "get"):
@@ -164,6 +171,17 @@ def throughput(ec: ElasticCluster, sizes: ElasticSizes, replicas: int, rows: Row
         out["meets_target"] = min(out["put_rows_per_s_during_vs_without"], out["get_rows_per_s_during_vs_without"]) >= TARGET_RATIO
     out["changes"] = changes
     return out
+
+
+def _move_counters(store: PlacedStoreLike) -> dict[str, int]:
+    """The move counters of the store's units, summed (rows moved in and out, calls
+    refused as moved and retried by the client, copies skipped for a tombstone); a
+    drained unit's counters went with it."""
+    from ..store.unit_moves import MOVE_COUNTERS
+
+    store.refresh(store.version)  # the current table: the units a drain left
+    stats = store.stats()
+    return {name: sum(int(s.get(name, 0)) for s in stats) for name in MOVE_COUNTERS}
 
 
 # ---- part 2: seconds to rebalance --------------------------------------------------------
@@ -236,7 +254,7 @@ def measure(args: argparse.Namespace) -> dict:
         parts.append(Failures("cluster"))
         parts[-1].add(f"{type(e).__name__}: {e}")
     else:
-        wire = loopback.measure(16 << 20, 8)  # the same machine's raw TCP, right after
+        wire = loopback.measure(LIMITS_CHUNK, 8)  # ``bench limits``' loopback figure, right after
         move["loopback_send_gb_per_s"] = round(wire["send_bytes_per_s"] / 1e9, 3)
         if move.get("move_gb_per_s"):
             move["move_vs_loopback_ratio"] = round(move["move_gb_per_s"] / move["loopback_send_gb_per_s"], 3)
