@@ -131,7 +131,7 @@ def _summary(calls: Sequence[Call], bounds: Sequence[tuple[float, float]]) -> di
     for key in ("put_rows_per_s", "get_rows_per_s"):
         out[key] = round(statistics.median(w[key] for w in per), 1) if per else 0.0
         out[f"{key}_runs"] = [w[key] for w in per]
-    for key in ("seconds", "put_calls", "get_calls"):
+    for key in ("seconds", "put_calls", "get_calls", "put_slowest_s", "get_slowest_s"):
         out[f"{key}_runs"] = [w[key] for w in per]
     return out
 
@@ -157,8 +157,10 @@ def throughput(ec: ElasticCluster, sizes: ElasticSizes, replicas: int, rows: Row
         finally:
             loop.stop.set()
             loop.join()
+        say("loop stopped; reading every kept row back")
         final = read_all(store, rows, loop.all_kept(), failures)
         counters = _move_counters(store)
+        say("read back; closing the store")
     out: dict = {"replicas": replicas, "prefilled_rows": prefilled * rows.n, "loop_rounds": loop.rounds,
                  "rows_read_back_in_loop": loop.read_back_rows, "rows_read_back_after": final, "unit_move_counters": counters}
     out |= {kind: _summary(loop.calls, bounds) for kind, bounds in windows.items()}
