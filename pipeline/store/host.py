@@ -137,8 +137,10 @@ class StoreHost(SchedulerPlugin):
     def _addresses(self, workers: list[str] | None, names: list | None) -> list[str]:
         """The addresses a retire request names (by address or by worker name)."""
         assert self.scheduler is not None
-        if workers is not None:
-            return [w for w in workers if w in self.scheduler.workers]
+        if workers is not None:  # addresses, or names (SpecCluster.scale_down passes names)
+            by_name = {str(ws.name): a for a, ws in self.scheduler.workers.items()}
+            return [w if w in self.scheduler.workers else by_name[str(w)]
+                    for w in workers if w in self.scheduler.workers or str(w) in by_name]
         if names is not None:
             wanted = {str(n) for n in names}
             return [a for a, ws in self.scheduler.workers.items() if str(ws.name) in wanted]
@@ -253,7 +255,16 @@ class StoreHost(SchedulerPlugin):
         self.published_version[name] = store.version
 
     async def _run(self, work: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._pool, work)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._as_host(work))
+
+    def _as_host(self, work: Callable[[], T]) -> Callable[[], T]:
+        """``work`` run with the plugin's client as the thread's current client: actor
+        handles used there bind to it (a scheduler process has no other client)."""
+        def run() -> T:
+            with self.client().as_current():
+                return work()
+
+        return run
 
     # ---- the work (plugin thread) ---------------------------------------------------
 

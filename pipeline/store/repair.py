@@ -70,7 +70,8 @@ class Repairer:
     def _loop(self) -> None:
         while not self._stop.wait(self.interval_s):
             try:
-                self.check()
+                with self.client.as_current():  # unit handles bind to it (in a scheduler process: the only client)
+                    self.check()
             except Exception:  # noqa: BLE001 - try again next round; never kill the thread
                 logger.exception("storage-unit re-replication failed; retrying")
 
