@@ -31,7 +31,10 @@ from pipeline.store.client import StagingStore
 from pipeline.store.fence import Fence
 from pipeline.store.host import PLUGIN_NAME
 from pipeline.store.hosted import close_hosted, hosted_stores, start_hosted
+from pipeline.store.moves import copies_of
+from pipeline.store.placement import Placement
 from pipeline.store.rebalance import RebalanceSettings, Rebalancer
+from pipeline.store.unit import StorageUnit
 from tasks.errors import CheckpointError, InvalidStoreRequest, StoreBusy
 from tasks.packed import pack_rows
 from tasks.schema import STAGING_FIELDS
@@ -248,7 +251,15 @@ def test_an_older_table_is_refused_and_a_call_planned_on_one_is_refreshed(cluste
         put_all(store, rows)
         stale_reader, stale_writer = (pickle.loads(pickle.dumps(store)) for _ in range(2))
         old, old_units = store.placement, list(store.units)
+        published, install = [], store.install_moving
+
+        def spy(moving, units):  # what every unit was told when the moving table went out
+            published.append({u.stats().result()["placement_version"] for u in units})
+            return install(moving, units)
+
+        store.install_moving = spy
         rb.add_unit(w["c"])
+        assert published == [{old.version + 1}]  # fenced early: before any writer has the table
         assert stale_reader.version == old.version < store.version
         with pytest.raises(InvalidStoreRequest, match="older than its .*never goes back"):
             store.units[0].set_fence(Fence.message(old, "0", False)).result()
@@ -265,6 +276,29 @@ def test_an_older_table_is_refused_and_a_call_planned_on_one_is_refreshed(cluste
         assert sum(s["rows"] for s in store.stats()) == len(rows + more)
     finally:
         store.close()
+
+
+def test_an_early_fence_keeps_tombstones_and_refuses_older_calls_only_once_published(tmp_path):
+    """The unit's side of fencing before publishing: a delete that reaches a new holder
+    before its fence proper still leaves a tombstone, and calls on the older table are
+    served until the table is published."""
+    unit = StorageUnit(2, 1 << 26, 1 << 28, spill_directory=str(tmp_path))
+    t0 = Placement(4, ("tcp://127.0.0.1:4001", "tcp://127.0.0.1:4002"))
+    t1 = t0.with_unit("2", "tcp://127.0.0.1:4003")
+    rows = [r for r in rows_of(11) if copies_of(t1, [r.staging_key])[0] == ("2",)]
+    keys, part = [r.staging_key for r in rows], "staging"
+    try:
+        assert rows
+        unit.set_fence(Fence.message(t1, "2", True, t0, early=True))
+        assert set(unit.delete(part, keys, version=t1.version).failed) == set(keys)  # nothing here yet
+        older = unit.get_many(part, keys, None, version=t0.version)
+        assert {r for r, _ in older.failed.values()} == {"missing_key"}  # the older table still served
+        unit.set_fence(Fence.message(t1, "2", True, t0))  # published: older calls refused from here on
+        assert {r for r, _ in unit.get_many(part, keys, None, version=t0.version).failed.values()} == {"moved"}
+        assert unit.move_in(part, pack_rows(rows)) == 0  # the copy read before the delete is skipped
+        assert unit.stats()["move_tombstone_skips"] == len(keys) and not len(unit.get_many(part, keys).batch)
+    finally:
+        unit.close()
 
 
 # ---- 5: checkpoints and moves never overlap ---------------------------------------------
@@ -337,16 +371,26 @@ def test_a_checkpoint_during_a_move_is_refused_and_one_after_it_holds_every_key_
         with pytest.raises(CheckpointError, match="moving keys") as refused:
             handle.checkpoint(str(tmp_path / "during"))
         assert isinstance(refused.value.__cause__, StoreBusy)
+        during = rows_of(60, groups=2)
+        put_all(handle, during)  # on the copies of both tables, some of them old holders only
         rb.go.set()
         adding.join(120)
         assert [c["kind"] for c in rb.changes] == ["add"] and store.moving is None
+        every = rows + during
+        assert sum(s["rows"] for s in store.stats()) == 2 * len(every)  # two copies each, no stray third
         manifest = store.checkpoint(str(tmp_path / "after"))
-        assert manifest["rows"] == len(rows)  # every key once, though each is held twice
+        assert manifest["rows"] == len(every)  # every key once, though each is held twice
         with dask.config.set({"token-capture.store.replicas": 2}):
             restored = StagingStore.from_checkpoint(cluster, str(tmp_path / "after"), n_units=2, memory_limit="64MiB",
                                                     capacity="256MiB", workers=[w["b"], w["d"]])
-        same_rows(restored, rows)
-        assert sum(s["rows"] for s in restored.stats()) == 2 * len(rows)
+        same_rows(restored, every)
+        assert sum(s["rows"] for s in restored.stats()) == 2 * len(every)
+        gone = [r.staging_key for r in during]
+        assert not store.delete(gone).failed
+        rb.drain_unit("0")  # a later move must not bring back what was deleted
+        back = store.get_many(gone)
+        assert not len(back.batch) and {r for r, _ in back.failed.values()} == {"missing_key"}
+        same_rows(store, rows)
     finally:
         rb.go.set()
         store.close()

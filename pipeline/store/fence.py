@@ -7,7 +7,9 @@ again), refuses a put of a key neither table gives it, and answers ``moved``, no
 ``missing_key``, for a read or delete of a key it neither holds nor is given. A delete, during the move, of a key the unit is given but does not hold
 yet leaves a *tombstone*, so the move's copy of that key (which may have been read from
 its old holder before the delete) is not written after it: a deleted key never comes
-back. :meth:`Fence.settled` ends the move (tombstones dropped); the table stays.
+back. :meth:`Fence.settled` ends the move (tombstones dropped); the table stays. An
+*early* fence (sent before the moving table is published) keeps the tombstones but not
+yet the refusals of older calls: a delete from a writer on the new table always finds one.
 """
 from __future__ import annotations
 
@@ -31,6 +33,12 @@ class Fence:
     leaving: bool = False  # the table no longer names this unit (it is being drained)
     previous: Placement | None = None  # while moving: the table keys come from (writes to its copies are accepted)
     tombstones: dict[str, set[str]] = field(default_factory=dict)  # partition -> deleted keys
+    early: bool = False  # sent before the table is published: calls keep the ``floor`` the unit had
+    floor: int | None = None  # calls stamped below this version are stale (None: none is); default ``version``
+
+    def __post_init__(self) -> None:
+        if not self.early and self.floor is None:
+            self.floor = self.placement.version
 
     @classmethod
     def from_message(cls, msg: Mapping[str, object]) -> Fence:
@@ -41,21 +49,23 @@ class Fence:
             placement.index_of(unit_id)  # refuses an id the table does not name
         previous = msg.get("previous")
         return cls(placement, unit_id, bool(msg.get("moving", True)), leaving,
-                   None if previous is None else _placement(previous))  # type: ignore[arg-type]
+                   None if previous is None else _placement(previous), early=bool(msg.get("early", False)))  # type: ignore[arg-type]
 
     @staticmethod
-    def message(placement: Placement, unit_id: str, moving: bool = True, previous: Placement | None = None) -> dict[str, object]:
+    def message(placement: Placement, unit_id: str, moving: bool = True, previous: Placement | None = None,
+                early: bool = False) -> dict[str, object]:
         """What a ``fence`` call carries (plain values: it crosses the wire). A
-        ``unit_id`` the table does not name marks a unit being drained (``leaving``)."""
+        ``unit_id`` the table does not name marks a unit being drained (``leaving``);
+        ``early``: the table is not published yet (see the module docstring)."""
         return {
             **_table(placement), "unit_id": unit_id, "moving": moving, "leaving": unit_id not in placement.unit_ids,
-            "previous": None if previous is None else _table(previous),
+            "previous": None if previous is None else _table(previous), "early": early,
         }
 
     def stale(self, version: int | None) -> bool:
-        """A call planned on a table older than this fence's (None: an unstamped call,
-        e.g. the move's own, is never stale)."""
-        return version is not None and version < self.placement.version
+        """A call planned on a table older than this fence's floor (None: an unstamped
+        call, e.g. the move's own, is never stale)."""
+        return version is not None and self.floor is not None and version < self.floor
 
     @property
     def version(self) -> int:

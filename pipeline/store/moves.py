@@ -6,7 +6,8 @@ unit (in chunks of at most ``chunk_keys``), which copies each unit drops once th
 table is in force, and which keys no reachable unit holds (lost). Every copy the new
 table asks for comes from exactly one source: the key's old primary when it is
 reachable, else any reachable holder; a target that already holds the key gets nothing.
-The order a move runs in (fence, copy, switch, drop) is
+:func:`unheld` lists the copies a table does not give (what a move drops once its final
+table is fenced). The order a move runs in (fence, copy, switch, drop) is
 :class:`~pipeline.store.rebalance.Rebalancer`'s; docs/design.md, "Moves", says why.
 """
 from __future__ import annotations
@@ -96,6 +97,18 @@ def plan_moves(
         for i in range(0, len(ks), chunk_keys)
     )
     return MovePlan(transfers, {u: tuple(ks) for u, ks in sorted(drops.items())}, lost)
+
+
+def unheld(table: Placement, held: Mapping[str, Sequence[str]]) -> dict[str, tuple[str, ...]]:
+    """Unit id -> the keys it holds (``held``) that ``table`` does not give it (units ids
+    ascending, keys in listing order; units with none left out)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for unit_id, keys in sorted(held.items()):
+        keys = list(keys)
+        extra = tuple(k for k, cs in zip(keys, copies_of(table, keys)) if unit_id not in cs)
+        if extra:
+            out[unit_id] = extra
+    return out
 
 
 def _lost(held: Mapping[str, Sequence[str]], gone: set[str], holders: Mapping[str, list[str]]) -> tuple[str, ...]:

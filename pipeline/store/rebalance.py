@@ -2,11 +2,11 @@
 worker is about to be retired), without losing or changing a row.
 
 :class:`Rebalancer` runs in the process that owns the store (the scheduler's store host),
-one change at a time (``store.owner.lock``, shared with the repairer): **fence** every unit
-with the moving table (older calls answer ``moved``; deletes leave tombstones), **copy**
-what the new table asks for in chunks (:func:`~pipeline.store.moves.plan_moves`,
-``move_in`` skips tombstoned keys), **switch** the handle and the unit directory to the
-final table, fence it, **drop** the copies no longer held and release a drained unit.
+one change at a time (``store.owner.lock``, shared with the repairer): fence every unit
+early (tombstones), publish the moving table, **fence** (older calls answer ``moved``),
+**copy** in chunks (:func:`~pipeline.store.moves.plan_moves`; ``move_in`` skips
+tombstoned keys), **switch** to the final table and fence it, **drop** every copy it does
+not give (listed after that fence) and release a drained unit.
 
 Refused before anything changes, naming the fix: a second unit on one worker, draining
 the last unit or one without which replicas=2 keeps a single failure domain
@@ -30,7 +30,7 @@ from .. import config
 from ..actors import current_workers, start_pinned_actors
 from .directory import UnitDirectory
 from .fence import Fence
-from .moves import Transfer, plan_moves
+from .moves import Transfer, plan_moves, unheld
 from .moving import MovingTable
 from .placement import Placement
 from .protocol import pack_names
@@ -144,11 +144,18 @@ class Rebalancer:
     # ---- one move: publish, fence, copy, switch, fence final, drop -----------------
 
     def _change(self, kind: str, unit_id: str, moving: MovingTable, units: Sequence[Actor], dead: set[str] = frozenset()) -> dict:
-        """Publish ``moving`` (``units``: one handle per ``moving.unit_ids``) and run it to
-        the end; a failure leaves the store moving and is remembered for :meth:`resume`."""
-        self.store.install_moving(moving, list(units))  # writers reach both tables' copies
+        """Fence every reachable unit early, publish ``moving`` (``units``: one handle per
+        ``moving.unit_ids``) and run it to the end; a failure leaves the store moving (even
+        in the early fence: a unit may hold it) and is remembered for :meth:`resume`."""
+        by_id = dict(zip(moving.unit_ids, units))
+        live = {uid: h for uid, h in by_id.items() if uid not in dead}
+        new, old = moving.placement, moving.previous
         try:
-            record = self._run(kind, unit_id, moving, dict(zip(moving.unit_ids, units)), dead)
+            try:  # 0. tombstones on every unit before any writer has the new table
+                self._all(live, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old, early=True)))
+            finally:
+                self.store.install_moving(moving, list(units))  # writers reach both tables' copies
+            record = self._run(kind, unit_id, moving, by_id, dead)
         except BaseException as e:
             self.interrupted = {"kind": kind, "unit": unit_id, "version": moving.version, "error": f"{type(e).__name__}: {e}"}
             logger.warning("store %s of unit %s interrupted at placement version %d (%s); the store keeps moving "
@@ -162,19 +169,17 @@ class Rebalancer:
         t0 = time.perf_counter()
         new, old = moving.placement, moving.previous
         live = {uid: h for uid, h in units.items() if uid not in dead}
-        self._all(live, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old)))  # 1. fence
-        moved, drops = 0, []
+        self._all(live, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old)))  # 1. fence: older calls refused
+        moved = 0
         for partition in self.store.partitions or []:  # 2. copy
             held = dict(zip(live, self._all(live, lambda uid, h, p=partition: h.keys(p))))
             plan = plan_moves(old, new, held, self.settings.chunk_keys, unreachable=sorted(dead))
             moved += self._copy(live, partition, plan.transfers)
-            drops.extend((partition, uid, keys) for uid, keys in plan.drops.items())
         final = Placement(new.version + 1, new.workers, new.unit_ids, new.replicas, new.homes)
         self.store.install_placement(final, [units[u] for u in new.unit_ids])  # 3. switch
         self._all(live, lambda uid, h: h.set_fence(Fence.message(final, uid, False)))
-        dropped = sum(live[uid].drop(p, pack_names(list(ks))).result(timeout=self.settings.call_timeout_s)
-                      for p, uid, ks in drops)  # 4. drop
         leaving = [uid for uid in moving.unit_ids if uid not in new.unit_ids]
+        dropped = self._drop_unheld({u: h for u, h in live.items() if u not in leaving}, final)  # 4. drop
         self._all({u: live[u] for u in leaving if u in live}, lambda uid, h: h.close())  # they hold nothing of their own now
         self._release_futures([units[u] for u in leaving])
         record = {"kind": kind, "unit": unit_id, "rows_moved": moved, "copies_dropped": dropped,
@@ -182,6 +187,18 @@ class Rebalancer:
         self.changes.append(record)
         logger.info("store %s of unit %s: %d rows moved, %d copies dropped in %.2fs", kind, unit_id, moved, dropped, record["seconds"])
         return record
+
+    def _drop_unheld(self, units: dict[str, Actor], final: Placement) -> int:
+        """Each unit's copies ``final`` does not give it, listed after its fence (no write
+        adds one since): the move's sources' and those a writer on the moving table put on
+        an old holder during the copy (left, a later move would bring them back after a
+        delete). Rows removed."""
+        dropped, timeout = 0, self.settings.call_timeout_s
+        for partition in self.store.partitions or []:
+            held = dict(zip(units, self._all(units, lambda uid, h, p=partition: h.keys(p))))
+            for uid, keys in unheld(final, held).items():
+                dropped += units[uid].drop(partition, pack_names(list(keys))).result(timeout=timeout)
+        return dropped
 
     def _copy(self, by_id: dict[str, Actor], partition: str, transfers: Sequence[Transfer]) -> int:
         """Each transfer as one get from its source and one ``move_in`` to its target."""

@@ -42,7 +42,8 @@ MOVE_COUNTERS = ("moved_in_rows", "moved_out_rows", "moved_refusals", "move_tomb
 
 def take_fence(unit: StorageUnit, msg: Mapping[str, object]) -> dict:
     """Fence ``unit`` with the table of ``msg`` (:meth:`Fence.message`). Refuses an older
-    table than the one it has, and a move while a store checkpoint is open on it. A move
+    table than the one it has, and a move while a store checkpoint is open on it. An early
+    fence keeps the unit's floor until the same table comes again, not early; a move
     resumed under a newer table keeps the tombstones of the one it replaces (a late copy
     of the first attempt must not bring a deleted key back)."""
     unit._check_open()
@@ -55,7 +56,11 @@ def take_fence(unit: StorageUnit, msg: Mapping[str, object]) -> dict:
     if unit.guard.open:
         raise StoreBusy(f"storage unit {unit.unit_index} has a store checkpoint open; a move waits for it to end")
     if old is not None and old.version == fence.version:
+        if old.early and not fence.early:  # the table is published now: older calls are stale from here on
+            old.early, old.floor = False, fence.floor
         return {"version": fence.version, "unit_id": fence.unit_id}
+    if fence.early:  # not published yet: calls keep the floor they had
+        fence.floor = None if old is None else old.floor
     if old is not None and old.moving and fence.moving:
         fence.tombstones = old.tombstones
     unit.fence = fence
