@@ -128,3 +128,42 @@ def resume_and_compare(client: Any, store: Any, gen: Any, specs, verdicts, acks,
     for k in original:
         for field in ("token_ids", "token_mask", "logprobs", "routed_experts"):
             np.testing.assert_array_equal(original[k][field], resumed[k][field])
+
+
+def assert_rows_read_back(store: Any, rows: list) -> None:
+    """Every staged row of ``rows`` reads back from ``store`` bit for bit (values and offsets)."""
+    import numpy as np
+
+    from tasks.packed import pack_rows
+    from tasks.schema import STAGING_FIELDS
+
+    got = store.get_many([r.staging_key for r in rows], list(STAGING_FIELDS))
+    assert not got.failed, list(got.failed.items())[:3]
+    want = pack_rows(rows)
+    for f in STAGING_FIELDS:
+        assert np.array_equal(got.batch.fields[f].values, want.fields[f].values), f
+        assert np.array_equal(got.batch.fields[f].offsets, want.fields[f].offsets), f
+
+
+def preloaded_nanny_cluster(names: str, settings: dict[str, Any]):
+    """A SpecCluster of nannies ``names`` (each with 2 ``finalize`` slots) on 127.0.0.1,
+    its scheduler preloading the token-capture plugins (store host included), and its
+    Client, under ``settings``; a context manager yielding the client."""
+    import contextlib
+
+    import dask
+    from distributed import Client, Nanny, Scheduler, SpecCluster
+
+    from pipeline.dashboard.preload import PRELOAD
+
+    @contextlib.contextmanager
+    def _cluster():
+        with dask.config.set(settings):
+            opts = {"nthreads": 1, "host": "127.0.0.1", "resources": {"finalize": 2}}
+            spec = {n: {"cls": Nanny, "options": opts} for n in names}
+            scheduler = {"cls": Scheduler, "options": {"dashboard_address": "127.0.0.1:0", "host": "127.0.0.1", "preload": [PRELOAD]}}
+            with SpecCluster(workers=spec, scheduler=scheduler) as cl, Client(cl) as client:
+                client.wait_for_workers(len(names))
+                yield client
+
+    return _cluster()

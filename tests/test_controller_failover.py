@@ -21,21 +21,18 @@ import sys
 import threading
 
 import dask
-import numpy as np
 import pytest
 import torch
 
 from failover_controller import HOLD, ROUTES, STEPS, VOCAB, build_steps
 from step_tensors import assert_identical, n_fields, step_tensors
-from support import wait_until
+from support import assert_rows_read_back, preloaded_nanny_cluster, wait_until
 
 from pipeline.client.discovery import lookup_store
-from pipeline.dashboard.preload import PRELOAD
 from pipeline.finalize import Finalizer
 from pipeline.store.client import StagingStore
 from pipeline.store.hosted import close_hosted, hosted_stores
 from tasks.packed import pack_rows
-from tasks.schema import STAGING_FIELDS
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -51,14 +48,8 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def client():
-    from distributed import Client, Nanny, Scheduler, SpecCluster
-
-    with dask.config.set(SETTINGS):
-        spec = {n: {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "resources": {"finalize": 2}}} for n in "abc"}
-        scheduler = {"cls": Scheduler, "options": {"dashboard_address": "127.0.0.1:0", "host": "127.0.0.1", "preload": [PRELOAD]}}
-        with SpecCluster(workers=spec, scheduler=scheduler) as cluster, Client(cluster) as c:
-            c.wait_for_workers(3)
-            yield c
+    with preloaded_nanny_cluster("abc", SETTINGS) as c:
+        yield c
 
 
 def controller_env() -> dict[str, str]:
@@ -87,14 +78,7 @@ def rows_of(groups) -> list:
     return [r for bs in groups.values() for b in bs for r in b.rows]
 
 
-def assert_readable(store, rows) -> None:
-    """Every row of ``rows`` reads back from ``store`` bit for bit."""
-    got = store.get_many([r.staging_key for r in rows], list(STAGING_FIELDS))
-    assert not got.failed, list(got.failed.items())[:3]
-    want = pack_rows(rows)
-    for f in STAGING_FIELDS:
-        assert np.array_equal(got.batch.fields[f].values, want.fields[f].values), f
-        assert np.array_equal(got.batch.fields[f].offsets, want.fields[f].offsets), f
+assert_readable = assert_rows_read_back
 
 
 def readable(store, rows) -> set[str]:

@@ -22,7 +22,7 @@ import dask
 import numpy as np
 import pytest
 from rollout_factory import make_group
-from support import wait_until
+from support import assert_rows_read_back, wait_until
 
 from pipeline.actors import current_workers
 from pipeline.client.discovery import lookup_store
@@ -37,7 +37,6 @@ from pipeline.store.rebalance import RebalanceSettings, Rebalancer
 from pipeline.store.unit import StorageUnit
 from tasks.errors import CheckpointError, InvalidStoreRequest, StoreBusy
 from tasks.packed import pack_rows
-from tasks.schema import STAGING_FIELDS
 
 SETTINGS = {
     "distributed.comm.timeouts.connect": "3s",
@@ -113,14 +112,7 @@ def put_all(store, rows) -> None:
     assert not res.failed and len(res.ok) == len(rows), list(res.failed.items())[:2]
 
 
-def same_rows(store, rows) -> None:
-    """Every row reads back bit for bit."""
-    got = store.get_many([r.staging_key for r in rows], list(STAGING_FIELDS))
-    assert not got.failed, list(got.failed.items())[:3]
-    want = pack_rows(rows)
-    for f in STAGING_FIELDS:
-        assert np.array_equal(got.batch.fields[f].values, want.fields[f].values), f
-        assert np.array_equal(got.batch.fields[f].offsets, want.fields[f].offsets), f
+same_rows = assert_rows_read_back
 
 
 def counter(store, name: str) -> int:

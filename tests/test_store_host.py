@@ -18,10 +18,9 @@ import numpy as np
 import pytest
 from rollout_factory import make_group
 from store_host_controller import staged_rows
-from support import wait_until
+from support import preloaded_nanny_cluster, wait_until
 
 from pipeline.client.discovery import lookup_store
-from pipeline.dashboard.preload import PRELOAD
 from pipeline.store.host import StoreHost
 from pipeline.store.host_messages import StartRequest
 from pipeline.store.hosted import close_hosted, hosted_stores, start_hosted
@@ -40,14 +39,8 @@ SETTINGS = {
 
 @pytest.fixture(scope="module")
 def cluster():
-    from distributed import Client, Nanny, Scheduler, SpecCluster
-
-    with dask.config.set(SETTINGS):
-        spec = {n: {"cls": Nanny, "options": {"nthreads": 1, "host": "127.0.0.1", "resources": {"finalize": 2}}} for n in "abc"}
-        scheduler = {"cls": Scheduler, "options": {"dashboard_address": "127.0.0.1:0", "host": "127.0.0.1", "preload": [PRELOAD]}}
-        with SpecCluster(workers=spec, scheduler=scheduler) as cl, Client(cl) as client:
-            client.wait_for_workers(3)
-            yield client
+    with preloaded_nanny_cluster("abc", SETTINGS) as client:
+        yield client
 
 
 def run_controller(client, name: str, seed: int, mode: str) -> None:
