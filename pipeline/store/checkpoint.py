@@ -1,36 +1,46 @@
 """Atomic checkpoints of a staging store (controller side): save, verify, restore.
 
-A checkpoint directory holds ``MANIFEST.json`` (written last: temp, fsync, rename) and
-one generation ``gen-<id>/`` of packed batch files (:mod:`~pipeline.store.batch_file`,
-one per chunk of about ``chunk_bytes`` of a unit's partition). The manifest records each
-file's SHA-256 and size in bytes, and, when ``store.checkpoint-key`` names a key file,
-an HMAC-SHA256 of its whole body. Its file names must be ``<generation>/<plain name>``
-resolving inside the directory. Restore is all-or-nothing: every file is hashed, decoded
-and validated before the first row is loaded, and a restore that fails while loading
-removes the rows it added. While a save runs, it is open on every unit
-(``begin_checkpoint`` before any write, ``end_checkpoint`` in ``finally``): concurrent
-deletes are deferred, so the checkpoint loses no row to them.
+A checkpoint location (a local directory or any fsspec URL, :mod:`~pipeline.store.location`)
+holds ``MANIFEST.json`` (written last, by the controller) and one generation ``gen-<id>/``
+of packed batch files (:mod:`~pipeline.store.batch_file`, one per chunk of about
+``chunk_bytes`` of a unit's partition), each written by its unit straight to the location
+from the unit's own worker process. The manifest records each file's SHA-256 and size in
+bytes, and, when ``store.checkpoint-key`` names a key file, an HMAC-SHA256 of its whole
+body. Its file names must be ``<generation>/<plain name>`` (resolving inside a local
+directory). Commit needs no rename: before the manifest is written every file it names is
+checked present with its size; older generations are removed only once the new manifest
+was written AND read back. A remote location is probed first (a small object written,
+read back, removed: :mod:`~pipeline.store.location_probe`), so a bad URL fails before any
+unit writes. Restore is all-or-nothing: every file is hashed, decoded and validated before
+the first row is loaded, and a restore that fails while loading removes the rows it
+added. While a save runs, it is open on every unit (``begin_checkpoint`` before any
+write, ``end_checkpoint`` in ``finally``): concurrent deletes are deferred, so the
+checkpoint loses no row to them.
 """
 from __future__ import annotations
 
 import os
-import shutil
 import time
 import uuid
 from typing import TYPE_CHECKING
 
 from tasks.errors import CheckpointCorrupt, CheckpointError, RestoreIncomplete
 
+from .. import config
 from . import sequence
-from .batch_file import FORMAT_VERSION, fsync_dir
+from .batch_file import FORMAT_VERSION
 from .checkpoint_files import load_file, restore_file, verify_file  # noqa: F401 (tasks run them by this path too)
 from .deadline import settle_all
-from .location_lock import location_lock
+from .location import Location, parse
+from .location_lease import Lease, location_lease
+from .location_lock import location_lock, lock_timeout_s
+from .location_probe import probe, probe_timeout_s
 from .manifest import (  # noqa: F401 (the checkpoint's public names, re-exported)
     HMAC_FIELD,
     MANIFEST,
     MANIFEST_FORMAT,
     _FROM_CONFIG,
+    Where,
     _manifest_digest,
     _record_file,
     _store_name,
@@ -48,29 +58,39 @@ if TYPE_CHECKING:  # pragma: no cover
 # ---- orchestration (controller side) ------------------------------------------------
 
 
-def save(store: "StoreLike", path: str, chunk_bytes: int) -> dict:
-    """Checkpoint every unit of ``store`` into ``path``; returns the manifest (signed when
-    ``store.checkpoint-key`` is set).
+def save(store: "StoreLike", path: Where, chunk_bytes: int) -> dict:
+    """Checkpoint every unit of ``store`` into location ``path`` (a directory or an fsspec
+    URL); returns the manifest (signed when ``store.checkpoint-key`` is set).
 
-    Saves to one ``path`` run one at a time: each holds ``<path>/.lock``
+    Saves to one location run one at a time. A local directory: each holds ``<path>/.lock``
     (:func:`~pipeline.store.location_lock.location_lock`) from before it creates its
-    generation until it has removed the others, waiting for it at most
-    ``store.checkpoint-lock-timeout-s`` seconds (then :class:`CheckpointError`). The
-    manifest names the store (``store``) and its ``sequence`` (:func:`_write_sequenced`).
+    generation until it has removed the others. A remote one: it is probed first
+    (:func:`~pipeline.store.location_probe.probe`), then each save holds the lease
+    ``<url>/.lease`` (:mod:`~pipeline.store.location_lease`) as long. Either waits for
+    another save at most ``store.checkpoint-lock-timeout-s`` seconds (then
+    :class:`CheckpointError`). The manifest names the store (``store``) and its
+    ``sequence`` (:func:`_write_sequenced`). Storage options
+    (``store.checkpoint-storage-options``) and the other knobs are read once, here.
     """
-    path = os.path.abspath(path)
     key = manifest_key()  # a bad key setting fails before anything is written
-    os.makedirs(path, exist_ok=True)
-    with location_lock(path):
-        return _save_locked(store, path, chunk_bytes, key)
+    loc = parse(path)
+    if loc.local:
+        try:
+            os.makedirs(loc.root, exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"checkpoint location {loc.url!r} cannot be created ({e}); check the path and its permissions") from None
+        with location_lock(loc.root):
+            return _save_locked(store, loc, chunk_bytes, key, None)
+    lease_s, timeout_s = float(config.get("store.checkpoint-lease-s")), lock_timeout_s()
+    probe(loc, probe_timeout_s())  # before any unit writes: a bad URL fails here, in one line
+    with location_lease(loc, lease_s, timeout_s) as lease:
+        return _save_locked(store, loc, chunk_bytes, key, lease)
 
 
-def _save_locked(store: "StoreLike", path: str, chunk_bytes: int, key: bytes | None) -> dict:
-    """:func:`save` with the location's lock held: write a generation, then the manifest."""
-    generation = f"gen-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
-    gen_dir = os.path.join(path, generation)
-    os.makedirs(gen_dir)
-    token = f"{generation}@{path}"
+def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int) -> tuple[list, list[BaseException]]:
+    """Every unit writes its files into generation ``gen``: (entries per unit, errors)."""
+    token = gen.url  # gen-<id> under the location: unique per save
+    outcomes: list = []
     try:
         # Open on EVERY unit before any unit writes: from here on no delete removes a row
         # this checkpoint may still write, whichever process issues it.
@@ -81,7 +101,7 @@ def _save_locked(store: "StoreLike", path: str, chunk_bytes: int, key: bytes | N
             # A replicated store holds every key twice: each unit writes only its primary keys.
             placement = store.placement
             primary_of = list(placement.unit_ids) if placement.replicas == 2 else None
-            outcomes = settle_all([unit.checkpoint_write(gen_dir, int(chunk_bytes), primary_of, u) for u, unit in enumerate(store.units)])
+            outcomes = settle_all([unit.checkpoint_write(gen, int(chunk_bytes), primary_of, u) for u, unit in enumerate(store.units)])
             errors = [o for o in outcomes if isinstance(o, Exception)]
     finally:
         # Closing applies the deletes deferred meanwhile (a lost unit has nothing to close).
@@ -95,11 +115,44 @@ def _save_locked(store: "StoreLike", path: str, chunk_bytes: int, key: bytes | N
                 f"the checkpoint outlived store.checkpoint-lease-s on unit(s) {expired}, which applied the "
                 "deletes it deferred; raise store.checkpoint-lease-s and save again"
             )]
+    return outcomes, errors
+
+
+def _missing_files(gen: Location, files: list[dict]) -> list[str]:
+    """The unit-written ``files`` (plain names) not in ``gen`` with their recorded size:
+    e.g. units on other hosts wrote a local path the controller does not share."""
+    present = gen.sizes()
+    missing = []
+    for e in files:
+        name, want = e["file"], e["bytes"]
+        if name not in present:
+            missing.append(f"{name} (absent)")
+        elif present[name] != want:
+            missing.append(f"{name} ({present[name]} bytes, not {want})")
+    return missing
+
+
+def _save_locked(store: "StoreLike", loc: Location, chunk_bytes: int, key: bytes | None, lease: Lease | None) -> dict:
+    """:func:`save` with the location's lock or lease held: write a generation, check
+    every file is there, write the manifest, read it back, then drop older generations."""
+    generation = f"gen-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+    gen = loc.child(generation)
+    if loc.local:
+        os.makedirs(gen.root)
+    outcomes, errors = _write_generation(store, gen, chunk_bytes)
+    entries = [e for unit_entries in ([] if errors else outcomes) for e in unit_entries]
+    if not errors:
+        missing = _missing_files(gen, entries)
+        if missing:
+            errors = [CheckpointError(
+                f"{len(missing)} file(s) the units wrote are not at {gen.url!r} as the controller sees it, e.g. "
+                f"{missing[0]}; on several hosts use a location every host shares (an object store URL such as s3://bucket/prefix)"
+            )]
     if errors:
-        shutil.rmtree(gen_dir, ignore_errors=True)  # best effort; a crash leaves it for the next save
-        raise CheckpointError(f"checkpoint to {path!r} failed; previous checkpoint kept: {errors[0]!r}") from errors[0]
-    files = [dict(e, file=f"{generation}/{e['file']}") for entries in outcomes for e in entries]
-    fsync_dir(gen_dir)
+        _remove_quietly(loc, generation)  # best effort; a crash leaves it for the next save
+        raise CheckpointError(f"checkpoint to {loc.url!r} failed; previous checkpoint kept: {errors[0]!r}") from errors[0]
+    files = [dict(e, file=f"{generation}/{e['file']}") for e in entries]
+    gen.sync()
     manifest = {
         "format": MANIFEST_FORMAT,
         "version": FORMAT_VERSION,
@@ -111,16 +164,42 @@ def _save_locked(store: "StoreLike", path: str, chunk_bytes: int, key: bytes | N
         "files": files,
         "store": _store_name(store),
     }
-    _write_sequenced(path, manifest, key)
+    if lease is not None:
+        lease.check()  # still this save's: no other save may be writing here
+    _write_sequenced(loc, manifest, key)
+    _read_back(loc, manifest, key)
     # Only now is the new checkpoint current: drop older and half-written generations
-    # (never one a concurrent save is writing: saves to one location hold its lock).
-    for name in os.listdir(path):
+    # (never one a concurrent save is writing: saves to one location hold its lock or lease).
+    for name in loc.sizes():
         if name.startswith("gen-") and name != generation:
-            shutil.rmtree(os.path.join(path, name), ignore_errors=True)
+            _remove_quietly(loc, name)
     return manifest
 
 
-def _previous_sequence(path: str, key: bytes | None) -> int:
+def _read_back(loc: Location, manifest: dict, key: bytes | None) -> None:
+    """The manifest now at ``loc`` must be the one just written, fully checked; else the
+    save fails and every older generation is kept."""
+    try:
+        back = read_manifest(loc, key, allow_older=True)
+    except CheckpointError as e:
+        raise CheckpointError(
+            f"checkpoint to {loc.url!r}: its manifest did not read back ({e}); older generations kept, save again"
+        ) from None
+    if back.get("generation") != manifest["generation"] or back.get("sequence") != manifest.get("sequence"):
+        raise CheckpointError(
+            f"checkpoint to {loc.url!r}: the manifest read back names {back.get('generation')!r}, not "
+            f"{manifest['generation']!r} (another writer?); older generations kept, save again"
+        )
+
+
+def _remove_quietly(loc: Location, name: str) -> None:
+    try:
+        loc.remove(name)
+    except Exception:  # best effort: the next save removes what is left
+        pass
+
+
+def _previous_sequence(path: Location, key: bytes | None) -> int:
     """The sequence of the checkpoint now at ``path`` (0: none, one from before
     sequences, or one that does not verify under ``key``)."""
     try:
@@ -129,7 +208,7 @@ def _previous_sequence(path: str, key: bytes | None) -> int:
         return 0
 
 
-def _write_sequenced(path: str, manifest: dict, key: bytes | None) -> None:
+def _write_sequenced(path: Location, manifest: dict, key: bytes | None) -> None:
     """Set ``manifest["sequence"]`` and write the manifest (:func:`write_manifest`).
 
     Signed (``key``): one more than the highest of the sequence recorded for its store
@@ -172,11 +251,12 @@ def _rollback(store: "StoreLike", keys: dict[str, list[str]], claim: str) -> tup
     return removed, failed
 
 
-def restore(store: "StoreLike", path: str, client=None, allow_older: bool = False) -> dict:
-    """Verify the checkpoint at ``path`` and load it into ``store``, all or nothing.
+def restore(store: "StoreLike", path: Where, client=None, allow_older: bool = False) -> dict:
+    """Verify the checkpoint at location ``path`` (a directory or an fsspec URL; storage
+    options read once, here) and load it into ``store``, all or nothing.
 
     1. The manifest: digest, signature when ``store.checkpoint-key`` is set, and every
-       file name (``<generation>/<plain name>``, resolving inside ``path``).
+       file name (``<generation>/<plain name>``, resolving inside a local ``path``).
     2. A validate-only pass (Dask tasks, one per file): each file is read, its size and
        SHA-256 recomputed, decoded and checked (rows, keys, field layout); only its keys
        come back, so controller memory holds keys, never rows. Any problem raises
@@ -195,8 +275,9 @@ def restore(store: "StoreLike", path: str, client=None, allow_older: bool = Fals
     """
     from distributed import get_client
 
-    path = os.path.abspath(path)
-    manifest = read_manifest(path, allow_older=allow_older)
+    loc = parse(path)
+    path = loc.url
+    manifest = read_manifest(loc, allow_older=allow_older)
     files, generation = manifest["files"], manifest["generation"]
     if store.partitions is not None:
         unknown = sorted({e["partition"] for e in files} - set(store.partitions))
@@ -204,7 +285,7 @@ def restore(store: "StoreLike", path: str, client=None, allow_older: bool = Fals
             raise CheckpointError(f"checkpoint {path!r} holds partition(s) {unknown} this store lacks ({store.partitions})")
     client = client or get_client()
     n = len(files)
-    checked = client.gather(client.map(verify_file, [path] * n, files, [generation] * n, pure=False))
+    checked = client.gather(client.map(verify_file, [loc] * n, files, [generation] * n, pure=False))
     problems = [c["problem"] for c in checked if c["problem"]]
     if problems:
         raise CheckpointCorrupt(f"checkpoint {path!r} refused: " + "; ".join(problems))
@@ -218,7 +299,7 @@ def restore(store: "StoreLike", path: str, client=None, allow_older: bool = Fals
     # rollback takes back exactly those, on every copy, and never a row another writer put.
     claim = f"restore-{uuid.uuid4().hex}"
     outcomes = _settle_tasks(
-        client.map(restore_file, [store] * n, [path] * n, files, [generation] * n, [claim] * n, pure=False)
+        client.map(restore_file, [store] * n, [loc] * n, files, [generation] * n, [claim] * n, pure=False)
     )
     keys: dict[str, list[str]] = {}
     failed: dict = {}

@@ -1,12 +1,15 @@
-"""A checkpoint's data files, one Dask task each: read as a regular file, size and
+"""A checkpoint's data files. Saving: each unit writes its partitions as packed batch
+files straight to the checkpoint's generation (a local directory or an fsspec URL,
+:mod:`~pipeline.store.location`). Restoring, one Dask task per file: read (locally as a
+regular file inside the directory, remotely bounded by the manifest's size), size and
 SHA-256 recomputed on the bytes read (never trusted), decoded, rows/keys/fields checked;
-then, for a restore, put into the store under the restore's claim."""
+then put into the store under the restore's claim."""
 from __future__ import annotations
 
 import hashlib
 import os
 import stat
-from typing import TYPE_CHECKING, Iterable, Sequence, TypeVar
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence, TypeVar
 
 from tasks.errors import CheckpointCorrupt
 from tasks.keys import primary_units
@@ -14,12 +17,14 @@ from tasks.packed import PackedBatch
 
 from . import batch_file
 from .batch_file import decode_batch
-from .manifest import resolve_entry
+from .location import Location, local
+from .manifest import _entry_problem, resolve_entry
 from .protocol import check_key, field_problem
 from .registry import FieldRegistry
 from .row_packing import pack_stored_rows
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .held_rows import HeldRows
     from .protocol import StoreLike
 
 T = TypeVar("T")
@@ -63,15 +68,27 @@ def _batch_problem(entry: dict, batch: PackedBatch) -> str | None:
     return None
 
 
-def _read_checked(root: str, entry: dict, generation: str) -> PackedBatch:
-    """Read one data file, check size and SHA-256 on the bytes read, decode, validate."""
-    path = resolve_entry(root, entry, generation)
+def _read_data(root: "str | Location", entry: dict, generation: str) -> bytes | bytearray:
+    """The bytes of one data file: a local one as a regular file resolving inside the
+    directory; a remote one at most the manifest's size (a larger object refused unread)."""
+    loc = root if isinstance(root, Location) else local(root)
+    if not loc.local:
+        problem = _entry_problem(entry, generation)  # a plain name in the generation, as the manifest said
+        if problem is not None:
+            raise CheckpointCorrupt(f"{entry.get('file') if isinstance(entry, dict) else entry!r}: {problem}")
+        return loc.read(entry["file"], entry["bytes"], None, CheckpointCorrupt)
+    path = resolve_entry(loc.root, entry, generation)
     try:
-        buf = _read_regular(path)
+        return _read_regular(path)
     except CheckpointCorrupt:
         raise
     except OSError as e:
         raise CheckpointCorrupt(f"{entry['file']}: unreadable: {e}") from None
+
+
+def _read_checked(root: "str | Location", entry: dict, generation: str) -> PackedBatch:
+    """Read one data file, check size and SHA-256 on the bytes read, decode, validate."""
+    buf = _read_data(root, entry, generation)
     sha = hashlib.sha256(buf).hexdigest()
     if len(buf) != entry["bytes"] or sha != entry["sha256"]:
         raise CheckpointCorrupt(
@@ -87,7 +104,7 @@ def _read_checked(root: str, entry: dict, generation: str) -> PackedBatch:
     return batch
 
 
-def verify_file(root: str, entry: dict, generation: str) -> dict:
+def verify_file(root: "str | Location", entry: dict, generation: str) -> dict:
     """Validate-only pass over one file: ``{"problem": why or None, "keys": [...]}``.
 
     Size, SHA-256, decode and row/key/field checks, exactly as :func:`load_file` does;
@@ -99,12 +116,12 @@ def verify_file(root: str, entry: dict, generation: str) -> dict:
     return {"problem": None, "keys": list(batch.keys)}
 
 
-def load_file(root: str, entry: dict, generation: str) -> PackedBatch:
+def load_file(root: "str | Location", entry: dict, generation: str) -> PackedBatch:
     """Read one data file again and re-check it (SHA-256 on the bytes read, decode, rows)."""
     return _read_checked(root, entry, generation)
 
 
-def restore_file(store: "StoreLike", root: str, entry: dict, generation: str, claim: str) -> dict:
+def restore_file(store: "StoreLike", root: "str | Location", entry: dict, generation: str, claim: str) -> dict:
     """Load one file into ``store`` (rows placed by the store's placement), its new rows
     provisional under ``claim``: ``{"ok": [keys], "failed": {key: (reason, detail)}}``."""
     result = store.put_claimed(load_file(root, entry, generation), claim, partition=entry["partition"])
@@ -122,11 +139,15 @@ def primary_items(items: list[tuple[str, T]], units: int | Sequence[str], unit_i
 
 
 def write_partition_files(
-    directory: str, stem: str, partition: str, rows: Iterable[tuple[str, dict, int]], reg: FieldRegistry | None, chunk_bytes: int
+    target: "str | Location", stem: str, partition: str, rows: Iterable[tuple[str, dict, int]], reg: FieldRegistry | None,
+    chunk_bytes: int,
 ) -> list[dict]:
     """One unit's partition as packed batch files ``<stem>-<n>.tcb`` of about
-    ``chunk_bytes`` (row weights, bytes) each, every file atomic (temp, fsync, rename).
-    ``rows`` yields ``(key, row, weight)``. Returns one manifest entry per file."""
+    ``chunk_bytes`` (row weights, bytes) each, written to ``target`` (a generation: a
+    local directory, every file atomic by temp, fsync, rename; or a remote one, every file
+    one whole-object put). ``rows`` yields ``(key, row, weight)``. Returns one manifest
+    entry per file."""
+    loc = target if isinstance(target, Location) else local(target)
     names = list(reg.specs) if reg else []
     entries: list[dict] = []
     keys: list[str] = []
@@ -136,7 +157,7 @@ def write_partition_files(
     def flush() -> None:
         batch = pack_stored_rows(keys, chunk, names, reg)
         name = f"{stem}-{len(entries):05d}{batch_file.DATA_SUFFIX}"
-        sha, nbytes = batch_file.write_atomic(os.path.join(directory, name), batch_file.encode_batch(batch))
+        sha, nbytes = loc.write(name, batch_file.encode_batch(batch))
         entries.append({"file": name, "partition": partition, "rows": len(batch), "bytes": nbytes, "sha256": sha})
 
     for key, row, weight in rows:
@@ -148,4 +169,21 @@ def write_partition_files(
             keys, chunk, size = [], [], 0
     if keys:
         flush()
+    return entries
+
+
+def write_unit_files(
+    target: "str | Location", me: int, held: "HeldRows", registry: Mapping[str, FieldRegistry], chunk_bytes: int,
+    primary_of_units: int | Sequence[str] | None = None,
+) -> list[dict]:
+    """A unit's checkpoint_write: every partition of ``held`` as files ``u<me>-<partition>-<n>.tcb``
+    in ``target`` (:func:`write_partition_files`); with ``primary_of_units`` only the keys
+    unit ``me`` is the primary of. Runs on the unit's actor thread: a consistent snapshot."""
+    entries: list[dict] = []
+    for partition, index in held.index.items():
+        items = list(index.items())
+        if primary_of_units is not None:
+            items = primary_items(items, primary_of_units, me)
+        rows = ((key, held.rows.peek(slot), held.weights[slot]) for key, slot in items)
+        entries.extend(write_partition_files(target, f"u{me:03d}-{partition}", partition, rows, registry.get(partition), chunk_bytes))
     return entries

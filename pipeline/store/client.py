@@ -145,7 +145,8 @@ class StagingStore:
 
     @classmethod
     def from_checkpoint(cls, client, path: str, **start_kwargs: Any) -> "StagingStore":
-        """A new store (``start(client, **start_kwargs)``) loaded from the checkpoint at ``path``.
+        """A new store (``start(client, **start_kwargs)``) loaded from the checkpoint at ``path``
+        (a directory or an fsspec URL such as ``s3://bucket/prefix``, see :meth:`restore`).
 
         All or nothing (see :meth:`restore`): if any row cannot be placed (e.g. the new
         store's capacity is too small) it raises :class:`~tasks.errors.RestoreIncomplete`
@@ -403,7 +404,12 @@ class StagingStore:
     # ---- checkpoint -----------------------------------------------------------------
 
     def checkpoint(self, path: str, chunk_bytes: int | str | None = None) -> dict:
-        """Write an atomic checkpoint of every unit into directory ``path``; returns the manifest.
+        """Write an atomic checkpoint of every unit into ``path``; returns the manifest.
+
+        ``path`` is a local directory or any fsspec URL (``s3://bucket/prefix``; storage
+        options from ``token-capture.store.checkpoint-storage-options``, credentials from
+        the backend's usual places): each unit writes its files there from its own worker,
+        the manifest is written last (docs/checkpoints.md).
 
         ``chunk_bytes`` (default ``token-capture.store.checkpoint-chunk-bytes``) bounds
         each data file; it is a runtime knob, not part of the checkpoint's identity. With
@@ -415,8 +421,8 @@ class StagingStore:
         return _checkpoint.save(self, path, config.parse_bytes(chunk_bytes))
 
     def restore(self, path: str, client=None, allow_older: bool = False) -> dict:
-        """Load the checkpoint at ``path`` into this store (rows placed by THIS store's
-        placement, whatever its unit count), all or nothing.
+        """Load the checkpoint at ``path`` (a directory or an fsspec URL) into this store
+        (rows placed by THIS store's placement, whatever its unit count), all or nothing.
 
         Refuses a corrupt checkpoint (a file failing its digest or decode, a file name
         outside ``path``, an unsigned or wrongly signed manifest when

@@ -6,8 +6,11 @@ file's SHA-256 and size in bytes. Its unkeyed SHA-256 catches accidents; with
 ``store.checkpoint-key`` (the PATH of a key file) it is also signed (HMAC-SHA256), and a
 signed manifest carries a ``sequence`` per store name that a restore checks against the
 highest one this controller saved or restored (a replayed older save is refused). Its
-file names must be ``<generation>/<plain name>`` resolving inside the checkpoint
-directory; the manifest itself is read as a bounded regular file, never blocking.
+file names must be ``<generation>/<plain name>`` (resolving inside the checkpoint
+directory, for a local one); the manifest itself is read bounded (a local one as a
+regular file, never blocking). A location is a path or an fsspec URL
+(:mod:`~pipeline.store.location`): a local manifest is replaced by temp+fsync+rename, a
+remote one by one whole-object put.
 """
 from __future__ import annotations
 
@@ -16,15 +19,15 @@ import hmac
 import json
 import os
 import re
-from typing import Final
+from typing import Final, Union
 
 from tasks.errors import CheckpointCorrupt, CheckpointError, CheckpointReplayed
 
 from .. import config
-from . import batch_file, sequence
-from .batch_file import DATA_SUFFIX, FORMAT_VERSION, fsync_dir
+from . import sequence
+from .batch_file import DATA_SUFFIX, FORMAT_VERSION
+from .location import Location, parse
 from .protocol import PARTITION_RE
-from .regular_file import read_regular_bounded
 
 
 MANIFEST = "MANIFEST.json"
@@ -40,6 +43,7 @@ _GENERATION_RE = re.compile(r"^gen-[A-Za-z0-9_-]{1,200}$")
 _DATA_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,250}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _FROM_CONFIG: Final = object()  # "the key from config" (a default no caller passes)
+Where = Union[str, "os.PathLike[str]", Location]  # a checkpoint location: a path, a URL or a parsed one
 
 
 # ---- manifest: digest, optional HMAC, entry checks ------------------------------------
@@ -93,9 +97,9 @@ def manifest_key() -> bytes | None:
     return key
 
 
-def write_manifest(path: str, manifest: dict, key: bytes | None = _FROM_CONFIG) -> None:
-    """Write ``path/MANIFEST.json`` atomically (temp, fsync, rename, fsync dir), signed
-    with ``key`` (default: :func:`manifest_key`) when there is one."""
+def write_manifest(path: Where, manifest: dict, key: bytes | None = _FROM_CONFIG) -> None:
+    """Write ``MANIFEST.json`` at location ``path`` whole (local: temp, fsync, rename, fsync
+    dir; remote: one put), signed with ``key`` (default: :func:`manifest_key`) when there is one."""
     if key is _FROM_CONFIG:
         key = manifest_key()
     manifest = {k: v for k, v in manifest.items() if k not in _DIGEST_FIELDS}
@@ -103,28 +107,29 @@ def write_manifest(path: str, manifest: dict, key: bytes | None = _FROM_CONFIG) 
         manifest[HMAC_FIELD] = _manifest_hmac(manifest, key)
     manifest["manifest_sha256"] = _manifest_digest(manifest)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    # Through the module (not an imported name): one patch point for every atomic write.
-    batch_file.write_atomic(os.path.join(path, MANIFEST), [data])
-    fsync_dir(path)
+    loc = parse(path)
+    loc.write(MANIFEST, [data])
+    loc.sync()
 
 
-def read_manifest(path: str, key: bytes | None = _FROM_CONFIG, allow_older: bool = False) -> dict:
-    """The manifest of the checkpoint at ``path``: self-digest checked; with a ``key``
+def read_manifest(path: Where, key: bytes | None = _FROM_CONFIG, allow_older: bool = False) -> dict:
+    """The manifest of the checkpoint at location ``path``: self-digest checked; with a ``key``
     (default: :func:`manifest_key`) its signature is required and checked, and so is its
     sequence (:func:`check_sequence`: an older signed checkpoint than one already saved or
     restored for its store name raises :class:`CheckpointReplayed`, unless
     ``allow_older``); every file entry checked (names resolve inside ``path``).
 
-    ``MANIFEST.json`` must be a regular file (a symlink to one is followed; a FIFO,
-    device or directory is refused unopened) of at most
+    ``MANIFEST.json`` must be a regular file or object (locally a symlink to one is
+    followed; a FIFO, device or directory is refused unopened) of at most
     ``token-capture.store.checkpoint-manifest-max-bytes`` bytes, read without blocking
     and never past that bound. Raises :class:`CheckpointCorrupt`."""
     if key is _FROM_CONFIG:
         key = manifest_key()
-    mpath = os.path.join(path, MANIFEST)
-    if not os.path.exists(mpath):
-        raise CheckpointError(f"no checkpoint at {path!r}: {MANIFEST} is missing")
-    manifest = _load_manifest_json(mpath)
+    loc = parse(path)
+    mpath = loc.path(MANIFEST) if loc.local else f"{loc.url}/{MANIFEST}"
+    if not loc.exists(MANIFEST):
+        raise CheckpointError(f"no checkpoint at {loc.url!r}: {MANIFEST} is missing")
+    manifest = _load_manifest_json(loc, mpath)
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
         raise CheckpointCorrupt(f"{mpath}: not a store checkpoint manifest")
     if manifest.get("version") != FORMAT_VERSION:
@@ -146,14 +151,14 @@ def read_manifest(path: str, key: bytes | None = _FROM_CONFIG, allow_older: bool
     _check_sequence_fields(mpath, manifest)
     if key is not None and not allow_older:
         check_sequence(manifest, where=mpath)
-    _check_entries(path, mpath, manifest)
+    _check_entries(loc, mpath, manifest)
     return manifest
 
 
-def _load_manifest_json(mpath: str) -> object:
-    """The parsed JSON of the manifest file ``mpath``, read safely (see :func:`read_manifest`)."""
+def _load_manifest_json(loc: Location, mpath: str) -> object:
+    """The parsed JSON of the manifest ``mpath`` at ``loc``, read safely (see :func:`read_manifest`)."""
     knob = f"token-capture.{MANIFEST_MAX_CONFIG}"
-    data = read_regular_bounded(mpath, config.get_bytes(MANIFEST_MAX_CONFIG), knob, CheckpointCorrupt)
+    data = loc.read(MANIFEST, config.get_bytes(MANIFEST_MAX_CONFIG), knob, CheckpointCorrupt)
     try:
         return json.loads(data)
     except ValueError as e:
@@ -222,7 +227,7 @@ def note_restored(manifest: dict) -> None:
         sequence.raise_to(record, name, seq)
 
 
-def _check_entries(root: str, mpath: str, manifest: dict) -> None:
+def _check_entries(loc: Location, mpath: str, manifest: dict) -> None:
     generation = manifest.get("generation")
     if not isinstance(generation, str) or not _GENERATION_RE.match(generation):
         raise CheckpointCorrupt(f"{mpath}: generation {generation!r} is not a plain gen-<id> name")
@@ -237,9 +242,9 @@ def _check_entries(root: str, mpath: str, manifest: dict) -> None:
             if entry["file"] in seen:
                 problem = "named twice"
             seen.add(entry["file"])
-        if problem is None:
+        if problem is None and loc.local:  # remote names are checked above: plain, inside the generation
             try:
-                resolve_entry(root, entry, generation)
+                resolve_entry(loc.root, entry, generation)
             except CheckpointCorrupt as e:
                 problem = str(e)
         if problem is not None:

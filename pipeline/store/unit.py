@@ -22,10 +22,11 @@ from typing import Sequence
 from tasks.errors import InvalidStoreRequest, StoreBusy, StoreUnavailable
 from tasks.packed import PackedBatch
 
-from .checkpoint_files import primary_items, write_partition_files
+from .checkpoint_files import write_unit_files
 from .checkpoint_guard import CheckpointGuard
 from .fence import Fence
 from .held_rows import HeldRows
+from .location import Location
 from .losses import LossBook, lost_detail
 from .protocol import (
     ABSENT_FIELD,
@@ -456,26 +457,19 @@ class StorageUnit:
     # ---- checkpoint -------------------------------------------------------------
 
     def checkpoint_write(
-        self, directory: str, chunk_bytes: int, primary_of_units: int | Sequence[str] | None = None, index: int | None = None
+        self, directory: str | Location, chunk_bytes: int, primary_of_units: int | Sequence[str] | None = None, index: int | None = None
     ) -> list[dict]:
         """Write every partition's rows as packed batch files (about ``chunk_bytes`` each)
-        into ``directory`` atomically per file (temp, fsync, rename). Returns one manifest
-        entry per file. Runs on the actor thread, so it is a consistent snapshot of this unit.
+        into ``directory`` (a local directory: atomically per file; or a generation at an
+        fsspec URL, written from this worker). Returns one manifest entry per file. Runs on
+        the actor thread, so it is a consistent snapshot of this unit.
 
         ``primary_of_units`` (a replicated store's unit ids, or count: default ids): write only
         the keys this unit is the primary of, so a checkpoint holds each key once, not twice.
         ``index``: this unit's position in the caller's table (default ``unit_index``)."""
         self._check_open()
         me = self.unit_index if index is None else int(index)
-        entries: list[dict] = []
-        for partition, index in self.held.index.items():
-            items = list(index.items())
-            if primary_of_units is not None:
-                items = primary_items(items, primary_of_units, me)
-            reg = self.registry.get(partition)
-            rows = ((key, self.held.rows.peek(slot), self.held.weights[slot]) for key, slot in items)
-            entries.extend(write_partition_files(directory, f"u{me:03d}-{partition}", partition, rows, reg, chunk_bytes))
-        return entries
+        return write_unit_files(directory, me, self.held, self.registry, chunk_bytes, primary_of_units)
 
     # ---- lifecycle --------------------------------------------------------------
 
