@@ -1,4 +1,4 @@
-"""``python -m pipeline``: the demo and the side-by-side benchmarks."""
+"""``python -m pipeline``: the demo, a local multi-host cluster and the side-by-side benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +37,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_arguments(demo_parser)
     demo_parser.set_defaults(func=demo.main, check=lambda args, p=demo_parser: demo.check_arguments(p, args))
+
+    from .deploy import cli as cluster_cli
+
+    cluster_parser = sub.add_parser(
+        "cluster",
+        help="a dask scheduler and hosts of dask workers on this machine, each host on its own loopback address",
+        description=cluster_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    cluster_cli.add_arguments(cluster_parser)
+    cluster_parser.set_defaults(func=cluster_cli.main, check=lambda args, p=cluster_parser: cluster_cli.check_arguments(p, args))
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks (one run, ratios)", description="Side-by-side benchmarks; --json prints one JSON object on stdout, progress goes to stderr.")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")

@@ -41,7 +41,7 @@ __all__ = [
     "EXIT_INTERRUPTED",
 ]
 
-EXIT_ENVIRONMENT = 1  # the cluster is down, has no workers, lacks `finalize` slots
+EXIT_ENVIRONMENT = 1  # the cluster is down, has no workers, lacks `finalize` slots, misconfigured workers, a host that did not start
 EXIT_USAGE = 2  # argparse's own code for bad flags; also a malformed scheduler address
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT)
 
@@ -145,9 +145,10 @@ def scheduler_address(text: str) -> str:
 
 def expected_errors() -> dict[type, int]:
     """Exception class -> exit code of the problems a user fixes outside the code."""
-    from tasks.errors import ClusterUnavailable, InvalidSchedulerAddress, MissingFinalizeResource
+    from tasks.errors import ClusterMisconfigured, ClusterUnavailable, InvalidSchedulerAddress, MissingFinalizeResource
 
-    return {InvalidSchedulerAddress: EXIT_USAGE, ClusterUnavailable: EXIT_ENVIRONMENT, MissingFinalizeResource: EXIT_ENVIRONMENT}
+    return {InvalidSchedulerAddress: EXIT_USAGE, ClusterUnavailable: EXIT_ENVIRONMENT, MissingFinalizeResource: EXIT_ENVIRONMENT,
+            ClusterMisconfigured: EXIT_ENVIRONMENT}
 
 
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:

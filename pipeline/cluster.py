@@ -186,9 +186,11 @@ def connect(
     """
     if scheduler:
         from .dashboard.preload import install
+        from .deploy.check import check_attached
 
         with attach(scheduler, connect_timeout) as client:
             install(client)  # idempotent: a scheduler started with the preload keeps its plugins
+            check_attached(client)  # workers without the worker preload or a role, by name (hosts.attach-check)
             yield client, None
         return
     with local_cluster(**cluster_kwargs) as cluster, Client(cluster) as client:

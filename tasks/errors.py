@@ -149,6 +149,19 @@ class ClusterUnavailable(TokenCaptureError, ConnectionError):
     workers to run on. The message names the address and how to start what is missing."""
 
 
+class HostStartFailed(ClusterUnavailable):
+    """A cluster of hosts could not start: the scheduler's port is in use, a worker process
+    exited before it registered, or a worker did not register within the start timeout.
+    The message names the host (or the scheduler), its log file and the fix."""
+
+
+class ClusterMisconfigured(InvalidInput):
+    """Workers of the cluster lack what the pipeline needs of them: the worker preload
+    (``pipeline.deploy.worker_preload``), a role resource (``generation``, ``storage``,
+    ``finalize``) or this process's package version. The message names the workers, what
+    each lacks and the ``dask worker`` flags that fix it."""
+
+
 class InvalidSchedulerAddress(InvalidInput):
     """A scheduler address that does not parse (expected ``tcp://HOST:PORT``), or one the
     Dask security settings cannot reach: ``tls://`` without ``distributed.comm.tls.ca-file``

@@ -1,0 +1,85 @@
+"""A multi-host cluster for tests, built on :class:`pipeline.deploy.LocalHosts`: a
+``dask scheduler`` (with the pipeline's preload) and hosts of ``dask worker`` processes
+started from Dask's CLI, each host on its own loopback address (127.0.0.2, ...) with its
+own directory. Default 4 hosts x 2 single-threaded workers: generation on host1-2,
+storage on host3-4, finalize slots everywhere.
+
+Workers run ``--no-nanny``: a nanny is one more process per worker to start (startup was
+13 s without nannies against 18 s with them for 4 x 2 here) and it would restart a worker
+the tests mean to lose; no test here needs a restart. Share one cluster per module.
+
+Also the generation task the tests run on generation hosts (:func:`capture_group`): the
+worker processes import this module, so the fixture puts ``tests/`` on their path.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import dask
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GENERATION = ("generation", "finalize")
+STORAGE = ("storage", "finalize")
+# What the scheduler and worker processes run with (they read DASK_* at start): a call to
+# a dead worker gives up after 3 s, not distributed's 30 s; the store host looks for lost
+# units every 0.2 s and units send no periodic reports.
+CHILD_ENV = {
+    "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "3s",
+    "DASK_TOKEN_CAPTURE__STORE__REPAIR_INTERVAL_S": "0.2",
+    "DASK_TOKEN_CAPTURE__STORE__REPORT_INTERVAL_S": "0",
+}
+
+
+@contextlib.contextmanager
+def multi_host_cluster(hosts: int = 4, workers_per_host: int = 2, storage_hosts: int = 2,
+                       settings: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
+    """``(LocalHosts, Client)``: ``hosts`` hosts of ``workers_per_host`` workers, the last
+    ``storage_hosts`` of them storage, the others generation; the Client (and this
+    process) under ``settings`` plus a 3 s connect timeout."""
+    from distributed import Client
+
+    from pipeline.deploy import LocalHosts
+
+    own = {
+        "distributed.comm.timeouts.connect": "3s",
+        "token-capture.hosts.nanny": False,
+        "token-capture.hosts.threads-per-worker": 1,
+        "token-capture.hosts.workers-per-host": workers_per_host,
+        **(settings or {}),
+    }
+    path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
+    with dask.config.set(own), LocalHosts(env={**CHILD_ENV, "PYTHONPATH": path}) as cluster:
+        cluster.start(port=0, dashboard_address="127.0.0.1:0")
+        cluster.add_hosts([cluster.spec(STORAGE if k >= hosts - storage_hosts else GENERATION) for k in range(hosts)])
+        with Client(cluster.address) as client:
+            yield cluster, client
+
+
+def host_of(address: str) -> str:
+    """``tcp://127.0.0.3:4000`` -> ``127.0.0.3``."""
+    return address.split("://", 1)[-1].rsplit(":", 1)[0]
+
+
+def capture_group(specs: Sequence[Any], store_name: str) -> list[Any]:
+    """Task body on a generation worker: generate ``specs`` with the toy policy and stage
+    every call through a :class:`~pipeline.client.CaptureClient` on the store published
+    as ``store_name``; the receipts."""
+    from distributed import get_client
+
+    from pipeline.capture import policy_from_config
+    from pipeline.client import CaptureClient
+    from tasks.toy.rollouts import generate_rollouts
+
+    policy = policy_from_config()
+    receipts = []
+    with CaptureClient.connect(get_client(), store_name) as cap:
+        for ro in generate_rollouts(policy, list(specs)):
+            rc = cap.open(ro.spec.rollout_id, group_id=ro.spec.group_id, vocab_size=policy.vocab_size, num_experts=policy.num_experts)
+            for row in ro.rows:
+                rc.stage(row.model_call_id, row.parent_call_id, row.token_ids, row.token_mask, row.logprobs,
+                         routed_experts=row.routed_experts, weight_version=row.weight_version)
+            receipts.append(rc.finish(ro.receipt.reward))
+    return receipts

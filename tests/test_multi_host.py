@@ -1,0 +1,181 @@
+"""The pipeline on a cluster of hosts started from Dask's CLI (``dask scheduler`` +
+``dask worker`` per host, tests/multi_host.py): 4 hosts x 2 workers, each host on its own
+loopback address and directory; generation on host1-2, storage on host3-4.
+
+Rollouts are staged through the capture client from tasks on the generation hosts into a
+store hosted by the scheduler (replicas 2, units on the storage hosts), finalized and
+compared with the uninterrupted oracle; every key's two copies sit on two hosts. Then a
+whole storage host is SIGKILLed: every acknowledged row still reads back bit for bit, the
+next step finalizes, and a new storage host joins. A worker started without the worker
+preload is named when a controller attaches. The demo runs against the cluster as is.
+"""
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+from contextlib import redirect_stderr
+
+import dask
+import psutil
+import pytest
+from multi_host import GENERATION, STORAGE, capture_group, host_of, multi_host_cluster
+from support import assert_rows_read_back, wait_for_names, wait_until
+
+from pipeline.capture import policy_from_config
+from pipeline.client.discovery import lookup_store
+from pipeline.cluster import connect
+from pipeline.deploy import check_cluster, workers_with_role
+from pipeline.finalize import Finalizer
+from pipeline.store.hosted import close_hosted, hosted_stores, start_hosted
+from pipeline.testing.oracle import reference_mismatches
+from tasks.errors import ClusterMisconfigured
+from tasks.toy.rollouts import generate_rollouts, make_step_specs
+
+pytestmark = pytest.mark.timeout(300)
+
+NAME = "multi-host-store"
+SETTINGS = {"token-capture.store.replicas": 2, "token-capture.finalize.clear-staged": False}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with multi_host_cluster(settings=SETTINGS) as (hosts, client):
+        yield hosts, client
+
+
+def listening_ips(pids: list[int]) -> set[str]:
+    return {c.laddr.ip for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in set(pids)}
+
+
+def specs(prefix: str, groups: int = 2):
+    return make_step_specs(prefix, groups, 3, turns=2, tokens_per_turn=8, tool_tokens=3, prompt_tokens=5,
+                           vocab_size=policy_from_config().vocab_size)
+
+
+def stage_from_generation_hosts(hosts, client, groups) -> dict:
+    """One capture task per group, groups spread over the generation hosts' workers."""
+    workers = hosts.role_workers("generation")
+    futures = {g[0].group_id: client.submit(capture_group, g, NAME, workers=[workers[i % len(workers)]], pure=False)
+               for i, g in enumerate(groups)}
+    return {gid: f.result(timeout=120) for gid, f in futures.items()}
+
+
+def test_each_host_binds_its_own_address_and_directory(cluster):
+    hosts, client = cluster
+    check = check_cluster(client)
+    assert check.ok, check.problems()
+    assert len(check.workers) == 8 and all(w.preloaded for w in check.workers)
+    dirs = client.run(lambda dask_worker: dask_worker.local_directory)
+    for k, (name, host) in enumerate(hosts.hosts.items()):
+        assert host.address == f"127.0.0.{k + 2}"
+        workers = hosts.workers(name)
+        assert len(workers) == 2 and {host_of(w) for w in workers} == {host.address}
+        assert all(dirs[w].startswith(host.spec.local_directory + os.sep) for w in workers), (dirs, host.spec.local_directory)
+        # Every socket a host's processes listen on is on its own address.
+        assert listening_ips(host.pids()) == {host.address}
+    assert workers_with_role(client, "generation") == hosts.role_workers("generation") and len(hosts.role_workers("generation")) == 4
+    assert {host_of(w) for w in workers_with_role(client, "storage")} == {"127.0.0.4", "127.0.0.5"}
+
+
+def test_stage_finalize_then_lose_a_whole_storage_host(cluster):
+    hosts, client = cluster
+    store = start_hosted(client, NAME, n_units=4, workers=hosts.role_workers("storage"))
+    try:
+        groups = specs("mh-a-")
+        receipts = stage_from_generation_hosts(hosts, client, groups)
+        reference = generate_rollouts(policy_from_config(), [s for g in groups for s in g])
+        assert {r.rollout_id: r for rs in receipts.values() for r in rs} == {ro.spec.rollout_id: ro.receipt for ro in reference}
+        step = Finalizer(client, store).submit_step(receipts).result(timeout=120)
+        assert step.metrics["accepted"] == 6 and reference_mismatches(step.groups, reference) == {}
+
+        # Each key's primary and replica are on two hosts, and both really hold it.
+        keys = [k for ro in reference for k in ro.staging_keys]
+        located = store.placement.locate(keys)
+        held = {u: set(unit.keys("staging").result()) for u, unit in enumerate(store.units)}
+        for key, p, r in zip(keys, located.primary, located.replica):
+            assert host_of(store.unit_workers[p]) != host_of(store.unit_workers[r]), key
+            assert key in held[p] and key in held[r], key
+
+        # A whole storage host lost: every process SIGKILLed.
+        pids = hosts.kill_host("host3")
+        assert pids and not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        assert not [w for w in client.scheduler_info(n_workers=-1)["workers"] if host_of(w) == "127.0.0.4"]
+        rows = [row for ro in reference for row in ro.rows]
+        assert_rows_read_back(lookup_store(client, NAME), rows)
+
+        # The next step still stages and finalizes.
+        groups2 = specs("mh-b-", groups=1)
+        receipts2 = stage_from_generation_hosts(hosts, client, groups2)
+        reference2 = generate_rollouts(policy_from_config(), [s for g in groups2 for s in g])
+        step2 = Finalizer(client, lookup_store(client, NAME)).submit_step(receipts2).result(timeout=120)
+        assert step2.metrics["accepted"] == 3 and reference_mismatches(step2.groups, reference2) == {}
+
+        # A new storage host joins: the store host gives it units; every row still reads back.
+        new = hosts.add_host(STORAGE)
+        new_workers = set(hosts.workers(new.name))
+        wait_until(lambda: new_workers <= set(next(i for i in hosted_stores(client) if i["name"] == NAME)["workers"]),
+                   120, "units on the new storage host")
+        assert_rows_read_back(lookup_store(client, NAME), rows + [row for ro in reference2 for row in ro.rows])
+    finally:
+        close_hosted(client, NAME)
+
+
+def bare_worker(address: str) -> subprocess.Popen:
+    """A worker started from Dask's CLI without the worker preload and without resources."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "dask", "worker", address, "--name", "bare-worker", "--host", "127.0.0.20",
+         "--no-nanny", "--nthreads", "1", "--no-dashboard"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env={**os.environ, "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "3s"},
+    )
+
+
+def test_a_worker_without_the_preload_or_a_role_is_named_when_a_controller_attaches(cluster, caplog):
+    from pipeline.cli import main
+
+    hosts, client = cluster
+    proc = bare_worker(hosts.address)
+    try:
+        address = wait_for_names(client, ["bare-worker"])["bare-worker"]
+        check = check_cluster(client)
+        assert [w.name for w in check.without_preload] == ["bare-worker"]
+        assert [w.name for w in check.without_role] == ["bare-worker"]
+        with dask.config.set({"token-capture.hosts.attach-check": "error"}):
+            with pytest.raises(ClusterMisconfigured, match=rf"bare-worker \({address}\) started without the worker preload "
+                               r"pipeline\.deploy\.worker_preload; restart it with `dask worker .* --preload pipeline\.deploy\.worker_preload"):
+                with connect(hosts.address):
+                    pass
+            err = io.StringIO()
+            with redirect_stderr(err):
+                code = main(["demo", "--scheduler", hosts.address, "--steps", "1", "--quiet"])
+            lines = err.getvalue().strip().splitlines()
+            assert code == 1 and len(lines) == 1 and lines[0].startswith("error: ") and "bare-worker" in lines[0], lines
+            assert "no role resource" in lines[0] and "Traceback" not in err.getvalue()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="pipeline.deploy.check"), connect(hosts.address):
+            pass
+        named = [r.getMessage() for r in caplog.records if "bare-worker" in r.getMessage()]
+        assert len(named) == 2 and any("worker preload" in m for m in named) and any("no role" in m for m in named), named
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        wait_until(lambda: "bare-worker" not in hosts.registered(client), 30, "the bare worker gone")
+
+
+def test_the_demo_runs_against_the_cluster_unchanged(cluster, caplog):
+    from pipeline import demo
+    from pipeline.cli import build_parser
+
+    hosts, _ = cluster
+    args = build_parser().parse_args(["demo", "--scheduler", hosts.address, "--steps", "1", "--groups", "2", "--rollouts", "2",
+                                      "--turns", "2", "--tokens-per-turn", "8", "--no-tamper", "--quiet"])
+    out = io.StringIO()
+    with caplog.at_level("WARNING", logger="pipeline.deploy.check"):
+        summary = demo.run(args, out=out)
+    text = out.getvalue()
+    assert summary["accepted"] == summary["rollouts"] == 8, text
+    assert "4/4 rollouts accepted" in text and "4/4 rollouts matched the uninterrupted run" in text, text
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # the attach check found nothing to say
