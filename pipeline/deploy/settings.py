@@ -4,7 +4,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from tasks.errors import InvalidInput
+from tasks.errors import ClusterMisconfigured
 
 from .. import config
 
@@ -47,20 +47,20 @@ class HostSettings:
 
     def host_address(self, index: int) -> str:
         """The loopback address of host ``index`` (0-based): ``first_address + index``;
-        :class:`InvalidInput` past the end of 127.0.0.0/8."""
+        :class:`ClusterMisconfigured` past the end of 127.0.0.0/8."""
         address = ipaddress.ip_address(self.first_address) + index
         return loopback(str(address), f"host {index + 1}'s address")
 
 
 def loopback(address: str, what: str) -> str:
-    """``address`` if it is in 127.0.0.0/8, else :class:`InvalidInput` naming ``what``:
+    """``address`` if it is in 127.0.0.0/8, else :class:`ClusterMisconfigured` naming ``what``:
     local hosts never bind any other address."""
     try:
         ok = ipaddress.ip_address(address) in LOOPBACK
     except ValueError:
         ok = False
     if not ok or address == "127.0.0.0" or address == "127.255.255.255":
-        raise InvalidInput(f"{what} {address!r} is not a loopback host address; local hosts bind only 127.0.0.1-127.255.255.254 "
+        raise ClusterMisconfigured(f"{what} {address!r} is not a loopback host address; local hosts bind only 127.0.0.1-127.255.255.254 "
                            "(set token-capture.hosts.first-address to e.g. 127.0.0.2)")
     return address
 
@@ -69,5 +69,5 @@ def attach_check_mode() -> str:
     """``hosts.attach-check`` (warn, error or off), checked."""
     mode = str(config.get("hosts.attach-check")).strip().lower()
     if mode not in ATTACH_CHECKS:
-        raise InvalidInput(f"token-capture.hosts.attach-check must be one of {', '.join(ATTACH_CHECKS)}, got {mode!r}")
+        raise ClusterMisconfigured(f"token-capture.hosts.attach-check must be one of {', '.join(ATTACH_CHECKS)}, got {mode!r}")
     return mode
