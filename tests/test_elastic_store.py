@@ -153,12 +153,15 @@ def test_storage_grows_2_4_3_2_while_the_loop_runs(cluster):
         moved: list[tuple[int, int, int]] = []
         for name in ("c", "d"):  # 2 -> 3 -> 4: a unit per joining storage worker
             before = len(units_of(cluster)["changes"])
+            sent_before = sum(s["sent_rows"] for s in current(cluster).stats())
             procs[name] = cli_worker(cluster, name)
             rec = wait_until(lambda: (c := units_of(cluster)["changes"])[before:] and c[before], 120, f"a unit on {name}")
             stats = current(cluster).stats()
             copies = sum(s["rows"] for s in stats)  # rows held, both copies
             newcomer = next(s for s in stats if s["unit_id"] == rec["unit"])
             assert newcomer["moved_in_rows"] == rec["rows_moved"]  # the unit's own count
+            # ... sent unit to unit: the sources' own counters, not the store host, carried them
+            assert sum(s["sent_rows"] for s in stats) - sent_before == rec["rows_moved"] > 0
             moved.append((rec["rows_moved"], copies, units_of(cluster)["units"]))
             balanced(cluster)
         for name in ("d", "c"):  # 4 -> 3 -> 2: each retirement drains first

@@ -229,6 +229,7 @@ def _move_figures(record: Mapping[str, float], wall_s: float, row_bytes: float, 
         "copies_moved_fraction": round(moved / copies, 4) if copies else 0.0,
         "expected_fraction": round(1 / 3, 4),
         "move_gb_per_s": round(moved * row_bytes / seconds / 1e9, 3) if seconds > 0 else 0.0,
+        "phases_s": dict(record.get("phases_s", {})),  # type: ignore[call-overload]
     }
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
 
@@ -32,12 +33,13 @@ from .directory import UnitDirectory
 from .fence import Fence
 from .moves import Transfer, plan_moves, unheld
 from .moving import MovingTable
+from .pacing import Pacer, PhaseClock
 from .placement import Placement
 from .protocol import pack_names
 from .unit import StorageUnit
 
 if TYPE_CHECKING:  # pragma: no cover
-    from distributed import Actor, Client
+    from distributed import Actor, BaseActorFuture, Client
 
     from .client import StagingStore
     from .owner import UnitArgs
@@ -54,11 +56,14 @@ class RebalanceSettings:
     chunk_keys: int  # keys per copy call (``rebalance-chunk-rows``)
     call_timeout_s: float  # bound on each unit call, s (``repair-call-timeout-s``)
     retry_s: float = 60.0  # how long the store host retries a change refused StoreBusy, s (``rebalance-retry-s``)
+    inflight: int = 2  # copy calls (chunks) in flight at once (``rebalance-inflight``)
+    rate_bytes_s: float = 0.0  # average copy rate cap, bytes/s; 0: none (``rebalance-rate-bytes-s``)
 
     @classmethod
     def from_config(cls) -> RebalanceSettings:
         return cls(int(config.get("store.rebalance-chunk-rows")), float(config.get("store.repair-call-timeout-s")),
-                   float(config.get("store.rebalance-retry-s")))
+                   float(config.get("store.rebalance-retry-s")), max(1, int(config.get("store.rebalance-inflight"))),
+                   float(config.get("store.rebalance-rate-bytes-s")))
 
 
 class Rebalancer:
@@ -72,6 +77,7 @@ class Rebalancer:
         self.settings = settings or RebalanceSettings.from_config()
         self.changes: list[dict] = []  # one record per change: kind, unit, rows moved, seconds
         self.interrupted: dict | None = None  # the unfinished move: kind, unit, version, error
+        self.bytes_moved = 0  # bytes of row data copied by every move so far
         if store.directory is None and store.owner is not None:
             store.directory = UnitDirectory(f"token-capture-units-{uuid.uuid4().hex[:12]}")
             store.directory.publish(client, store.table())
@@ -165,25 +171,32 @@ class Rebalancer:
         return record
 
     def _run(self, kind: str, unit_id: str, moving: MovingTable, units: dict[str, Actor], dead: set[str]) -> dict:
-        """Steps 1-4 of the module docstring over the reachable ``units``; the record."""
-        t0 = time.perf_counter()
+        """Steps 1-4 of the module docstring over the reachable ``units``; the record
+        (with each phase's seconds: fence, list + plan, copy, switch, drop)."""
+        clock = PhaseClock()
         new, old = moving.placement, moving.previous
         live = {uid: h for uid, h in units.items() if uid not in dead}
         self._all(live, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old)))  # 1. fence: older calls refused
-        moved = 0
+        clock.lap("fence")
+        moved, bytes_before = 0, self.bytes_moved
         for partition in self.store.partitions or []:  # 2. copy
             held = dict(zip(live, self._all(live, lambda uid, h, p=partition: h.keys(p))))
+            clock.lap("list")
             plan = plan_moves(old, new, held, self.settings.chunk_keys, unreachable=sorted(dead))
+            clock.lap("plan")
             moved += self._copy(live, partition, plan.transfers)
+            clock.lap("copy")
         final = Placement(new.version + 1, new.workers, new.unit_ids, new.replicas, new.homes)
         self.store.install_placement(final, [units[u] for u in new.unit_ids])  # 3. switch
         self._all(live, lambda uid, h: h.set_fence(Fence.message(final, uid, False)))
+        clock.lap("switch")
         leaving = [uid for uid in moving.unit_ids if uid not in new.unit_ids]
         dropped = self._drop_unheld({u: h for u, h in live.items() if u not in leaving}, final)  # 4. drop
         self._all({u: live[u] for u in leaving if u in live}, lambda uid, h: h.close())  # they hold nothing of their own now
         self._release_futures([units[u] for u in leaving])
-        record = {"kind": kind, "unit": unit_id, "rows_moved": moved, "copies_dropped": dropped,
-                  "version": final.version, "seconds": time.perf_counter() - t0}
+        clock.lap("drop")
+        record = {"kind": kind, "unit": unit_id, "rows_moved": moved, "bytes_moved": self.bytes_moved - bytes_before,
+                  "copies_dropped": dropped, "version": final.version, "seconds": clock.total(), "phases_s": clock.laps}
         self.changes.append(record)
         logger.info("store %s of unit %s: %d rows moved, %d copies dropped in %.2fs", kind, unit_id, moved, dropped, record["seconds"])
         return record
@@ -201,13 +214,28 @@ class Rebalancer:
         return dropped
 
     def _copy(self, by_id: dict[str, Actor], partition: str, transfers: Sequence[Transfer]) -> int:
-        """Each transfer as one get from its source and one ``move_in`` to its target."""
-        moved, timeout = 0, self.settings.call_timeout_s
+        """Each transfer as one ``send`` from its source unit straight to its target
+        (worker to worker: rows never pass through this process), at most
+        ``settings.inflight`` at once, paced to ``settings.rate_bytes_s``; rows written."""
+        s = self.settings
+        pacer, moved = Pacer(s.rate_bytes_s), 0
+        pending: deque[BaseActorFuture] = deque()
         for t in transfers:
-            got = by_id[t.source].get_many(partition, pack_names(list(t.keys)), None).result(timeout=timeout)
-            if len(got.batch):
-                moved += by_id[t.target].move_in(partition, got.batch).result(timeout=timeout)
+            if len(pending) >= s.inflight:
+                moved += self._sent(pending.popleft(), pacer)
+            pending.append(by_id[t.source].send(partition, pack_names(list(t.keys)), by_id[t.target]))
+        while pending:
+            moved += self._sent(pending.popleft(), pacer)
+        self.bytes_moved += pacer.sent_bytes
         return moved
+
+    def _sent(self, future: BaseActorFuture, pacer: Pacer) -> int:
+        """Rows one ``send`` wrote, after waiting out the pace its bytes call for."""
+        out = future.result(timeout=self.settings.call_timeout_s)
+        wait = pacer.sent(out["bytes"])
+        if wait:
+            time.sleep(wait)
+        return int(out["rows"])
 
     def _all(self, by_id: dict[str, Actor], call: Callable) -> list:
         """``call(unit id, handle)`` on every unit at once; each answer (raises the first error)."""

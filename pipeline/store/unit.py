@@ -17,7 +17,7 @@ import os
 import shutil
 import time
 import uuid
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from tasks.errors import InvalidStoreRequest, StoreBusy, StoreUnavailable
 from tasks.packed import PackedBatch
@@ -50,8 +50,11 @@ from .row_packing import ROW_OVERHEAD_BYTES, SMALL_FIELD_ELEMENTS, key_nbytes, p
 from .settings import UnitSettings
 from .slab_pool import SlabPool
 from .spill import Row, batch_row_nbytes
-from .unit_moves import MOVE_COUNTERS, drop, move_in, refused_keys, stale, stale_answer, take_fence
-from .unit_stats import unit_stats
+from .unit_moves import MOVE_COUNTERS, drop, move_in, refused_keys, send, stale, stale_answer, take_fence
+from .unit_stats import unit_event, unit_stats
+
+if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Actor
 
 logger = logging.getLogger(__name__)
 
@@ -422,6 +425,10 @@ class StorageUnit:
         """Remove this unit's copies of ``keys`` (they live elsewhere now); rows removed."""
         return drop(self, partition, keys)
 
+    async def send(self, partition: str, keys: bytes, target: Actor) -> dict[str, int]:
+        """Copy this unit's rows of ``keys`` straight to unit ``target`` ({rows, bytes})."""
+        return await send(self, partition, keys, target)
+
     # ---- introspection ----------------------------------------------------------
 
     def stats(self) -> dict:
@@ -436,18 +443,8 @@ class StorageUnit:
         return self.event()
 
     def event(self) -> dict:
-        """This unit's ``token-capture-store`` event (the one place it is built): rows, bytes
-        in memory / spilled / used, capacity (bytes), lost keys; O(partitions), cheap."""
-        return {
-            "unit": self.unit_index,
-            "worker": self.worker_address,
-            "rows": self.held.count(),
-            "memory_bytes": self.held.rows.memory_bytes,
-            "spilled_bytes": self.held.rows.spilled_bytes,
-            "used_bytes": self.held.used_bytes,
-            "capacity_bytes": self.capacity,
-            "lost_keys": self.losses.lost_count(),
-        }
+        """This unit's ``token-capture-store`` event (:func:`.unit_stats.unit_event`)."""
+        return unit_event(self)
 
     def keys(self, partition: str) -> list[str]:
         """Every key of ``partition``: held ones (insertion order), then lost ones (their

@@ -7,17 +7,21 @@ The unit's actor methods ``set_fence``, ``move_in`` and ``drop`` call the functi
 """
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Mapping, Protocol, Sequence
 
-from tasks.errors import InvalidStoreRequest, StoreBusy
 import numpy as np
 
+from tasks.errors import InvalidStoreRequest, StoreBusy
 from tasks.packed import PackedBatch, take_rows
 
+from .. import dask_compat
 from .fence import Fence
-from .protocol import MOVED, StoreResult, check_partition, unpack_names
+from .protocol import MOVED, GetResult, StoreResult, check_partition, unpack_names
 
 if TYPE_CHECKING:  # pragma: no cover
+    from distributed import Actor
+
     from .checkpoint_guard import CheckpointGuard
     from .held_rows import HeldRows
 
@@ -37,7 +41,10 @@ class StorageUnit(Protocol):
     def put_many(self, partition: str, batch: PackedBatch, adopt: bool = ..., claim: str | None = ...,
                  witness: bytes | None = ..., moving: bool = ..., version: int | None = ...) -> StoreResult: ...
 
-MOVE_COUNTERS = ("moved_in_rows", "moved_out_rows", "moved_refusals", "move_tombstone_skips")
+    def get_many(self, partition: str, keys: Sequence[str] | bytes, fields: Sequence[str] | bytes | None = ...,
+                 version: int | None = ...) -> GetResult: ...
+
+MOVE_COUNTERS = ("moved_in_rows", "moved_out_rows", "moved_refusals", "move_tombstone_skips", "sent_rows", "sent_bytes")
 
 
 def take_fence(unit: StorageUnit, msg: Mapping[str, object]) -> dict:
@@ -83,6 +90,25 @@ def move_in(unit: StorageUnit, partition: str, batch: PackedBatch) -> int:
     res = unit.put_many(partition, batch, adopt=True, moving=True)
     unit.counters["moved_in_rows"] += len(res.ok)
     return len(res.ok)
+
+
+async def send(unit: StorageUnit, partition: str, keys: bytes, target: Actor) -> dict[str, int]:
+    """A move's copy, unit to unit: read ``keys`` here on the worker's actor thread (a
+    consistent snapshot, in line with this unit's puts and deletes), then hand the rows to
+    ``target.move_in`` from the worker's event loop, worker to worker. The actor thread is
+    free while the rows travel and the target writes them. Keys no longer held (deleted
+    since they were listed) are skipped. ``{"rows": rows the target wrote, "bytes": bytes
+    of row data sent}``. Runs as the unit's async actor method on a worker."""
+    from distributed import get_worker
+
+    thread = dask_compat.actor_executor(get_worker())
+    got = await asyncio.get_running_loop().run_in_executor(thread, unit.get_many, partition, keys, None)
+    if not len(got.batch):
+        return {"rows": 0, "bytes": 0}
+    written, nbytes = int(await target.move_in(partition, got.batch)), int(got.batch.nbytes)
+    unit.counters["sent_rows"] += written
+    unit.counters["sent_bytes"] += nbytes
+    return {"rows": written, "bytes": nbytes}
 
 
 def drop(unit: StorageUnit, partition: str, keys: Sequence[str] | bytes) -> int:

@@ -64,8 +64,23 @@ def unit_stats(unit: StorageUnit) -> dict:
         "provisional_rows": len(unit.held.claims),
         "lost_keys": unit.losses.lost_count(),
         "witnessed_keys": unit.losses.witnessed_count(),
-        "event": unit.event(),
+        "event": unit_event(unit),
         "placement_version": None if unit.fence is None else unit.fence.version,
         "unit_id": None if unit.fence is None else unit.fence.unit_id,
             **unit.counters,
+    }
+
+
+def unit_event(unit: StorageUnit) -> dict:
+    """The unit's ``token-capture-store`` event (the one place it is built): rows, bytes
+    in memory / spilled / used, capacity (bytes), lost keys; O(partitions), cheap."""
+    return {
+        "unit": unit.unit_index,
+        "worker": unit.worker_address,
+        "rows": unit.held.count(),
+        "memory_bytes": unit.held.rows.memory_bytes,
+        "spilled_bytes": unit.held.rows.spilled_bytes,
+        "used_bytes": unit.held.used_bytes,
+        "capacity_bytes": unit.capacity,
+        "lost_keys": unit.losses.lost_count(),
     }
