@@ -79,7 +79,12 @@ def test_bench_store_elastic_tiny_run_is_ok(capsys):
         for kind in ("baseline", "during_add", "during_drain"):
             assert part[kind]["put_rows_per_s"] > 0 and part[kind]["get_rows_per_s"] > 0, (r, kind, part[kind])
             assert len(part[kind]["put_rows_per_s_runs"]) == 1
+        move = part["during_move"]  # the change's own interval (its record's wall-clock bounds)
+        assert 0 < move["seconds_runs"][0] <= part["during_add"]["seconds_runs"][0] + 0.05, (move, part["during_add"])
+        for op in ("put", "get"):  # a tiny move may fall between two calls of the loop
+            assert (move[f"{op}_rows_per_s"] > 0) == (move[f"{op}_calls_runs"][0] > 0), move
         assert part["put_rows_per_s_during_vs_without"] > 0 and part["get_rows_per_s_during_vs_without"] > 0
+        assert "put_rows_per_s_during_move_vs_without" in part and "get_rows_per_s_during_move_vs_without" in part
         assert part["target_ratio"] == store_elastic.TARGET_RATIO and isinstance(part["meets_target"], bool)
         assert [c["kind"] for c in part["changes"]] == ["add", "drain"]
         assert part["changes"][0]["rows_moved"] > 0

@@ -191,12 +191,13 @@ class Loop(threading.Thread):
 
 
 def window_rates(calls: Sequence[Call], lo: float, hi: float) -> dict[str, float]:
-    """Rows/s of the put and the get calls that started in ``[lo, hi)`` (rows over the
+    """Rows/s of the put and the get calls that ran during ``[lo, hi)`` (started before
+    its end and ended after its start: a call a change slowed counts; rows over the
     seconds spent in those calls), their counts, the slowest call's seconds, and the
     window's length (s)."""
     out: dict[str, float] = {"seconds": round(hi - lo, 3)}
     for op in ("put", "get"):
-        mine = [c for c in calls if c.op == op and lo <= c.t0 < hi]
+        mine = [c for c in calls if c.op == op and c.t0 < hi and c.t1 > lo]
         spent = sum(c.t1 - c.t0 for c in mine)
         out[f"{op}_rows_per_s"] = round(sum(c.rows for c in mine) / spent, 1) if spent > 0 else 0.0
         out[f"{op}_calls"] = len(mine)

@@ -156,6 +156,7 @@ class Rebalancer:
         by_id = dict(zip(moving.unit_ids, units))
         live = {uid: h for uid, h in by_id.items() if uid not in dead}
         new, old = moving.placement, moving.previous
+        started_at = time.time()
         try:
             try:  # 0. tombstones on every unit before any writer has the new table
                 self._all(live, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old, early=True)))
@@ -168,6 +169,7 @@ class Rebalancer:
                            "until Rebalancer.resume() completes it", kind, unit_id, moving.version, self.interrupted["error"])
             raise
         self.interrupted = None
+        record.update(started_at=started_at, ended_at=time.time())  # wall clock (s): the move's own interval
         return record
 
     def _run(self, kind: str, unit_id: str, moving: MovingTable, units: dict[str, Actor], dead: set[str]) -> dict:
@@ -206,11 +208,12 @@ class Rebalancer:
         adds one since): the move's sources' and those a writer on the moving table put on
         an old holder during the copy (left, a later move would bring them back after a
         delete). Rows removed."""
-        dropped, timeout = 0, self.settings.call_timeout_s
+        dropped = 0
         for partition in self.store.partitions or []:
             held = dict(zip(units, self._all(units, lambda uid, h, p=partition: h.keys(p))))
-            for uid, keys in unheld(final, held).items():
-                dropped += units[uid].drop(partition, pack_names(list(keys))).result(timeout=timeout)
+            extra = unheld(final, held)
+            drops = {uid: units[uid] for uid in extra}
+            dropped += sum(self._all(drops, lambda uid, h, p=partition: h.drop(p, pack_names(list(extra[uid])))))
         return dropped
 
     def _copy(self, by_id: dict[str, Actor], partition: str, transfers: Sequence[Transfer]) -> int:
