@@ -35,10 +35,11 @@ CHILD_ENV = {
 
 @contextlib.contextmanager
 def multi_host_cluster(hosts: int = 4, workers_per_host: int = 2, storage_hosts: int = 2,
-                       settings: dict[str, Any] | None = None) -> Iterator[tuple[Any, Any]]:
+                       settings: dict[str, Any] | None = None, env: dict[str, str] | None = None) -> Iterator[tuple[Any, Any]]:
     """``(LocalHosts, Client)``: ``hosts`` hosts of ``workers_per_host`` workers, the last
     ``storage_hosts`` of them storage, the others generation; the Client (and this
-    process) under ``settings`` plus a 3 s connect timeout."""
+    process) under ``settings`` plus a 3 s connect timeout; ``env``: more variables for
+    the cluster's processes."""
     from distributed import Client
 
     from pipeline.deploy import LocalHosts
@@ -51,7 +52,7 @@ def multi_host_cluster(hosts: int = 4, workers_per_host: int = 2, storage_hosts:
         **(settings or {}),
     }
     path = os.pathsep.join(p for p in (HERE, os.environ.get("PYTHONPATH", "")) if p)
-    with dask.config.set(own), LocalHosts(env={**CHILD_ENV, "PYTHONPATH": path}) as cluster:
+    with dask.config.set(own), LocalHosts(env={**CHILD_ENV, **(env or {}), "PYTHONPATH": path}) as cluster:
         cluster.start(port=0, dashboard_address="127.0.0.1:0")
         cluster.add_hosts([cluster.spec(STORAGE if k >= hosts - storage_hosts else GENERATION) for k in range(hosts)])
         with Client(cluster.address) as client:
@@ -83,3 +84,42 @@ def capture_group(specs: Sequence[Any], store_name: str) -> list[Any]:
                          routed_experts=row.routed_experts, weight_version=row.weight_version)
             receipts.append(rc.finish(ro.receipt.reward))
     return receipts
+
+
+# ---- an S3 checkpoint location: a moto server on 127.0.0.1 --------------------------------
+
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "multi-host-test", "AWS_SECRET_ACCESS_KEY": "multi-host-test", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@contextlib.contextmanager
+def moto_s3(log_path: str, bucket: str) -> Iterator[str]:
+    """A moto S3 server on 127.0.0.1 (a free port) holding ``bucket``; yields its endpoint URL."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    from support import wait_until
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}"
+
+    def answers() -> bool:
+        try:
+            urllib.request.urlopen(f"{endpoint}/moto-api/", timeout=1).read()
+            return True
+        except OSError:
+            return False
+
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], stdout=log, stderr=subprocess.STDOUT)
+        try:
+            wait_until(answers, 60, "the moto server to answer")
+            urllib.request.urlopen(urllib.request.Request(f"{endpoint}/{bucket}", method="PUT"), timeout=10).read()
+            yield endpoint
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(30)

@@ -21,7 +21,7 @@ from contextlib import redirect_stderr
 import dask
 import psutil
 import pytest
-from multi_host import GENERATION, STORAGE, capture_group, host_of, multi_host_cluster
+from multi_host import S3_CREDENTIALS, STORAGE, capture_group, host_of, moto_s3, multi_host_cluster
 from support import assert_rows_read_back, wait_for_names, wait_until
 
 from pipeline.capture import policy_from_config
@@ -37,12 +37,30 @@ from tasks.toy.rollouts import generate_rollouts, make_step_specs
 pytestmark = pytest.mark.timeout(300)
 
 NAME = "multi-host-store"
+BUCKET = "multi-host-checkpoints"
 SETTINGS = {"token-capture.store.replicas": 2, "token-capture.finalize.clear-staged": False}
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    with multi_host_cluster(settings=SETTINGS) as (hosts, client):
+def s3(tmp_path_factory):
+    """An S3 checkpoint location on 127.0.0.1; its credentials in this process's
+    environment (restored after) and, through the fixture below, in every host's."""
+    saved = {k: os.environ.get(k) for k in S3_CREDENTIALS}
+    os.environ.update(S3_CREDENTIALS)
+    try:
+        with moto_s3(str(tmp_path_factory.mktemp("moto") / "moto.log"), BUCKET) as endpoint:
+            yield endpoint
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+@pytest.fixture(scope="module")
+def cluster(s3):
+    # The endpoint is a storage option (config, sent to the units with each save and
+    # restore); the credentials come from each process's environment.
+    settings = {**SETTINGS, "token-capture.store.checkpoint-storage-options": {"endpoint_url": s3}}
+    with multi_host_cluster(settings=settings, env=S3_CREDENTIALS) as (hosts, client):
         yield hosts, client
 
 
@@ -106,12 +124,18 @@ def test_stage_finalize_then_lose_a_whole_storage_host(cluster):
         rows = [row for ro in reference for row in ro.rows]
         assert_rows_read_back(lookup_store(client, NAME), rows)
 
-        # The next step still stages and finalizes.
+        # The next step stages and finalizes once the store host has re-replicated the lost
+        # units (until then a put of a key with a copy there is refused, its receipt poisoned).
+        def repaired():
+            info = next(i for i in hosted_stores(client) if i["name"] == NAME)
+            return not [w for w in info["workers"] if host_of(w) == "127.0.0.4"] and len(info["repaired"]) >= 2
+
+        wait_until(repaired, 120, "the lost units re-replicated")
         groups2 = specs("mh-b-", groups=1)
         receipts2 = stage_from_generation_hosts(hosts, client, groups2)
         reference2 = generate_rollouts(policy_from_config(), [s for g in groups2 for s in g])
         step2 = Finalizer(client, lookup_store(client, NAME)).submit_step(receipts2).result(timeout=120)
-        assert step2.metrics["accepted"] == 3 and reference_mismatches(step2.groups, reference2) == {}
+        assert step2.metrics["accepted"] == 3 and reference_mismatches(step2.groups, reference2) == {}, ({g: (v.status, v.details) for g, v in step2.groups.items()}, step2.rejected, [r.to_dict() for rs in receipts2.values() for r in rs][:1])
 
         # A new storage host joins: the store host gives it units; every row still reads back.
         new = hosts.add_host(STORAGE)
@@ -121,6 +145,50 @@ def test_stage_finalize_then_lose_a_whole_storage_host(cluster):
         assert_rows_read_back(lookup_store(client, NAME), rows + [row for ro in reference2 for row in ro.rows])
     finally:
         close_hosted(client, NAME)
+
+
+def test_cut_checkpoint_to_s3_lose_a_host_restore_onto_a_new_one_and_resume_bit_for_bit(cluster):
+    """Generation actors on the generation hosts, a store on the storage hosts; cut every
+    in-flight call, checkpoint the store to s3://, then lose a whole storage host and the
+    generation actors; restore into a store on the remaining storage host plus a new one,
+    resume every call from its prefix, finish, finalize: bit for bit the uninterrupted run."""
+    from pipeline.driver import RolloutDriver
+    from pipeline.store.client import StagingStore
+
+    hosts, client = cluster
+    storage = [h for h in hosts.hosts.values() if not h.killed and "storage" in h.spec.roles]
+    groups = specs("mh-r-")
+    store = StagingStore.start(client, n_units=2, workers=[w for h in storage for w in hosts.workers(h.name)][::2])
+    restored = None
+    try:
+        driver = RolloutDriver(client, store, workers=hosts.role_workers("generation"), step_tokens=4)
+        driver.submit(groups)
+        driver.run_rounds(3)  # turn 0 staged, turn 1 in flight
+        cut = driver.cut("mh-ck")
+        assert cut.durable == cut.calls == 6 and not cut.failed
+        url = f"s3://{BUCKET}/run-1"
+        driver.checkpoint_store(url)
+        snapshot = driver.snapshot
+        driver.run_rounds(2)  # lost with the crash, redone identically
+        driver.kill()
+        hosts.kill_host(storage[0].name)  # a whole storage host, with its unit
+        new = hosts.add_host(STORAGE)
+        targets = hosts.workers(storage[1].name)[:1] + hosts.workers(new.name)[:1]
+        restored = StagingStore.from_checkpoint(client, url, n_units=2, workers=targets)
+        assert {host_of(w) for w in restored.unit_workers} == {storage[1].address, new.address}
+        resumed, rec = RolloutDriver.recover(client, restored, snapshot, workers=hosts.role_workers("generation"))
+        assert rec.resumed == 6 and rec.regenerated == {} and rec.poisoned == {}
+        receipts = resumed.finish()
+        resumed.kill()
+        step = Finalizer(client, restored).submit_step(receipts).result(timeout=120)
+        reference = generate_rollouts(policy_from_config(), [s for g in groups for s in g])
+        assert step.metrics["accepted"] == 6 and reference_mismatches(step.groups, reference) == {}
+        got = {r.rollout_id: r for rs in receipts.values() for r in rs}
+        assert all(got[ro.spec.rollout_id] == ro.receipt for ro in reference)
+    finally:
+        store.close()
+        if restored is not None:
+            restored.close()
 
 
 def bare_worker(address: str) -> subprocess.Popen:
