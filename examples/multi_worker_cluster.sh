@@ -19,7 +19,7 @@ dask scheduler --host 127.0.0.1 --port 0 --dashboard-address 127.0.0.1:0 \
 for _ in $(seq 100); do [ -s "$dir/scheduler.json" ] && break; sleep 0.2; done
 for i in $(seq "$WORKERS"); do
   dask worker --scheduler-file "$dir/scheduler.json" --host 127.0.0.1 --nthreads 2 \
-    --resources "finalize=2" --no-dashboard >"$dir/worker-$i.log" 2>&1 &
+    --resources "finalize=2" --preload pipeline.deploy.worker_preload --no-dashboard >"$dir/worker-$i.log" 2>&1 &
 done
 addr=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['address'])" "$dir/scheduler.json")
 python - "$addr" "$WORKERS" <<'PY'

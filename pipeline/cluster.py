@@ -48,7 +48,9 @@ def local_cluster(**overrides: object) -> LocalCluster:
         import dask.config
 
         preload = kwargs.get("preload") or dask.config.get("distributed.worker.preload") or []
-        kwargs["preload"] = [*([preload] if isinstance(preload, str) else preload), __name__]
+        from .deploy.roles import WORKER_PRELOAD  # the deployment's worker preload too (docs/deploy.md)
+
+        kwargs["preload"] = [*([preload] if isinstance(preload, str) else preload), __name__, WORKER_PRELOAD]
     host = kwargs.get("host")
     dashboard = kwargs.get("dashboard_address")
     if host and isinstance(dashboard, str) and dashboard.startswith(":"):

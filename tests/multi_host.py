@@ -4,9 +4,11 @@ started from Dask's CLI, each host on its own loopback address (127.0.0.2, ...) 
 own directory. Default 4 hosts x 2 single-threaded workers: generation on host1-2,
 storage on host3-4, finalize slots everywhere.
 
-Workers run ``--no-nanny``: a nanny is one more process per worker to start (startup was
-13 s without nannies against 18 s with them for 4 x 2 here) and it would restart a worker
-the tests mean to lose; no test here needs a restart. Share one cluster per module.
+Workers run ``--no-nanny``: a nanny is one more process per worker to start (4 x 2 hosts
+registered in 3.5-3.9 s without nannies against 4.5-5.1 s with them on this 2-core
+machine; a host killed and a new one up in 0.9-1.3 s against 1.5-2.3 s) and it would
+restart a worker the tests mean to lose; no test here needs a restart. Share one cluster
+per module.
 
 Also the generation task the tests run on generation hosts (:func:`capture_group`): the
 worker processes import this module, so the fixture puts ``tests/`` on their path.

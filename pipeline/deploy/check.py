@@ -59,6 +59,10 @@ class ClusterCheck:
 
     @property
     def without_role(self) -> list[WorkerStatus]:
+        """Workers without a role, in a cluster whose other workers have one (when none
+        has any, the finalizer's missing-``finalize`` error says what to do)."""
+        if not any(w.roles for w in self.workers):
+            return []
         return [w for w in self.workers if not w.roles]
 
     @property
@@ -124,13 +128,13 @@ def require_configured(client: Client) -> ClusterCheck:
 
 def check_attached(client: Client, mode: str | None = None) -> ClusterCheck | None:
     """The attach-time check, as ``mode`` (default ``hosts.attach-check``) says: ``warn``
-    logs each problem as one warning line, ``error`` raises, ``off`` skips."""
+    logs its problems as ONE warning line, ``error`` raises, ``off`` skips."""
     mode = attach_check_mode() if mode is None else mode
     if mode == "off":
         return None
     if mode == "error":
         return require_configured(client)
     result = check_cluster(client)
-    for line in result.problems():
-        logger.warning("%s", line)
+    if not result.ok:
+        logger.warning("warning: %s", "; ".join(result.problems()))
     return result

@@ -1,12 +1,11 @@
 """The workers' preload: ``dask worker ... --preload pipeline.deploy.worker_preload``.
 
-At worker start it imports what the pipeline's tasks and actors run (the storage unit,
-the finalize task bodies, the generation worker: torch included), so a worker whose
-environment cannot run them fails at start, in its own log, instead of at its first
-task, and no step pays the imports; then it records that it ran, with this package's
-version. A controller attaching reads the record (:func:`preload_record`, through
-``client.run``): a worker without one was started without the preload
-(:mod:`pipeline.deploy.check`).
+It records, on each worker, that the preload ran and which version of this package the
+worker runs. A controller attaching reads the record (:func:`preload_record`, through
+``client.run``): a worker without one was started without the preload, one with another
+version runs other code than the controller (an out-of-date image), and both are named
+(:mod:`pipeline.deploy.check`). Cheap on purpose (no imports beyond the package's
+metadata): every cluster the pipeline starts (``pipeline.cluster.local_cluster``) carries it.
 """
 from __future__ import annotations
 
@@ -33,11 +32,7 @@ def package_version() -> str:
 
 
 def dask_setup(worker: Worker) -> None:
-    """Preload hook (Dask calls it before the worker connects): import, then record."""
-    import pipeline.finalize.worker_tasks  # noqa: F401 - the verify/assemble bodies (torch)
-    import pipeline.generation.worker  # noqa: F401 - the generation actor
-    import pipeline.store.unit  # noqa: F401 - the storage unit actor
-
+    """Preload hook (Dask calls it before the worker connects): record."""
     _records[worker] = {"preload": NAME, "version": package_version(), "pid": os.getpid()}
 
 
