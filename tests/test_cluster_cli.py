@@ -123,3 +123,14 @@ def test_a_worker_that_does_not_register_in_time_names_its_host_and_the_fix(sche
                        r"\(logs .*\); read the logs, or raise token-capture.hosts.start-timeout-s"):
         scheduler.add_host(["finalize"], 1, name="slow")
     assert not alive(p.pid for p in scheduler.hosts["slow"].processes), "a failed host's processes are killed"
+
+
+def test_killing_a_nanny_host_kills_every_process_of_it(scheduler):
+    scheduler.settings = dataclasses.replace(scheduler.settings, nanny=True, start_timeout_s=60.0)
+    host = scheduler.add_host(["finalize"], 2, name="nannied")
+    assert len(scheduler.workers("nannied")) == 2
+    pids = host.pids()
+    assert len(pids) >= 3, pids  # the `dask worker` process (two nannies) and its two worker processes
+    killed = scheduler.kill_host("nannied")
+    assert set(pids) <= set(killed) and not alive(pids)
+    assert not scheduler.workers("nannied"), "the scheduler still lists the killed host's workers"
