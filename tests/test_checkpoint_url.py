@@ -509,3 +509,35 @@ def test_s3_unit_killed_mid_save_leaves_no_manifest_naming_missing_files(client,
     fresh = make(n_units=2)
     assert fresh.restore(where)["rows"] == len(rows)
     assert_rows_read_back(fresh, rows)
+
+
+# ---- the location's own rules (no cluster) ---------------------------------------------------
+
+
+def test_location_parsing_and_names(tmp_path):
+    assert parse(str(tmp_path / "a")).local and parse(f"file://{tmp_path}/a").root == str(tmp_path / "a")
+    assert parse(str(tmp_path / "odd://name")).local, "a path holding '://' further on stays a path"
+    with pytest.raises(CheckpointError, match="chained"):
+        parse("simplecache::s3://bucket/x")
+    with pytest.raises(CheckpointError, match="needs a bucket"):
+        parse("s3://", options={})
+    loc = parse("s3://bucket/prefix/", options={})
+    assert (loc.protocol, loc.root, loc.path("gen-1/u.tcb")) == ("s3", "bucket/prefix", "bucket/prefix/gen-1/u.tcb")
+    for bad in ["../x.tcb", "gen-1/../../x.tcb", "a//b", "/abs", "gen-1/./x", "x\\y", "x\x00"]:
+        with pytest.raises(CheckpointError, match="not a plain relative name"):
+            loc.path(bad)
+
+
+def test_storage_options_and_probe_timeout_settings_are_checked(tmp_path):
+    from pipeline.store.location_probe import probe_timeout_s
+
+    with dask.config.set({OPTIONS_SETTING: "key=abc"}):
+        with pytest.raises(CheckpointError, match="checkpoint-storage-options must be null or a mapping"):
+            parse("s3://bucket/x")
+    with dask.config.set({OPTIONS_SETTING: {"endpoint_url": "http://127.0.0.1:1"}}):
+        assert parse("s3://bucket/x").options == {"endpoint_url": "http://127.0.0.1:1"}
+        assert "127.0.0.1:1" not in repr(parse("s3://bucket/x")), "options (credentials) never in the repr"
+    for value in (0, -1, "soon", None):
+        with dask.config.set({PROBE_SETTING: value}):
+            with pytest.raises(CheckpointError, match="checkpoint-probe-timeout-s must be"):
+                probe_timeout_s()

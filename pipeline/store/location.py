@@ -30,6 +30,7 @@ OPTIONS_CONFIG = "store.checkpoint-storage-options"
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
 _PRIVATE_PROTOCOLS = frozenset({"memory"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
+_URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def _one_line(text: object) -> str:
@@ -222,10 +223,10 @@ def parse(where: "str | os.PathLike | Location", options: Mapping[str, Any] | No
     text = os.fspath(where)
     if not isinstance(text, str) or not text:
         raise CheckpointError(f"a checkpoint location must be a non-empty path or URL, got {where!r}")
-    if "://" not in text:
-        return local(text)
-    if "::" in text:
+    if "::" in text and "://" in text:
         raise CheckpointError(f"checkpoint location {text!r}: chained fsspec URLs (a::b) are not supported; give one URL")
+    if not _URL_RE.match(text):  # no "proto://" in front: a path (even one holding "://" further on)
+        return local(text)
     protocol, _, rest = text.partition("://")
     protocol = protocol.lower()
     if protocol in LOCAL_PROTOCOLS:
