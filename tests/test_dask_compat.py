@@ -354,3 +354,32 @@ def test_only_the_adapter_subclasses_actor_or_reaches_its_private_attributes():
             bad += [f"{rel}: {node.name} uses self.{a.attr}" for a in ast.walk(node)
                     if isinstance(a, ast.Attribute) and a.attr in private]
     assert not bad, bad
+
+
+def test_a_list_subclass_answer_crosses_in_one_frame_a_plain_list_in_one_per_item():
+    # What WireList / WireDict rely on: an actor answer goes out as to_serialize(result);
+    # distributed serializes a plain list or dict item by item (a frame each) and pickles
+    # a subclass whole. Should distributed change this, the key listings of a move and a
+    # repair get slow again (or stay fast): this test says which.
+    from distributed.protocol import dumps, loads, to_serialize
+
+    from pipeline.answers import WireDict, WireList
+
+    keys = [f"r{i}/c0" for i in range(500)]
+    plain = dumps({"status": "OK", "result": to_serialize(keys)})
+    assert len(plain) > len(keys)  # one frame per item
+    for wire in (WireList(keys), WireDict.fromkeys(keys, "x")):
+        frames = dumps({"status": "OK", "result": to_serialize(wire)})
+        assert len(frames) < 5, len(frames)
+        assert loads(frames)["result"] == wire
+
+
+def test_storage_unit_listings_answer_in_wire_types(tmp_path):
+    from pipeline.answers import WireDict, WireList
+    from pipeline.store.unit import StorageUnit
+
+    unit = StorageUnit(0, 1 << 20, 1 << 22, spill_directory=str(tmp_path))
+    assert type(unit.keys("staging")) is WireList
+    assert type(unit.witnessed_keys("staging")) is WireList
+    assert type(unit.lost_keys("staging")) is WireDict
+    unit.close()

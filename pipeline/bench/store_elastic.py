@@ -1,19 +1,15 @@
 """``bench store``'s elastic block: rows/s while the store grows vs while it does not, and
-the seconds a rebalance takes.
+the seconds a rebalance takes, on a cluster of its own (:mod:`.store_elastic_cluster`: 2
+storage workers; ``hosts``, the default, runs the scheduler and its store host in a process
+of their own and each storage worker as a CLI host, as deployed), a hosted store of 2 units:
 
-On a LocalCluster of its own (:mod:`.store_elastic_cluster`: 2 storage workers, the store
-host preloaded), a hosted store of 2 units:
-
-1. ``replicas_1``/``replicas_2``: one put+get loop (:mod:`.store_elastic_loop`) measured
-   for ``--elastic-seconds`` with nothing moving (``baseline``), then while a third storage
-   worker joins and its unit is filled (``during_add``: the worker's join to the host's
-   change record, the new worker process's own start-up included; ``during_move``: the
-   change's own interval, its first fence to its end), then while it is retired, its unit
-   drained first (``during_drain``), ``--elastic-alternations`` times; medians,
-   ``{put,get}_rows_per_s_during_vs_without`` (join to record) and
-   ``{put,get}_rows_per_s_during_move_vs_without`` (the move: what TARGET_RATIO judges).
+1. ``replicas_1``/``replicas_2``: one put+get loop (:mod:`.store_elastic_loop`) measured for
+   ``--elastic-seconds`` with nothing moving (``baseline``), while a third storage worker
+   joins and its unit is filled (``during_add``: join to change record, the worker's start-up
+   included; ``during_move``: the change's own interval, what TARGET_RATIO judges), and while
+   it is retired, drained first (``during_drain``), ``--elastic-alternations`` times; medians.
 2. ``rebalance``: 2 units holding ``--elastic-gb`` GB, a third added: the change's seconds,
-   rows and bytes moved (about 1/3 of the copies), GB/s next to raw loopback TCP's.
+   phases, rows and bytes moved (about 1/3 of the copies), GB/s next to loopback TCP's.
 
 Any refused key, failed call, row read back not bit-exact or change that never completes:
 ``ok`` false, ``failures`` names it, no ratio, exit status 1.
@@ -34,7 +30,7 @@ from typing import TYPE_CHECKING
 from . import loopback
 from .common import main, notes
 from .limits import CHUNK as LIMITS_CHUNK
-from .store_elastic_cluster import ElasticCluster, elastic_cluster, hosted_store
+from .store_elastic_cluster import KINDS, ElasticCluster, elastic_cluster, hosted_store
 from .store_elastic_loop import Call, Failures, Loop, Rows, fill, read_all, window_rates
 
 if TYPE_CHECKING:
@@ -67,6 +63,7 @@ def add_flags(p: argparse.ArgumentParser, switch: bool = True) -> None:
     p.add_argument("--elastic-alternations", type=positive_int, default=3, help="elastic: baseline/add rounds per replicas count; medians reported (default 3)")
     p.add_argument("--elastic-rows-per-call", type=positive_int, default=64, help="elastic: rows per put and per get of the loop (default 64)")
     p.add_argument("--elastic-tokens", type=positive_int, default=1024, help="elastic: tokens per row (default 1024)")
+    p.add_argument("--elastic-cluster", choices=KINDS, default="hosts", help="elastic: hosts (default: a dask scheduler process of its own and dask worker CLI processes, one loopback host per storage worker, as deployed) or local (a LocalCluster: its scheduler, and so the store host moving keys, shares the loop's process)")
     p.add_argument("--elastic-replicas", type=replica_counts, default=(1, 2), help="elastic: copies per key of the throughput stores, 1, 2 or 1,2 (default 1,2)")
 
 
@@ -86,6 +83,7 @@ class ElasticSizes:
     replicas: tuple[int, ...]
     rebalance_bytes: int
     quiet: bool
+    cluster: str = "hosts"  # the cluster's kind (store_elastic_cluster.KINDS)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ElasticSizes:
@@ -93,7 +91,7 @@ class ElasticSizes:
             args.elastic_tokens, getattr(args, "layers", 4), getattr(args, "top_k", 2), not getattr(args, "no_routes", False),
             args.elastic_rows_per_call, int(args.elastic_fill_mb * 1e6), int(args.elastic_live_mb * 1e6),
             float(args.elastic_seconds), args.elastic_alternations, tuple(args.elastic_replicas),
-            int(args.elastic_gb * 1e9), bool(getattr(args, "quiet", False)),
+            int(args.elastic_gb * 1e9), bool(getattr(args, "quiet", False)), getattr(args, "elastic_cluster", "hosts"),
         )
 
 
@@ -256,13 +254,13 @@ def measure(args: argparse.Namespace) -> dict:
     parts: list[Failures] = []
     rows = _rows(sizes, sizes.rows_per_call)
     out: dict = {"tokens_per_row": sizes.tokens, "row_bytes": int(rows.row_bytes), "rows_per_call": sizes.rows_per_call,
-                 "window_s": sizes.window_s, "alternations": sizes.alternations}
+                 "window_s": sizes.window_s, "alternations": sizes.alternations, "cluster": sizes.cluster}
     try:
-        with elastic_cluster() as ec:
+        with elastic_cluster(kind=sizes.cluster) as ec:
             for r in sizes.replicas:
                 parts.append(Failures(f"replicas={r}"))
                 out[f"replicas_{r}"] = _part(lambda: throughput(ec, sizes, r, rows, parts[-1]), parts[-1])
-                say(f"replicas={r}: " + ", ".join(f"{k} {out[f'replicas_{r}'].get(k)}" for k in ("put_rows_per_s_during_vs_without", "get_rows_per_s_during_vs_without")))
+                say(f"replicas={r}: " + ", ".join(f"{k} {out[f'replicas_{r}'].get(k)}" for k in ("put_rows_per_s_during_move_vs_without", "get_rows_per_s_during_move_vs_without")))
             parts.append(Failures("rebalance"))
             out["rebalance"] = move = _part(lambda: rebalance(ec, sizes, parts[-1]), parts[-1])
     except Exception as e:  # noqa: BLE001 - the cluster itself: reported, then fails the command

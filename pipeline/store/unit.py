@@ -23,6 +23,7 @@ from tasks.errors import InvalidStoreRequest, StoreBusy, StoreUnavailable
 from tasks.packed import PackedBatch
 
 from .checkpoint_files import write_unit_files
+from ..answers import WireDict, WireList
 from .checkpoint_guard import CheckpointGuard
 from .fence import Fence
 from .held_rows import HeldRows
@@ -341,7 +342,7 @@ class StorageUnit:
 
     def witnessed_keys(self, partition: str, primary: int | None = None, units: int | Sequence[str] | None = None) -> list[str]:
         """Witnessed names of ``partition`` (given ``primary``: those of unit ``primary`` of ``units``, ids or count)."""
-        return self.losses.witnessed_of(partition, primary, units)
+        return WireList(self.losses.witnessed_of(partition, primary, units))
 
     def mark_lost(self, partition: str, keys: bytes | Sequence[str], how: str) -> int:
         """Record ``keys`` (not held here) as lost, ``how`` saying when and where; returns
@@ -353,7 +354,7 @@ class StorageUnit:
 
     def lost_keys(self, partition: str) -> dict[str, str]:
         """Every lost key of ``partition`` with how it was lost."""
-        return dict(self.losses.lost.get(partition, {}))
+        return WireDict(self.losses.lost.get(partition, {}))
 
     # ---- checkpoint guard ---------------------------------------------------------
 
@@ -449,7 +450,7 @@ class StorageUnit:
     def keys(self, partition: str) -> list[str]:
         """Every key of ``partition``: held ones (insertion order), then lost ones (their
         reads answer ``lost_key``)."""
-        return [*self.held.index.get(partition, {}), *self.losses.lost.get(partition, {})]
+        return WireList([*self.held.index.get(partition, {}), *self.losses.lost.get(partition, {})])
 
     # ---- checkpoint -------------------------------------------------------------
 
