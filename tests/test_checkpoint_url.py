@@ -482,6 +482,10 @@ def test_bad_url_fails_in_one_line_before_any_unit_writes(make, s3_env):
         assert listing(where) == before, case
     assert ck.read_manifest(where)["generation"] == first["generation"]
     fresh = make(n_units=1)
+    with dask.config.set({OPTIONS_SETTING: {"key": s3_env["key"], "secret": "not-the-secret"}}):
+        with pytest.raises(CheckpointError, match="refused access") as info:
+            fresh.restore(where)  # a restore too: one line, before any task runs
+    assert "\n" not in str(info.value) and repr(where) in str(info.value)
     assert fresh.restore(where)["rows"] == len(rows)
 
 

@@ -51,7 +51,7 @@ def explain(loc: Location, e: BaseException) -> str:
     what = f"{type(e).__name__}: {_one_line(e)}"[:300]
     creds = f"the backend's usual credentials (for s3://: AWS_* environment variables or ~/.aws) or {OPTIONS_KNOB}"
     if isinstance(e, PermissionError):
-        return f"checkpoint location {loc.url!r} refused access ({what}); check {creds} and that they may write there"
+        return f"checkpoint location {loc.url!r} refused access ({what}); check {creds} and that they may read and write there"
     if isinstance(e, FileNotFoundError):
         return f"checkpoint location {loc.url!r} does not exist ({what}); create the bucket or fix the URL"
     if _is_connection_error(e):

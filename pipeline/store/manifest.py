@@ -27,6 +27,7 @@ from .. import config
 from . import sequence
 from .batch_file import DATA_SUFFIX, FORMAT_VERSION
 from .location import Location, parse
+from .location_probe import explain
 from .protocol import PARTITION_RE
 
 
@@ -127,7 +128,11 @@ def read_manifest(path: Where, key: bytes | None = _FROM_CONFIG, allow_older: bo
         key = manifest_key()
     loc = parse(path)
     mpath = loc.path(MANIFEST) if loc.local else f"{loc.url}/{MANIFEST}"
-    if not loc.exists(MANIFEST):
+    try:
+        present = loc.exists(MANIFEST)
+    except Exception as e:  # a URL's backend errors (credentials, endpoint): one line with the fix
+        raise CheckpointError(explain(loc, e)) from None
+    if not present:
         raise CheckpointError(f"no checkpoint at {loc.url!r}: {MANIFEST} is missing")
     manifest = _load_manifest_json(loc, mpath)
     if not isinstance(manifest, dict) or manifest.get("format") != MANIFEST_FORMAT:
