@@ -59,6 +59,7 @@ def multi_host_cluster(hosts: int = 4, workers_per_host: int = 2, storage_hosts:
         cluster.add_hosts([cluster.spec(STORAGE if k >= hosts - storage_hosts else GENERATION) for k in range(hosts)])
         with Client(cluster.address) as client:
             yield cluster, client
+        cluster.close(graceful=False)  # nothing to keep: SIGKILL, no graceful close to wait for
 
 
 def host_of(address: str) -> str:

@@ -266,11 +266,12 @@ class LocalHosts:
             for proc in host.processes:
                 proc.wait()
 
-    def _stop(self, processes: list[subprocess.Popen]) -> None:
-        """SIGTERM (a graceful close), then SIGKILL whatever is left after ``hosts.stop-timeout-s``."""
+    def _stop(self, processes: list[subprocess.Popen], graceful: bool = True) -> None:
+        """SIGTERM (a graceful close), then SIGKILL whatever is left after
+        ``hosts.stop-timeout-s``; not ``graceful``: SIGKILL at once."""
         for proc in processes:
-            _killpg(proc, signal.SIGTERM)
-        deadline = time.monotonic() + self.settings.stop_timeout_s
+            _killpg(proc, signal.SIGTERM if graceful else signal.SIGKILL)
+        deadline = time.monotonic() + (self.settings.stop_timeout_s if graceful else 0.0)
         for proc in processes:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
@@ -279,19 +280,20 @@ class LocalHosts:
             _killpg(proc, signal.SIGKILL)  # the group: a nanny's workers too
             proc.wait()
 
-    def close(self) -> None:
-        """Stop every host (workers first), then the scheduler; remove a temporary directory."""
+    def close(self, graceful: bool = True) -> None:
+        """Stop every host (workers first), then the scheduler; remove a temporary
+        directory. Not ``graceful``: SIGKILL every process at once (nothing to keep)."""
         if self._client is not None:
             self._client.close()
             self._client = None
         live = [h for h in self.hosts.values() if not h.killed]
         if live:
             self.progress(f"stopping {len(live)} host(s)")
-        self._stop([p for h in live for p in h.processes])
+        self._stop([p for h in live for p in h.processes], graceful)
         for h in live:
             h.killed = True
         if self.scheduler is not None:
-            self._stop([self.scheduler])
+            self._stop([self.scheduler], graceful)
             self.scheduler = None
             self.progress("scheduler: stopped")
         if self._own_directory:
