@@ -82,6 +82,9 @@ def main(args: argparse.Namespace) -> int:
 
     stop = threading.Event()
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    # Started in the background by a non-interactive shell, SIGINT arrives ignored: Ctrl-C
+    # (kill -INT) must stop it all the same.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         with LocalHosts(args.directory, settings=settings, progress=note) as hosts:
             address = hosts.start(args.port, args.dashboard_address)
@@ -98,9 +101,10 @@ def main(args: argparse.Namespace) -> int:
             try:
                 stop.wait()
             except KeyboardInterrupt:
-                note("stopping (Ctrl-C)")
+                note("stopping (Ctrl-C or SIGTERM)")
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
     note("stopped")
     return 0
 
