@@ -122,9 +122,9 @@ def s3_env(moto_s3, tmp_path_factory):
 @pytest.fixture(scope="module")
 def client(s3_env):
     """A 2-worker process LocalCluster started AFTER the AWS_* variables are set. Connects
-    time out after 3 s (loopback answers at once): closing a store whose unit's worker was
+    time out after 5 s (loopback answers at once): closing a store whose unit's worker was
     killed costs one connect to its old address."""
-    with dask.config.set({"distributed.comm.timeouts.connect": "3s"}):
+    with dask.config.set({"distributed.comm.timeouts.connect": "5s"}):
         with local_cluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as cluster:
             with Client(cluster) as c:
                 yield c
@@ -243,10 +243,10 @@ def test_a_save_failing_part_way_keeps_the_previous_checkpoint(client, make, whe
     store, first, rows = saved(make, where)
     later = make_rows(3, seed=2, prefix="late")
     assert not store.put_many(pack_rows(later)).failed
-    client.run(_patch_writes, "fail", 1)  # each unit writes one file, then fails
+    client.run(_patch_writes, "fail", 1)  # each unit writes one file (one row each), then fails
     try:
         with pytest.raises(CheckpointError, match="previous checkpoint kept") as info:
-            store.checkpoint(where, chunk_bytes=4096)
+            store.checkpoint(where, chunk_bytes=1)
     finally:
         client.run(_heal_writes)
     assert "injected failure" in str(info.value)
@@ -496,10 +496,10 @@ def test_s3_unit_killed_mid_save_leaves_no_manifest_naming_missing_files(client,
     where = s3_where()
     store, first, rows = saved(make, where)
     victim = store.placement.workers[0]
-    client.run(_patch_writes, "die", 1, workers=[victim])  # its second file: the process exits
+    client.run(_patch_writes, "die", 0, workers=[victim])  # its first file: the process exits
     try:
         with pytest.raises(CheckpointError, match="previous checkpoint kept"):
-            store.checkpoint(where, chunk_bytes=4096)
+            store.checkpoint(where, chunk_bytes=1)
     finally:
         workers = lambda: client.scheduler_info()["workers"]  # noqa: E731
         wait_until(lambda: victim not in workers() and len(workers()) == 2, 60, "the killed worker's restart")
@@ -509,7 +509,7 @@ def test_s3_unit_killed_mid_save_leaves_no_manifest_naming_missing_files(client,
     fs, root = raw(where)
     for entry in manifest["files"]:
         assert fs.size(f"{root}/{entry['file']}") == entry["bytes"]
-    store.close()  # its lost unit's old address answers nobody: one connect timeout (the module's 3 s)
+    store.close()  # its lost unit's old address answers nobody: one connect timeout (the module's 5 s)
     fresh = make(n_units=2)
     assert fresh.restore(where)["rows"] == len(rows)
     assert_rows_read_back(fresh, rows)
