@@ -75,9 +75,14 @@ def moto_s3(tmp_path_factory):
         allow = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "*", "Resource": "*"}]}
         iam.put_user_policy(UserName="checkpointer", PolicyName="all", PolicyDocument=json.dumps(allow))
         key = iam.create_access_key(UserName="checkpointer")["AccessKey"]
+        iam.create_user(UserName="reader")  # may read the bucket, not write it
+        read = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": ["s3:GetObject", "s3:ListBucket"], "Resource": "*"}]}
+        iam.put_user_policy(UserName="reader", PolicyName="read", PolicyDocument=json.dumps(read))
+        reader = iam.create_access_key(UserName="reader")["AccessKey"]
         boto3.client("s3", **boot).create_bucket(Bucket=BUCKET)
         _post(f"{endpoint}/moto-api/reset-auth", b"0")  # from now on every request must be signed by a known key
-        yield {"endpoint": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"]}
+        yield {"endpoint": endpoint, "key": key["AccessKeyId"], "secret": key["SecretAccessKey"],
+               "reader": (reader["AccessKeyId"], reader["SecretAccessKey"])}
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -430,7 +435,7 @@ def _hung_endpoint() -> tuple[socket.socket, str]:
 
 
 BAD_URL_CASES = ["unknown-protocol", "backend-missing", "private-memory", "unreachable", "hung", "wrong-secret",
-                 "unknown-key", "no-bucket"]
+                 "unknown-key", "read-only", "no-bucket"]
 
 
 def _bad_case(case: str, where: str, s3_env: dict) -> tuple:
@@ -452,6 +457,9 @@ def _bad_case(case: str, where: str, s3_env: dict) -> tuple:
         sock, endpoint = _hung_endpoint()
         settings.update({OPTIONS_SETTING: {"endpoint_url": endpoint}, PROBE_SETTING: 1.0})
         return where, settings, "did not answer within 1 s", sock
+    if case == "read-only":  # good credentials that may not write there
+        settings[OPTIONS_SETTING] = dict(zip(("key", "secret"), s3_env["reader"]))
+        return where, settings, "refused access", None
     key = s3_env["key"] if case == "wrong-secret" else "AKIAUNKNOWNUNKNOWN00"
     settings[OPTIONS_SETTING] = {"key": key, "secret": "not-the-secret"}
     return where, settings, "refused access", None
