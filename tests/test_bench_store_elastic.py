@@ -1,6 +1,7 @@
 """``bench store``'s elastic block at a tiny size: rows/s while a storage worker joins vs
-without and the seconds of a rebalance, on the block's own LocalCluster (storage workers
-added by ``cluster.scale`` and retired by ``client.retire_workers``). A healthy run is
+without and the seconds of a rebalance, on the block's own cluster (the healthy run on the
+default kind, a scheduler process and CLI hosts; the failing one on a LocalCluster;
+storage workers retired by ``client.retire_workers``). A healthy run is
 ``ok`` with every figure in place and exit status 0; a row read back wrong or a refused put
 makes it and ``bench store`` ``ok: false``, names the failure, reports no ratio and exits 1.
 No timing is asserted."""
@@ -112,7 +113,8 @@ def test_a_wrong_row_or_a_refused_put_fails_the_block(monkeypatch, capsys):
 
     monkeypatch.setattr(StagingStore, "get_many", get_many)
     monkeypatch.setattr(StagingStore, "put_many", put_many)
-    rc = cli.main(["bench", "store", "--json", "--quiet", *STORE_TINY, "--elastic", *ELASTIC_TINY, "--elastic-replicas", "1"])
+    rc = cli.main(["bench", "store", "--json", "--quiet", *STORE_TINY, "--elastic", *ELASTIC_TINY, "--elastic-replicas", "1",
+                   "--elastic-cluster", "local"])
     result = json.loads(capsys.readouterr().out)
     assert rc == 1 and result["ok"] is False and bench_store.exit_status(result) == 1
     assert result["failures"] and all(f.startswith("elastic ") for f in result["failures"]), result["failures"]

@@ -157,6 +157,21 @@ class KillMidCopy(Rebalancer):
         return moved + super()._copy(by_id, partition, transfers[1:])
 
 
+class ReadMidMove(Rebalancer):
+    """A rebalancer that, fenced and moving but before its first copy, reads ``rows``
+    back through the store and records the get calls each unit answered meanwhile."""
+
+    rows: list = []
+    gets_during: dict[str, int] = {}
+
+    def _copy(self, by_id, partition, transfers):
+        if self.rows and not self.gets_during:
+            before = {s["unit_id"]: s["gets"] for s in self.store.stats()}
+            same_rows(self.store, self.rows)  # every row, bit for bit, while nothing is copied yet
+            self.gets_during = {s["unit_id"]: s["gets"] - before[s["unit_id"]] for s in self.store.stats()}
+        return super()._copy(by_id, partition, transfers)
+
+
 # ---- 1-2: refused before anything changes ----------------------------------------------
 
 
@@ -486,3 +501,24 @@ def test_the_host_resumes_an_interrupted_move_by_itself(cluster, spawned):
         same_rows(current(cluster, name), rows)
     finally:
         close_hosted(cluster, name)
+
+
+def test_a_read_during_a_move_asks_the_old_holders_only(cluster):
+    # The old primaries hold every row until the final table is fenced: a read during the
+    # copy costs one round trip. Asking the new holders first would send the joining unit
+    # a get for every key it is to hold (and a second round trip to the old ones).
+    w = by_name(cluster)
+    with dask.config.set({"token-capture.store.replicas": 1}):
+        store = StagingStore.start(cluster, n_units=2, memory_limit="64MiB", capacity="256MiB", workers=[w["a"], w["b"]])
+    rb = ReadMidMove(store, cluster, store.owner.unit_args, FAST)
+    try:
+        rb.rows = rows_of(5)
+        put_all(store, rb.rows)
+        record = rb.add_unit(w["c"])
+        assert record["rows_moved"] > 0 and rb.gets_during, rb.gets_during
+        new_unit = record["unit"]
+        assert rb.gets_during[new_unit] == 0, rb.gets_during  # the joining unit answered no read
+        assert sum(rb.gets_during.values()) >= 1
+        same_rows(store, rb.rows)  # and after the move, from the new table
+    finally:
+        store.close()

@@ -102,3 +102,24 @@ def test_any_single_change_ends_exactly_on_the_new_copies(n, replicas, hosts, ch
 def test_a_chunk_of_zero_is_refused():
     with pytest.raises(ValueError, match="chunk_keys"):
         plan_moves(table(2, 1), table(2, 1), {}, chunk_keys=0)
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_moving_read_asks_the_old_primary_first_and_no_unit_twice(replicas):
+    from pipeline.store.moving import MovingTable, holder_parts, read_order
+
+    old = table(3, replicas, hosts=3)
+    new = old.with_unit("3", "tcp://127.0.0.9:1")
+    moving = MovingTable(new, old)
+    keys = [f"r{i}/c0" for i in range(400)]
+    order = read_order(moving, keys)
+    holders, _ = moving.holders(keys)
+    assert (order[:, 0] == holders[:, 2]).all()  # the old primary: it holds every row during the copy
+    for row, held in zip(order, holders):
+        asked = [u for u in row if u >= 0]
+        assert len(asked) == len(set(asked)) and set(asked) == {u for u in held if u >= 0}
+    moved = [k for k, row in zip(keys, holders) if row[0] != row[2]]  # new primary differs from the old one
+    assert moved  # about 1/4 of the keys go to the new unit
+    parts = holder_parts(order, 1, keys, range(len(keys)))
+    asked_second = {k for _, ks in parts for k in ks}
+    assert set(moved) <= asked_second  # a key whose old primary lacks it is asked of its new one next

@@ -15,7 +15,7 @@ import numpy as np
 
 from tasks.packed import PackedBatch, PackedField, take_rows
 
-from .protocol import DTYPE_MISMATCH, MOVED, UNIT_UNAVAILABLE, GetResult, StoreResult
+from .protocol import DTYPE_MISMATCH, MISSING_KEY, MOVED, UNIT_UNAVAILABLE, GetResult, StoreResult
 from .replication import merge_copies
 
 Failures = dict[str, tuple[str, str]]
@@ -64,6 +64,20 @@ def failed_rows(result: StoreResult, batch: PackedBatch) -> PackedBatch:
     """The rows of ``batch`` whose keys failed ``unit_unavailable`` or ``moved`` (to retry them)."""
     idx = [i for i, k in enumerate(batch.keys) if isinstance(k, str) and result.failed.get(k, ("",))[0] in RETRY_REASONS]
     return batch.take(np.asarray(idx, dtype=np.int64))
+
+
+def removed_before(again: StoreResult, removed: set[str]) -> StoreResult:
+    """A retried delete's answer where a key an earlier round removed from some copy and
+    every copy asked now misses counts as deleted (a move's switch between the rounds
+    refused the first round on one copy after another had removed the row)."""
+    gone = [k for k, (r, _) in again.failed.items() if r == MISSING_KEY and k in removed]
+    if not gone:
+        return again
+    out = StoreResult()
+    out.ok = again.ok + gone
+    out.failed = {k: f for k, f in again.failed.items() if k not in set(gone)}
+    out.deferred = list(again.deferred)
+    return out
 
 
 def splice(result: StoreResult, again: StoreResult) -> StoreResult:

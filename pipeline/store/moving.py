@@ -4,9 +4,11 @@ While a change copies keys (:mod:`pipeline.store.rebalance`), a handle carries a
 :class:`MovingTable`: the table keys go to (``placement``), the one they come from
 (``previous``) and every unit of either, in the order of the handle's unit list (the new
 table's units, then any unit being drained). Writes reach the copies of BOTH tables, so a
-row written during the copy is on its new holders whether or not the copy saw it; reads
-ask the new holders first and the old ones for what they lack or cannot reach (a move
-interrupted by a new holder's death keeps its reads served); deletes reach every copy.
+row written during the copy is on its new holders whether or not the copy saw it, and on
+its old ones as well. Reads therefore ask the OLD primary first (it holds every row until
+the move's final table is fenced: one round trip, as without a move) and the next holder
+in :func:`read_order` only for what one could not give (missing, moved, unreachable: a
+holder's death mid-move keeps reads served); deletes reach every copy.
 """
 from __future__ import annotations
 
@@ -19,6 +21,9 @@ from tasks.packed import PackedBatch, payload_bytes_per_row
 
 from .placement import Failures, Placement, PutPlan, chunks_by_bytes, plan_put
 from .protocol import MISSING_KEY, MOVED, UNIT_UNAVAILABLE
+
+
+ASK_NEXT = frozenset({MISSING_KEY, MOVED, UNIT_UNAVAILABLE})  # a read asks the key's next holder after these
 
 
 @dataclass(frozen=True)
@@ -81,17 +86,24 @@ def plan_all_moving(table: MovingTable, keys: Sequence[str]) -> tuple[list[str],
     return uniq, parts, failed
 
 
-def still_elsewhere(table: MovingTable, failed: dict[str, tuple[str, str]]) -> list[tuple[int, list[str]]]:
-    """Keys a read from the new holders did not find (or could not reach: a new holder's
-    worker died mid-move), per old primary (union index) that may still hold them; the new
-    table's own primary is not asked twice."""
-    keys = [k for k, (reason, _) in failed.items() if reason in (MISSING_KEY, MOVED, UNIT_UNAVAILABLE)]
-    if not keys:
-        return []
-    new, old = table.placement.locate(keys), table.previous.locate(keys)
-    back = table.previous_index()[old.primary]
+def read_order(table: MovingTable, keys: Sequence[str]) -> np.ndarray:
+    """Union indices of each key's holders in the order a read asks them (``[keys, 4]``:
+    old primary, new primary, old replica, new replica; -1 where there is none or the
+    unit was asked already for that key)."""
+    holders, _ = table.holders(keys)
+    order = holders[:, [2, 0, 3, 1]].copy()
+    for c in range(1, order.shape[1]):
+        seen = (order[:, [c]] == order[:, :c]).any(axis=1)
+        order[seen, c] = -1
+    return order
+
+
+def holder_parts(order: np.ndarray, column: int, keys: Sequence[str], pending: Sequence[int]) -> list[tuple[int, list[str]]]:
+    """(union index, its keys) per call asking column ``column`` of :func:`read_order` for
+    the keys at positions ``pending`` (keys with no holder there are left out), sorted."""
     out: dict[int, list[str]] = {}
-    for k, u, n in zip(keys, back.tolist(), new.primary.tolist()):
-        if u >= 0 and u != n:
-            out.setdefault(u, []).append(k)
+    for i in pending:
+        u = int(order[i, column])
+        if u >= 0:
+            out.setdefault(u, []).append(keys[i])
     return sorted(out.items())

@@ -25,10 +25,11 @@ from .merging import (
     failed_rows,
     merge_gets,
     merge_puts,
+    removed_before,
     splice,
     unavailable_keys,
 )
-from .moving import plan_all_moving, plan_put_moving, still_elsewhere
+from .moving import ASK_NEXT, MovingTable, holder_parts, plan_all_moving, plan_put_moving, read_order
 from .placement import failover, plan_delete, plan_put, plan_read
 from .protocol import GetResult, StoreResult, pack_names
 from .replication import merge_deletes
@@ -113,28 +114,42 @@ def get(store: Driven, keys: Sequence[str], fields: list[str] | None, partition:
 
 
 def _read(store: Driven, parts: list, partition: str, wire_fields: bytes | None) -> Operation[list[GetResult]]:
-    """Read ``parts`` from their primaries, then (replicas=2) what failed from replicas,
-    then (a move in progress) what the new holders lack from the old ones."""
+    """Read ``parts`` from their primaries, then (replicas=2) what failed from replicas;
+    while keys move, from each key's holders in :func:`~.moving.read_order` instead."""
     placement, moving, version = store.placement, store.moving, stamp(store)
 
     def call(u: int, ks: list[str], local: bool) -> Call:
         return Call(u, "get_many", lambda: (partition, pack_names(ks), wire_fields, version), ks, empty_get, local=local)
 
+    if moving is not None:
+        return (yield from _read_moving(moving, [k for _, ks in parts for k in ks], call))
     results = yield [call(u, ks, True) for u, ks in parts]
     again = failover(placement, results)
     if again:
         results = after_failover(results, (yield [call(r, ks, False) for r, ks in again]))
-    if moving is None:
-        return results
-    behind = still_elsewhere(moving, {k: f for r in results for k, f in r.failed.items()})
-    if not behind:
-        return results
-    old = yield [call(u, ks, False) for u, ks in behind]
-    return drop_failed(results, [k for _, ks in behind for k in ks if _found(old, k)]) + old
+    return results
 
 
-def _found(results: list[GetResult], key: str) -> bool:
-    return any(key in r.batch.keys for r in results)
+def _read_moving(moving: MovingTable, keys: list[str], call: Callable[[int, list[str], bool], Call]) -> Operation[list[GetResult]]:
+    """``keys`` while a move runs: the old primaries first (one round trip: they hold every
+    row until the final table is fenced), then each next holder only for the keys the
+    previous could not give (missing, moved or unreachable); a key's answer is its last
+    holder's."""
+    order = read_order(moving, keys)
+    results: list[GetResult] = []
+    pending = list(range(len(keys)))
+    for column in range(order.shape[1]):
+        parts = holder_parts(order, column, keys, pending)
+        if not parts:
+            continue
+        asked = {k for _, ks in parts for k in ks}
+        got = yield [call(u, ks, column == 0) for u, ks in parts]
+        results = drop_failed(results, list(asked)) + got
+        again = {k for r in got for k, (reason, _) in r.failed.items() if reason in ASK_NEXT}
+        pending = [i for i in pending if keys[i] in again or keys[i] not in asked]
+        if not pending:
+            break
+    return results
 
 
 # ---- delete -------------------------------------------------------------------------------
@@ -143,17 +158,20 @@ def _found(results: list[GetResult], key: str) -> bool:
 def delete(store: Driven, keys: Sequence[str], partition: str) -> Operation[StoreResult]:
     """Delete ``keys`` on every copy (see :meth:`StagingStore.delete`)."""
     seen = store.placement.version
-    result = yield from _delete_once(store, keys, partition)
+    result, removed = yield from _delete_once(store, keys, partition)
     for _ in range(REFRESHES):
         if not any_unavailable(result.failed) or not (yield Refresh(seen)):
             break
         seen = store.placement.version
         retry = [k for k, (r, _) in result.failed.items() if r in RETRY_REASONS]
-        result = splice(result, (yield from _delete_once(store, retry, partition)))
+        again, more = yield from _delete_once(store, retry, partition)
+        removed |= more
+        result = splice(result, removed_before(again, removed))
     return result
 
 
-def _delete_once(store: Driven, keys: Sequence[str], partition: str) -> Operation[StoreResult]:
+def _delete_once(store: Driven, keys: Sequence[str], partition: str) -> Operation[tuple[StoreResult, set[str]]]:
+    """One round of deletes: the answer per key, and the keys some copy removed."""
     placement, moving, version = store.placement, store.moving, stamp(store)
     uniq, parts, names, failed = plan_delete(placement, keys)
     if moving is not None:  # every copy of either table
@@ -167,7 +185,7 @@ def _delete_once(store: Driven, keys: Sequence[str], partition: str) -> Operatio
     replicated = placement.replicas == 2 or moving is not None
     result = merge_deletes(results, uniq) if replicated else StoreResult.merge(results)
     result.failed.update(failed)
-    return result
+    return result, {k for r in results for k in r.ok}
 
 
 def stamp(store: Driven) -> int:
