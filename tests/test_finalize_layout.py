@@ -12,7 +12,7 @@ import math
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.finalize.layout import StepLayout, assembly_clusters, step_layout
+from tasks.finalize.layout import HostMap, StepLayout, assembly_clusters, step_layout
 from tasks.finalize.plan import StepPlan, pack_verify_tasks, plan_step
 from tasks.keys import unit_for_key
 
@@ -186,3 +186,98 @@ def test_one_site_packs_like_pack_verify_tasks():
     packed = pack_verify_tasks(plan.rollouts, 35, [0] * 5)
     assert [len(t.rollouts) for t in layout.tasks] == [len(t) for t in packed]
     assert layout.sites[0].worker is None and layout.groups[0].assembler is None
+
+
+# ---- host-aware placement: workers on hosts, some without the finalize resource ------------
+
+
+@st.composite
+def hosted_step(draw: st.DrawFn) -> tuple[StepPlan, list[int], list[str], int, HostMap]:
+    """:func:`step` plus where its workers are: 1-3 hosts, any workers taking finalize work."""
+    plan, sizes, unit_workers, budget = draw(step())
+    workers = sorted(set(unit_workers) | {f"w{i}" for i in range(4)})
+    n_hosts = draw(st.integers(1, 3))
+    hosts = {w: f"h{draw(st.integers(0, n_hosts - 1))}" for w in workers}
+    finalize = frozenset(w for w in workers if draw(st.booleans()))
+    return plan, sizes, unit_workers, budget, HostMap(hosts, finalize)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hosted_step())
+def test_each_group_is_assembled_on_the_host_holding_most_of_its_rows(case):
+    """With hosts, a group's assembling site is on the host whose sites hold the most of
+    the group's tokens (ties: the host of the lowest site), and its assemble task is
+    pinned to a finalize worker of that host (none there: unpinned)."""
+    plan, sizes, unit_workers, budget, hosts = case
+    layout = step_layout(plan, sizes, unit_workers, budget, hosts)
+    site_of = {r: s for s, site in enumerate(layout.sites) for t in site.tasks for r in layout.tasks[t].rollouts}
+    for g, group in enumerate(layout.groups):
+        if group.assembler is None:
+            assert group.worker is None
+            continue
+        per_host: dict[str, int] = {}
+        for r in planned_rollouts(layout, g):
+            host = layout.sites[site_of[r]].host
+            per_host[host] = per_host.get(host, 0) + plan.rollouts[r].n_tokens
+        order = [site.host for site in layout.sites]
+        if sum(per_host.values()):
+            best = max(per_host, key=lambda h: (per_host[h], -order.index(h)))
+            assert layout.sites[group.assembler].host == best, (per_host, group.assembler)
+        if group.worker is not None:
+            assert hosts.hosts[group.worker] == layout.sites[group.assembler].host and group.worker in hosts.finalize
+        else:
+            assert not any(hosts.hosts[w] == layout.sites[group.assembler].host for w in hosts.finalize)
+
+
+@settings(max_examples=300, deadline=None)
+@given(hosted_step())
+def test_verify_tasks_run_on_their_rows_host_and_crossing_outputs_are_named(case):
+    """Every rollout is verified once, by a task of the site holding its rows, pinned to
+    the site's own worker when it takes finalize work, else to a finalize worker of the
+    same host (unpinned only when its host has none). A task's output crosses hosts
+    exactly when its rollouts' group is assembled on another host."""
+    plan, sizes, unit_workers, budget, hosts = case
+    layout = step_layout(plan, sizes, unit_workers, budget, hosts)
+    seen = sorted(r for task in layout.tasks for r in task.rollouts)
+    assert seen == list(range(len(plan.rollouts)))
+    for site in layout.sites:
+        if site.worker is None:
+            assert site.verify_worker is None
+            continue
+        assert site.host == hosts.hosts[site.worker]
+        if site.worker in hosts.finalize:
+            assert site.verify_worker == site.worker
+        elif site.verify_worker is not None:
+            assert site.verify_worker in hosts.finalize and hosts.hosts[site.verify_worker] == site.host
+        else:
+            assert not any(hosts.hosts[w] == site.host for w in hosts.finalize)
+    assembler_host = {t: layout.sites[g.assembler].host for g in layout.groups if g.assembler is not None for t in g.tasks}
+    expected = [t for t, task in enumerate(layout.tasks) if t in assembler_host and assembler_host[t] != layout.sites[task.site].host]
+    assert layout.crossing_tasks() == expected
+
+
+def test_a_storage_only_worker_hands_its_rows_to_a_finalize_worker_of_its_host():
+    """Units on a worker without the finalize resource: the site's verify tasks and the
+    groups it assembles go to the finalize worker on the same host, not another host's."""
+    plan = plan_step({"g0": [receipt(f"s{i}", [10, 5], [True, False], False) for i in range(4)]})
+    hosts = HostMap({"store-a": "10.0.0.1", "fin-a": "10.0.0.1", "fin-b": "10.0.0.2"}, frozenset({"fin-a", "fin-b"}))
+    layout = step_layout(plan, [4], ["store-a"], 1000, hosts)
+    assert [(s.worker, s.host, s.verify_worker) for s in layout.sites] == [("store-a", "10.0.0.1", "fin-a")]
+    assert layout.groups[0].worker == "fin-a" and layout.crossing_tasks() == []
+    # Without host knowledge the same step is placed by worker only, as before.
+    plain = step_layout(plan, [4], ["store-a"], 1000)
+    assert plain.sites[0].verify_worker is None and plain.groups[0].worker == "store-a"
+
+
+def test_a_group_whose_rows_sit_on_another_host_is_assembled_there():
+    """Two sites on two hosts: the step's heaviest site assembles by the token rule, but
+    a group holding all its rows on the other host is assembled on that host."""
+    receipts = {f"g{g}": [receipt(f"x{g}-{i}", [8 * (g + 1)], [False], False) for i in range(3)] for g in range(4)}
+    plan = plan_step(receipts)
+    hosts = HostMap({"a": "10.0.0.1", "b": "10.0.0.2"}, frozenset({"a", "b"}))
+    layout = step_layout(plan, [3] * 4, ["a", "b"], 10_000, hosts)
+    site_of = {r: s for s, site in enumerate(layout.sites) for t in site.tasks for r in layout.tasks[t].rollouts}
+    for g, group in enumerate(layout.groups):
+        held = [sum(plan.rollouts[r].n_tokens for r in planned_rollouts(layout, g) if site_of[r] == s) for s in range(2)]
+        assert held[group.assembler] == max(held), (g, held)
+        assert group.worker == layout.sites[group.assembler].worker

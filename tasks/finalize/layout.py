@@ -9,7 +9,7 @@ emits tasks from it and every placement rule is testable without Dask.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Mapping, Sequence
 
 from ..keys import primary_units
 from .plan import RolloutPlan, StepPlan, pack_verify_tasks
@@ -72,12 +72,19 @@ class VerifyTask:
 @dataclass(frozen=True)
 class Site:
     """A worker hosting storage units (``None``: the store places no units, one site
-    anywhere), its verify tasks (consecutive task numbers) and its two fetches."""
+    anywhere), its verify tasks (consecutive task numbers) and its two fetches.
+
+    ``host``: the worker's host (``None``: hosts unknown); ``verify_worker``: where its
+    verify tasks are pinned, the site's own worker when it takes verify tasks, else one on
+    its host that does (``None``: unpinned, they run where their pieces are;
+    :func:`host_worker`)."""
 
     worker: str | None
     tasks: tuple[int, ...]
     staging: SiteFetch
     routes: SiteFetch
+    host: str | None = None
+    verify_worker: str | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ class GroupLayout:
     slots: tuple[Slot, ...]
     tasks: tuple[int, ...]
     assembler: int | None
+    worker: str | None = None  # where its assemble task is pinned (None: anywhere; :func:`host_worker`)
 
 
 @dataclass(frozen=True)
@@ -104,6 +112,14 @@ class StepLayout:
     sites: tuple[Site, ...]
     tasks: tuple[VerifyTask, ...]
     groups: tuple[GroupLayout, ...]
+
+    def crossing_tasks(self) -> list[int]:
+        """Verify tasks whose output crosses hosts: run on one host, read by an assemble
+        task pinned to another (each such output travels once: every group reading a task
+        is assembled on the same site). Empty when hosts are unknown."""
+        to_host = {t: self.sites[g.assembler].host for g in self.groups if g.assembler is not None for t in g.tasks}
+        return [t for t, task in enumerate(self.tasks)
+                if self.sites[task.site].host is not None and t in to_host and to_host[t] != self.sites[task.site].host]
 
 
 # ---- groups' rows --------------------------------------------------------------------
@@ -201,6 +217,54 @@ def group_assemblers(site_tokens: Sequence[int], group_tokens: Sequence[int], ru
     return [heaviest_first[c] for c in assembly_clusters(group_tokens, runs)]
 
 
+@dataclass(frozen=True)
+class HostMap:
+    """Where workers are: ``hosts[worker]`` is its host (the IP part of its address), and
+    ``finalize`` the workers that take finalize work (the ``finalize`` resource)."""
+
+    hosts: Mapping[str, str]
+    finalize: frozenset[str]
+
+
+def host_worker(worker: str, hosts: HostMap) -> str | None:
+    """The worker to run finalize work for rows held on ``worker``: itself when it takes
+    finalize work, else the first (sorted) worker on its host that does, else ``None``
+    (no such worker on that host: anywhere)."""
+    if worker in hosts.finalize:
+        return worker
+    host = hosts.hosts.get(worker)
+    same = sorted(w for w in hosts.finalize if host is not None and hosts.hosts.get(w) == host)
+    return same[0] if same else None
+
+
+def host_assemblers(
+    site_hosts: Sequence[str], tokens: Sequence[Sequence[int]], chosen: Sequence[int]
+) -> list[int]:
+    """Each group's assembling site moved to the host holding most of its rows.
+
+    ``site_hosts[s]``: site ``s``'s host; ``tokens[g][s]``: group ``g``'s planned tokens
+    held by site ``s``; ``chosen[g]``: the site :func:`group_assemblers` gave it. The rule:
+    group ``g``'s host is the one whose sites hold the most of its tokens (ties: the host
+    of the lowest site number). ``chosen[g]`` stays if it is on that host, else the site
+    on that host holding most of the group's tokens (ties: lower site number). A group
+    without tokens keeps its site.
+    """
+    out = []
+    for g, row in enumerate(tokens):
+        per_host: dict[str, int] = {}
+        for s, n in enumerate(row):
+            per_host[site_hosts[s]] = per_host.get(site_hosts[s], 0) + n
+        if not sum(row):
+            out.append(chosen[g])
+            continue
+        host = max(per_host, key=lambda h: (per_host[h], -site_hosts.index(h)))
+        if site_hosts[chosen[g]] == host:
+            out.append(chosen[g])
+        else:
+            out.append(max((s for s in range(len(row)) if site_hosts[s] == host), key=lambda s: (row[s], -s)))
+    return out
+
+
 # ---- verify tasks and fetches of one site -------------------------------------------------
 
 
@@ -269,16 +333,29 @@ def _routes_keys(p: RolloutPlan) -> Sequence[str]:
     return p.routes_keys
 
 
+def _assemble_worker(site_list: Sequence[Site], assembler: int | None, hosts: HostMap | None) -> str | None:
+    """The worker an assemble task is pinned to: its site's, or with hosts, the site's
+    verify worker (a finalize worker of the site's host)."""
+    if assembler is None:
+        return None
+    site = site_list[assembler]
+    return site.verify_worker if hosts is not None else site.worker
+
+
 def step_layout(
-    plan: StepPlan, group_sizes: Sequence[int], unit_workers: Sequence[str], token_budget: int
+    plan: StepPlan, group_sizes: Sequence[int], unit_workers: Sequence[str], token_budget: int,
+    hosts: HostMap | None = None,
 ) -> StepLayout:
     """The layout of a planned step.
 
     ``group_sizes[g]``: receipts submitted in group ``g`` (submission order, summing to
     ``len(plan.order)``); ``unit_workers[u]``: the worker hosting storage unit ``u`` (empty:
     the store places no units); ``token_budget``: tokens per verify task, as
-    :func:`~tasks.finalize.plan.pack_verify_tasks` packs them. Equal inputs give equal
-    layouts.
+    :func:`~tasks.finalize.plan.pack_verify_tasks` packs them; ``hosts``: where the
+    workers are (``None``: unknown, every placement by worker only). With hosts, each
+    group is assembled on the host holding most of its rows (:func:`host_assemblers`) and
+    verify and assemble tasks are pinned to a finalize worker of their rows' host
+    (:func:`host_worker`). Equal inputs give equal layouts.
     """
     plans = list(plan.rollouts)
     slots = group_slots(plan, group_sizes)
@@ -293,18 +370,26 @@ def step_layout(
     group_tokens = [sum(plans[s.index].n_tokens for s in row if s.index is not None) for row in slots]
     placed = bool(by_site) and by_site[0][0] is not None
     assemblers = group_assemblers(site_tokens, group_tokens, runs) if placed else None
+    site_hosts = [hosts.hosts.get(w, w) if hosts is not None and w is not None else None for w, _ in by_site]
+    if assemblers is not None and hosts is not None:
+        site_of = {r: s for s, (_, rs) in enumerate(by_site) for r in rs}
+        held = [[0] * len(by_site) for _ in slots]
+        for r, p in enumerate(plans):
+            held[group_of[r]][site_of[r]] += p.n_tokens
+        assemblers = host_assemblers([h or "" for h in site_hosts], held, assemblers)
     tasks: list[VerifyTask] = []
     site_list: list[Site] = []
     for s, (worker, rs) in enumerate(by_site):
         # Numbered on from the tasks of the sites before: a site's tasks are consecutive.
         numbered = list(enumerate(site_tasks(s, rs, plans, group_of, assemblers, token_budget), start=len(tasks)))
         staging, routes = site_fetch(numbered, _staging_keys, plans), site_fetch(numbered, _routes_keys, plans)
-        site_list.append(Site(worker, tuple(t for t, _ in numbered), staging, routes))
+        pinned = host_worker(worker, hosts) if hosts is not None and worker is not None else None
+        site_list.append(Site(worker, tuple(t for t, _ in numbered), staging, routes, site_hosts[s], pinned))
         tasks.extend(task for _, task in numbered)
     task_of = {r: t for t, task in enumerate(tasks) for r in task.rollouts}
     groups = []
     for g, row in enumerate(slots):
         needed = tuple(sorted({task_of[s.index] for s in row if s.index is not None}))
         assembler = assemblers[g] if assemblers is not None and needed else None
-        groups.append(GroupLayout(tuple(row), needed, assembler))
+        groups.append(GroupLayout(tuple(row), needed, assembler, _assemble_worker(site_list, assembler, hosts)))
     return StepLayout(tuple(site_list), tuple(tasks), tuple(groups))
