@@ -5,6 +5,7 @@ import argparse
 import importlib
 import json
 import sys
+from types import ModuleType
 from typing import Sequence
 
 BENCHMARKS = {
@@ -18,6 +19,14 @@ BENCHMARKS = {
 }
 
 
+def _command(sub: argparse._SubParsersAction, name: str, module: ModuleType, help_text: str) -> None:
+    """Subcommand ``name`` from ``module``: its docstring, ``add_arguments``, ``main`` and
+    ``check_arguments``."""
+    p = sub.add_parser(name, help=help_text, description=module.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    module.add_arguments(p)
+    p.set_defaults(func=module.main, check=lambda args, p=p: module.check_arguments(p, args))
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .cli_args import ArgumentParser
 
@@ -28,26 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     from . import demo
-
-    demo_parser = sub.add_parser(
-        "demo",
-        help="run the whole loop on an embedded LocalCluster (or --scheduler ADDR)",
-        description=demo.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    demo.add_arguments(demo_parser)
-    demo_parser.set_defaults(func=demo.main, check=lambda args, p=demo_parser: demo.check_arguments(p, args))
-
     from .deploy import cli as cluster_cli
 
-    cluster_parser = sub.add_parser(
-        "cluster",
-        help="a dask scheduler and hosts of dask workers on this machine, each host on its own loopback address",
-        description=cluster_cli.__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    cluster_cli.add_arguments(cluster_parser)
-    cluster_parser.set_defaults(func=cluster_cli.main, check=lambda args, p=cluster_parser: cluster_cli.check_arguments(p, args))
+    _command(sub, "demo", demo, "run the whole loop on an embedded LocalCluster (or --scheduler ADDR)")
+    _command(sub, "cluster", cluster_cli,
+             "a dask scheduler and hosts of dask workers on this machine, each host on its own loopback address")
 
     bench = sub.add_parser("bench", help="side-by-side benchmarks (one run, ratios)", description="Side-by-side benchmarks; --json prints one JSON object on stdout, progress goes to stderr.")
     bench_sub = bench.add_subparsers(dest="benchmark", required=True, metavar="BENCHMARK")
