@@ -20,7 +20,10 @@ assemble_ms, queue_wait_ms, queue_depth, calls_per_rollout, fetch_calls, bytes_f
 tokens, rejected_details (dict reason -> the first rejected row's detail for that reason,
 at most 200 characters, one entry per reason of ``rejected``; optional); ``kind`` is
 ``"group"``. The controller's ``kind: "step"`` events on this topic carry the same counts
-summed over the step, without rejected_details (count each rollout from one kind only)."""
+summed over the step, without rejected_details (count each rollout from one kind only),
+and cross_host_bytes (bytes the step's tasks moved between hosts, measured on the
+scheduler; -1 when not measured) and cross_host_bytes_planned (the bytes the step's layout
+ships between hosts)."""
 
 FINALIZE_OPTIONAL: Mapping[str, object] = {"internal_errors": 0, "rejected_details": {}}
 """Finalize event keys an event may lack (older producers), with the value to read then."""

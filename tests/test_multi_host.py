@@ -32,6 +32,7 @@ from pipeline.finalize import Finalizer
 from pipeline.store.hosted import close_hosted, hosted_stores, start_hosted
 from pipeline.testing.oracle import reference_mismatches
 from tasks.errors import ClusterMisconfigured
+from tasks.keys import primary_units
 from tasks.toy.rollouts import generate_rollouts, make_step_specs
 
 pytestmark = pytest.mark.timeout(300)
@@ -96,6 +97,43 @@ def test_each_host_binds_its_own_address_and_directory(cluster):
         assert listening_ips(host.pids()) == {host.address}
     assert workers_with_role(client, "generation") == hosts.role_workers("generation") and len(hosts.role_workers("generation")) == 4
     assert {host_of(w) for w in workers_with_role(client, "storage")} == {"127.0.0.4", "127.0.0.5"}
+
+
+def test_bytes_crossing_hosts_are_counted_per_step(cluster):
+    """A group whose rows sit on two storage hosts is assembled on the host holding most of
+    them; the other host's verified rows cross hosts, and the step's FINALIZE figures say
+    so, planned (the layout) and measured (the scheduler's transfers). A group whose rows
+    all sit on one host moves nothing between hosts. (The spread step runs first: by the
+    second, Dask knows verify tasks are too short to be worth stealing to another host.)"""
+    hosts, client = cluster
+    store = start_hosted(client, NAME, n_units=4, workers=hosts.role_workers("storage"))
+    try:
+        unit_hosts = [host_of(w) for w in store.unit_workers]
+        assert len(set(unit_hosts)) == 2
+
+        def rows_hosts(prefix: str):
+            [group] = specs(prefix, groups=1)
+            ros = generate_rollouts(policy_from_config(), group)
+            return group, {unit_hosts[u] for u in primary_units([ro.staging_keys[0] for ro in ros], len(unit_hosts)).tolist()}
+
+        candidates = [rows_hosts(f"xh-{i}-") for i in range(40)]
+        spread = next(g for g, h in candidates if len(h) == 2)
+        local = next(g for g, h in candidates if len(h) == 1)
+        fin = Finalizer(client, store)
+        for group, crosses in ((spread, True), (local, False)):
+            receipts = stage_from_generation_hosts(hosts, client, [group])
+            handle = fin.submit_step(receipts)
+            step = handle.result(timeout=120)
+            layout = handle.graph.layout
+            assert step.metrics["accepted"] == 3
+            assert len({site.host for site in layout.sites}) == (2 if crosses else 1)
+            if crosses:
+                assert layout.crossing_tasks()
+                assert step.metrics["cross_host_bytes_planned"] > 0 and step.metrics["cross_host_bytes"] > 0, step.metrics
+            else:
+                assert step.metrics["cross_host_bytes_planned"] == 0 and step.metrics["cross_host_bytes"] == 0, step.metrics
+    finally:
+        close_hosted(client, NAME)
 
 
 def test_stage_finalize_then_lose_a_whole_storage_host(cluster):

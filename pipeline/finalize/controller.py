@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Mapping, Sequence, TypedDict
 
 from tasks import reasons as R
 from tasks.errors import MissingFinalizeResource
+from tasks.finalize.layout import HostMap
 from tasks.finalize.plan import ReceiptLike
 from tasks.finalize.step_batch import step_batch
 from tasks.keys import STAGING_PARTITION, staging_key
@@ -29,7 +30,7 @@ from tasks.keys import STAGING_PARTITION, staging_key
 from .. import config, events
 from ..store import receive_pool
 from ..store.protocol import PlacedStoreLike, StoreLike
-from . import timing
+from . import timing, transfers
 from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_graph, task_key
 from .settings import FinalizeSettings
 
@@ -215,6 +216,7 @@ class StepHandle:
             groups = _gather(client, self.futures, timeout, self._finalizer.settings.gather_direct)
             by_id = dict(zip(self.group_ids, groups))
             collected_s = timing.wall_s()
+            measured = transfers.read(client, self.graph.token) if self._finalizer.measures_transfers else None
             metrics = timing.step_metrics(
                 step_id=self.step_id,
                 group_metrics={gid: g.metrics for gid, g in by_id.items()},
@@ -222,6 +224,8 @@ class StepHandle:
                 collected_s=collected_s,
                 queue_depth=self.graph.queue_depth,
                 queue_depth_after=self._finalizer.queue_depth,
+                crossing_tasks=self.graph.layout.crossing_tasks() if self.graph.layout is not None else (),
+                cross_host_bytes=measured["bytes"] if measured is not None else -1,
             )
             try:
                 client.log_event(events.FINALIZE, metrics)
@@ -299,8 +303,11 @@ class Finalizer:
         self._seq = itertools.count()
         self._in_flight: list[StepHandle] = []
         self._lock = threading.Lock()
+        self._workers: dict[str, bool] = {}  # worker -> takes finalize work (last scheduler answer)
         if check_resources:
             self._check_resources()
+        # Each step's worker-to-worker bytes across hosts, measured on the scheduler.
+        self.measures_transfers = transfers.install(client)
 
     @classmethod
     def attach(cls, client: Client, name: str | None = None, **kwargs: object) -> Finalizer:
@@ -320,6 +327,7 @@ class Finalizer:
         except TypeError:  # older distributed
             info = self.client.scheduler_info()
         workers = info.get("workers", {})
+        self._workers = {a: w.get("resources", {}).get("finalize", 0) > 0 for a, w in workers.items()}
         if workers and not any(w.get("resources", {}).get("finalize", 0) > 0 for w in workers.values()):
             address = getattr(getattr(self.client, "scheduler", None), "address", None) or "<scheduler>"
             slots = f"{self.settings.slots_per_worker:g}"
@@ -328,6 +336,23 @@ class Finalizer:
                 f'start workers with `dask worker {address} --resources "finalize={slots}"` '
                 "(in Python: LocalCluster(resources=pipeline.cluster.finalize_resources()))"
             )
+
+    def host_map(self) -> HostMap | None:
+        """Where the store's workers and the finalize workers are, when they span more than
+        one host (one host: nothing can cross hosts, placement stays by worker). The
+        workers' resources are asked of the scheduler again only when the store names a
+        worker not seen before (one round trip, not one per step)."""
+        units = list(getattr(self.store, "unit_workers", None) or ())
+        if any(w not in self._workers for w in units):
+            try:
+                self._check_resources()
+            except MissingFinalizeResource:
+                pass
+        everyone = set(self._workers) | set(units)
+        hosts = {w: transfers.host_of(w) for w in everyone}
+        if len(set(hosts.values())) < 2:
+            return None
+        return HostMap(hosts, frozenset(w for w, takes in self._workers.items() if takes))
 
     def with_settings(self, **changes: object) -> FinalizeSettings:
         """Change some knobs (``FinalizeSettings`` field names) from the next submitted step
@@ -376,6 +401,7 @@ class Finalizer:
             priority=-seq,  # older steps first when several are in flight
             keep_intermediates=self.keep_intermediates,
             check_groups=isinstance(groups, Mapping),  # list-form ids are made up: nothing to compare
+            hosts=self.host_map(),
         )
         clear = self.settings.clear_staged
         handle = StepHandle(self, graph, clear=clear, rejected_keys=rejected_receipt_keys(named, graph.plan.rejected) if clear else ())

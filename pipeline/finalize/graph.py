@@ -21,7 +21,7 @@ from dask.task_spec import Task, TaskRef
 from distributed import span
 
 from tasks.errors import FinalizeError
-from tasks.finalize.layout import SiteFetch, Slot, StepLayout, step_layout
+from tasks.finalize.layout import HostMap, SiteFetch, Slot, StepLayout, step_layout
 from tasks.finalize.plan import ReceiptLike, StepPlan, plan_step
 from tasks.keys import STAGING_PARTITION, primary_units
 from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
@@ -178,11 +178,20 @@ class _Emitter:
         self.pin(layer, site.worker)
         staging = self.fetch(layer, "staging", list(STAGING_FIELDS), site.staging, s)
         routes = self.fetch(layer, "routes", [ROUTES_FIELD], site.routes, s)
+        # A site whose worker takes no finalize work: its verify tasks pinned (loosely) to
+        # a finalize worker of its host, so its rows do not leave the host.
+        moved = site.verify_worker is not None and site.verify_worker != site.worker
         for j, t in enumerate(site.tasks):
             task = self.layout.tasks[t]
             has_routes = routes is not None and site.routes.pieces[j].stop > site.routes.pieces[j].start
+            verify_layer = f"{VERIFY}-{a.token}-ships" if task.ships else VERIFY
+            if moved:
+                verify_layer = f"{verify_layer}-{a.token}-site{s}"
+                self.annotations[verify_layer] = {
+                    "resources": {"finalize": 1}, "priority": a.priority + (0.5 if task.ships else 0),
+                    "workers": [site.verify_worker], "allow_other_workers": True}
             self.add(
-                f"{VERIFY}-{a.token}-ships" if task.ships else VERIFY, self.verify_keys[t],
+                verify_layer, self.verify_keys[t],
                 verify_piece, t, [(r, self.plan.rollouts[r]) for r in task.rollouts],
                 self.piece(layer, staging, t, j, len(site.tasks), "staging"),
                 self.piece(layer, routes, t, j, len(site.tasks), "routes") if has_routes else None,
@@ -201,7 +210,7 @@ class _Emitter:
         for g, (gid, group) in enumerate(zip(group_ids, self.layout.groups)):
             key = task_key(ASSEMBLE, a.token, g)
             self.group_keys.append(key)
-            worker = None if group.assembler is None else self.layout.sites[group.assembler].worker
+            worker = group.worker  # the assembling site's worker (with hosts: a finalize worker of its host)
             layer = ASSEMBLE if worker is None else f"{ASSEMBLE}-{a.token}-site{group.assembler}"
             self.pin(layer, worker)
             deps = [TaskRef(self.verify_keys[t]) for t in group.tasks]
@@ -209,6 +218,8 @@ class _Emitter:
 
     def graph(self) -> HighLevelGraph:
         names = list(self.layers)
+        for name in names:
+            self.annotations.setdefault(name, {})
         return HighLevelGraph(
             {name: MaterializedLayer(self.layers[name], annotations=self.annotations[name] or None) for name in names},
             {name: set(names[:i]) for i, name in enumerate(names)},
@@ -243,6 +254,7 @@ def submit_graph(
     priority: int = 0,
     keep_intermediates: bool = False,
     check_groups: bool = True,
+    hosts: HostMap | None = None,
 ) -> StepGraph:
     """Plan ``groups`` (group id -> receipts) and submit the step's graph; returns futures.
 
@@ -260,14 +272,16 @@ def submit_graph(
 
     Placement (soft hints, see :mod:`tasks.finalize.layout`): each site's fetches on the
     worker hosting its units; verify tasks where their pieces are; each group's assemble
-    on the site chosen for its run of groups.
+    on the site chosen for its run of groups. ``hosts`` (where the workers are): each
+    group assembled on the host holding most of its rows, verify and assemble tasks on a
+    finalize worker of their rows' host (:func:`tasks.finalize.layout.step_layout`).
     """
     group_ids = _check_groups(groups)
     token_budget, retries = settings.verify_token_budget, settings.retries
     token = new_token()
     plan = plan_step(dict(zip(group_ids, groups.values())) if check_groups else [r for g in groups.values() for r in g])
     unit_workers = list(getattr(store, "unit_workers", None) or ())
-    layout = step_layout(plan, [len(receipts) for receipts in groups.values()], unit_workers, token_budget)
+    layout = step_layout(plan, [len(receipts) for receipts in groups.values()], unit_workers, token_budget, hosts)
     slots = {gid: list(group.slots) for gid, group in zip(group_ids, layout.groups)}
     args = _StepArgs(step_id, token, settings.vocab_size, settings.num_experts, settings.fetch_timeout_s,
                      timing.wall_s(), queue_depth, priority)

@@ -52,6 +52,7 @@ class VerifyTiming(TypedDict):
     ms: float
     cpu_ms: float
     rollouts: int
+    out_bytes: int  # what Dask weighs the task's output at (bytes); 0 from older workers
 
 
 class RowCounts(TypedDict):
@@ -112,6 +113,8 @@ class StepMetrics(TypedDict):
     wall_ms: float
     tokens_per_s: float
     dominant: str  # "fetch" or "verify" (:func:`sizing_hint`)
+    cross_host_bytes: int  # bytes the step's tasks moved between hosts, as measured (-1: not measured)
+    cross_host_bytes_planned: int  # bytes the layout ships between hosts (verify outputs read on another host)
 
 
 def wall_s() -> float:
@@ -203,11 +206,17 @@ def step_metrics(
     collected_s: float,
     queue_depth: int,
     queue_depth_after: int,
+    crossing_tasks: Sequence[int] = (),
+    cross_host_bytes: int = -1,
 ) -> StepMetrics:
     """Step-level figures from the per-group metrics and the fetch tasks' timings.
 
     ``group_metrics`` are the dicts the assemble tasks put on each group; their private
     ``_verify_tasks`` / ``_fetch_timings`` lists let each shared task count once here.
+    ``crossing_tasks``: the verify tasks whose output the layout ships to another host
+    (:meth:`tasks.finalize.layout.StepLayout.crossing_tasks`), summed by their output
+    bytes into ``cross_host_bytes_planned``; ``cross_host_bytes``: the scheduler's
+    measure (:mod:`pipeline.finalize.transfers`; -1: not measured).
     """
     fetch_by_id: dict[str, FetchTiming] = {}
     verify_tasks: dict[int, VerifyTiming] = {}
@@ -258,6 +267,8 @@ def step_metrics(
         "wall_ms": wall_ms,
         "tokens_per_s": tokens / (wall_ms / 1e3) if wall_ms > 0 else 0.0,
         "dominant": sizing_hint(fetch_ms, verify_ms),
+        "cross_host_bytes": int(cross_host_bytes),
+        "cross_host_bytes_planned": sum(int(verify_tasks[t].get("out_bytes", 0)) for t in crossing_tasks if t in verify_tasks),
     }
 
 

@@ -23,8 +23,9 @@ from tasks.packed import PackedBatch, payload_bytes_per_row, slice_rows
 from .. import events
 from ..store.deadline import takes_timeout
 from ..store.protocol import LOST_KEY, StoreLike
-from . import serializers  # noqa: F401  registers how Dask weighs and ships these tasks' outputs
+from . import serializers  # registers how Dask weighs and ships these tasks' outputs
 from . import timing
+from .serializers import verify_out_bytes
 from .task_outputs import Piece, VerifyOut
 
 logger = logging.getLogger(__name__)
@@ -135,7 +136,8 @@ def verify_piece(
         out.results[r] = result
         out.verify_ms[r] = sw.ms * float(frac)
         out.bytes_fetched[r] = _rollout_bytes(staging, r) + _rollout_bytes(routes, r)
-    out.timing = {"task": task, "start_s": sw.start_s, "ms": sw.ms, "cpu_ms": sw.cpu_ms, "rollouts": len(plans)}
+    out.timing = {"task": task, "start_s": sw.start_s, "ms": sw.ms, "cpu_ms": sw.cpu_ms, "rollouts": len(plans),
+                  "out_bytes": verify_out_bytes(out)}  # what Dask weighs (and ships) this output at
     out.fetch_timings = [p.timing for p in (staging, routes) if p is not None]
     return out
 
