@@ -22,7 +22,7 @@ at most 200 characters, one entry per reason of ``rejected``; optional); ``kind`
 ``"group"``. The controller's ``kind: "step"`` events on this topic carry the same counts
 summed over the step, without rejected_details (count each rollout from one kind only),
 and cross_host_bytes (bytes the step's tasks moved between hosts, measured on the
-scheduler; -1 when not measured) and cross_host_bytes_planned (the bytes the step's layout
+scheduler; 0 with cross_host_measured false when it could not be read) and cross_host_bytes_planned (the bytes the step's layout
 ships between hosts)."""
 
 FINALIZE_OPTIONAL: Mapping[str, object] = {"internal_errors": 0, "rejected_details": {}}

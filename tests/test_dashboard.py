@@ -157,6 +157,7 @@ JS_FIGURES = """
     restore_gets: arr(rst.gets), restore_p99: arr(rst.p99_ms),
     store_units: arr(store.unit), spilled: arr(store.spilled_bytes),
     decisions: arr(dec.reason), workers_points: data('tc-workers').workers.length,
+    cross_steps: arr(data('tc-cross-host').step),
     header: doc.get_model_by_name('tc-header').text,
   };
 })()
@@ -175,6 +176,7 @@ def test_page_renders_in_chromium_with_the_run_figures_and_updates_live(run):
         fig = browser.evaluate(JS_FIGURES)
 
         assert fig["steps"] == ["step-0", "step-1", "step-2"]
+        assert fig["cross_steps"] == ["step-0", "step-1", "step-2"]  # collected steps' bytes crossing hosts
         assert sum(fig["step_rollouts"]) == expected["rollouts"]
         assert fig["verify_ms"][1] == pytest.approx(80.0)
         assert fig["fetch_ms"] == [8.0, 9.0, 10.0]

@@ -58,7 +58,8 @@ def step_event(k: int) -> dict[str, Any]:
     step_id, fetch, verify, assemble, wall = STEPS[k]
     return dict(kind="step", step_id=step_id, groups=2 - k, rollouts=0, accepted=0, rejected={},
                 fetch_ms=fetch, verify_ms=verify, assemble_ms=assemble, wall_ms=wall, queue_depth=3,
-                queue_depth_after=1 + k, dominant="fetch" if fetch >= verify else "verify")
+                queue_depth_after=1 + k, dominant="fetch" if fetch >= verify else "verify",
+                cross_host_bytes=1000 * (k + 1), cross_host_bytes_planned=900 * (k + 1))
 
 
 LAT_BOUNDS = [0.001, 0.01, 0.1]  # a batcher's latency buckets (s): re-binned into metrics.buckets-seconds
@@ -161,6 +162,9 @@ def test_metrics_match_published_events(client):
     assert sample(fams, "token_capture_rollouts_rejected", "token_capture_rollouts_rejected_total", reason="missing_parent") == 1
     assert sample(fams, "token_capture_fetched_bytes", "token_capture_fetched_bytes_total") == 6000
     assert sample(fams, "token_capture_finalized_tokens", "token_capture_finalized_tokens_total") == 600
+    # bytes crossing hosts: the step events' figures summed (steps 1000 + 2000 measured)
+    assert sample(fams, "token_capture_cross_host_bytes", "token_capture_cross_host_bytes_total") == 3000
+    assert sample(fams, "token_capture_cross_host_planned_bytes", "token_capture_cross_host_planned_bytes_total") == 2700
     assert sample(fams, "token_capture_queue_depth", "token_capture_queue_depth") == 2  # step-1's depth after
     # times are published in ms and served in seconds
     assert sample(fams, "token_capture_step_wall_seconds", "token_capture_step_wall_seconds_sum") == pytest.approx(1.05)
@@ -280,7 +284,7 @@ COUNTERS = {
     "groups_finalized", "steps_finalized", "rollouts", "rollouts_rejected", "verifier_internal_errors",
     "fetch_calls", "fetched_bytes", "finalized_tokens", "cuts", "cut_rows", "cut_puts", "cut_durable",
     "cut_failures", "restore_requests", "restore_gets", "restore_keys", "restore_failures",
-    "scaling_decisions", "malformed_events",
+    "scaling_decisions", "malformed_events", "cross_host_bytes", "cross_host_planned_bytes",
 }
 LATENCY_HISTOGRAMS = {
     "finalize_phase_seconds", "step_wall_seconds", "queue_wait_seconds", "cut_wall_seconds", "restore_latency_seconds",

@@ -93,6 +93,7 @@ class TokenCapturePage:
             self.header,
             section("Finalization"),
             row(fin.fig_split, fin.fig_outcome, **grid),
+            row(fin.fig_cross_host, **grid),
             fin.rejections_block,
             section("Queue and scaling"),
             row(queue.fig_depth, queue.fig_wait, **grid),

@@ -56,6 +56,8 @@ class FinalizeEvent(_FinalizeOptional):
     groups: float  # step events
     wall_ms: float  # step events
     queue_depth_after: float  # step events
+    cross_host_bytes: float  # step events (bytes)
+    cross_host_bytes_planned: float  # step events (bytes)
     rejected: dict[str, int]  # reason -> rollouts
     rejected_details: dict[str, str]  # reason -> latest detail (cut to DETAIL_CHARS)
 
@@ -142,6 +144,8 @@ _FINALIZE_NUMBERS = {
     "groups": False,  # step events
     "wall_ms": False,  # step events
     "queue_depth_after": False,  # step events
+    "cross_host_bytes": False,  # step events: bytes the step's tasks moved between hosts (measured)
+    "cross_host_bytes_planned": False,  # step events: bytes the step's layout ships between hosts
 }
 _CUT_NUMBERS = {"wall_ms": True, "rows": True, "puts": True, "calls": False, "durable": False}
 _RESTORE_NUMBERS = {

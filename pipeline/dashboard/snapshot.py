@@ -26,6 +26,8 @@ class StepRecord(TypedDict):
     assemble_ms: float
     wall_ms: float  # submission to collection (0 until final)
     dominant: str  # the side that dominated ("" until final)
+    cross_host_bytes: float  # bytes its tasks moved between hosts, measured (0 until final)
+    cross_host_bytes_planned: float  # bytes its layout ships between hosts (0 until final)
     final: bool
     t: float  # first event of the step (s)
     t_last: float  # latest event of the step (s)

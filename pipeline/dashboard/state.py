@@ -183,7 +183,7 @@ class TokenCaptureState:
             step = self.steps[key] = StepRecord(
                 step_id=key, groups=0, rollouts=0, accepted=0, fetch_ms=0.0,
                 verify_ms=0.0, assemble_ms=0.0, wall_ms=0.0, dominant="",
-                final=False, t=ev["t"], t_last=ev["t"],
+                cross_host_bytes=0.0, cross_host_bytes_planned=0.0, final=False, t=ev["t"], t_last=ev["t"],
             )
             while len(self.steps) > self.history:
                 self.steps.popitem(last=False)
@@ -227,7 +227,10 @@ class TokenCaptureState:
         step.update(
             final=True, fetch_ms=ev["fetch_ms"], verify_ms=ev["verify_ms"], assemble_ms=ev["assemble_ms"],
             wall_ms=ev["wall_ms"], dominant=str(ev.get("dominant") or ""),
+            cross_host_bytes=ev["cross_host_bytes"], cross_host_bytes_planned=ev["cross_host_bytes_planned"],
         )
+        self.totals["cross_host_bytes"] += ev["cross_host_bytes"]
+        self.totals["cross_host_bytes_planned"] += ev["cross_host_bytes_planned"]
         if ev["groups"]:
             step["groups"] = int(ev["groups"])
         if ev["rollouts"]:

@@ -113,7 +113,8 @@ class StepMetrics(TypedDict):
     wall_ms: float
     tokens_per_s: float
     dominant: str  # "fetch" or "verify" (:func:`sizing_hint`)
-    cross_host_bytes: int  # bytes the step's tasks moved between hosts, as measured (-1: not measured)
+    cross_host_bytes: int  # bytes the step's tasks moved between hosts, as measured (0 when not measured)
+    cross_host_measured: bool  # whether the scheduler measured them (its plugin answered)
     cross_host_bytes_planned: int  # bytes the layout ships between hosts (verify outputs read on another host)
 
 
@@ -267,7 +268,8 @@ def step_metrics(
         "wall_ms": wall_ms,
         "tokens_per_s": tokens / (wall_ms / 1e3) if wall_ms > 0 else 0.0,
         "dominant": sizing_hint(fetch_ms, verify_ms),
-        "cross_host_bytes": int(cross_host_bytes),
+        "cross_host_bytes": max(0, int(cross_host_bytes)),
+        "cross_host_measured": cross_host_bytes >= 0,
         "cross_host_bytes_planned": sum(int(verify_tasks[t].get("out_bytes", 0)) for t in crossing_tasks if t in verify_tasks),
     }
 

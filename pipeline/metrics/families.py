@@ -64,7 +64,7 @@ def _by_reason(name: str, doc: str, counts: Mapping[str, float], vocabulary: Ite
 # --------------------------------------------------------------------------- groups
 def finalize_families(agg: TokenCaptureState) -> Iterator[Metric]:
     """Groups and steps finalized, rollouts by status and rejection reason, verifier
-    internal errors, fetch calls / bytes / tokens, the phase, step wall, queue wait
+    internal errors, fetch calls / bytes / tokens, bytes crossing hosts, the phase, step wall, queue wait
     (seconds) and calls-per-rollout (calls) histograms, and the queue depth (groups)."""
     t = agg.totals
     yield _counter("groups_finalized", "Finalized groups", t["groups"])
@@ -84,6 +84,10 @@ def finalize_families(agg: TokenCaptureState) -> Iterator[Metric]:
     yield _counter("fetch_calls", "Store fetch calls made by finalization", t["fetch_calls"])
     yield _counter("fetched_bytes", "Bytes fetched from the store by finalization", t["bytes_fetched"])
     yield _counter("finalized_tokens", "Tokens in finalized training rows", t["tokens"])
+    yield _counter("cross_host_bytes", "Bytes finalize tasks moved between hosts (measured on the scheduler)",
+                   t["cross_host_bytes"])
+    yield _counter("cross_host_planned_bytes", "Bytes the finalize layouts planned to ship between hosts",
+                   t["cross_host_bytes_planned"])
     yield _hist(
         "finalize_phase_seconds",
         "Finalization work time per step by phase, in seconds",

@@ -1,5 +1,5 @@
 """Finalization panels: the split timing per step (ms, stacked fetch / verify / assemble),
-the rollouts' outcomes (accepted and each rejection reason, in rollouts) and the
+the bytes each step moved between hosts (measured bars, planned markers), the rollouts' outcomes (accepted and each rejection reason, in rollouts) and the
 rejections table (rollouts and the latest detail per reason)."""
 from __future__ import annotations
 
@@ -40,6 +40,24 @@ def _split_chart(kit: PanelKit) -> tuple[ColumnDataSource, Figure]:
     return source, fig
 
 
+def _cross_host_chart(kit: PanelKit) -> tuple[ColumnDataSource, Figure]:
+    """``tc-cross-host``: bytes each step's tasks moved between hosts (bars: measured on the
+    scheduler; markers: what the step's layout planned), newest :data:`MAX_BARS` steps."""
+    from bokeh.models import ColumnDataSource, FactorRange, HoverTool
+
+    source = ColumnDataSource(dict(x=[], step=[], measured=[], planned=[]), name="tc-cross-host")
+    fig = kit.figure("cross-host", "Bytes crossing hosts per step: measured (bars) / planned (dots)",
+                     x_range=FactorRange(group_padding=0.5))
+    fig.vbar(x="x", top="measured", width=0.8, source=source, color=BLUE)
+    fig.scatter(x="x", y="planned", size=8, source=source, color=RED)
+    fig.add_tools(HoverTool(tooltips=[("step", "@step"), ("measured", "@measured{0,0} bytes"), ("planned", "@planned{0,0} bytes")]))
+    fig.xaxis.axis_label = "step"
+    fig.yaxis.axis_label = "bytes"
+    fig.xgrid.visible = False
+    fig.y_range.start = 0
+    return source, fig
+
+
 def _outcome_chart(kit: PanelKit) -> tuple[ColumnDataSource, Figure]:
     """``tc-outcome``: rollouts accepted, then rejected by reason (horizontal bars)."""
     from bokeh.models import ColumnDataSource, FactorRange, HoverTool
@@ -63,6 +81,7 @@ class FinalizePanels:
         self.kit = kit
         self.split, self.fig_split = _split_chart(kit)
         self.outcome, self.fig_outcome = _outcome_chart(kit)
+        self.cross_host, self.fig_cross_host = _cross_host_chart(kit)
         self.rejections = ColumnDataSource(dict(reason=[], count=[], detail=[]), name="tc-rejections")
         self.rejection_table = table(self.rejections, [
             ("reason", "rejection reason", None), ("count", "rollouts", "0,0"), ("detail", "last detail", None)])
@@ -91,6 +110,13 @@ class FinalizePanels:
             state=[f"collected ({st['dominant']}-bound)" if st["final"] else "running" for st in steps],
         )
         self.kit.show("split", bool(steps))
+        final = [st for st in steps if st["final"]]
+        final_factors = unique_factors([step_factor(st["step_id"]) for st in final])
+        self.fig_cross_host.x_range.factors = final_factors
+        self.cross_host.data = dict(
+            x=final_factors, step=[st["step_id"] for st in final],
+            measured=[st["cross_host_bytes"] for st in final], planned=[st["cross_host_bytes_planned"] for st in final])
+        self.kit.show("cross-host", bool(final))
 
     def _update_outcomes(self, snap: StateSnapshot) -> None:
         rejected = sorted(snap["rejected"].items(), key=lambda kv: (-kv[1], kv[0]))
