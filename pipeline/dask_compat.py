@@ -4,8 +4,9 @@ Everything else in ``pipeline/`` uses Dask's public API. The few things no publi
 does go through this module, each with a comment naming the internal it touches and why
 nothing public does the job:
 
-- :class:`FailFastActor`: an ``Actor`` handle that fails fast when its worker is gone
-  and, optionally, talks to that worker directly (``Actor`` internals).
+- :class:`FailFastActor`: an ``Actor`` handle that fails fast when its worker is gone or
+  no longer hosts the actor and, optionally, talks to that worker directly (``Actor``
+  internals).
 - :func:`hosted_actor`: the object behind an actor key on this worker
   (``WorkerState.actors``).
 - :func:`actor_executor`, :func:`in_actor_thread`: the thread that runs a worker's actor
@@ -78,15 +79,21 @@ class FailFastActor(Actor):
     # from a client it is a ProxyRPC via the scheduler unless Client.direct_to_workers.
     # That is a per-client setting only (``distributed.client.direct-to-workers`` read
     # when the client starts); no public API makes one handle direct.
+    #
+    # Also: Actor.__getattr__ catches only OSError around ``actor_execute``. When the
+    # worker no longer hosts the actor (released, or the worker restarted), the worker's
+    # lookup raises KeyError outside the handler's own try, the rpc re-raises it here, and
+    # the call's ActorFuture is never resolved: the caller waits out its whole deadline.
+    # :class:`_AnsweredRpc` turns such a failure into an ``OSError`` answer at once.
     @property
     def _worker_rpc(self) -> Any:
         if not self.direct_to_worker:
-            return super()._worker_rpc
+            return _AnsweredRpc(super()._worker_rpc, self._address, self.key)
         if self._worker is None and self._client is None:
             self._try_bind_worker_client()
         if self._worker is None and self._client is not None:
-            return self._client.rpc(self._address)
-        return super()._worker_rpc
+            return _AnsweredRpc(self._client.rpc(self._address), self._address, self.key)
+        return _AnsweredRpc(super()._worker_rpc, self._address, self.key)
 
     # distributed internal: ``Actor(cls, address, key)`` is the form Actor.__reduce__
     # rebuilds a handle from; ``_cls`` and ``_address`` have no public accessor.
@@ -101,6 +108,32 @@ class FailFastActor(Actor):
         # worker), the constructor's own arguments; no public accessor exists. The
         # address could be asked of the scheduler (who_has), at a round trip per handle.
         return cls(actor._cls, actor._address, actor.key)
+
+
+class _AnsweredRpc:
+    """An rpc whose ``actor_execute`` always answers: a failure of the call itself (not of
+    the actor's method, which the worker answers as ``status: error``) comes back as an
+    ``OSError`` answer naming the actor and its worker, so the handle fails at once."""
+
+    def __init__(self, rpc: Any, address: str, key: Any) -> None:
+        self._rpc, self._address, self._key = rpc, address, key
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self._rpc, name)
+        if name != "actor_execute":
+            return call
+
+        async def actor_execute(**kwargs: Any) -> dict:
+            try:
+                return await call(**kwargs)
+            except OSError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the worker could not run the call at all
+                gone = OSError(f"actor {self._key} is not on worker {self._address} any more "
+                               f"({type(e).__name__}: {e}): it was released or its worker restarted")
+                return {"status": "error", "exception": gone}
+
+        return actor_execute
 
 
 # ---- the worker hosting an actor -------------------------------------------------

@@ -135,9 +135,9 @@ def test_fail_fast_handle_keeps_the_future_out_of_the_retry_path(cluster_client)
     assert h.increment().result() == 1
     from distributed.actor import ProxyRPC
 
-    assert isinstance(h._worker_rpc, ProxyRPC)  # through the scheduler (the client's default)
+    assert isinstance(h._worker_rpc._rpc, ProxyRPC)  # through the scheduler (the client's default)
     d = DirectActor.from_actor(plain)
-    assert not isinstance(d._worker_rpc, ProxyRPC)  # straight to the worker
+    assert not isinstance(d._worker_rpc._rpc, ProxyRPC)  # straight to the worker
     assert d.increment().result() == 2
 
 
@@ -383,3 +383,43 @@ def test_storage_unit_listings_answer_in_wire_types(tmp_path):
     assert type(unit.witnessed_keys("staging")) is WireList
     assert type(unit.lost_keys("staging")) is WireDict
     unit.close()
+
+
+class _Counter:
+    def __init__(self) -> None:
+        self.n = 0
+
+    def add(self) -> int:
+        self.n += 1
+        return self.n
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_call_to_a_released_actor_fails_at_once_instead_of_waiting_its_deadline(direct):
+    # A plain Actor handle's call to an actor its worker no longer hosts never resolves
+    # (the worker's KeyError escapes Actor.__getattr__'s OSError-only handler); a
+    # fail-fast handle answers OSError naming the actor. Without _AnsweredRpc the
+    # result(timeout=...) below raises TimeoutError instead.
+    from distributed import Client, LocalCluster
+
+    from pipeline.actors import DirectActor, PinnedActor
+
+    cls = DirectActor if direct else PinnedActor
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster, \
+            Client(cluster) as client:
+        future = client.submit(_Counter, actor=True)
+        handle = cls.from_actor(future.result())
+        assert handle.add().result(timeout=10) == 1
+        key = future.key
+        client.cancel([future], force=True)
+        del future
+        import time
+
+        from pipeline.dask_compat import hosted_actor
+
+        deadline = time.monotonic() + 10
+        while any(client.run(lambda dask_worker: hosted_actor(dask_worker, key) is not None).values()):
+            assert time.monotonic() < deadline, "the actor was not released"
+            time.sleep(0.05)
+        with pytest.raises(OSError, match="is not on worker"):
+            handle.add().result(timeout=20)
