@@ -422,7 +422,7 @@ JS_NOTES = """(() => { const out = {};
 JS_TILES = "Object.fromEntries(%s.map((k) => [k, Number(document.getElementById('tc-' + k).textContent)]))" % list(TILE_KEYS)
 JS_READY = "window.Bokeh && Bokeh.documents.length > 0 && Bokeh.documents[0].get_model_by_name('tc-header').text.length > 0"
 PANELS = {"split", "outcome", "rejections", "depth", "wait", "calls", "scale", "decisions", "cut", "cuts", "restore",
-          "restores", "store", "units"}
+          "restores", "store", "units", "cross-host"}
 
 
 def _tiles_of(snap: dict[str, Any]) -> dict[str, int]:
@@ -452,7 +452,7 @@ def test_no_data_notes_show_on_a_fresh_scheduler_and_go_once_events_arrive():
         # the notes are drawn: the canvases carry ink (axes, the note), the page is not blank
         shot = browser.full_page_screenshot(ARTIFACTS / "dashboard-empty.png", settle_s=0.5)
         plots = browser.layout()["plots"]
-        assert len(plots) == 9 and all(ink_fraction(shot, (p["left"], p["top"], p["width"], p["height"])) > 0.002
+        assert len(plots) == 10 and all(ink_fraction(shot, (p["left"], p["top"], p["width"], p["height"])) > 0.002
                                        for p in plots), plots
         browser.evaluate("window.__tc_same_page = true")
 
@@ -513,7 +513,7 @@ def test_page_is_readable_at_a_glance(full_run, width):
         layout = browser.layout()
         assert layout["page_width"] <= layout["viewport_width"], layout  # no horizontal scrolling
         plots = layout["plots"]
-        assert len(plots) == 9, plots
+        assert len(plots) == 10, plots
         assert all(p["height"] >= 220 for p in plots), plots
         assert all(0.4 * width <= p["width"] <= 0.5 * width for p in plots), plots  # two columns
         assert layout["cells"] >= 40 and not layout["truncated"], layout["truncated"]

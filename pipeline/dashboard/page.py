@@ -93,7 +93,6 @@ class TokenCapturePage:
             self.header,
             section("Finalization"),
             row(fin.fig_split, fin.fig_outcome, **grid),
-            row(fin.fig_cross_host, **grid),
             fin.rejections_block,
             section("Queue and scaling"),
             row(queue.fig_depth, queue.fig_wait, **grid),
@@ -104,7 +103,8 @@ class TokenCapturePage:
             cut.cuts_block,
             restore.restores_block,
             section("Staging store"),
-            row(store.fig_store, store.units_block, **grid),
+            row(store.fig_store, fin.fig_cross_host, **grid),  # the store's fill; the rows crossing hosts per step
+            store.units_block,
             **grid,
         )
 
