@@ -35,6 +35,21 @@ def cli(*argv: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "pipeline", *argv], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def in_process(capsys: pytest.CaptureFixture[str], *argv: str) -> subprocess.CompletedProcess:
+    """The same command run by ``pipeline.cli.main`` in this process (for refusals that
+    come before anything starts: the interpreter's start-up is most of a subprocess's
+    cost); its exit status and output, shaped like :func:`cli`'s."""
+    from pipeline import cli as pipeline_cli
+
+    capsys.readouterr()
+    try:
+        code = pipeline_cli.main(list(argv))
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(list(argv), code, out.out, out.err)
+
+
 def lines(text: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
@@ -78,8 +93,10 @@ def free_port() -> int:
         (["bench", "restore", "--repeats", "0"], "--repeats", "positive integer"),
     ],
 )
-def test_a_bad_value_is_one_usage_line(argv, flag, expected):
-    proc = cli(*argv)
+def test_a_bad_value_is_one_usage_line(argv, flag, expected, capsys):
+    # The first case as a real process (exit status, nothing else on stderr), the rest in
+    # this process through the same entry point.
+    proc = cli(*argv) if argv == ["demo", "--groups", "0"] else in_process(capsys, *argv)
     line = assert_one_line(proc, 2, flag, expected, "--help")
     assert line.startswith("python -m pipeline"), line
     assert proc.stdout == ""  # the demo prints its run id first: it never started
@@ -92,10 +109,10 @@ def test_embedded_cluster_flags_are_refused_with_scheduler():
 
 
 @pytest.mark.parametrize("address", ["foo", "tcp://127.0.0.1:99999", "nosuchscheme://127.0.0.1:8786"])
-def test_a_malformed_scheduler_address_is_one_line(address):
-    proc = cli("demo", "--scheduler", address)
+def test_a_malformed_scheduler_address_is_one_line(address, capsys):
+    proc = cli("demo", "--scheduler", address) if address == "foo" else in_process(capsys, "demo", "--scheduler", address)
     assert_one_line(proc, 2, "--scheduler", "tcp://127.0.0.1:8786")
-    proc = cli("bench", "store", "--scheduler", address)
+    proc = in_process(capsys, "bench", "store", "--scheduler", address)
     assert_one_line(proc, 2, "--scheduler")
 
 
