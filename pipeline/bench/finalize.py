@@ -109,21 +109,29 @@ def make_rollout(rng: np.random.Generator, rid: str, gid: str, calls: int, delta
     return rows, gate.receipt(float(rng.random()))
 
 
+def stage_group(store: StagingStore, group_id: str, rollouts: int, shape: tuple[int, int, tuple[int, int] | None],
+                rng: np.random.Generator) -> list[Receipt]:
+    """Stage one group of ``rollouts`` rollouts (``shape``: calls, new tokens per call,
+    routes) in ONE put; their receipts. Raises naming the group if a row is refused."""
+    calls, delta, routes = shape
+    rows, receipts = [], []
+    for r in range(rollouts):
+        rr, rec = make_rollout(rng, f"{group_id}-r{r}", group_id, calls, delta, routes)
+        rows += rr
+        receipts.append(rec)
+    res = store.put_many(pack_rows(rows))
+    if res.failed:
+        raise RuntimeError(f"staging group {group_id} failed: {dict(list(res.failed.items())[:3])}")
+    return receipts
+
+
 def stage_workload(store: StagingStore, name: str, n_groups: int, rng: np.random.Generator,
                    progress: Callable[[str], None]) -> list[list[Receipt]]:
     """Stage ``n_groups`` groups of workload ``name`` (one put per group); their receipts."""
     rollouts, calls, delta, routes = WORKLOADS[name]
     groups = []
     for g in range(n_groups):
-        rows, receipts = [], []
-        for r in range(rollouts):
-            rr, rec = make_rollout(rng, f"{name}-g{g}-r{r}", f"{name}-g{g}", calls, delta, routes)
-            rows += rr
-            receipts.append(rec)
-        res = store.put_many(pack_rows(rows))
-        if res.failed:
-            raise RuntimeError(f"staging {name} group {g} failed: {dict(list(res.failed.items())[:3])}")
-        groups.append(receipts)
+        groups.append(stage_group(store, f"{name}-g{g}", rollouts, (calls, delta, routes), rng))
         if (g + 1) % max(1, n_groups // 4) == 0 or g + 1 == n_groups:
             progress(f"staged {name} {g + 1}/{n_groups}")
     return groups

@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping
 import numpy as np
 
 from tasks.finalize.layout import StepLayout
-from tasks.packed import pack_rows
 
 from .common import main, notes
-from .finalize import make_rollout
+from .finalize import stage_group
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -70,18 +69,9 @@ def step_tasks(layout: StepLayout) -> int:
 
 
 def _stage(store: Any, prefix: str, rollouts: int, rng: np.random.Generator) -> list[list[Any]]:
-    groups = []
-    for g in range(-(-rollouts // ROLLOUTS_PER_GROUP)):
-        rows, receipts = [], []
-        for r in range(min(ROLLOUTS_PER_GROUP, rollouts - g * ROLLOUTS_PER_GROUP)):
-            rr, rec = make_rollout(rng, f"{prefix}-g{g}-r{r}", f"{prefix}-g{g}", CALLS, DELTA, ROUTES)
-            rows += rr
-            receipts.append(rec)
-        res = store.put_many(pack_rows(rows))
-        if res.failed:
-            raise RuntimeError(f"staging {prefix} group {g} failed")
-        groups.append(receipts)
-    return groups
+    n = -(-rollouts // ROLLOUTS_PER_GROUP)
+    return [stage_group(store, f"{prefix}-g{g}", min(ROLLOUTS_PER_GROUP, rollouts - g * ROLLOUTS_PER_GROUP),
+                        (CALLS, DELTA, ROUTES), rng) for g in range(n)]
 
 
 def _store_calls(store: Any) -> int:
