@@ -1,4 +1,4 @@
-"""Benchmarks with failed rows, failed gets or mismatched content (issue 12): ``ok`` false,
+"""Benchmarks with failed rows, failed gets or mismatched content: ``ok`` false,
 the failure named, no ratio or speedup, exit status 1; a healthy tiny run is ``ok``.
 
 Every bench runs at its smallest scale against one shared 2-worker LocalCluster

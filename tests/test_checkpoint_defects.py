@@ -1,4 +1,4 @@
-"""Issue 11, checkpoint defects: manifest file names confined to the checkpoint directory,
+"""Checkpoint defects: manifest file names confined to the checkpoint directory,
 an optional keyed (HMAC-SHA256) manifest, and all-or-nothing restores."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The command line as a new user meets it (issue 13, "Command line").
+"""The command line as a new user meets it.
 
 Every run is ``python -m pipeline ...`` in a subprocess. Bad flags fail in argparse before
 any cluster starts: one line on stderr naming the flag, exit code 2, nothing on stdout.

@@ -1,4 +1,4 @@
-"""Batched cut puts (issue 12): one store round trip per planned batch, rows packed into
+"""Batched cut puts: one store round trip per planned batch, rows packed into
 pooled slabs that are reused only once nothing refers to them, and ``bench cut``'s
 ``raw_put`` mode (the store's own put of the very batches the batched cut writes).
 

@@ -214,7 +214,7 @@ def test_page_renders_in_chromium_with_the_run_figures_and_updates_live(run):
 
 def test_rejection_table_shows_the_last_detail_per_reason():
     """The page's rejection table (source ``tc-rejections``): one row per reason, with its
-    count and the latest detail the group events carried (issue 11 #11)."""
+    count and the latest detail the group events carried."""
     from pipeline.dashboard.page import TokenCapturePage
     from pipeline.dashboard.state import TokenCaptureState
 
@@ -347,7 +347,7 @@ def test_dashboard_dependencies_run_one_way():
 
 
 
-# --------------------------------------------------------------------------- readable at a glance (issue 13)
+# --------------------------------------------------------------------------- readable at a glance
 RUN_ID = "3fa2c1"
 WORKERS = ("tcp://127.0.0.1:40401", "tcp://127.0.0.1:40403", "tcp://127.0.0.1:41219")
 REASONS = ("corrupt_digest", "missing_parent", "cumulative_hash_mismatch")

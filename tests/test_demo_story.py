@@ -1,4 +1,4 @@
-"""The demo's whole story (issue 10): tampered rollouts rejected with their reasons, and the
+"""The demo's whole story: tampered rollouts rejected with their reasons, and the
 scale phase's reading of the scheduler's scaling decisions.
 
 Pure: every helper of ``tasks.toy.tamper`` applied to toy-policy rollouts, planned and

@@ -45,6 +45,18 @@ def test_docs_never_point_outside_the_repository():
         assert "../shared" not in text and "SPEC.md" not in text, path.name
 
 
+def test_no_issue_numbers_in_code_tests_or_docs():
+    # The tree reads by topic; an issue tracker's numbers mean nothing to a newcomer.
+    import re
+
+    pattern = re.compile(r"\b[Ii]ssue\s*#?\d+")
+    paths = [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]
+    for folder in ("pipeline", "tasks", "tests", "examples"):
+        paths += [p for p in (ROOT / folder).rglob("*") if p.suffix in (".py", ".sh", ".md")]
+    found = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in paths for m in pattern.finditer(p.read_text())]
+    assert not found, found
+
+
 def test_python_api_in_20_lines_runs(tmp_path):
     # The README's API block, as written, in a fresh interpreter.
     import subprocess

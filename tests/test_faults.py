@@ -1,4 +1,4 @@
-"""Worker and storage-unit loss while finalizing (issue 6, items 1 and 2).
+"""Worker and storage-unit loss while finalizing.
 
 One process cluster (``SpecCluster`` of nannies, the machinery under ``LocalCluster``)
 with named workers, so a test can find a worker again after its nanny restarted it:

@@ -1,4 +1,4 @@
-"""Generation worker loss mid-cut (issue 6, item 3).
+"""Generation worker loss mid-cut.
 
 A process cluster of two named nannies (``SpecCluster``, the machinery under
 ``LocalCluster``), so a test finds a worker again after its nanny restarted it:

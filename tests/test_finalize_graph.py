@@ -253,7 +253,7 @@ def test_cluster_without_finalize_slots_is_refused():
             Finalizer(client, store=None)
 
 
-# ---- where the work runs, and what travels (issue 12) ---------------------------------------
+# ---- where the work runs, and what travels ---------------------------------------
 
 
 @pytest.mark.parametrize("budget", [1 << 20, 40])

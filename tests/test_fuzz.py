@@ -1,4 +1,4 @@
-"""Fuzzing (issue 6, item 4): hypothesis-made receipts, rows and batches through the gate,
+"""Fuzzing: hypothesis-made receipts, rows and batches through the gate,
 the store and the finalizer. Every case ends in a typed rejection (a reason from
 ``tasks.reasons`` / the store's per-key vocabulary) or a typed error
 (``TokenCaptureError``), never another exception, a hang or a worker death.

@@ -1,4 +1,4 @@
-"""Dask's own view of finalize steps, and the store reads a step makes (issue 12).
+"""Dask's own view of finalize steps, and the store reads a step makes.
 
 Task keys: each step's tasks form their own Dask task groups (so each step's span holds
 exactly its own tasks, however many steps are in flight) while the task prefixes (the

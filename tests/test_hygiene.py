@@ -1,4 +1,4 @@
-"""Resource hygiene (issue 6, item 9): after a store closes and its cluster shuts down,
+"""Resource hygiene: after a store closes and its cluster shuts down,
 no actor, task, thread, process, open file, temp file or spill directory is left.
 
 Each test runs the pipeline's real work (stage with spilling, finalize one step,

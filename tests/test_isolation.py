@@ -1,4 +1,4 @@
-"""Write-once keys and partition isolation (issue 6, item 6), on a real cluster.
+"""Write-once keys and partition isolation, on a real cluster.
 
 A "writer" here is another process: a Dask task on a worker holding its own unpickled
 ``StagingStore``, as a generation worker would. Rows spill through zict to tmp_path.

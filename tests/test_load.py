@@ -1,4 +1,4 @@
-"""Load (issue 6, item 8): 8,192 calls staged concurrently by 32 writers, and a mass resume
+"""Load: 8,192 calls staged concurrently by 32 writers, and a mass resume
 of 8,192 restores, through a store whose units hold 64 KiB in memory and spill the rest.
 
 The cluster is the shared 2-process ``LocalCluster`` (conftest); the store has 2 units,

@@ -1,4 +1,4 @@
-"""Issue 11, defects 1, 7, 8 and 11: each through the public API, each held to the reference.
+"""Receipt defects, each through the public API, each held to the reference.
 
 1. a reward finite in float64 but not in float32 (training's dtype) is ``invalid_receipt``;
 7. a receipt naming another group than the one it is submitted in is ``wrong_group``;

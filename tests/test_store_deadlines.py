@@ -1,4 +1,4 @@
-"""Deadlines on store calls (issue 11 defect 10): a hung but alive unit never holds a call.
+"""Deadlines on store calls: a hung but alive unit never holds a call.
 
 In-process cluster (``processes=False``) so a unit can be made to hang by patching
 ``StorageUnit`` in this process: the patched method blocks the unit's actor thread on a

@@ -1,4 +1,4 @@
-"""Store input defects of issue 11 (items 4, 5, 6, 9), each through the public API.
+"""Store input defects, each through the public API.
 
 * 4: a field of a non-numeric dtype (object, str, bytes, void, structured, datetime) is
   refused per key ``invalid_batch`` naming the field and dtype, by the unit and by the

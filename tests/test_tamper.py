@@ -1,4 +1,4 @@
-"""Tampering (issue 6, item 5): every flipped byte is caught, with the right reason.
+"""Tampering: every flipped byte is caught, with the right reason.
 
 * Exhaustive, pure: every byte of every field of every chain row a finalizer fetches
   (and of a long rollout, sampled), flipped with three masks in turn, through

@@ -1,4 +1,4 @@
-"""The pipeline on a TLS cluster (issue 6, item 7).
+"""The pipeline on a TLS cluster.
 
 Certificates are made here with the ``openssl`` CLI (a throwaway CA and one node
 certificate for 127.0.0.1, used by scheduler, workers and client). On a

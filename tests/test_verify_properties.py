@@ -155,7 +155,7 @@ JUNK = st.one_of(
     st.binary(max_size=40), st.lists(st.integers(), max_size=2), st.dictionaries(st.text(max_size=2), st.integers(), max_size=2),
 )
 RECEIPT_FIELDS = ("rollout_id", "reward", "terminal_model_call_id", "calls", "poisoned", "failure_reason", "group_id", "version")
-# Rewards around float32's range: finite in float64, some overflowing float32 (issue 11 #1).
+# Rewards around float32's range: finite in float64, some overflowing float32.
 REWARDS = st.sampled_from([1e300, -1e300, 1e39, -1e39, 3.4028235e38, -3.4028235e38, 3.4028236e38, 2.0**128 - 2.0**103,
                            float(np.nextafter(2.0**128 - 2.0**103, 0)), 10**400, -(10**39), 10**38, 0.5])
 GROUPS = st.sampled_from([None, "", "g", "h"])
