@@ -423,3 +423,16 @@ def test_a_call_to_a_released_actor_fails_at_once_instead_of_waiting_its_deadlin
             time.sleep(0.05)
         with pytest.raises(OSError, match="is not on worker"):
             handle.add().result(timeout=20)
+
+
+def test_generation_worker_answers_grow_with_calls_and_cross_in_one_frame():
+    import numpy as np
+
+    from pipeline.answers import WireList
+    from pipeline.generation.worker import GenerationWorker
+
+    worker = GenerationWorker(store=None, name="g", with_routes=False)
+    opened = worker.start_calls([{"rollout_id": f"r{i}", "model_call_id": "c0", "context": np.arange(4),
+                                  "max_new_tokens": 2} for i in range(3)])
+    assert type(opened) is WireList and len(opened) == 3
+    assert type(worker.list_calls()) is WireList and type(worker.take_completed()) is WireList

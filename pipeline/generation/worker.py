@@ -23,6 +23,7 @@ from tasks.toy.policy import MoEPolicy, PolicyConfig
 from tasks.toy.rollouts import CallState, advance, resume_state, start_calls
 
 from .. import config, events
+from ..answers import WireList
 from .call_buffer import ACTIVE, COMPLETED_STATE, CallBuffer
 from .cut import Clock, CutSettings, CutStore, run_cut
 
@@ -120,7 +121,7 @@ class GenerationWorker:
         with self._calls_lock:
             for call in opened:
                 self._calls[call.buffer.call] = call
-        return [c.buffer.info() for c in opened]
+        return WireList(c.buffer.info() for c in opened)
 
     def start_call(self, rollout_id: str, model_call_id: str, context: npt.ArrayLike, *, max_new_tokens: int, **kw: Any) -> dict:
         """One call; see :meth:`start_calls` for the keyword arguments."""
@@ -226,7 +227,7 @@ class GenerationWorker:
         with self._calls_lock:
             done = [k for k, c in self._calls.items() if c.buffer.state == COMPLETED_STATE]
             calls = [self._calls.pop(k) for k in done]
-        return [c.buffer.output() for c in calls]
+        return WireList(c.buffer.output() for c in calls)
 
     def output(self, rollout_id: str, model_call_id: str) -> dict:
         """The call's tokens so far (context + every generated token), without removing it."""
@@ -236,7 +237,7 @@ class GenerationWorker:
         """Token-free summaries of every held call (state, lengths, cut keys)."""
         with self._calls_lock:
             calls = list(self._calls.values())
-        return [c.buffer.info() for c in calls]
+        return WireList(c.buffer.info() for c in calls)
 
     # ---- checkpoint cut --------------------------------------------------------------
 
