@@ -77,7 +77,6 @@ class Rebalancer:
         self.settings = settings or RebalanceSettings.from_config()
         self.changes: list[dict] = []  # one record per change: kind, unit, rows moved, seconds
         self.interrupted: dict | None = None  # the unfinished move: kind, unit, version, error
-        self.bytes_moved = 0  # bytes of row data copied by every move so far
         if store.directory is None and store.owner is not None:
             store.directory = UnitDirectory(f"token-capture-units-{uuid.uuid4().hex[:12]}")
             store.directory.publish(client, store.table())
@@ -142,17 +141,19 @@ class Rebalancer:
         self._refuse_if_checkpointing(live)
         abandoned = [uid for uid in handles if uid not in table.unit_ids]
         why = self.interrupted or {"kind": "resume", "unit": ",".join(abandoned) or "?"}
-        record = self._change(str(why["kind"]), str(why["unit"]), table, [handles[u] for u in table.unit_ids], dead)
+        record = self._change(str(why["kind"]), str(why["unit"]), table, [handles[u] for u in table.unit_ids], dead,
+                              extra={"resumed": True, "abandoned": abandoned})
         self._release_futures([handles[u] for u in abandoned])
-        record.update(resumed=True, abandoned=abandoned)  # the change's record, as ``changes`` holds it
         return record
 
     # ---- one move: publish, fence, copy, switch, fence final, drop -----------------
 
-    def _change(self, kind: str, unit_id: str, moving: MovingTable, units: Sequence[Actor], dead: set[str] = frozenset()) -> dict:
+    def _change(self, kind: str, unit_id: str, moving: MovingTable, units: Sequence[Actor], dead: set[str] = frozenset(),
+                extra: dict | None = None) -> dict:
         """Fence every reachable unit early, publish ``moving`` (``units``: one handle per
         ``moving.unit_ids``) and run it to the end; a failure leaves the store moving (even
-        in the early fence: a unit may hold it) and is remembered for :meth:`resume`."""
+        in the early fence: a unit may hold it) and is remembered for :meth:`resume`.
+        ``extra``: more keys for the change's record."""
         by_id = dict(zip(moving.unit_ids, units))
         live = {uid: h for uid, h in by_id.items() if uid not in dead}
         new, old = moving.placement, moving.previous
@@ -162,31 +163,33 @@ class Rebalancer:
                 self._all(live, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old, early=True)))
             finally:
                 self.store.install_moving(moving, list(units))  # writers reach both tables' copies
-            record = self._run(kind, unit_id, moving, by_id, dead)
+            record = self._run(kind, unit_id, moving, by_id, dead, started_at, extra or {})
         except BaseException as e:
             self.interrupted = {"kind": kind, "unit": unit_id, "version": moving.version, "error": f"{type(e).__name__}: {e}"}
             logger.warning("store %s of unit %s interrupted at placement version %d (%s); the store keeps moving "
                            "until Rebalancer.resume() completes it", kind, unit_id, moving.version, self.interrupted["error"])
             raise
         self.interrupted = None
-        record.update(started_at=started_at, ended_at=time.time())  # wall clock (s): the move's own interval
         return record
 
-    def _run(self, kind: str, unit_id: str, moving: MovingTable, units: dict[str, Actor], dead: set[str]) -> dict:
+    def _run(self, kind: str, unit_id: str, moving: MovingTable, units: dict[str, Actor], dead: set[str],
+             started_at: float, extra: dict) -> dict:
         """Steps 1-4 of the module docstring over the reachable ``units``; the record
-        (with each phase's seconds: fence, list + plan, copy, switch, drop)."""
+        (with each phase's seconds: fence, list + plan, copy, switch, drop; ``started_at``
+        and ``ended_at``: the move's own interval, wall clock s; plus ``extra``)."""
         clock = PhaseClock()
         new, old = moving.placement, moving.previous
         live = {uid: h for uid, h in units.items() if uid not in dead}
         self._all(live, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old)))  # 1. fence: older calls refused
         clock.lap("fence")
-        moved, bytes_before = 0, self.bytes_moved
+        moved = moved_bytes = 0
         for partition in self.store.partitions or []:  # 2. copy
             held = dict(zip(live, self._all(live, lambda uid, h, p=partition: h.keys(p))))
             clock.lap("list")
             plan = plan_moves(old, new, held, self.settings.chunk_keys, unreachable=sorted(dead))
             clock.lap("plan")
-            moved += self._copy(live, partition, plan.transfers)
+            rows, nbytes = self._copy(live, partition, plan.transfers)
+            moved, moved_bytes = moved + rows, moved_bytes + nbytes
             clock.lap("copy")
         final = Placement(new.version + 1, new.workers, new.unit_ids, new.replicas, new.homes)
         self.store.install_placement(final, [units[u] for u in new.unit_ids])  # 3. switch
@@ -197,8 +200,9 @@ class Rebalancer:
         self._all({u: live[u] for u in leaving if u in live}, lambda uid, h: h.close())  # they hold nothing of their own now
         self._release_futures([units[u] for u in leaving])
         clock.lap("drop")
-        record = {"kind": kind, "unit": unit_id, "rows_moved": moved, "bytes_moved": self.bytes_moved - bytes_before,
-                  "copies_dropped": dropped, "version": final.version, "seconds": clock.total(), "phases_s": clock.laps}
+        record = {"kind": kind, "unit": unit_id, "rows_moved": moved, "bytes_moved": moved_bytes,
+                  "copies_dropped": dropped, "version": final.version, "seconds": clock.total(), "phases_s": clock.laps,
+                  "started_at": started_at, "ended_at": time.time(), **extra}
         self.changes.append(record)
         logger.info("store %s of unit %s: %d rows moved, %d copies dropped in %.2fs", kind, unit_id, moved, dropped, record["seconds"])
         return record
@@ -216,10 +220,10 @@ class Rebalancer:
             dropped += sum(self._all(drops, lambda uid, h, p=partition: h.drop(p, pack_names(list(extra[uid])))))
         return dropped
 
-    def _copy(self, by_id: dict[str, Actor], partition: str, transfers: Sequence[Transfer]) -> int:
+    def _copy(self, by_id: dict[str, Actor], partition: str, transfers: Sequence[Transfer]) -> tuple[int, int]:
         """Each transfer as one ``send`` from its source unit straight to its target
         (worker to worker: rows never pass through this process), at most
-        ``settings.inflight`` at once, paced to ``settings.rate_bytes_s``; rows written."""
+        ``settings.inflight`` at once, paced to ``settings.rate_bytes_s``; (rows, bytes) written."""
         s = self.settings
         pacer, moved = Pacer(s.rate_bytes_s), 0
         pending: deque[BaseActorFuture] = deque()
@@ -229,8 +233,7 @@ class Rebalancer:
             pending.append(by_id[t.source].send(partition, pack_names(list(t.keys)), by_id[t.target]))
         while pending:
             moved += self._sent(pending.popleft(), pacer)
-        self.bytes_moved += pacer.sent_bytes
-        return moved
+        return moved, pacer.sent_bytes
 
     def _sent(self, future: BaseActorFuture, pacer: Pacer) -> int:
         """Rows one ``send`` wrote, after waiting out the pace its bytes call for."""
