@@ -117,3 +117,36 @@ def test_finalized_groups_are_gathered_into_pooled_memory(cluster_client, store_
     out = group.groups["rp-fin"]
     assert installs  # the gather asked for the pool
     assert in_pool(out.input_ids.numpy())  # and the tensors were read into it
+
+
+STAT_KEYS = ("rows", "used_bytes", "memory_bytes", "pinned_bytes", "dead_bytes", "resident_bytes", "shared_groups")
+
+
+def test_a_units_puts_land_in_pooled_memory_its_deletes_give_back(store_factory, template):
+    """A unit's worker reads its puts' frames into the receive pool (its cap grown by the
+    unit's memory limit); the rows are views of those slabs, counted exactly (the slabs'
+    extra bytes pinned), and the slabs a delete frees take the next put: no new memory."""
+    from pipeline import config
+
+    store = store_factory(n_units=1, memory_limit="1GiB")
+    batch = with_keys(template, "rc-", 0, len(template))
+    assert not store.put_many(batch).failed
+    s = store.stats()[0]
+    assert s["receive_buffer_cap_bytes"] >= config.get_bytes("store.receive-buffer-bytes") + (1 << 30)
+    assert (s["rows"], s["shared_groups"], s["adopted_rows"], s["dead_bytes"]) == (len(batch), 1, len(batch), 0)
+    assert s["resident_bytes"] == s["memory_bytes"] + s["pinned_bytes"]
+    assert s["pinned_bytes"] <= s["memory_bytes"] // 8, "a slab's extra bytes, no more"
+    allocated, reused = s["receive_buffers_allocated"], s["receive_buffers_reused"]
+    frames = sum(1 for f in batch.fields.values() if f.values.nbytes >= (1 << 20))
+    for n in range(3):
+        assert store.delete(batch.keys).ok == batch.keys
+        gone = store.stats()[0]
+        assert tuple(gone[k] for k in STAT_KEYS) == (0, 0, 0, 0, 0, 0, 0), "a delete frees exactly what the rows held"
+        batch = with_keys(template, f"r{n}-", 0, len(template))  # keys as long as before
+        assert not store.put_many(batch).failed
+        again = store.stats()[0]
+        assert tuple(again[k] for k in STAT_KEYS) == tuple(s[k] for k in STAT_KEYS)
+        assert again["receive_buffers_allocated"] == allocated, "the freed slabs took the put: no new memory"
+        assert again["receive_buffers_reused"] >= reused + (n + 1) * frames
+    got = store.get_many(batch.keys)
+    assert np.array_equal(got.batch.fields["token_ids"].values, template.fields["token_ids"].values)

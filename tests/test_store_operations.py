@@ -77,3 +77,52 @@ def test_a_key_missing_everywhere_stays_missing():
     except StopIteration as done:
         result = done.value
     assert result.failed["r1/c0"][0] == MISSING_KEY and result.ok == []
+
+
+def test_a_get_over_the_answer_budget_is_split_into_calls_in_flight_and_merged_in_order():
+    """Each unit answers at most the call's byte budget and leaves the rest in ``more``;
+    the get asks for the rest in budget-sized calls, at most ``answers_in_flight`` per unit
+    at a time, and merges every part into one batch in request order."""
+    import numpy as np
+
+    from pipeline.store.protocol import GetResult, unpack_names
+    from pipeline.store.settings import StoreSettings
+    from pipeline.store.slab_pool import SlabPool
+    from tasks.packed import PackedBatch, PackedField
+
+    placement = Placement(0, WORKERS[:2], ("0", "1"), 1)
+    row_bytes, budget = 1000, 3500  # a unit answers 3 rows per call
+    keys = [f"r{i}/c0" for i in range(40)]
+    handle = Handle(placement, None, placement)
+    handle.settings = StoreSettings(16 << 20, False, budget, 2)
+    handle.buffers = lambda: SlabPool(0)
+    value = {k: i for i, k in enumerate(keys)}
+
+    def answer(call: Call) -> GetResult:
+        partition, packed, _fields, _version, max_bytes = call.args()
+        asked = unpack_names(packed, "keys")
+        n = max(1, max_bytes // row_bytes)
+        served, more = asked[:n], asked[n:]
+        values = np.repeat(np.array([value[k] for k in served], np.int64), row_bytes // 8)
+        offsets = np.arange(len(served) + 1, dtype=np.int64) * (row_bytes // 8)
+        return GetResult(PackedBatch(served, {"token_ids": PackedField(values, offsets)}), {}, more)
+
+    wanted = keys[::-1] + keys[:3]  # any order, duplicates repeat
+    op = operations.get(handle, wanted, None, "staging")
+    waves: list[list[Call]] = []
+    try:
+        step = op.send(None)
+        while True:
+            waves.append(step)
+            step = op.send([answer(c) for c in step])
+    except StopIteration as done:
+        result = done.value
+    assert len(waves[0]) == 2, "one call per unit first"
+    for wave in waves:
+        per_unit = [c.unit for c in wave]
+        assert max(per_unit.count(u) for u in set(per_unit)) <= 2, "answers in flight per unit"
+    calls = sum(len(w) for w in waves)
+    assert calls == sum(-(-n // 3) for n in (len(ks) for _, ks in operations.plan_read(placement, wanted)[0]))
+    assert result.batch.keys == wanted and not result.failed
+    got = result.batch.fields["token_ids"]
+    assert [int(got.values[got.offsets[i]]) for i in range(len(wanted))] == [value[k] for k in wanted]

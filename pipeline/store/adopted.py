@@ -1,16 +1,51 @@
 """Accounting of adopted buffers: rows kept as views of the buffers a put handed over.
 
-An adopted put keeps each row's token fields as views of the batch's buffers, ONE
-buffer per field shared by the batch's rows (a *group*), freed when the last of them
-leaves memory. :class:`AdoptedGroups` tracks the groups of one storage unit: the bytes
-no live in-memory row covers any more are ``pinned_bytes`` (counted against capacity),
-and a group that pins too much is compacted (its rows copied out). Sizes are in bytes.
+An adopted put keeps each row's token fields as views of the batch's buffers: on a unit's
+worker, the frames Dask received them into, which come out of the process's receive pool
+(:mod:`.receive_pool`) and go back to it once nothing refers to them. The buffers are
+ONE *group* shared by the batch's rows, freed when the last of them leaves memory.
+:class:`AdoptedGroups` tracks the groups of one storage unit. A group holds the whole of
+the memory its rows' views reach (:func:`root_nbytes`: a pooled slab's full size, a
+shared small-field buffer's), so the bytes no live in-memory row covers any more are
+exact: ``pinned_bytes``, counted against capacity and, with the rows' own bytes, against
+the memory limit. A group that pins too much is compacted (its rows copied out). Sizes
+are in bytes.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
+
+import numpy as np
 
 from .spill import Row, SpillMapping
+
+
+def _root(a: object) -> object:
+    """The object that owns the memory ``a`` (an array or buffer) views."""
+    while True:
+        if isinstance(a, np.ndarray):
+            if a.base is None:
+                return a
+            a = a.base
+        elif isinstance(a, memoryview):
+            if a.obj is None:
+                return a
+            a = a.obj
+        else:
+            return a
+
+
+def root_nbytes(arrays: Iterable[np.ndarray]) -> int:
+    """Bytes of the distinct buffers that own the memory of ``arrays``: what keeping
+    views of them keeps alive (a received frame, the pooled slab it was read into, the
+    shared buffer of a batch's small fields)."""
+    roots: dict[int, int] = {}
+    for a in arrays:
+        r = _root(a)
+        if id(r) not in roots:
+            roots[id(r)] = r.nbytes if isinstance(r, (np.ndarray, memoryview)) else memoryview(r).nbytes  # type: ignore[arg-type]
+    return sum(roots.values())
 
 
 @dataclass
@@ -18,18 +53,25 @@ class _Group:
     """Rows of one adopted put that still hold views of its buffers (see AdoptedGroups.adopt)."""
 
     members: dict[str, int]  # slot -> bytes of the row's views
-    held: int  # bytes of the shared buffers (all of them, until the group ends)
+    held: int  # bytes of the buffers the views keep alive (all of them, until the group ends)
     live: int  # bytes of them still covered by a member row in memory
+    slack: int  # bytes of them no row ever covered (slab slack, offsets, other fields)
     fields: tuple[str, ...] = ()
+
+    @property
+    def dead(self) -> int:
+        """Bytes of members gone (deleted or spilled) that the buffers still hold."""
+        return self.held - self.live - self.slack
 
 
 class AdoptedGroups:
     """The adopted-buffer groups of the rows of ``rows`` (a unit's :class:`SpillMapping`).
 
     Row weights stay exact (each view's bytes); :attr:`pinned_bytes` is the bytes of
-    shared buffers no member row in memory covers. A group whose live rows cover less
-    than half of its buffers is compacted, so pinned bytes never exceed live ones; so is
-    one whose pinned bytes take the unit past its capacity.
+    shared buffers no member row in memory covers (slack included). A group whose live
+    rows cover less than half of its buffers is compacted, so pinned bytes never exceed
+    live ones; so is one whose pinned bytes take the unit past its capacity, and
+    (:meth:`relieve`) ones with dead members when the unit is past its memory limit.
     """
 
     def __init__(self, rows: SpillMapping):
@@ -39,30 +81,43 @@ class AdoptedGroups:
         self._pending: set[int] = set()  # groups that lost members: compaction check due
         self._next_group = 0
         self.pinned_bytes = 0
+        self.slack_bytes = 0  # of pinned_bytes: what no member row ever covered
+        self.compacted_groups = 0  # groups whose rows were copied out (counter)
 
     def __len__(self) -> int:
         return len(self.groups)
 
-    def adopt(self, shared: list[str], held: int, slots: list[str], used_bytes: int, capacity: int) -> None:
-        """Track the adopted buffers of fields ``shared`` (``held`` bytes in all) as one
-        group of the rows stored under ``slots``."""
+    @property
+    def dead_bytes(self) -> int:
+        """Of :attr:`pinned_bytes`: bytes of member rows gone (deleted or spilled)."""
+        return self.pinned_bytes - self.slack_bytes
+
+    def adopt(self, shared: list[str], slots: list[str], covered: int, held: int, used_bytes: int, capacity: int) -> None:
+        """Track the buffers the views of fields ``shared`` of the rows stored under
+        ``slots`` keep alive (``held`` bytes: :func:`root_nbytes` of the fields' values) as
+        one group; ``covered``: bytes of those fields in all of the rows (rows the put
+        itself spilled included)."""
         members: dict[str, int] = {}
+        fast = self._rows.fast.d
         for slot in slots:
-            row = self._rows.fast.d.get(slot)
+            row = fast.get(slot)
             if row is None:
                 continue  # went straight to disk: holds nothing of the buffers
-            # Bytes of the row's views (exact for any dtype / trailing shape).
-            nbytes = sum(row[name].nbytes for name in shared if name in row)
+            nbytes = sum(row[name].nbytes for name in shared if name in row)  # exact for any dtype / trailing shape
             if nbytes:
                 members[slot] = nbytes
         if not members:
             return  # nothing references the buffers: they are freed with the batch
         gid = self._next_group
         self._next_group += 1
-        g = self.groups[gid] = _Group(members, held, sum(members.values()), tuple(shared))
+        live = sum(members.values())
+        held = max(live, int(held))
+        covered = min(held, max(live, int(covered)))
+        g = self.groups[gid] = _Group(members, held, live, held - covered, tuple(shared))
         for slot in members:
             self._slot_group[slot] = gid
         self.pinned_bytes += g.held - g.live
+        self.slack_bytes += g.slack
         self._maybe_compact(gid, used_bytes, capacity)
 
     def release(self, slot: str) -> None:
@@ -78,7 +133,9 @@ class AdoptedGroups:
         g.live -= nbytes
         if not g.members:
             self.pinned_bytes -= g.held - g.live - nbytes
+            self.slack_bytes -= g.slack
             del self.groups[gid]
+            self._pending.discard(gid)
         else:
             self.pinned_bytes += nbytes
             self._pending.add(gid)
@@ -92,12 +149,30 @@ class AdoptedGroups:
         while self._pending:
             self._maybe_compact(self._pending.pop(), used_bytes, capacity)
 
+    def relieve(self, excess: int) -> int:
+        """Compact groups with dead members, most dead bytes first, until ``excess`` bytes
+        of memory are freed or none is left; the excess still to free."""
+        for gid in sorted((gid for gid, g in self.groups.items() if g.dead > 0), key=lambda gid: -self.groups[gid].dead):
+            if excess <= 0:
+                break
+            g = self.groups[gid]
+            excess -= g.held - g.live
+            self._compact(gid)
+        return excess
+
     def _maybe_compact(self, gid: int, used_bytes: int, capacity: int) -> None:
         g = self.groups.get(gid)
         if g is None or (2 * g.live >= g.held and used_bytes + self.pinned_bytes <= capacity):
             return
-        del self.groups[gid]
+        self._compact(gid)
+
+    def _compact(self, gid: int) -> None:
+        """Copy the live rows of group ``gid`` out of its buffers (which are then freed)."""
+        g = self.groups.pop(gid)
+        self._pending.discard(gid)
         self.pinned_bytes -= g.held - g.live
+        self.slack_bytes -= g.slack
+        self.compacted_groups += 1
         fast = self._rows.fast.d
         for slot in g.members:
             self._slot_group.pop(slot, None)
@@ -111,3 +186,4 @@ class AdoptedGroups:
         self._slot_group.clear()
         self._pending.clear()
         self.pinned_bytes = 0
+        self.slack_bytes = 0

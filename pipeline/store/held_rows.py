@@ -23,6 +23,7 @@ class HeldRows:
 
     def __init__(self, directory: str, memory_limit: int, capacity: int, unit_index: int):
         self.rows = SpillMapping(directory, memory_limit)
+        self.memory_limit = int(memory_limit)
         # Rows of adopted puts keep views of the put's buffers: their groups, pinned bytes.
         self.adopted = AdoptedGroups(self.rows)
         self.rows.fast_to_slow_callbacks.append(self.adopted.on_spill)
@@ -79,12 +80,31 @@ class HeldRows:
             del self.claims[slot]  # acknowledged to another writer: no longer provisional
         return None
 
-    def adopt(self, shared: list[str], held: int, slots: list[str]) -> None:
-        """The new rows ``slots`` keep views of shared buffers (``held`` bytes in all)."""
-        self.adopted.adopt(shared, held, slots, self.used_bytes, self.capacity)
+    def adopt(self, shared: list[str], slots: list[str], covered: int, held: int) -> None:
+        """The new rows ``slots`` keep views of the buffers of fields ``shared`` (``held``
+        bytes, ``covered`` bytes of them by the rows)."""
+        self.adopted.adopt(shared, slots, covered, held, self.used_bytes, self.capacity)
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes this unit holds in memory: its rows' and the adopted bytes they pin."""
+        return self.rows.memory_bytes + self.adopted.pinned_bytes
 
     def compact(self) -> None:
-        """Compact adopted groups that now pin too much (at the end of each unit call)."""
+        """At the end of each unit call: free adopted groups that now pin too much, then
+        fit the memory limit with the pinned bytes counted: groups with dead members
+        freed first (:meth:`AdoptedGroups.relieve`), then the least recently used rows
+        spilled, each with the rest of its group."""
+        self.adopted.compact_pending(self.used_bytes, self.capacity)
+        excess = self.adopted.relieve(self.resident_bytes - self.memory_limit)
+        lru = self.rows.fast
+        while excess > 0 and lru.d:
+            try:
+                lru.evict()  # zict spills it
+            except OSError:  # a failed spill keeps the row in memory (spill.py): stop here
+                self.rows.spill_errors += 1
+                break
+            excess = self.adopted.relieve(self.resident_bytes - self.memory_limit)
         self.adopted.compact_pending(self.used_bytes, self.capacity)
 
     def remove(self, partition: str, key: str) -> bool:
@@ -118,6 +138,19 @@ class HeldRows:
         for slot in slots:
             del self.claims[slot]
         return len(slots)
+
+    def within(self, partition: str, keys: list, max_bytes: int) -> int:
+        """How many of ``keys`` (in order, at least one) weigh at most ``max_bytes`` together
+        (row weights; keys not held weigh nothing)."""
+        index = self.index.get(partition, {})
+        weights = self.weights
+        total = 0
+        for n, key in enumerate(keys):
+            slot = index.get(key) if isinstance(key, str) else None
+            total += weights.get(slot, 0) if slot is not None else 0
+            if total > max_bytes and n:
+                return n
+        return len(keys)
 
     def find(self, partition: str, keys: list) -> tuple[list[str], list[Row], list, dict[str, Failure]]:
         """(found keys, their rows, keys not held, read failures) for ``keys`` in order."""

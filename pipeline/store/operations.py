@@ -117,20 +117,62 @@ def _read(store: Driven, parts: list, partition: str, wire_fields: bytes | None)
     """Read ``parts`` from their primaries, then (replicas=2) what failed from replicas;
     while keys move, from each key's holders in :func:`~.moving.read_order` instead."""
     placement, moving, version = store.placement, store.moving, stamp(store)
+    budget = store.settings.max_answer_bytes or None
 
     def call(u: int, ks: list[str], local: bool) -> Call:
-        return Call(u, "get_many", lambda: (partition, pack_names(ks), wire_fields, version), ks, empty_get, local=local)
+        return Call(u, "get_many", lambda: (partition, pack_names(ks), wire_fields, version, budget), ks, empty_get, local=local)
+
+    def fetch(parts: list, local: bool) -> Operation[list[GetResult]]:
+        return _fetch(parts, call, local, store.settings.answers_in_flight)
 
     if moving is not None:
-        return (yield from _read_moving(moving, [k for _, ks in parts for k in ks], call))
-    results = yield [call(u, ks, True) for u, ks in parts]
+        return (yield from _read_moving(moving, [k for _, ks in parts for k in ks], fetch))
+    results = yield from fetch(parts, True)
     again = failover(placement, results)
     if again:
-        results = after_failover(results, (yield [call(r, ks, False) for r, ks in again]))
+        results = after_failover(results, (yield from fetch(again, False)))
     return results
 
 
-def _read_moving(moving: MovingTable, keys: list[str], call: Callable[[int, list[str], bool], Call]) -> Operation[list[GetResult]]:
+def _fetch(parts: list, call: Callable[[int, list[str], bool], Call], local: bool, in_flight: int) -> Operation[list[GetResult]]:
+    """Every answer to ``parts`` (unit, keys): one call per unit first; a unit whose
+    answer reached the call's byte budget left the rest in ``more``, which is asked for
+    in calls of about one budget each (sized by that answer's bytes per row), at most
+    ``in_flight`` per unit at a time, so no answer (nor buffer holding one) grows with the
+    size of the get."""
+    results: list[GetResult] = []
+    wave = [(u, list(ks)) for u, ks in parts]
+    queued: list[tuple[int, list[str]]] = []
+    while wave:
+        answers = yield [call(u, ks, local) for u, ks in wave]
+        for (u, asked), r in zip(wave, answers):
+            if r.more:
+                queued += [(u, ks) for ks in _split_more(r.more, len(asked) - len(r.more))]
+                r = GetResult(r.batch, r.failed)
+            results.append(r)
+        wave, queued = _next_wave(queued, in_flight)
+    return results
+
+
+def _split_more(more: list[str], answered: int) -> list[list[str]]:
+    """``more`` in runs of as many keys as the answer leaving them covered (a budget's worth)."""
+    per_call = max(1, answered)
+    return [more[i : i + per_call] for i in range(0, len(more), per_call)]
+
+
+def _next_wave(queued: list[tuple[int, list[str]]], in_flight: int) -> tuple[list, list]:
+    """(the next calls: at most ``in_flight`` per unit, the rest still queued)."""
+    wave, rest, count = [], [], {}
+    for u, ks in queued:
+        if count.get(u, 0) < in_flight:
+            count[u] = count.get(u, 0) + 1
+            wave.append((u, ks))
+        else:
+            rest.append((u, ks))
+    return wave, rest
+
+
+def _read_moving(moving: MovingTable, keys: list[str], fetch: Callable[[list, bool], Operation[list[GetResult]]]) -> Operation[list[GetResult]]:
     """``keys`` while a move runs: the old primaries first (one round trip: they hold every
     row until the final table is fenced), then each next holder only for the keys the
     previous could not give (missing, moved or unreachable); a key's answer is its last
@@ -143,7 +185,7 @@ def _read_moving(moving: MovingTable, keys: list[str], call: Callable[[int, list
         if not parts:
             continue
         asked = {k for _, ks in parts for k in ks}
-        got = yield [call(u, ks, column == 0) for u, ks in parts]
+        got = yield from fetch(parts, column == 0)
         results = drop_failed(results, list(asked)) + got
         again = {k for r in got for k, (reason, _) in r.failed.items() if reason in ASK_NEXT}
         pending = [i for i in pending if keys[i] in again or keys[i] not in asked]

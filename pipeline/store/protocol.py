@@ -72,11 +72,14 @@ class GetResult:
     """Found keys in request order as ONE packed batch, and per-key failures.
 
     A key whose row lacks a requested field is served (``present[i]`` false for that
-    field) and also listed in ``failed`` with reason ``absent_field``.
+    field) and also listed in ``failed`` with reason ``absent_field``. ``more``: keys of
+    the request a unit left for further calls, its answer having reached the call's byte
+    budget (neither served nor failed; the store client asks again).
     """
 
     batch: PackedBatch
     failed: dict[str, tuple[str, str]] = field(default_factory=dict)
+    more: list[str] = field(default_factory=list)
 
 
 class StoreLike(Protocol):

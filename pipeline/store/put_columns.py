@@ -49,6 +49,15 @@ class Columns:
             if c.present is None or c.present[i]
         }
 
+    def shared_bytes(self, rows: list[int]) -> int:
+        """Bytes of the shared (adopted) fields in batch rows ``rows``."""
+        total = 0
+        for c in self.cols:
+            if c.name in self.shared:
+                per = c.values.itemsize * int(np.prod(c.values.shape[1:], dtype=np.int64))
+                total += per * sum(c.offsets[i + 1] - c.offsets[i] for i in rows if c.present is None or c.present[i])
+        return total
+
     def pin(self, reg: FieldRegistry, stored_rows: list[int]) -> None:
         """Pin the dtype of every field some stored row has."""
         for c in self.cols:

@@ -37,9 +37,18 @@ class ReceivePool:
     pool's lock.
     """
 
+    # Frames a unit keeps as rows hold their slab for as long as the rows live: fine size
+    # classes keep a slab's bytes past its frame's small (the unit counts them, see
+    # :mod:`.adopted`), a free slab up to four classes larger serves a frame rather than
+    # a fresh allocation.
+    CLASSES_PER_OCTAVE = 32
+    LARGER_CLASSES = 4
+
     def __init__(self) -> None:
-        self.pool = SlabPool(0)
+        self.pool = SlabPool(0, classes_per_octave=self.CLASSES_PER_OCTAVE, larger_classes=self.LARGER_CLASSES)
         self.min_bytes = 1 << 20  # frames smaller than this get plain buffers (bytes)
+        self.configured_bytes = 0  # ``store.receive-buffer-bytes``
+        self.reserved = 0  # bytes storage units hosted here added to the cap (:meth:`reserve`)
         self.suspended = 0  # open suspended() blocks: plain buffers meanwhile
         self._lock = threading.Lock()
         self._plain: dask_compat.FrameAllocator | None = None  # Dask's allocator, once ours was installed
@@ -53,8 +62,21 @@ class ReceivePool:
         size = config.get_bytes("store.receive-buffer-bytes")
         min_bytes = max(1, config.get_bytes("store.receive-pool-min-bytes"))
         with self._lock:
-            self.pool.max_bytes = size
+            self.configured_bytes = size
+            self.pool.max_bytes = size + self.reserved if size > 0 else 0
             self.min_bytes = min_bytes
+        self.pool.trim()
+
+    def reserve(self, nbytes: int) -> None:
+        """A storage unit hosted by this process keeps the frames of its puts as rows, up to
+        its memory limit: ``nbytes`` more (negative: fewer, when it closes) of the pool's
+        cap, so its puts land in, and its deletes give back, memory the process owns.
+        No effect while the pool is off (``store.receive-buffer-bytes`` 0)."""
+        with self._lock:
+            self.reserved = max(0, self.reserved + int(nbytes))
+            if self.configured_bytes > 0 and not self._closed:
+                self.pool.max_bytes = self.configured_bytes + self.reserved
+        self.pool.trim()
 
     def install(self) -> bool:
         """Have Dask's TCP comm read this process's large frames into the pool (once);
@@ -108,6 +130,23 @@ def install() -> bool:
     pool is in use. Idempotent and cheap: the store client calls it at each get, in the
     controller and on workers (restore batchers, finalize fetches) alike."""
     return process_state().get(ReceivePool).install()
+
+
+def host_unit(memory_limit: int) -> bool:
+    """A storage unit starts in this process: serve its puts' frames from the pool, whose
+    cap grows by the unit's ``memory_limit`` (bytes) until :func:`unhost_unit`. Returns
+    whether the pool is in use."""
+    receiver = process_state().get(ReceivePool)
+    receiver.reserve(memory_limit)
+    if receiver.install():
+        return True
+    receiver.reserve(-int(memory_limit))
+    return False
+
+
+def unhost_unit(memory_limit: int) -> None:
+    """The unit of :func:`host_unit` closed: the cap shrinks back, idle slabs past it go."""
+    process_state().get(ReceivePool).reserve(-int(memory_limit))
 
 
 @contextlib.contextmanager

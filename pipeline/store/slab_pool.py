@@ -41,9 +41,16 @@ class SlabPool:
     # a caller keeping one of them must not pin a whole slab
     SCAN = 64  # slabs of a class looked at per take (bounds a get's cost when all are in use)
 
-    def __init__(self, max_bytes: int, min_bytes: int = 1 << 17):
+    def __init__(self, max_bytes: int, min_bytes: int = 1 << 17, classes_per_octave: int = 8, larger_classes: int = 0):
         self.max_bytes = int(max_bytes)  # bytes of slabs the pool may keep (0: no pooling)
         self.min_bytes = int(min_bytes)  # answers (big fields) smaller than this are plain allocations
+        # Size classes per power of two (a power of two): a slab is at most 1/classes larger
+        # than what it was taken for. ``larger_classes``: when no slab of a request's own
+        # class is free, a free one of up to this many classes above serves it (memory the
+        # process already holds beats a fresh allocation; its extra bytes are the caller's
+        # to account for, see :func:`root_nbytes`).
+        self.classes_per_octave = int(classes_per_octave)
+        self.larger_classes = int(larger_classes)
         self._classes: dict[int, list[np.ndarray]] = {}  # size -> slabs, least recently handed out first
         self.held_bytes = 0  # bytes of every slab the pool keeps (in use or idle)
         self.reused = 0  # answers packed into a reused slab
@@ -61,25 +68,47 @@ class SlabPool:
         return sys.getrefcount(slabs[i])
 
     @staticmethod
-    def size_class(nbytes: int) -> int:
-        """Eight classes per power of two (at most 12.5% slack): similar answers share slabs."""
-        granule = 1 << max(0, (nbytes - 1).bit_length() - 4)
+    def size_class(nbytes: int, classes_per_octave: int = 8) -> int:
+        """``classes_per_octave`` classes per power of two (eight: at most 12.5% slack;
+        32: at most 3.1%): similar sizes share slabs."""
+        shift = classes_per_octave.bit_length() - 1
+        granule = 1 << max(0, (nbytes - 1).bit_length() - 1 - shift)
         return -(-nbytes // granule) * granule
+
+    def _free_in(self, cap: int) -> np.ndarray | None:
+        """A free slab of class ``cap`` (now the most recently handed out), or None."""
+        slabs = self._classes.get(cap)
+        if not slabs:
+            return None
+        # The oldest handed out are the likeliest free; past SCAN of them, all are taken.
+        for i in range(min(len(slabs), self.SCAN)):
+            if self._refs(slabs, i) <= self._free_refs:
+                slab = slabs.pop(i)
+                slabs.append(slab)
+                self.reused += 1
+                return slab
+        return None
+
+    def _free_slab(self, cap: int) -> np.ndarray | None:
+        """A free slab of class ``cap``, else of one of the ``larger_classes`` above it."""
+        slab = self._free_in(cap)
+        for _ in range(self.larger_classes):
+            if slab is not None:
+                break
+            cap = self.size_class(cap + 1, self.classes_per_octave)
+            slab = self._free_in(cap)
+        return slab
 
     def take(self, nbytes: int, collect: bool = True) -> np.ndarray:
         """A ``uint8`` buffer of at least ``nbytes`` that nothing else refers to.
 
         ``collect=False``: when the pool is full of slabs in use, a plain allocation at
         once, without the young-generation collection that might free some."""
-        cap = self.size_class(max(self.min_bytes, int(nbytes)))
+        cap = self.size_class(max(self.min_bytes, int(nbytes)), self.classes_per_octave)
         slabs = self._classes.setdefault(cap, [])
-        # The oldest handed out are the likeliest free; past SCAN of them, all are taken.
-        for i in range(min(len(slabs), self.SCAN)):
-            if self._refs(slabs, i) <= self._free_refs:
-                slab = slabs.pop(i)
-                slabs.append(slab)  # now the most recently handed out
-                self.reused += 1
-                return slab
+        slab = self._free_slab(cap)
+        if slab is not None:
+            return slab
         if self.held_bytes + cap > self.max_bytes:
             self._release_idle(self.held_bytes + cap - self.max_bytes, but=cap)
         if self.held_bytes + cap > self.max_bytes and collect:
@@ -88,21 +117,25 @@ class SlabPool:
             # those (milliseconds), then idle slabs can go or be reused.
             gc.collect(1)
             self.collections += 1
-            for i in range(min(len(slabs), self.SCAN)):
-                if self._refs(slabs, i) <= self._free_refs:
-                    slab = slabs.pop(i)
-                    slabs.append(slab)
-                    self.reused += 1
-                    return slab
+            slab = self._free_slab(cap)
+            if slab is not None:
+                return slab
             self._release_idle(self.held_bytes + cap - self.max_bytes, but=cap)
-        slab = np.empty(cap, dtype=np.uint8)
         if self.held_bytes + cap <= self.max_bytes:
+            slab = np.empty(cap, dtype=np.uint8)
             slabs.append(slab)
             self.held_bytes += cap
             self.allocated += 1
         else:
+            slab = np.empty(max(1, int(nbytes)), dtype=np.uint8)
             self.unpooled += 1  # kept by nobody but its answer: freed with it
         return slab
+
+    def trim(self) -> None:
+        """Release idle slabs until the pool keeps at most ``max_bytes`` (after its cap shrank)."""
+        with self._lock:
+            if self.held_bytes > self.max_bytes:
+                self._release_idle(self.held_bytes - self.max_bytes, but=-1)
 
     def _release_idle(self, need: int, but: int) -> None:
         """Drop idle slabs of classes other than ``but`` (largest first) until ``need``

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Sequence
 from tasks.errors import InvalidStoreRequest, StoreBusy, StoreUnavailable
 from tasks.packed import PackedBatch
 
+from . import receive_pool
 from .checkpoint_files import write_unit_files
 from ..answers import WireDict, WireList
 from .checkpoint_guard import CheckpointGuard
@@ -31,31 +32,28 @@ from .location import Location
 from .losses import LossBook, lost_detail
 from .protocol import (
     ABSENT_FIELD,
-    DTYPE_MISMATCH,
     INVALID_BATCH,
-    INVALID_KEY,
     LOST_KEY,
     MISSING_KEY,
     MOVED,
     GetResult,
     StoreResult,
-    check_key,
     check_partition,
     field_problem,
     unpack_names,
 )
-from .put_columns import Columns, batch_columns
 from .registry import PartitionRegistry
 from .reporter import start_reporter
 from .row_packing import ROW_OVERHEAD_BYTES, SMALL_FIELD_ELEMENTS, key_nbytes, pack_stored_rows  # noqa: F401 (re-exported)
 from .settings import UnitSettings
 from .slab_pool import SlabPool
-from .spill import Row, batch_row_nbytes
+from .spill import Row
+from .unit_puts import put_rows
 from .unit_moves import MOVE_COUNTERS, drop, move_in, refused_keys, send, stale, stale_answer, take_fence
 from .unit_stats import unit_event, unit_stats
 
 if TYPE_CHECKING:  # pragma: no cover
-    from distributed import Actor
+    from distributed import Actor, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +80,11 @@ class StorageUnit:
         partitions: Sequence[str] | None = None,
         adopt_received: bool | None = None,
     ):
+        worker = _hosting_worker()
         if spill_directory is None:
-            from distributed import get_worker
-
-            spill_directory = get_worker().local_directory
+            if worker is None:
+                raise InvalidStoreRequest("a storage unit outside a Dask worker needs a spill_directory")
+            spill_directory = worker.local_directory
         self.settings = UnitSettings.from_config(adopt_received)
         self.unit_index = int(unit_index)
         self.memory_limit = int(memory_limit)
@@ -107,6 +106,10 @@ class StorageUnit:
         self.losses = LossBook()
         self.guard = CheckpointGuard(self.settings.lease_s)
         self.answers = SlabPool(self.settings.answer_buffer_bytes)
+        # On a worker its puts' frames are read into the process's receive pool, which
+        # grows by this unit's memory limit: rows are views of memory the process owns,
+        # and a delete hands it to the next put (receive_pool.py, adopted.py).
+        self.hosted_bytes = self.memory_limit if worker is not None and receive_pool.host_unit(self.memory_limit) else 0
         self.closed = False
         self.worker_address: str | None = None  # set before the reporter's first tick reads it
         # On a worker it publishes its figures every report_interval_s (0: never).
@@ -161,7 +164,7 @@ class StorageUnit:
         if problem:
             result.failed.update({k: (INVALID_BATCH, problem) for k in batch.keys})
         else:
-            self._put_rows(partition, batch, adopt, claim, result, refused_keys(self, batch.keys, moving))
+            put_rows(self, partition, batch, adopt, claim, result, refused_keys(self, batch.keys, moving))
             if self.fence is not None and not moving:
                 self.fence.revived(partition, result.ok)
         self.held.compact()
@@ -169,67 +172,27 @@ class StorageUnit:
         self.counters["refused_rows"] += len(result.failed)
         return result
 
-    def _put_rows(
-        self, partition: str, batch: PackedBatch, adopt: bool, claim: str | None, result: StoreResult, refused: set[str]
-    ) -> None:
-        """Store each row of a well-formed ``batch`` (per-key answers into ``result``)."""
-        reg = self.registry[partition]
-        columns = batch_columns(batch, reg, adopt)
-        row_weights = batch_row_nbytes(batch, [c.name for c in columns.cols])  # each row's row_nbytes, at once
-        stored_rows: list[int] = []  # batch rows stored under a NEW slot
-        stored_slots: list[str] = []
-        for i, key in enumerate(batch.keys):
-            why = (MOVED, self.fence.detail(key)) if key in refused else self._refusal(partition, key, columns.bad_field[i])  # type: ignore[union-attr]
-            if why is not None:
-                result.failed[key] = why
-                continue
-            outcome, slot = self.held.store(partition, key, columns.row(i), row_weights[i], claim)
-            if outcome is not None:
-                result.failed[key] = outcome
-                continue
-            result.ok.append(key)
-            if slot is not None:
-                stored_rows.append(i)
-                stored_slots.append(slot)
-        if stored_rows:
-            columns.pin(reg, stored_rows)
-        self._adopt(columns, stored_slots)
-
-    def _refusal(self, partition: str, key: str, bad_field: str | None) -> tuple[str, str] | None:
-        """Why ``key`` is refused before its row is looked at, or None."""
-        problem = check_key(key)
-        if problem is not None:
-            return INVALID_KEY, problem
-        if bad_field is not None:
-            return DTYPE_MISMATCH, bad_field
-        how = self.losses.how(partition, key)
-        if how is not None:
-            return LOST_KEY, lost_detail(key, how)
-        return None
-
-    def _adopt(self, columns: Columns, slots: list[str]) -> None:
-        """Track the shared buffers the new rows ``slots`` keep views of (adopted puts)."""
-        if not columns.shared or not slots:
-            return
-        held = sum(c.values.nbytes for c in columns.cols if c.name in columns.shared)
-        self.held.adopt(columns.shared, held, slots)
-        self.counters["adopted_rows"] += len(slots)
-
     # ---- gets -------------------------------------------------------------------
 
     def get_many(
         self, partition: str, keys: Sequence[str] | bytes, fields: Sequence[str] | bytes | None = None,
-        version: int | None = None,
+        version: int | None = None, max_bytes: int | None = None,
     ) -> GetResult:
         """Rows of ``keys`` (found ones, in request order) with ``fields`` (``None``: every
         field pinned in the partition; only explicitly requested fields report
-        ``absent_field``). ``keys``/``fields`` may come as :func:`pack_names` bytes."""
+        ``absent_field``). ``keys``/``fields`` may come as :func:`pack_names` bytes.
+        ``max_bytes``: the answer covers the first keys whose rows weigh at most this
+        together (at least one); the others come back in ``more``, to ask again."""
         self._check_open()
         check_partition(partition, self.partitions)
         keys = unpack_names(keys, "keys")
         if stale(self, version):
             return GetResult(PackedBatch([], {}), stale_answer(self, keys).failed)
         fields = None if fields is None else unpack_names(fields, "fields")
+        more: list = []
+        if max_bytes is not None and keys:
+            n = self.held.within(partition, keys, int(max_bytes))
+            keys, more = keys[:n], keys[n:]
         self.counters["gets"] += 1
         self.counters["get_keys"] += len(keys)
         reg = self.registry.get(partition)
@@ -241,7 +204,7 @@ class StorageUnit:
                 if absent:
                     failed[key] = (ABSENT_FIELD, f"{key!r} has no field(s) {absent}")
         self.counters["get_rows"] += len(found)
-        out = GetResult(pack_stored_rows(found, rows, names, reg, self.answers), failed)
+        out = GetResult(pack_stored_rows(found, rows, names, reg, self.answers), failed, more)
         del rows  # the answer holds copies
         self.held.compact()  # reading spilled rows back may have evicted others
         return out
@@ -483,9 +446,22 @@ class StorageUnit:
         self.guard.clear()
         self.losses.clear()
         self.answers = SlabPool(0)
+        if self.hosted_bytes:
+            receive_pool.unhost_unit(self.hosted_bytes)
+            self.hosted_bytes = 0
         self.closed = True
         return final
 
     def _check_open(self) -> None:
         if self.closed:
             raise StoreUnavailable(f"storage unit {self.unit_index} is closed")
+
+
+def _hosting_worker() -> "Worker | None":
+    """The Dask worker this code runs on, or None (a unit built directly, in a test)."""
+    try:
+        from distributed import get_worker
+
+        return get_worker()
+    except ValueError:
+        return None

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol
 
+from . import receive_pool
+
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint_guard import CheckpointGuard
     from .fence import Fence
@@ -27,6 +29,7 @@ class StorageUnit(Protocol):
     losses: LossBook
     fence: Fence | None
     counters: dict[str, int]
+    hosted_bytes: int
 
     @property
     def pinned_bytes(self) -> int: ...
@@ -35,8 +38,8 @@ class StorageUnit(Protocol):
 
 
 def unit_stats(unit: StorageUnit) -> dict:
-    """``StorageUnit.stats()``: rows, bytes in memory / spilled / used, capacity, buffer
-    pools, open checkpoints, claims, witnessed and lost keys, the placement version it was
+    """``StorageUnit.stats()``: rows, bytes in memory / spilled / used / resident (rows in
+    memory and the adopted bytes they pin), capacity, buffer pools, open checkpoints, claims, witnessed and lost keys, the placement version it was
     fenced with, and every counter."""
     return {
         "unit": unit.unit_index,
@@ -51,6 +54,10 @@ def unit_stats(unit: StorageUnit) -> dict:
         "disk_bytes": unit.held.rows.spilled_bytes,
         "spilled_rows": unit.held.rows.spilled_rows,
         "spill_errors": unit.held.rows.spill_errors,
+        "dead_bytes": unit.held.adopted.dead_bytes,
+        "resident_bytes": unit.held.resident_bytes,
+        "compacted_groups": unit.held.adopted.compacted_groups,
+        **receive_figures(unit.hosted_bytes > 0),
         "answer_buffer_bytes": unit.answers.held_bytes,
         "answer_buffers_reused": unit.answers.reused,
         "answer_buffers_allocated": unit.answers.allocated,
@@ -68,6 +75,21 @@ def unit_stats(unit: StorageUnit) -> dict:
         "placement_version": None if unit.fence is None else unit.fence.version,
         "unit_id": None if unit.fence is None else unit.fence.unit_id,
             **unit.counters,
+    }
+
+
+def receive_figures(hosted: bool) -> dict:
+    """The receive pool of the unit's process (shared by every unit and frame there): its
+    cap (``store.receive-buffer-bytes`` plus the memory limits of the units hosted there),
+    slab bytes it keeps, frames served from reused slabs and from new ones, frames given plain
+    memory; zeros for a unit not hosted by a worker."""
+    pool = receive_pool.pool() if hosted else None
+    return {
+        "receive_buffer_cap_bytes": pool.max_bytes if pool else 0,
+        "receive_buffer_bytes": pool.held_bytes if pool else 0,
+        "receive_buffers_reused": pool.reused if pool else 0,
+        "receive_buffers_allocated": pool.allocated if pool else 0,
+        "receive_buffers_unpooled": pool.unpooled if pool else 0,
     }
 
 

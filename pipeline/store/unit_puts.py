@@ -1,0 +1,83 @@
+"""A storage unit's side of a put: each row of a well-formed batch stored or refused.
+
+:meth:`StorageUnit.put_many <pipeline.store.unit.StorageUnit.put_many>` checks the call
+and calls :func:`put_rows`: per key, the refusals that need no row (a key moved away, a
+malformed key, a dtype against the partition's pinned one, a lost key), then the held
+rows' own answer (write-once, capacity), and for the rows of an adopted put the group of
+buffers their views keep alive (:mod:`.adopted`).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from tasks.packed import PackedBatch
+
+from .adopted import root_nbytes
+from .losses import LossBook, lost_detail
+from .protocol import DTYPE_MISMATCH, INVALID_KEY, LOST_KEY, MOVED, StoreResult, check_key
+from .put_columns import Columns, batch_columns
+from .registry import PartitionRegistry
+from .spill import batch_row_nbytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .fence import Fence
+    from .held_rows import HeldRows
+
+
+class StorageUnit(Protocol):
+    """What a put uses of a :class:`~pipeline.store.unit.StorageUnit`."""
+
+    held: HeldRows
+    registry: PartitionRegistry
+    losses: LossBook
+    fence: Fence | None
+    counters: dict[str, int]
+
+
+def put_rows(unit: StorageUnit, partition: str, batch: PackedBatch, adopt: bool, claim: str | None,
+             result: StoreResult, refused: set[str]) -> None:
+    """Store each row of a well-formed ``batch`` (per-key answers into ``result``);
+    ``refused``: keys a move gave another unit."""
+    reg = unit.registry[partition]
+    columns = batch_columns(batch, reg, adopt)
+    row_weights = batch_row_nbytes(batch, [c.name for c in columns.cols])  # each row's row_nbytes, at once
+    stored_rows: list[int] = []  # batch rows stored under a NEW slot
+    stored_slots: list[str] = []
+    for i, key in enumerate(batch.keys):
+        why = (MOVED, unit.fence.detail(key)) if key in refused else refusal(unit, partition, key, columns.bad_field[i])  # type: ignore[union-attr]
+        if why is not None:
+            result.failed[key] = why
+            continue
+        outcome, slot = unit.held.store(partition, key, columns.row(i), row_weights[i], claim)
+        if outcome is not None:
+            result.failed[key] = outcome
+            continue
+        result.ok.append(key)
+        if slot is not None:
+            stored_rows.append(i)
+            stored_slots.append(slot)
+    if stored_rows:
+        columns.pin(reg, stored_rows)
+    _adopt(unit, columns, stored_rows, stored_slots)
+
+
+def refusal(unit: StorageUnit, partition: str, key: str, bad_field: str | None) -> tuple[str, str] | None:
+    """Why ``key`` is refused before its row is looked at, or None."""
+    problem = check_key(key)
+    if problem is not None:
+        return INVALID_KEY, problem
+    if bad_field is not None:
+        return DTYPE_MISMATCH, bad_field
+    how = unit.losses.how(partition, key)
+    if how is not None:
+        return LOST_KEY, lost_detail(key, how)
+    return None
+
+
+def _adopt(unit: StorageUnit, columns: Columns, stored: list[int], slots: list[str]) -> None:
+    """Track the buffers the new rows ``slots`` (batch rows ``stored``) keep views of."""
+    if not columns.shared or not slots:
+        return
+    held = root_nbytes(c.values for c in columns.cols if c.name in columns.shared)
+    unit.held.adopt(columns.shared, slots, columns.shared_bytes(stored), held)
+    unit.counters["adopted_rows"] += len(slots)
