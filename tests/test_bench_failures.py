@@ -19,6 +19,7 @@ from pipeline.store.client import StagingStore
 from pipeline.store.protocol import GetResult, StoreResult
 from tasks.keys import unit_for_key
 from tasks.packed import PackedBatch, PackedField
+from tasks.schema import STAGING_FIELDS
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +147,10 @@ def test_cut_bench_healthy(address):
     assert [r["rows_per_put"] for r in result["table"]] == [1, 4]
     for r in result["table"]:
         assert len(r["wall_s_runs"]) == 3 and r["wall_s"] == r["wall_s_median"] and r["failed"] == 0
+        assert r["gb_s"] > 0
+    # The rows carried the default (toy) profile's routes, 4 x 2 ids per token, through the store.
+    assert result["profile"] == "toy" and result["route_id_bytes"] in (1, 2)
+    assert result["bytes_per_token"] == 16 + 8 * result["route_id_bytes"]
 
 
 def test_cut_bench_refused_put_fails(address, monkeypatch):
@@ -222,6 +227,9 @@ def test_restore_bench_healthy_reports_medians_through_the_batchers(address):
     fewest, most = sum(min(gets(u)) for u in by_worker.values()), sum(max(gets(u)) for u in by_worker.values())
     assert fewest <= rows["mass_resume", "coalesced"]["gets"] <= most < 8, (fewest, most)
     assert result["knobs"]["eager-inflight"] >= 0
+    # The restores read the rows' routes (toy profile) and report the payload rate.
+    assert len(result["scale"]["fields"]) == len(STAGING_FIELDS) + 1 and result["route_id_bytes"] in (1, 2)
+    assert all(r["gb_s"] > 0 for r in rows.values())
 
 
 def test_restore_bench_failed_reads_fail(address, monkeypatch):

@@ -44,3 +44,59 @@ def test_payload_figures_report_bytes_per_token_and_gb_s():
     assert fig["bytes_per_token"] == 16 + 464
     assert fig["gb_s"] == pytest.approx(2e6 * 480 / 1e9)
     assert "gb_s" not in payload_figures(profile("toy"), route_id_bytes=2)
+
+
+def bench_args(module, *argv):
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_cut_bench_calls_carry_the_profile_routes():
+    from pipeline.bench import cut
+
+    routes = cut._client_calls(0, 1, 64, "t", profile("qwen3-moe"))[0].output()["routed_experts"]
+    assert routes.shape == (64, 48, 8)
+    assert 8 <= int(routes.max()) < 128 and int(routes.min()) >= 0  # the profile's experts, not toy's
+    assert "routed_experts" not in cut._client_calls(0, 1, 64, "t", None)[0].output()
+
+
+def test_bigger_profiles_keep_the_bytes_of_the_toy_tables():
+    from pipeline.bench import cut, restore, restore_stage
+
+    def rows(*argv):
+        args = bench_args(cut, *argv)
+        return cut.row_counts(args, profile_from_args(args))
+
+    assert rows() == {1024: 8192, 16384: 2048}
+    assert rows("--profile", "qwen3-moe") == {1024: round(8192 * 32 / 784), 16384: round(2048 * 32 / 784)}
+    assert rows("--profile", "qwen3-moe", "--rows", "100", "--tokens", "1024") == {1024: 100}
+    tokens = lambda *argv: restore_stage.restore_tokens(bench_args(restore, *argv))  # noqa: E731
+    assert tokens() == tokens("--no-routes") == 16384
+    assert tokens("--profile", "deepseek-v3") == 16384 * 32 // (16 + 464 * 2)
+    assert tokens("--profile", "deepseek-v3", "--tokens", "100") == 100
+
+
+def test_restore_bench_rows_read_their_routes_field():
+    from pipeline.bench.profile_args import route_id_bytes
+    from pipeline.bench.restore_stage import restore_fields, templates
+    from tasks.schema import STAGING_FIELDS
+
+    tmpl = templates(32, profile("deepseek-v3"), n=2)
+    extra = [f for f in restore_fields(tmpl) if f not in STAGING_FIELDS]
+    assert len(extra) == 1 and tmpl.fields[extra[0]].values.shape[1:] == (58, 8)
+    assert route_id_bytes(tmpl) in (1, 2)
+    bare = templates(32, None, n=2)
+    assert restore_fields(bare) == list(STAGING_FIELDS) and route_id_bytes(bare) == 0
+
+
+def test_soak_runs_the_toy_policy_at_the_profile_shape():
+    from pipeline.bench import soak
+    from pipeline.capture import policy_from_config
+
+    overrides = soak.policy_overrides(bench_args(soak, "--profile", "qwen3-moe"))
+    assert overrides == {"layers": 48, "top-k": 8, "experts": 128, "hidden": 4}
+    policy = policy_from_config(overrides)
+    assert (policy.config.layers, policy.config.top_k, policy.config.experts) == (48, 8, 128)
+    assert "hidden" not in soak.policy_overrides(bench_args(soak))
+    assert soak.policy_overrides(bench_args(soak, "--profile", "qwen3-moe", "--hidden", "8"))["hidden"] == 8

@@ -2,19 +2,19 @@
 
 32 writer clients (threads) cut their in-flight calls through the real cut transaction
 against a real StagingStore, at 1,024- and 16,384-token prefixes, one row per put vs 256.
-``raw_put`` replays exactly the batches the batched cut writes (same keys, bytes and rows
-per put, packed before the timer) with bare ``put_many`` calls: ``cut_vs_raw_put_T`` is
-the batched cut's rows/s over that (1.0: the cut's bookkeeping costs nothing). ``wall_s``
-runs until the last client returns; ``cpu_s`` is the CPU seconds of the controller and
-each worker meanwhile. Figures: docs/design.md, "Benchmarks".
-
-Each mode runs ``--repeats`` times (default 3, interleaved, rotating which goes first,
-each on a fresh store); ``wall_s`` and ``rows_per_s`` are the medians (every run in
-``wall_s_runs``). A run fails on a cut that raises, any ``durable_failure`` ack or refused
-row, or a sampled row read back that is not bit-exact (``compare_rows``); then ``ok`` is
-false, ``failures`` says what failed, no ratio is reported and the command exits 1.
+``raw_put`` replays exactly the batches the batched cut writes with bare ``put_many``
+calls: ``cut_vs_raw_put_T`` is the batched cut's rows/s over that (1.0: the cut's
+bookkeeping costs nothing). ``cpu_s``: CPU seconds of the controller and each worker.
+Each mode runs ``--repeats`` times (interleaved, each on a fresh store); ``wall_s`` and
+``rows_per_s`` are medians. Rows carry the routes of ``--profile`` (the cut path picks
+their stored encoding: ``route_id_bytes``; ``--no-routes``: the rows of earlier rounds);
+a bigger profile scales the default row counts down to toy's bytes. Rows report ``gb_s``
+beside ``rows_per_s``. A cut that raises, a ``durable_failure`` ack, a refused row or a
+sampled row read back not bit-exact fails the run: ``ok`` false, ``failures`` say what,
+no ratio, exit 1. docs/performance.md, "Checkpoint cuts".
 
     python -m pipeline bench cut --json
+    python -m pipeline bench cut --json --profile qwen3-moe --tokens 1024
     python -m pipeline.bench.cut --json --rows 2048 --rows-16384 512
 """
 from __future__ import annotations
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypedDict, TypeVar
 import numpy as np
 
 from .common import add_cluster_arguments, bench_client, main, notes
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -38,6 +39,7 @@ if TYPE_CHECKING:
     from tasks.cut.batching import BatchLimits
     from tasks.cut.receipt import CutReceipt
     from tasks.packed import PackedBatch
+    from tasks.profiles import MoeProfile
 
     from ..generation.call_buffer import CallBuffer
     from ..generation.cut import CutStats, CutStore
@@ -48,6 +50,7 @@ T = TypeVar("T")
 
 TARGETS = {"speedup_1024": 25.0, "speedup_16384": 3.0, "cut_vs_raw_put_1024": 0.8}
 CONTEXT_TOKENS = 16
+DEFAULT_ROWS = {1024: 8192, 16384: 2048}  # rows per token size at the toy profile
 SAMPLE_ROWS = 4  # rows of client 0 read back and compared bit-exact per run
 ONE_ROW, BATCHED, RAW_PUT = "one_row", "batched", "raw_put"  # the modes of a table row
 
@@ -81,37 +84,68 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``python -m pipeline bench cut``."""
     from ..cli_args import byte_size, positive_int, positive_int_list
 
-    p.add_argument("--rows", type=positive_int, default=8192, help="prefix rows at 1,024 tokens (default 8,192)")
-    p.add_argument("--rows-16384", type=positive_int, default=2048,
-                   help="prefix rows at 16,384 tokens (default 2,048: 512 MB; the reference used 8,192)")
+    p.add_argument("--rows", type=positive_int, default=None,
+                   help="prefix rows at 1,024 tokens (default 8,192 at the toy profile; fewer for bigger rows, same bytes)")
+    p.add_argument("--rows-16384", type=positive_int, default=None,
+                   help="prefix rows at 16,384 tokens (default 2,048 at the toy profile: 1 GB; the reference used 8,192)")
     p.add_argument("--clients", type=positive_int, default=32, help="concurrent writer clients (default 32)")
     p.add_argument("--batch-size", type=positive_int, default=256, help="rows per put in the batched mode (default 256)")
     p.add_argument("--tokens", type=positive_int_list, default="1024,16384", help="prefix token counts to run (comma-separated)")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs per mode, interleaved; medians reported (default 3)")
     p.add_argument("--unit-memory-limit", type=byte_size, default="2GiB", help="per storage unit memory before spilling")
+    add_profile_argument(p)
+    p.add_argument("--no-routes", action="store_true", help="rows without routed experts (the rows of earlier rounds)")
     add_cluster_arguments(p, n_workers=2)
 
 
-def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str) -> list[CallBuffer]:
-    """One writer client's in-flight calls: ``tokens``-token prefixes (context + generated)."""
+def row_counts(args: argparse.Namespace, prof: MoeProfile) -> dict[int, int]:
+    """Rows per token size: ``--rows`` (1,024 tokens, and any size but 16,384) and
+    ``--rows-16384`` when given; else :data:`DEFAULT_ROWS` scaled by toy's bytes per token
+    over the profile's (int16 ids), at least one per client."""
+    from tasks.profiles import profile
+
+    scale = 1.0 if args.no_routes else profile("toy").bytes_per_token(2) / prof.bytes_per_token(2)
+    default = {t: max(args.clients, round(n * scale)) for t, n in DEFAULT_ROWS.items()}
+    out = {1024: args.rows or default[1024], 16384: args.rows_16384 or default[16384]}
+    return {t: out.get(t, args.rows or default[1024]) for t in _token_sizes(args)}
+
+
+def _token_sizes(args: argparse.Namespace) -> list[int]:
+    return [int(t) for t in str(args.tokens).split(",") if t]
+
+
+def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str, prof: MoeProfile | None) -> list[CallBuffer]:
+    """One writer client's in-flight calls: ``tokens``-token prefixes (context + generated),
+    with ``prof``'s routed experts (int16 ids in ``[0, experts)``) unless it is None."""
     from ..generation.call_buffer import CallBuffer
 
     rng = np.random.default_rng(client_idx)
     gen_n = tokens - CONTEXT_TOKENS
+    shape = None if prof is None else (prof.layers, prof.top_k)
+
+    def routes(n: int) -> np.ndarray | None:
+        return None if prof is None else rng.integers(0, prof.experts, (n, *shape), dtype=np.int16)
+
     calls = []
     for i in range(n_calls):
         b = CallBuffer(f"{tag}c{client_idx}r{i}", "call-0", rng.integers(0, 512, CONTEXT_TOKENS),
-                       max_new_tokens=gen_n + 1)
-        b.append(rng.integers(0, 512, gen_n), -rng.random(gen_n, dtype=np.float32))
+                       max_new_tokens=gen_n + 1, routes_shape=shape, context_routes=routes(CONTEXT_TOKENS))
+        b.append(rng.integers(0, 512, gen_n), -rng.random(gen_n, dtype=np.float32), routes(gen_n))
         calls.append(b)
     return calls
+
+
+def _routes_profile(args: argparse.Namespace) -> MoeProfile | None:
+    """The profile whose routes the rows carry, None with ``--no-routes``."""
+    return None if args.no_routes else profile_from_args(args)
 
 
 def _all_client_calls(rows: int, tokens: int, args: argparse.Namespace, tag: str) -> list[list[CallBuffer]]:
     """Every client's calls: ``rows`` spread over ``min(clients, rows)`` clients."""
     n_clients = min(args.clients, rows)
     shares = [rows // n_clients + (1 if c < rows % n_clients else 0) for c in range(n_clients)]
-    return [_client_calls(c, shares[c], tokens, tag) for c in range(n_clients)]
+    prof = _routes_profile(args)
+    return [_client_calls(c, shares[c], tokens, tag, prof) for c in range(n_clients)]
 
 
 def _limits(rows_per_put: int) -> BatchLimits:
@@ -187,7 +221,7 @@ def _one_config(store: StagingStore, tokens: int, rows: int, rows_per_put: int, 
     if not problems and durable != rows:
         problems.append(f"{durable} durable acks for {rows} rows")
     if not isinstance(results[0], BaseException):
-        problems += _check_cut_content(store, results[0][0], tokens, tag)
+        problems += _check_cut_content(store, results[0][0], tokens, tag, _routes_profile(args))
     return {
         **_row(ONE_ROW if rows_per_put == 1 else BATCHED, tokens, rows_per_put, rows, len(per_client), wall, cpu),
         "put_calls": sum(r.put_calls for r in receipts),
@@ -245,7 +279,7 @@ def _raw_put_config(store: StagingStore, tokens: int, rows: int, rows_per_put: i
     if not problems and written != rows:
         problems.append(f"{written} rows acknowledged for {rows} rows")
     if batches and batches[0]:
-        problems += _check_content(store, list(batches[0][0].keys)[:SAMPLE_ROWS], tokens, tag)
+        problems += _check_content(store, list(batches[0][0].keys)[:SAMPLE_ROWS], tokens, tag, _routes_profile(args))
     return {
         **_row(RAW_PUT, tokens, rows_per_put, rows, len(batches), wall, cpu),
         "put_calls": sum(len(bs) for bs in batches),
@@ -256,17 +290,17 @@ def _raw_put_config(store: StagingStore, tokens: int, rows: int, rows_per_put: i
     }
 
 
-def _check_cut_content(store: StoreLike, receipt: CutReceipt, tokens: int, tag: str) -> list[str]:
+def _check_cut_content(store: StoreLike, receipt: CutReceipt, tokens: int, tag: str, prof: MoeProfile | None) -> list[str]:
     """The first ``SAMPLE_ROWS`` durable prefixes of client 0: sealed under the key their
     freeze names, and read back bit-exact (:func:`_check_content`)."""
     acks = [a for a in receipt.acks if a.durable][:SAMPLE_ROWS]
     keys = [a.staging_keys[-1] for a in acks if a.staging_keys]
     if len(keys) != len(acks):
         return ["a durable ack carries no sealed key"]
-    return _check_content(store, keys, tokens, tag)
+    return _check_content(store, keys, tokens, tag, prof)
 
 
-def _check_content(store: StoreLike, keys: Sequence[str], tokens: int, tag: str) -> list[str]:
+def _check_content(store: StoreLike, keys: Sequence[str], tokens: int, tag: str, prof: MoeProfile | None) -> list[str]:
     """Read back ``keys`` (first-cut rows of client 0) and compare them bit-exact (every
     field) with the same calls rebuilt (same seeds) and frozen again."""
     from tasks.keys import CUT_PARTITION
@@ -280,7 +314,7 @@ def _check_content(store: StoreLike, keys: Sequence[str], tokens: int, tag: str)
     # A cut key is cut/<checkpoint>/<rollout>/<call>/<seq>; client 0's rollouts end in r<i>.
     rollouts = [k.split("/")[-3] for k in keys]
     n = max(int(r.rsplit("r", 1)[1]) for r in rollouts) + 1
-    again = {b.rollout_id: b for b in _client_calls(0, n, tokens, tag)}
+    again = {b.rollout_id: b for b in _client_calls(0, n, tokens, tag, prof)}
     rows = []
     for key, rollout in zip(keys, rollouts):
         frozen = again[rollout].freeze(f"{tag}ck")
@@ -314,8 +348,10 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     """Run the cut table; returns the JSON-able result (see module docstring)."""
     from ..store.client import StagingStore
 
-    token_sizes = [int(t) for t in str(args.tokens).split(",") if t]
-    rows_for = {1024: args.rows, 16384: args.rows_16384}
+    token_sizes = _token_sizes(args)
+    prof = profile_from_args(args)
+    rows_for = row_counts(args, prof)
+    id_bytes = _route_id_bytes(_routes_profile(args))
     say = notes("cut", args.quiet)
     table: list[CutRow] = []  # the cut's rows: one row per put, then batched, per token size
     raw_put: list[CutRow] = []  # the store's bare put of the batched cut's batches, per token size
@@ -324,7 +360,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     with bench_client(args) as client:
         with tempfile.TemporaryDirectory(prefix="bench-cut-") as spill:
             for tokens in token_sizes:
-                rows = rows_for.get(tokens, args.rows)
+                rows = rows_for[tokens]
                 runs: dict[str, list[CutRow]] = {m: [] for m, _ in modes}
                 for rep in range(args.repeats):
                     # Interleaved, rotating which mode goes first; each run on a fresh store of the same shape.
@@ -332,7 +368,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                         what = f"{tokens} tokens, {mode} ({rpp} rows/put), run {rep + 1}"
                         store = StagingStore.start(client, n_units=2, memory_limit=args.unit_memory_limit, spill_directory=spill)
                         try:
-                            say(f"{tokens} tokens x {rows} rows, {mode}, {rpp} rows/put, {args.clients} clients, run {rep + 1} ...")
+                            say(f"{tokens} tokens x {rows} rows ({prof.name}), {mode}, {rpp} rows/put, {args.clients} clients, run {rep + 1} ...")
                             # The raw put writes the same keys as this repeat's batched cut (on its own store).
                             tag = f"t{tokens}b{rpp}r{rep}"
                             one = _raw_put_config if mode == RAW_PUT else _one_config
@@ -345,10 +381,15 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                         failures += [f"{what}: {p}" for p in row.pop("problems")]
                         say(f"  {row['put_calls']} puts, {row['wall_s']:.2f} s, {row['rows_per_s']:.0f} rows/s, cpu s {row['cpu_s']}")
                         runs[mode].append(row)
-                table += [_median_row(runs[m]) for m in (ONE_ROW, BATCHED) if runs[m]]
-                raw_put += [_median_row(runs[RAW_PUT])] if runs[RAW_PUT] else []
-    out: dict[str, object] = {"benchmark": "cut", "clients": args.clients, "repeats": args.repeats, "table": table,
-                              "raw_put": raw_put}
+                medians = [_median_row(runs[m]) for m in (ONE_ROW, BATCHED, RAW_PUT) if runs[m]]
+                for r in medians:
+                    r["gb_s"] = float(f"{payload_figures(prof, route_id_bytes=id_bytes, tokens_per_s=r['rows_per_s'] * tokens)['gb_s']:.4g}")
+                table += [r for r in medians if r["mode"] != RAW_PUT]
+                raw_put += [r for r in medians if r["mode"] == RAW_PUT]
+    out: dict[str, object] = {"benchmark": "cut", "clients": args.clients, "repeats": args.repeats,
+                              **payload_figures(prof, route_id_bytes=id_bytes), "routes": not args.no_routes,
+                              "route_id_bytes": id_bytes, "rows": {str(t): n for t, n in rows_for.items()},
+                              "table": table, "raw_put": raw_put}
     if failures:
         say(f"FAILED ({len(failures)}): {failures[:3]}")
     else:
@@ -360,6 +401,17 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     out["failures"] = failures
     out["ok"] = not failures
     return out
+
+
+def _route_id_bytes(prof: MoeProfile | None) -> int:
+    """Bytes per expert id in the rows the cut writes (0 without routes), read off one
+    small call frozen and packed by the cut path itself."""
+    if prof is None:
+        return 0
+    from tasks.cut.batching import pack_chunks
+
+    frozen = _client_calls(0, 1, CONTEXT_TOKENS + 1, "probe", prof)[0].freeze("probe")
+    return route_id_bytes(pack_chunks([frozen.chunk]))
 
 
 def _ratios(table: list[CutRow], token_sizes: Sequence[int]) -> dict[str, float]:

@@ -3,14 +3,17 @@
 :func:`add_profile_argument` adds the flag (and keeps a benchmark's older ``--layers`` /
 ``--top-k`` as overrides); :func:`profile_from_args` resolves them into one
 :class:`~tasks.profiles.MoeProfile`; :func:`payload_figures` is what each JSON report
-puts next to rows/s (bytes per token, GB/s).
+puts next to rows/s (bytes per token, GB/s), from :func:`route_id_bytes` of rows packed
+the way the benchmark writes them.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
+from tasks.packed import PackedBatch
 from tasks.profiles import DEFAULT_PROFILE, PROFILES, MoeProfile, profile
+from tasks.schema import STAGING_FIELDS
 
 
 def add_profile_argument(p: argparse.ArgumentParser) -> None:
@@ -29,6 +32,13 @@ def profile_from_args(args: argparse.Namespace) -> MoeProfile:
         chosen = dataclasses.replace(chosen, name=f"{chosen.name}+custom",
                                      layers=layers or chosen.layers, top_k=top_k or chosen.top_k)
     return chosen
+
+
+def route_id_bytes(batch: PackedBatch) -> int:
+    """Bytes per routed-expert id in ``batch`` as the pipeline packed it (0 without routes):
+    the itemsize of its routes field, whichever encoding the writer chose."""
+    extra = [f for f in batch.fields if f not in STAGING_FIELDS]
+    return int(batch.fields[extra[0]].values.dtype.itemsize) if extra else 0
 
 
 def payload_figures(prof: MoeProfile, *, route_id_bytes: int, tokens_per_s: float | None = None) -> dict:

@@ -3,18 +3,17 @@
 W simulated generation workers, placed round-robin on the cluster's workers, read
 pre-staged cut rows from a real StagingStore of 2 units. ``per-request``: each restore is
 one ``store.get_many_async`` from its worker; ``coalesced``: each restore is one ``read`` on
-its worker's PrefixReadBatcher (``start_batchers``, as the real restore path places them;
-the call stays in-process). Scenarios: mass resume (1 and 4 chunks), and one restore per
-worker every 5/10/20/50 ms. Latency: a restore's scheduled start to its rows in hand (ms).
-See docs/design.md, "Restore" and "Benchmarks".
-
-Each mode runs ``--repeats`` times (arrival-gap scenarios ``--gap-repeats``), alternating
-which goes first; ``wall_s`` and ``p50_ms`` are medians over runs. A run fails on any
-restore that errs or comes back short, or on a sampled restore whose rows are not bit-exact
-the staged rows; then ``ok`` is false, ``failures`` says what failed, no speedup or ratio
-is reported and the command exits 1 (:func:`exit_status`).
+its worker's PrefixReadBatcher (``start_batchers``, as the real restore path places them).
+Scenarios: mass resume (1 and 4 chunks), and one restore per worker every 5/10/20/50 ms.
+Latency: a restore's scheduled start to its rows in hand (ms). Modes alternate over
+``--repeats`` runs (gap scenarios ``--gap-repeats``); ``wall_s``, ``p50_ms`` are medians,
+``gb_s`` the payload read over the median wall. Rows carry the routes of ``--profile``
+(staged as :mod:`~pipeline.bench.restore_stage` says). A restore that errs, comes back
+short or not bit-exact fails the run: ``ok`` false, ``failures`` say what, no speedup or
+ratio, exit 1. See docs/design.md, "Restore" and "Benchmarks".
 
     python -m pipeline bench restore --json
+    python -m pipeline bench restore --json --profile qwen3-moe
     python -m pipeline.bench.restore --json --workers 64 --restores 32 --tokens 4096
 """
 from __future__ import annotations
@@ -29,10 +28,25 @@ from typing import TYPE_CHECKING, TypedDict
 import numpy as np
 
 from tasks.keys import CUT_PARTITION
-from tasks.packed import PackedBatch, pack_rows
-from tasks.schema import STAGING_FIELDS
+from tasks.packed import PackedBatch
 
 from .common import add_cluster_arguments, bench_client, compare_rows, main, notes
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes
+from .restore_stage import (
+    CONTEXT_TOKENS,
+    GAPS_MS,
+    Expected,
+    Scenario,
+    restore_fields,
+    restore_keys,
+    restore_tokens,
+    routes_profile,
+    scenario_names,
+    scenarios,
+    stage,
+    templates,
+    warm_up,
+)
 
 if TYPE_CHECKING:
     from distributed import Actor, Client
@@ -40,18 +54,12 @@ if TYPE_CHECKING:
     from ..restore.batcher import PrefixReadBatcher
     from ..store.protocol import AsyncStoreLike, StoreLike
 
-GAPS_MS = (5, 10, 20, 50)  # arrival gaps of the gap_* scenarios (ms between one worker's restores)
+__all__ = ["add_arguments", "exit_status", "restore_keys", "run", "scenario_names", "scenarios", "stage"]
+
 TARGETS = {"mass_resume_speedup": 13.0, "gap_p50_ratio": 1.05}
 MODES = ("per-request", "coalesced")
-CONTEXT_TOKENS = 16
-TEMPLATES = 8  # distinct payload rows, reused under many keys
 SAMPLE_RESTORES = 3  # restores per run whose rows are compared bit-exact with what was staged
 START_MARGIN_S = 0.05  # every worker's first restore starts this long after the run is sent
-
-
-def _restore_fields() -> list[str]:
-    # Every field verify_prefix checks; cut rows without routes need no routed_experts.
-    return list(STAGING_FIELDS)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -68,7 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--workers", type=positive_int, default=16, help="simulated generation workers W in the mass resumes (reference 128)")
     p.add_argument("--restores", type=positive_int, default=64, help="restores per worker R in the mass resumes (reference 64)")
-    p.add_argument("--tokens", type=positive_int, default=16384, help="prefix tokens T (reference 16,384)")
+    p.add_argument("--tokens", type=positive_int, default=None,
+                   help="prefix tokens T (default 16,384, the reference's, at the toy profile; fewer for bigger profiles, same bytes per row)")
     p.add_argument("--gap-workers", type=positive_int, default=8, help="workers in the arrival-gap scenarios (default 8)")
     p.add_argument("--gap-restores", type=positive_int, default=32, help="restores per worker in the arrival-gap scenarios (default 32)")
     p.add_argument("--repeats", type=positive_int, default=3, help="runs per mass-resume scenario and mode, alternating order (default 3)")
@@ -80,97 +89,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--unit-memory-limit", type=byte_size, default="4GiB", help="per storage unit memory before spilling")
     p.add_argument("--gc", choices=("collect", "freeze", "none"), default="collect",
                    help="garbage collector of the cluster's processes between runs (docs/design.md; default collect)")
+    add_profile_argument(p)
+    p.add_argument("--no-routes", action="store_true", help="cut rows without routed experts (the rows of earlier rounds)")
     add_cluster_arguments(p, n_workers=2)
-
-
-# ---- scenarios and staged rows --------------------------------------------------------
-
-
-# A scenario: ``workers`` simulated workers, ``restores`` each of ``chunks`` cut rows,
-# ``period_s`` apart (0 = all at once), run ``repeats`` times per mode.
-Scenario = TypedDict("Scenario", {"name": str, "workers": int, "restores": int, "chunks": int, "period_s": float, "repeats": int})
-# Staged key -> (template batch, row) it was written from.
-Expected = dict[str, tuple[PackedBatch, int]]
-
-
-def scenario_names() -> list[str]:
-    """Every scenario's name, in run order."""
-    return ["mass_resume", "mass_resume_4chunks", *(f"gap_{g}ms" for g in GAPS_MS)]
-
-
-def scenarios(args: argparse.Namespace) -> list[Scenario]:
-    """Each: name, workers, restores per worker, chunks per restore, period (s between one
-    worker's restores; 0 = all at once), runs per mode."""
-    W, R, GW, GR = args.workers, args.restores, args.gap_workers, args.gap_restores
-    out = [
-        Scenario(name="mass_resume", workers=W, restores=R, chunks=1, period_s=0.0, repeats=args.repeats),
-        Scenario(name="mass_resume_4chunks", workers=W, restores=R, chunks=4, period_s=0.0, repeats=args.repeats),
-        *(Scenario(name=f"gap_{g}ms", workers=GW, restores=GR, chunks=1, period_s=g / 1000.0, repeats=args.gap_repeats) for g in GAPS_MS),
-    ]
-    if args.scenarios != "all":
-        wanted = {s.strip() for s in args.scenarios.split(",")}
-        unknown = wanted - {s["name"] for s in out}
-        if unknown:
-            raise SystemExit(f"unknown scenario(s) {sorted(unknown)}; choose from {[s['name'] for s in out]}")
-        out = [s for s in out if s["name"] in wanted]
-    return out
-
-
-def _templates(tokens: int, seed: int = 0) -> PackedBatch:
-    """Real cut rows (CallBuffer freeze) of ``tokens`` tokens: the payload to replicate."""
-    from ..generation.call_buffer import CallBuffer
-
-    rng = np.random.default_rng(seed)
-    ctx = min(CONTEXT_TOKENS, tokens - 1)
-    rows = []
-    for i in range(TEMPLATES):
-        b = CallBuffer(f"tmpl{i}", "c0", rng.integers(0, 512, ctx))
-        b.append(rng.integers(0, 512, tokens - ctx), -rng.random(tokens - ctx, dtype=np.float32))
-        rows.append(b.freeze("bench").row)
-    return pack_rows(rows)
-
-
-def restore_keys(sc: Scenario) -> list[list[str]]:
-    """Cut keys of every restore of a scenario, chain order; restore ``w * R + r``."""
-    from tasks.keys import cut_key
-
-    ck = f"{sc['chunks']}x"  # one checkpoint per chunking: rows differ in size
-    return [
-        [cut_key(ck, f"w{w}r{r}", "c0", s) for s in range(sc["chunks"])]
-        for w in range(sc["workers"])
-        for r in range(sc["restores"])
-    ]
-
-
-def stage(store: StoreLike, scs: list[Scenario], tokens: int, args: argparse.Namespace, expect: Expected | None = None) -> dict[int, int]:
-    """Put every key the scenarios (and the warm-up) read, once per chunking, in puts of <= 64 MB.
-    With ``expect``, record for every key the (template batch, row) it was written from.
-    Returns ``{chunks per restore: tokens per chunk}``."""
-    need: dict[int, set[str]] = {1: set()}
-    for sc in scs + [_warm_up(args)]:
-        need.setdefault(sc["chunks"], set()).update(k for ks in restore_keys(sc) for k in ks)
-    staged = {}
-    for chunks, keys in need.items():
-        chunk_tokens = max(1, tokens // chunks)
-        tmpl = _templates(chunk_tokens, seed=chunks)
-        keys = sorted(keys)
-        per_put = max(1, min(256, (64 << 20) // max(1, tmpl.nbytes // len(tmpl))))
-        notes("restore", args.quiet)(f"staging {len(keys)} cut rows of {chunk_tokens} tokens ({tmpl.nbytes // len(tmpl) * len(keys) / 1e6:.0f} MB)")
-        for i in range(0, len(keys), per_put):
-            part = keys[i : i + per_put]
-            rows = np.arange(len(part)) % len(tmpl)
-            batch = tmpl.take(rows)
-            if expect is not None:
-                expect.update((k, (tmpl, int(r))) for k, r in zip(part, rows))
-            res = store.put_many(PackedBatch(part, batch.fields), partition=CUT_PARTITION)
-            if res.failed:
-                raise RuntimeError(f"staging failed: {next(iter(res.failed.items()))}")
-        staged[chunks] = chunk_tokens
-    return staged
-
-
-def _warm_up(args: argparse.Namespace) -> Scenario:
-    return Scenario(name="warm-up", workers=args.workers, restores=args.restores, chunks=1, period_s=0.0, repeats=1)
 
 
 # ---- the callers: simulated generation workers, on the cluster's workers -----------------
@@ -197,14 +118,13 @@ class RestoreCaller:
         self.store = store
 
     async def run(self, sc: Scenario, mode: str, sims: list[int], batchers: list[Actor], chunk_tokens: int,
-                  start_wall: float, sample: list[int]) -> CallerRun:
+                  start_wall: float, sample: list[int], fields: list[str]) -> CallerRun:
         """Restores of simulated workers ``sims`` (``batchers[i]`` is ``sims[i]``'s, unused
         per-request), the first at wall-clock ``start_wall`` (s); ``sampled``: ``sample``'s rows."""
         from ..restore.batcher import local_batcher
 
         keys = restore_keys(sc)
         W, R, period = sc["workers"], sc["restores"], sc["period_s"]
-        fields = _restore_fields()
         local = [local_batcher(b) for b in batchers] if mode == "coalesced" else []
         gets0 = await self._batcher_gets(local)
         gets = 0
@@ -303,14 +223,15 @@ class _Rig:
     placed there, and the real restore path's batchers (:func:`start_batchers`: one per
     cluster worker, shared by the generation workers there)."""
 
-    def __init__(self, client: Client, store: AsyncStoreLike) -> None:
+    def __init__(self, client: Client, store: AsyncStoreLike, fields: list[str]) -> None:
         from ..actors import current_workers, start_pinned_actors
         from ..restore.batcher import start_batchers
 
         self.client = client
         self.workers = current_workers(client)
         self.callers, self._caller_futures = start_pinned_actors(client, RestoreCaller, self.workers, args=[(store,)] * len(self.workers))
-        self.by_worker = start_batchers(client, store, workers=self.workers, fields=_restore_fields())
+        self.fields = fields  # what every restore reads
+        self.by_worker = start_batchers(client, store, workers=self.workers, fields=fields)
 
     def batcher(self, w: int) -> Actor:
         """Simulated worker ``w``'s batcher: the one on its cluster worker."""
@@ -327,7 +248,7 @@ class _Rig:
         for c, caller in enumerate(self.callers):
             sims = list(range(c, W, n))
             if sims:
-                futures.append(caller.run(sc, mode, sims, [self.batcher(w) for w in sims], chunk_tokens, start, sample))
+                futures.append(caller.run(sc, mode, sims, [self.batcher(w) for w in sims], chunk_tokens, start, sample, self.fields))
         outs: list[CallerRun] = [f.result() for f in futures]
         latencies = np.zeros(W * R, dtype=np.float64)
         out = ModeRun(gets=0, errors=0, problems=[], wall_s=0.0, gc_ms=0.0, keys=W * R * sc["chunks"], latencies_ms=latencies)
@@ -342,7 +263,7 @@ class _Rig:
             out["wall_s"] = max(out["wall_s"], o["span_s"])
             out["gc_ms"] = max(out["gc_ms"], o["gc_ms"])
         if expect is not None:
-            out["problems"] += _check_content(sampled, restore_keys(sc), _restore_fields(), expect)
+            out["problems"] += _check_content(sampled, restore_keys(sc), self.fields, expect)
         return out
 
     def close(self) -> None:
@@ -364,7 +285,9 @@ def _check_content(sampled: dict[int, PackedBatch], keys: list[list[str]], field
     return problems
 
 
-def _row(sc: Scenario, mode: str, runs: list[ModeRun], chunk_tokens: int) -> dict[str, object]:
+def _row(sc: Scenario, mode: str, runs: list[ModeRun], chunk_tokens: int, bytes_per_token: int) -> dict[str, object]:
+    """A scenario's table row in one mode: medians over its runs; ``gb_s`` is the payload
+    read (every restore's rows, ``bytes_per_token`` each token) over the median wall."""
     walls = [r["wall_s"] for r in runs]
     p50s = [float(np.percentile(r["latencies_ms"], 50)) for r in runs]
     lat = np.concatenate([r["latencies_ms"] for r in runs])
@@ -381,6 +304,7 @@ def _row(sc: Scenario, mode: str, runs: list[ModeRun], chunk_tokens: int) -> dic
         "gets": mid["gets"],
         "keys_per_get": round(mid["keys"] / mid["gets"], 2) if mid["gets"] else 0.0,
         "wall_s": round(float(np.median(walls)), 3),
+        "gb_s": float(f"{sc['workers'] * sc['restores'] * sc['chunks'] * chunk_tokens * bytes_per_token / float(np.median(walls)) / 1e9:.4g}"),
         "wall_s_runs": [round(w, 3) for w in walls],  # every run, in order: the spread behind wall_s
         "p50_ms": round(float(np.median(p50s)), 3),
         "p50_ms_runs": [round(p, 3) for p in p50s],
@@ -427,12 +351,19 @@ def _run_scenarios(client: Client, scs: list[Scenario], args: argparse.Namespace
     from ..store import StagingStore
 
     say = notes("restore", args.quiet)
+    tokens, prof = restore_tokens(args), routes_profile(args)
+    probe = templates(CONTEXT_TOKENS + 1, prof, n=1)  # one small row, packed as the staged ones
+    fields, id_bytes = restore_fields(probe), route_id_bytes(probe)
+    payload = payload_figures(profile_from_args(args), route_id_bytes=id_bytes)
     result: dict[str, object] = {
         "benchmark": "restore",
+        **payload,
+        "routes": prof is not None,
+        "route_id_bytes": id_bytes,
         "scale": {
             "workers": args.workers,
             "restores_per_worker": args.restores,
-            "tokens": args.tokens,
+            "tokens": tokens,
             "gap_workers": args.gap_workers,
             "gap_restores_per_worker": args.gap_restores,
             "repeats": args.repeats,
@@ -441,7 +372,7 @@ def _run_scenarios(client: Client, scs: list[Scenario], args: argparse.Namespace
             "cluster_workers": len(client.scheduler_info(n_workers=-1)["workers"]),
             "storage_units": 2,
             "gc": args.gc,
-            "fields": _restore_fields(),
+            "fields": fields,
         },
         "knobs": {k: config.get(f"restore.{k}") for k in ("window-ms", "eager-inflight", "batch-size", "max-tokens",
                                                          "max-concurrent-gets", "get-timeout-s")},
@@ -453,11 +384,11 @@ def _run_scenarios(client: Client, scs: list[Scenario], args: argparse.Namespace
     store = StagingStore.start(client, n_units=2, memory_limit=args.unit_memory_limit)
     rig = None
     try:
-        staged = stage(store, scs, args.tokens, args, expect)
-        rig = _Rig(client, store)
+        staged = stage(store, scs, tokens, args, expect)
+        rig = _Rig(client, store, fields)
         # Open every connection (callers and batchers to the units) before measuring
         # anything: the first burst of gets pays connection setup, which is no mode's cost.
-        warm = _warm_up(args)
+        warm = warm_up(args)
         for mode in MODES:
             out = rig.run(warm, mode, staged[1], expect)
             failures += [f"warm-up {mode}: {p}" for p in out["problems"]]
@@ -480,7 +411,7 @@ def _run_scenarios(client: Client, scs: list[Scenario], args: argparse.Namespace
                     say(f"{sc['name']:<20} {mode:<12} run {rep + 1}: {out['wall_s']:.3f} s, "
                         f"p50 {np.percentile(out['latencies_ms'], 50):.2f} ms, {out['gets']} gets")
             for mode in MODES:
-                result["rows"].append(_row(sc, mode, runs[mode], chunk_tokens))
+                result["rows"].append(_row(sc, mode, runs[mode], chunk_tokens, payload["bytes_per_token"]))
     finally:
         if rig is not None:
             rig.close()

@@ -9,7 +9,12 @@ scheduler's task count, controller and worker RSS (bytes, psutil). Exits 1 when 
 fails or a target is missed: store bytes last/first <= ``--max-store-growth``, every
 worker's RSS last/first <= ``--max-rss-growth``. Progress on stderr, JSON on stdout.
 
+``--profile`` sets the toy policy's routing shape (layers, top-k, experts) for the run, so
+the staged rows carry a real MoE model's routes; the JSON reports the staged tokens,
+``bytes_per_token`` and ``gb_s`` (staged payload over the run's wall) beside the steps.
+
     python -m pipeline bench soak --json
+    python -m pipeline bench soak --json --profile qwen3-moe --steps 60
     python -m pipeline bench soak --json --steps 400 --in-flight 3
 """
 from __future__ import annotations
@@ -21,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, TypedDict
 
 from .. import config
 from .common import add_cluster_arguments, bench_client, main, notes
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes
 
 if TYPE_CHECKING:
     from distributed import Client, Future, Scheduler
@@ -76,6 +82,15 @@ class SoakResult(TypedDict, total=False):
     worker_rss_growth: dict[str, float]
     controller_rss_growth: float
     wall_s: float
+    tokens: int  # tokens of every collected step (the finalized batches)
+    tokens_per_s: float  # tokens / wall_s
+    profile: str
+    layers: int
+    top_k: int
+    experts: int
+    route_id_bytes: int  # bytes per expert id as the engine staged them
+    bytes_per_token: int
+    gb_s: float  # tokens_per_s * bytes_per_token / 1e9
     store_rows_end: int
     store_bytes_end: int
     targets: dict[str, float]
@@ -94,7 +109,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-flight", type=int, default=config.get("demo.steps-in-flight"), help="finalization steps in flight (default %(default)s)")
     p.add_argument("--max-store-growth", type=float, default=1.1, help="target: store bytes last / first at most this (default 1.1)")
     p.add_argument("--max-rss-growth", type=float, default=1.2, help="target: each worker's RSS last / first at most this (default 1.2)")
+    add_profile_argument(p)
+    p.add_argument("--hidden", type=int, default=None,
+                   help="toy policy hidden width (default: policy.hidden at the toy profile, 4 at a bigger one; it sets "
+                   "the engine's compute only, not the rows: at qwen3-moe a step generates in ~46 s at 32, ~0.8 s at 4)")
     add_cluster_arguments(p)
+
+
+def policy_overrides(args: argparse.Namespace) -> dict[str, int]:
+    """The toy policy's routing shape for ``--profile`` (``token-capture.policy`` keys) and
+    its hidden width (``--hidden``; 4 at a profile bigger than toy, whose dense forward
+    over every expert would otherwise dominate the soak)."""
+    prof = profile_from_args(args)
+    out = {"layers": prof.layers, "top-k": prof.top_k, "experts": prof.experts}
+    hidden = args.hidden if args.hidden is not None else (None if prof.name == "toy" else 4)
+    if hidden is not None:
+        out["hidden"] = hidden
+    return out
+
+
+def probe_route_id_bytes(overrides: dict[str, int]) -> int:
+    """Task body: bytes per expert id of the rows the toy engine stages under
+    ``overrides`` (one one-token rollout generated and packed, not staged)."""
+    from tasks.packed import pack_rows
+    from tasks.toy.rollouts import generate_rollouts, make_group_specs
+
+    from ..capture import policy_from_config
+
+    policy = policy_from_config(overrides)
+    specs = make_group_specs("probe", 1, turns=1, tokens_per_turn=1, tool_tokens=0, prompt_tokens=2,
+                             vocab_size=policy.vocab_size)
+    return route_id_bytes(pack_rows(generate_rollouts(policy, specs)[0].rows))
 
 
 def _rss() -> int:
@@ -150,10 +195,16 @@ def run(args: argparse.Namespace) -> SoakResult:
         try:
             fin = Finalizer(client, store)
             say(f"{args.steps} steps of {args.groups} x {args.rollouts} rollouts ({args.turns} calls of "
-                f"{args.tokens_per_turn} tokens), {args.in_flight} in flight; clear-staged={config.get('finalize.clear-staged')}")
+                f"{args.tokens_per_turn} tokens, {profile_from_args(args).name} routes), {args.in_flight} in flight; "
+                f"clear-staged={config.get('finalize.clear-staged')}")
             t0 = time.perf_counter()
             result.update(_soak(client, store, fin, args, make_step_specs, submit_generation, say))
             result["wall_s"] = round(time.perf_counter() - t0, 2)
+            id_bytes = client.submit(probe_route_id_bytes, policy_overrides(args), pure=False).result()
+            result["route_id_bytes"] = id_bytes
+            result["tokens_per_s"] = round(result["tokens"] / result["wall_s"], 1)
+            result.update(payload_figures(profile_from_args(args), route_id_bytes=id_bytes, tokens_per_s=result["tokens_per_s"]))
+            result["gb_s"] = float(f"{result['gb_s']:.4g}")
             end = sample(client, store)
             result["store_rows_end"] = end["store_rows"]  # every step collected and cleared
             result["store_bytes_end"] = end["store_bytes"]
@@ -172,14 +223,15 @@ def _soak(client: Client, store: StagingStore, fin: Finalizer, args: argparse.Na
     first: Sample | None = None
     last: Sample | None = None
     failed: dict[str, str] = {}
-    rejected = collected = 0
+    rejected = collected = tokens = 0
+    overrides = policy_overrides(args)
     for s in range(args.steps):
         groups = make_step_specs(
             f"k{s}-", args.groups, args.rollouts, turns=args.turns, tokens_per_turn=args.tokens_per_turn,
             tool_tokens=config.get("demo.tool-tokens"), prompt_tokens=config.get("demo.prompt-tokens"),
             vocab_size=config.get("policy.vocab-size"), seed=config.get("policy.seed"),
         )
-        receipts = client.gather(submit_generation(client, store, groups))
+        receipts = client.gather(submit_generation(client, store, groups, policy_overrides=overrides))
         pending.append(fin.submit_step({g[0].group_id: r for g, r in zip(groups, receipts)}, step_id=f"soak-{s}"))
         while len(pending) >= args.in_flight or (pending and s == args.steps - 1):
             steady = len(pending) >= args.in_flight  # the same point of the pipeline every time
@@ -187,6 +239,7 @@ def _soak(client: Client, store: StagingStore, fin: Finalizer, args: argparse.Na
             try:
                 step = handle.result()
                 rejected += step.metrics["rollouts"] - step.metrics["accepted"]
+                tokens += int(step.metrics["tokens"])
                 if handle.clear_future is not None:
                     handle.clear_future.result()  # sample with this step's rows gone
             except Exception as e:  # noqa: BLE001 - a failed step fails the soak, reported below
@@ -207,6 +260,7 @@ def _soak(client: Client, store: StagingStore, fin: Finalizer, args: argparse.Na
     assert first is not None and last is not None
     out: SoakResult = {
         "steps": collected,
+        "tokens": tokens,
         "failed_steps": failed,
         "rejected_rollouts": rejected,
         "first_sample_after_step": args.first_step,
