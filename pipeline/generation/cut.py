@@ -12,11 +12,12 @@ controller. Deadlines are clock seconds; stats ms and bytes.
 from __future__ import annotations
 
 import contextlib
-import operator
 import time
 from dataclasses import dataclass, field
 from statistics import fmean
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequence
+
+import numpy as np
 
 from tasks.cut.batching import BatchLimits, BatchPlanner, pack_chunks
 from tasks.cut.receipt import (
@@ -30,6 +31,7 @@ from tasks.cut.receipt import (
 )
 from tasks.keys import CUT_PARTITION, check_id
 from tasks.packed import PackedBatch
+from tasks.placement_hash import default_unit_ids, primaries
 
 from .. import config
 from ..store.slab_pool import SlabPool, process_pool
@@ -41,7 +43,6 @@ if TYPE_CHECKING:
     from ..store.protocol import StoreResult
 
 Clock = Callable[[], float]  # seconds
-_UNIT = operator.attrgetter("unit")
 
 
 class CutStore(Protocol):
@@ -118,6 +119,7 @@ class _Cut:
         self.frozen: list[FrozenChunk] = []
         self.written: set[str] = set()  # keys the store accepted and nobody owns yet
         self.n_units = len(getattr(store, "units", None) or ())  # 0: a store without visible units
+        self.unit_ids = default_unit_ids(self.n_units) if self.n_units > 1 else ()  # what rows are ordered by
         self.buffers = pack_buffers()  # batches pack into memory already mapped (no page faults)
         # Store calls are bounded by the time left to the deadline (a hung unit fails its
         # keys, so the cut and the worker's cut lock are released by the deadline).
@@ -162,9 +164,11 @@ class _Cut:
     def _put(self, chunks: Sequence[FrozenChunk]) -> tuple[StoreResult | None, str, int]:
         """One ``put_many`` of ``chunks``: (result or None if it raised, error, batch bytes)."""
         # Rows ordered by storage unit: the store then sends each unit a contiguous slice
-        # of the batch buffers (no re-split copy).
+        # of the batch buffers (no re-split copy). One vectorized placement per batch (per
+        # call it was a quarter of a 1,024-token cut's CPU).
         if self.n_units > 1:
-            chunks = sorted(chunks, key=_UNIT)
+            units = primaries([c.buffer.rollout_id for c in chunks], self.unit_ids)
+            chunks = [chunks[i] for i in np.argsort(units, kind="stable").tolist()]
         pooled: list[bool] = []
 
         def allocate(sizes: Sequence[int]):
@@ -277,7 +281,7 @@ class _Cut:
         reached = 0
         # Per call: a deadline check, a freeze and a planner step (names bound once: the
         # loop runs once per in-flight call of the worker).
-        key_root, n_units = self.key_root, self.n_units
+        key_root = self.key_root
         frozen, acks, add = self.frozen, self.acks, planner.add
         for call_id, buf in calls:
             if buf is None:
@@ -294,8 +298,6 @@ class _Cut:
                 acks[call_id] = got
                 continue
             idx = len(frozen)
-            if n_units > 1:
-                got.unit = buf.unit(n_units)
             frozen.append(got)
             for b in add(idx, got.tokens, got.nbytes, got.signature):
                 if not self.put_batch([frozen[i] for i in b.rows]):
