@@ -23,7 +23,10 @@ at most 200 characters, one entry per reason of ``rejected``; optional); ``kind`
 summed over the step, without rejected_details (count each rollout from one kind only),
 and cross_host_bytes (bytes the step's tasks moved between hosts, measured on the
 scheduler; 0 with cross_host_measured false when it could not be read) and cross_host_bytes_planned (the bytes the step's layout
-ships between hosts)."""
+ships between hosts), and the step's tail: verified_ms (submission to its last verify
+task's end), tail_ms (from there to the groups in the controller), collect_ms (the
+controller's result() call), collected_bytes (what it gathered), assembled_on
+("controller" or "cluster")."""
 
 FINALIZE_OPTIONAL: Mapping[str, object] = {"internal_errors": 0, "rejected_details": {}}
 """Finalize event keys an event may lack (older producers), with the value to read then."""

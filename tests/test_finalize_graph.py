@@ -124,6 +124,9 @@ def test_step_with_routes_one_union_fetch_plus_routes(cluster_client, store):
     assert sm["tokens"] == sum(int(step.groups[g].input_lengths.sum()) for g in groups)
     assert sm["queue_depth"] == 3 and sm["queue_depth_after"] == 0
     assert sm["dominant"] in ("fetch", "verify")
+    # Assembled in this process: the tail runs from the last verify to the groups here.
+    assert sm["assembled_on"] == "controller" and sm["cross_host_bytes_planned"] == 0
+    assert 0 < sm["verified_ms"] <= sm["wall_ms"] + 50 and sm["tail_ms"] >= 0 and sm["collect_ms"] > 0
     assert fin.queue_depth == 0 and fin.in_flight == []
     # The rows really went through zict's disk side.
     assert sum(s.get("spilled_bytes", 0) + s.get("disk_bytes", 0) for s in store.stats()) > 0
@@ -268,6 +271,7 @@ def test_rows_are_fetched_and_verified_on_the_worker_that_holds_them(cluster_cli
     fin.with_settings(verify_token_budget=budget)
     handle = fin.submit_step({g: [b.receipt for b in bs] for g, bs in groups.items()})
     graph = handle.graph
+    assembled = handle.group_futures  # the groups assembled on the cluster, where their rows are
     wait(handle.futures)
 
     def placement(dask_scheduler, keys):
@@ -282,7 +286,7 @@ def test_rows_are_fetched_and_verified_on_the_worker_that_holds_them(cluster_cli
             }
         return out
 
-    keys = [f.key for f in graph.fetch_futures + graph.piece_futures + graph.verify_futures + handle.futures]
+    keys = [f.key for f in graph.fetch_futures + graph.piece_futures + graph.verify_futures + list(assembled.values())]
     where = cluster_client.run_on_scheduler(placement, keys=keys)
     held = cluster_client.who_has(graph.fetch_futures)
     rollouts = graph.plan.rollouts
@@ -305,20 +309,14 @@ def test_rows_are_fetched_and_verified_on_the_worker_that_holds_them(cluster_cli
         info = where[str(graph.verify_futures[t].key)]
         assert info["resources"] == {"finalize": 1} and info["restrictions"] == []
         assert {w for d in info["deps"] for w in site_of_key[d]} == sites
-    # Each group is assembled on one of the sites (a hint): a small step on the site holding
-    # most of its rows (only the other site's rows cross), one holding more than a verify
-    # budget of rows on both.
-    hints = [where[str(f.key)]["restrictions"] for f in handle.futures]
-    assert all(len(h) == 1 and h[0] in site_of.values() for h in hints)
-    if budget == 40:
-        assert len({h[0] for h in hints}) == 2
-    else:
-        tokens = Counter()
-        for p in rollouts:
-            tokens[site_of[p.rollout_id]] += p.n_tokens
-        (assembler,) = {h[0] for h in hints}
-        assert tokens[assembler] == max(tokens.values())
+    # Asked for on the cluster, each group is assembled (a hint) on the site holding most of
+    # its rows: only the other site's rows of the group cross.
+    for gid, bs in groups.items():
+        (hint,) = where[str(assembled[gid].key)]["restrictions"]
+        held = Counter(site_of[b.rollout_id] for b in bs)  # equal tokens per rollout here
+        assert held[hint] == max(held.values())
     step = handle.result()
+    assert step.metrics["assembled_on"] == "cluster"
     for gid, bs in groups.items():
         assert_group_matches(store, step.groups[gid], bs)
 
@@ -357,8 +355,50 @@ def test_a_finalized_group_travels_as_its_buffers():
     assert pickle.loads(pickle.dumps(no_routes)).routed_experts is None
 
 
+def test_a_verify_output_travels_as_one_buffer_per_field_viewing_its_rows():
+    """A verify task's rows, back to back in the fetched batch, leave as ONE view per field
+    (no copy); rows that are not back to back are concatenated once. Both come back
+    bit-identical, with every other field of the results and the output as they were."""
+    from distributed.protocol.serialize import merge_and_deserialize, serialize_and_split
+
+    from pipeline.finalize import serializers
+    from pipeline.finalize.task_outputs import VerifyOut
+    from tasks.finalize.linearize import Linearized
+    from tasks.finalize.verify import RolloutResult
+
+    ids, mask = np.arange(300, dtype=np.int64), np.ones(300, np.float32)
+    routes = np.arange(300 * L * K, dtype=np.int16).reshape(300, L, K)
+
+    def row(a, b, lps):
+        return Linearized(ids[a:b], mask[a:b], lps, routes[a:b], 2, [("c0", 0, b - a)])
+
+    rows = {0: row(0, 100, -mask[:100]), 2: row(100, 250, -mask[:150])}  # logprobs: separate arrays
+    out = VerifyOut(7, {0: RolloutResult("a", "ok", "", rows[0], 2), 1: RolloutResult("b", "corrupt_digest", "x", None, 1),
+                        2: RolloutResult("c", "ok", "", rows[2], 3)}, {0: 1.0, 1: 0.5, 2: 2.0}, {0: 10, 1: 0, 2: 20},
+                    {"task": 7, "start_s": 1.0, "ms": 2.0, "cpu_ms": 1.0, "rollouts": 3, "out_bytes": 0})
+    assert serializers.span([ids[0:100], ids[100:250]]) is not None
+    assert serializers.span([ids[0:100], ids[101:250]]) is None and serializers.span([ids[0:100], mask[100:200]]) is None
+    header, frames = serialize_and_split(out, context=None)
+    assert header["serializer"] == "dask"
+    sizes = sorted(len(memoryview(f).cast("B")) for f in frames)
+    assert sizes[-4:] == sorted([250 * 8, 250 * 4, 250 * 4, 250 * L * K * 2])  # one buffer per field
+    # The ids, mask and routes buffers are views of the rows' own memory.
+    assert serializers.field_buffer([rows[0].input_ids, rows[2].input_ids]).base is not None
+    assert np.shares_memory(serializers.field_buffer([rows[0].input_ids, rows[2].input_ids]), ids)
+    back = merge_and_deserialize(header, [bytearray(f) for f in frames])
+    assert (back.task, back.verify_ms, back.bytes_fetched, back.timing) == (out.task, out.verify_ms, out.bytes_fetched, out.timing)
+    assert back.results[1] == out.results[1]
+    for r, lin in rows.items():
+        got = back.results[r]
+        assert (got.rollout_id, got.status, got.n_calls) == (out.results[r].rollout_id, "ok", out.results[r].n_calls)
+        assert got.linearized.spans == lin.spans and got.linearized.prompt_length == lin.prompt_length
+        for name in ("input_ids", "token_mask", "logprobs", "routed_experts"):
+            a, b = getattr(lin, name), getattr(got.linearized, name)
+            assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes(), name
+
+
 def test_groups_are_gathered_straight_from_the_workers_unless_the_client_says_otherwise():
-    from pipeline.finalize.controller import _gather
+    from pipeline.finalize.collect import gather as _gather
 
     class FakeClient:
         def __init__(self, direct_to_workers):

@@ -7,12 +7,11 @@ groups and any number of units and workers all occur.
 from __future__ import annotations
 
 import copy
-import math
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tasks.finalize.layout import HostMap, StepLayout, assembly_clusters, step_layout
+from tasks.finalize.layout import HostMap, StepLayout, step_layout
 from tasks.finalize.plan import StepPlan, pack_verify_tasks, plan_step
 from tasks.keys import unit_for_key
 
@@ -73,24 +72,15 @@ def test_every_rollout_is_verified_exactly_once_on_its_site(case):
                 assert worker == unit_workers[unit_for_key(plan.rollouts[r].keys[0], len(unit_workers))]
             else:
                 assert worker is None and len(layout.sites) == 1
-    # Per site: its rollouts split by assembling site (others first, ascending), each
-    # split cut in plan order into runs of the sizes pack_verify_tasks gives it.
+    # Per site: its rollouts in plan order (every site walks the groups in submission
+    # order), cut into runs of the sizes pack_verify_tasks gives them.
     group_of = {s.index: g for g, group in enumerate(layout.groups) for s in group.slots if s.index is not None}
-    assembler_of = lambda r: layout.groups[group_of[r]].assembler  # noqa: E731
-    for s, site in enumerate(layout.sites):
+    for site in layout.sites:
         tasks = [layout.tasks[t] for t in site.tasks]
         rollouts = sorted(r for task in tasks for r in task.rollouts)
-        others = sorted({assembler_of(r) for r in rollouts} - {s, None})
-        at = 0
-        for c in others + [c for c in (s, None) if c in {assembler_of(r) for r in rollouts}]:
-            split = [r for r in rollouts if assembler_of(r) == c]
-            sizes = [len(t) for t in pack_verify_tasks([plan.rollouts[r] for r in split], budget, [group_of[r] for r in split])]
-            runs = tasks[at : at + len(sizes)]
-            assert [r for task in runs for r in task.rollouts] == split
-            assert [len(task.rollouts) for task in runs] == sizes
-            assert all(task.ships == (c != s and c is not None) for task in runs)
-            at += len(sizes)
-        assert at == len(tasks)
+        assert [r for task in tasks for r in task.rollouts] == rollouts
+        sizes = [len(t) for t in pack_verify_tasks([plan.rollouts[r] for r in rollouts], budget, [group_of[r] for r in rollouts])]
+        assert [len(task.rollouts) for task in tasks] == sizes
     # A site's tasks are numbered consecutively, site after site.
     assert [t for site in layout.sites for t in site.tasks] == list(range(len(layout.tasks)))
     assert all(layout.tasks[t].site == s for s, site in enumerate(layout.sites) for t in site.tasks)
@@ -131,38 +121,27 @@ def test_groups_keep_their_shape_and_wait_for_exactly_their_tasks(case):
 
 @settings(max_examples=300, deadline=None)
 @given(step())
-def test_assembling_sites_follow_the_token_runs_rule(case):
-    """One run of groups per site holding more than a verify budget (at least one, at most
-    one per site), each group in the run its token midpoint falls in, run ``c`` on the
-    site holding the ``c``-th most tokens. With one run that is the site holding the most
-    tokens of the step. A group without planned rollouts is assembled anywhere."""
+def test_each_group_is_assembled_on_the_site_holding_most_of_its_rows(case):
+    """Without hosts: a group's assembling site (where it is assembled when asked for on
+    the cluster) holds the most of its planned tokens (ties: the lower site); a group
+    without planned rollouts, or a store placing no units, has none. Assembled by the
+    controller, nothing crosses hosts."""
     plan, sizes, unit_workers, budget = case
     layout = step_layout(plan, sizes, unit_workers, budget)
-    tok = lambda rs: sum(plan.rollouts[r].n_tokens for r in rs)  # noqa: E731
-    site_tokens = [tok(r for t in site.tasks for r in layout.tasks[t].rollouts) for site in layout.sites]
-    group_tokens = [tok(planned_rollouts(layout, g)) for g in range(len(layout.groups))]
+    assert layout.crossing_tasks() == []
     if not unit_workers or not plan.rollouts:
-        assert all(g.assembler is None for g in layout.groups)
-        assert not any(task.ships for task in layout.tasks)
+        assert all(g.assembler is None and g.worker is None for g in layout.groups)
         return
-    runs = min(len(site_tokens), max(1, math.ceil(max(site_tokens) / budget)))
-    heaviest_first = sorted(range(len(site_tokens)), key=lambda s: (-site_tokens[s], s))
-    total, before = sum(group_tokens), 0
+    site_of = {r: s for s, site in enumerate(layout.sites) for t in site.tasks for r in layout.tasks[t].rollouts}
     for g, group in enumerate(layout.groups):
-        mid = before + group_tokens[g] / 2
-        run = min(runs - 1, math.floor(runs * mid / total))
-        assert run * total <= runs * mid and (run == runs - 1 or runs * mid < (run + 1) * total)
-        assert group.assembler == (heaviest_first[run] if group.tasks else None)
-        if runs == 1 and group.tasks:
-            assert site_tokens[group.assembler] == max(site_tokens)
-        before += group_tokens[g]
-    # A task ships iff its rollouts are assembled on another site, and ships first.
-    assembler_of = {r: group.assembler for g, group in enumerate(layout.groups) for r in planned_rollouts(layout, g)}
-    for s, site in enumerate(layout.sites):
-        ships = [layout.tasks[t].ships for t in site.tasks]
-        assert ships == sorted(ships, reverse=True)
-        for t in site.tasks:
-            assert {assembler_of[r] != s for r in layout.tasks[t].rollouts} == {layout.tasks[t].ships}
+        held = [0] * len(layout.sites)
+        for r in planned_rollouts(layout, g):
+            held[site_of[r]] += plan.rollouts[r].n_tokens
+        if not group.tasks or not sum(held):
+            assert group.assembler is None
+            continue
+        assert group.assembler == max(range(len(held)), key=lambda s: (held[s], -s))
+        assert group.worker == layout.sites[group.assembler].worker
 
 
 @settings(max_examples=100, deadline=None)
@@ -172,12 +151,6 @@ def test_equal_inputs_give_equal_layouts(case):
     first = step_layout(plan, sizes, unit_workers, budget)
     again = step_layout(copy.deepcopy(plan), list(sizes), list(unit_workers), budget)
     assert first == again and hash(first.tasks) == hash(again.tasks)
-
-
-@given(st.lists(st.integers(0, 1000), min_size=1, max_size=20), st.integers(1, 6))
-def test_assembly_runs_are_contiguous_and_in_range(tokens, k):
-    runs = assembly_clusters(tokens, k)
-    assert runs == sorted(runs) and all(0 <= c < k for c in runs)
 
 
 def test_one_site_packs_like_pack_verify_tasks():
@@ -235,7 +208,7 @@ def test_verify_tasks_run_on_their_rows_host_and_crossing_outputs_are_named(case
     """Every rollout is verified once, by a task of the site holding its rows, pinned to
     the site's own worker when it takes finalize work, else to a finalize worker of the
     same host (unpinned only when its host has none). A task's output crosses hosts
-    exactly when its rollouts' group is assembled on another host."""
+    once per other host assembling a group that reads it."""
     plan, sizes, unit_workers, budget, hosts = case
     layout = step_layout(plan, sizes, unit_workers, budget, hosts)
     seen = sorted(r for task in layout.tasks for r in task.rollouts)
@@ -251,8 +224,10 @@ def test_verify_tasks_run_on_their_rows_host_and_crossing_outputs_are_named(case
             assert site.verify_worker in hosts.finalize and hosts.hosts[site.verify_worker] == site.host
         else:
             assert not any(hosts.hosts[w] == site.host for w in hosts.finalize)
-    assembler_host = {t: layout.sites[g.assembler].host for g in layout.groups if g.assembler is not None for t in g.tasks}
-    expected = [t for t, task in enumerate(layout.tasks) if t in assembler_host and assembler_host[t] != layout.sites[task.site].host]
+    expected = []
+    for t, task in enumerate(layout.tasks):
+        to = {layout.sites[g.assembler].host for g in layout.groups if g.assembler is not None and t in g.tasks}
+        expected += [t] * len(to - {layout.sites[task.site].host})
     assert layout.crossing_tasks() == expected
 
 
@@ -270,8 +245,8 @@ def test_a_storage_only_worker_hands_its_rows_to_a_finalize_worker_of_its_host()
 
 
 def test_a_group_whose_rows_sit_on_another_host_is_assembled_there():
-    """Two sites on two hosts: the step's heaviest site assembles by the token rule, but
-    a group holding all its rows on the other host is assembled on that host."""
+    """Two sites on two hosts: each group is assembled on the host (and site) holding
+    most of its rows."""
     receipts = {f"g{g}": [receipt(f"x{g}-{i}", [8 * (g + 1)], [False], False) for i in range(3)] for g in range(4)}
     plan = plan_step(receipts)
     hosts = HostMap({"a": "10.0.0.1", "b": "10.0.0.2"}, frozenset({"a", "b"}))

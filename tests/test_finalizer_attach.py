@@ -129,14 +129,14 @@ class AssembleOnce:
         self.real = worker_tasks.assemble_group
         self._lock = threading.Lock()
 
-    def __call__(self, rows, rewards):
+    def __call__(self, rows, rewards, **kw):
         if any(r.rollout_id == self.rollout for r in rows):
             with self._lock:
                 first = not self.started.is_set()
                 self.started.set()
             if first:
                 assert self.release.wait(60), "the test never released the assemble"
-        return self.real(rows, rewards)
+        return self.real(rows, rewards, **kw)
 
 
 def test_a_resubmission_after_a_partly_computed_step_gives_the_same_tensors(inprocess_client, tmp_path, monkeypatch):
@@ -151,6 +151,7 @@ def test_a_resubmission_after_a_partly_computed_step_gives_the_same_tensors(inpr
         monkeypatch.setattr(worker_tasks, "assemble_group", gate)
         dying = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=E)
         partial = dying.submit_step(receipts_of(groups), step_id="dying")
+        partial.group_futures  # its groups assembled on the cluster, one held there by the gate
         try:
             assert gate.started.wait(30)
             wait_until(lambda: partial.group_futures["pc0"].done(), what="a first group assembled")

@@ -100,11 +100,13 @@ def test_each_host_binds_its_own_address_and_directory(cluster):
 
 
 def test_bytes_crossing_hosts_are_counted_per_step(cluster):
-    """A group whose rows sit on two storage hosts is assembled on the host holding most of
-    them; the other host's verified rows cross hosts, and the step's FINALIZE figures say
-    so, planned (the layout) and measured (the scheduler's transfers). A group whose rows
-    all sit on one host moves nothing between hosts. (The spread step runs first: by the
-    second, Dask knows verify tasks are too short to be worth stealing to another host.)"""
+    """Assembled by the controller, no verified row crosses between workers, wherever the
+    group's rows sit. Asked for on the cluster, a group whose rows sit on two storage hosts
+    is assembled on the host holding most of them; the other host's verified rows cross
+    hosts, and the step's FINALIZE figures say so, planned (the layout) and measured (the
+    scheduler's transfers). A group whose rows all sit on one host moves nothing between
+    hosts. (The spread step runs first: by the second, Dask knows verify tasks are too
+    short to be worth stealing to another host.)"""
     hosts, client = cluster
     store = start_hosted(client, NAME, n_units=4, workers=hosts.role_workers("storage"))
     try:
@@ -117,12 +119,13 @@ def test_bytes_crossing_hosts_are_counted_per_step(cluster):
             return group, {unit_hosts[u] for u in primary_units([ro.staging_keys[0] for ro in ros], len(unit_hosts)).tolist()}
 
         candidates = [rows_hosts(f"xh-{i}-") for i in range(40)]
-        spread = next(g for g, h in candidates if len(h) == 2)
+        spread, spread_too = [g for g, h in candidates if len(h) == 2][:2]
         local = next(g for g, h in candidates if len(h) == 1)
         fin = Finalizer(client, store)
         for group, crosses in ((spread, True), (local, False)):
             receipts = stage_from_generation_hosts(hosts, client, [group])
             handle = fin.submit_step(receipts)
+            handle.group_futures  # assembled on the cluster
             step = handle.result(timeout=120)
             layout = handle.graph.layout
             assert step.metrics["accepted"] == 3
@@ -132,6 +135,10 @@ def test_bytes_crossing_hosts_are_counted_per_step(cluster):
                 assert step.metrics["cross_host_bytes_planned"] > 0 and step.metrics["cross_host_bytes"] > 0, step.metrics
             else:
                 assert step.metrics["cross_host_bytes_planned"] == 0 and step.metrics["cross_host_bytes"] == 0, step.metrics
+        # The default: rows on two hosts, assembled by the controller, nothing crosses.
+        step = fin.submit_step(stage_from_generation_hosts(hosts, client, [spread_too])).result(timeout=120)
+        assert step.metrics["assembled_on"] == "controller" and step.metrics["accepted"] == 3
+        assert step.metrics["cross_host_bytes_planned"] == 0 and step.metrics["cross_host_bytes"] == 0, step.metrics
     finally:
         close_hosted(client, NAME)
 

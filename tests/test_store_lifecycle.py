@@ -269,11 +269,11 @@ class AssembleGate:
         self.release = threading.Event()
         self.real = worker_tasks.assemble_group
 
-    def __call__(self, rows, rewards):
+    def __call__(self, rows, rewards, **kw):
         if any(r.rollout_id in self.rollouts for r in rows):
             self.started.set()
             assert self.release.wait(60), "the test never released the assemble"
-        return self.real(rows, rewards)
+        return self.real(rows, rewards, **kw)
 
 
 def callbacks_ran(futures) -> None:
@@ -297,6 +297,7 @@ def test_a_step_is_cleared_only_after_its_groups_were_delivered(inprocess_client
     fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
     fin.with_settings(clear_staged=True)
     handle = fin.submit_step({"ord0": [b.receipt for b in g0], "ord1": [b.receipt for b in g1]})
+    handle.group_futures  # the groups assembled on the cluster, where the gate holds one
     try:
         assert gate.started.wait(30)
         wait_until(lambda: handle.group_futures["ord0"].done(), what="group ord0 assembled")
@@ -329,10 +330,10 @@ class AssembleFault:
         self.rollouts = set(rollouts)
         self.real = worker_tasks.assemble_group
 
-    def __call__(self, rows, rewards):
+    def __call__(self, rows, rewards, **kw):
         if any(r.rollout_id in self.rollouts for r in rows):
             raise RuntimeError("injected assemble failure")
-        return self.real(rows, rewards)
+        return self.real(rows, rewards, **kw)
 
 
 def test_a_failed_step_clears_nothing_and_keeps_no_other_step_from_clearing(inprocess_client, thread_store, monkeypatch):
@@ -396,6 +397,7 @@ def test_a_key_another_in_flight_step_reads_survives_until_both_are_done(inproce
     fin.with_settings(clear_staged=True)
     step_a = fin.submit_step([[b.receipt for b in only_a + shared]], step_id="A")
     step_b = fin.submit_step([[b.receipt for b in shared + only_b]], step_id="B")  # resubmitted rollout
+    step_b.group_futures  # B's group assembled on the cluster, held there by the gate
     try:
         assert gate.started.wait(30)
         result_a = step_a.result()

@@ -57,9 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def step_tasks(layout: StepLayout) -> int:
     """The Dask tasks one step's graph holds (:mod:`pipeline.finalize.graph`): per site one
     staging fetch, one routes fetch when it reads routes, one getitem piece per verify
-    task and fetch when the site has more than one task; every verify task; one assemble
-    per group."""
-    n = len(layout.tasks) + len(layout.groups)
+    task and fetch when the site has more than one task; every verify task (the groups
+    are assembled by the controller: no task)."""
+    n = len(layout.tasks)
     for site in layout.sites:
         fetches = 1 + bool(site.routes.keys)
         n += fetches
@@ -106,6 +106,7 @@ def _one_step(client: Client, store: Any, fin: Finalizer, prefix: str, rollouts:
         "store_calls": _store_calls(store) - calls0,
         "cross_host_bytes_per_rollout": m["cross_host_bytes"] / rollouts,
         "cross_host_bytes_planned_per_rollout": m["cross_host_bytes_planned"] / rollouts,
+        "collected_bytes_per_rollout": m["collected_bytes"] / rollouts,
         "wall_s": wall,
         "accepted": m["accepted"],
         "rollouts": rollouts,

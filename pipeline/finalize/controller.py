@@ -28,10 +28,9 @@ from tasks.finalize.step_batch import step_batch
 from tasks.keys import STAGING_PARTITION, staging_key
 
 from .. import config, events
-from ..store import receive_pool
 from ..store.protocol import PlacedStoreLike, StoreLike
-from . import timing, transfers
-from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_graph, task_key
+from . import collect, serializers, timing, transfers
+from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_assembly, submit_graph, task_key
 from .settings import FinalizeSettings
 
 if TYPE_CHECKING:
@@ -138,21 +137,22 @@ def rejected_receipt_keys(groups: Mapping[str, Sequence[object]], rejected: Mapp
 
 
 class StepHandle:
-    """One submitted step: Dask futures per group; :meth:`result` collects a StepResult
-    and, with ``clear``, submits the step's clear once the groups are in the caller's
-    process (never from the groups' completion alone)."""
+    """One submitted step: Dask futures of its verify tasks; :meth:`result` gathers them,
+    assembles the groups in the caller's process (:mod:`pipeline.finalize.collect`) and,
+    with ``clear``, submits the step's clear once the groups are here (never from the
+    tasks' completion alone). :attr:`group_futures` assembles them on the cluster instead."""
 
     def __init__(self, finalizer: Finalizer, graph: StepGraph, *, clear: bool = False, rejected_keys: Sequence[str] = ()) -> None:
         self._finalizer = finalizer
         self.graph = graph
         self.step_id = graph.step_id
         self.group_ids = list(graph.group_ids)
-        self.group_futures: dict[str, Future] = dict(graph.group_futures)
         self.clear = bool(clear)  # the finalizer's clear_staged when the step was submitted
         self.rejected_keys = list(rejected_keys)  # rows of receipts rejected at plan time
         self.clear_future: Future | None = None  # the tc-clear task, once result() delivered
         self.kept_keys: list[str] = []  # keys left for another in-flight step to clear
         self._result: StepResult | None = None
+        self._assembly_failed = False  # assembling its groups here raised: it will never deliver
         self._lock = threading.Lock()
 
     @property
@@ -169,9 +169,10 @@ class StepHandle:
         return list(keys)
 
     def failed(self) -> bool:
-        """Some group of this (uncollected) step failed or was cancelled: it will never
-        deliver, so it neither clears its rows nor keeps another step from clearing them."""
-        return any(f.status in ("error", "cancelled") for f in self.group_futures.values())
+        """Some task of this (uncollected) step failed or was cancelled, or assembling its
+        groups raised: it will never deliver, so it neither clears its rows nor keeps
+        another step from clearing them."""
+        return self._assembly_failed or any(f.status in ("error", "cancelled") for f in self.graph.futures)
 
     def _clear_delivered(self) -> None:
         """The groups are in the caller's process: forget the step and submit its clear
@@ -187,25 +188,47 @@ class StepHandle:
 
     @property
     def futures(self) -> list[Future]:
-        """The per-group futures (each resolves to a FinalizedGroup); empty once collected."""
-        return list(self.group_futures.values())
+        """What :meth:`result` waits for: the verify tasks' futures (each resolves to a
+        :class:`~pipeline.finalize.task_outputs.VerifyOut`), and the groups' once
+        :attr:`group_futures` assembled them on the cluster; empty once collected."""
+        return self.graph.futures
+
+    @property
+    def group_futures(self) -> dict[str, Future]:
+        """Group id -> future of its FinalizedGroup, assembled ON THE CLUSTER (one assemble
+        task per group, submitted at the first access: for work that runs next to the
+        groups, e.g. fidelity checks); :meth:`result` then gathers these. Empty once
+        collected. Without this, the groups are assembled in the caller's process."""
+        with self._lock:
+            g = self.graph
+            if not g.group_futures and self._result is None and g.verify_futures:
+                g.group_futures = submit_assembly(self._finalizer.client, g)
+            return dict(g.group_futures)
 
     def pending_groups(self) -> int:
-        """Groups of this step whose assemble task has not finished (or failed)."""
-        return sum(not f.done() for f in self.group_futures.values())
+        """Groups of this step not computed yet: some verify task of theirs (or their
+        assemble task, on the cluster) has not finished (or failed)."""
+        g = self.graph
+        if g.layout is None or not g.verify_futures:
+            return 0
+        if g.group_futures:
+            return sum(not f.done() for f in g.group_futures.values())
+        return sum(any(not g.verify_futures[t].done() for t in group.tasks) for group in g.layout.groups)
 
     def done(self) -> bool:
         return self.pending_groups() == 0
 
     def cancel(self) -> None:
         g = self.graph
-        self._finalizer.client.cancel(self.futures + g.verify_futures + g.piece_futures + g.fetch_futures)
+        self._finalizer.client.cancel(g.futures + g.piece_futures + g.fetch_futures)
 
     def result(self, timeout: float | None = None) -> StepResult:
-        """Wait for every group, gather them into this process, compute and publish the
-        step metrics (once), submit the step's clear (``clear``) and return them.
+        """Wait for the step's verify tasks, gather their rows into this process, assemble
+        the groups here (or gather the groups :attr:`group_futures` assembled), compute
+        and publish the step metrics (once), submit the step's clear (``clear``) and
+        return them.
 
-        Raises the task's exception if a group failed for a non-data reason (e.g. the store
+        Raises the task's exception if a task failed for a non-data reason (e.g. the store
         was unreachable after ``finalize.retries`` retries), or ``TimeoutError`` past
         ``timeout`` (s); either way nothing is cleared. Bad data never raises.
         """
@@ -213,8 +236,9 @@ class StepHandle:
             if self._result is not None:
                 return self._result
             client = self._finalizer.client
-            groups = _gather(client, self.futures, timeout, self._finalizer.settings.gather_direct)
-            by_id = dict(zip(self.group_ids, groups))
+            on_cluster = bool(self.graph.group_futures)
+            with timing.Stopwatch() as gathered:
+                by_id, group_events, collected_bytes = self._collect(client, timeout)
             collected_s = timing.wall_s()
             measured = transfers.read(client, self.graph.token) if self._finalizer.measures_transfers else None
             metrics = timing.step_metrics(
@@ -224,21 +248,38 @@ class StepHandle:
                 collected_s=collected_s,
                 queue_depth=self.graph.queue_depth,
                 queue_depth_after=self._finalizer.queue_depth,
-                crossing_tasks=self.graph.layout.crossing_tasks() if self.graph.layout is not None else (),
+                crossing_tasks=self.graph.layout.crossing_tasks() if self.graph.layout is not None and on_cluster else (),
                 cross_host_bytes=measured["bytes"] if measured is not None else -1,
+                collect_ms=gathered.ms,
+                collected_bytes=collected_bytes,
+                assembled_on="cluster" if on_cluster else "controller",
             )
-            try:
-                client.log_event(events.FINALIZE, metrics)
-            except Exception:  # metrics never fail the work they describe
-                pass
+            collect.publish(client, events.FINALIZE, group_events + [metrics])
             self._result = StepResult(self.step_id, by_id, metrics)
             # Delivered: now (and only now) the step's rows may go.
             self._clear_delivered()
             # Free the cluster side: the groups are here now.
-            self.group_futures = {}
             self.graph.fetch_futures, self.graph.piece_futures, self.graph.verify_futures = [], [], []
             self.graph.group_futures = {}
             return self._result
+
+    def _collect(self, client: Client, timeout: float | None) -> tuple[dict[str, FinalizedGroup], list[dict[str, object]], int]:
+        """The step's groups in this process, the group events still to publish and the
+        bytes gathered: the groups from the cluster when :attr:`group_futures` assembled
+        them there (their events published there), else the verify outputs, each gathered
+        as soon as its task is done, and the groups assembled here."""
+        direct = self._finalizer.settings.gather_direct
+        g = self.graph
+        if g.group_futures:
+            groups = collect.gather(client, [g.group_futures[gid] for gid in self.group_ids], timeout, direct)
+            return dict(zip(self.group_ids, groups)), [], sum(serializers.group_bytes(grp) for grp in groups)
+        outs = collect.gather_as_done(client, g.verify_futures, timeout, direct)
+        try:
+            by_id = collect.assemble_step(g, outs, collect.pooled_buffers())
+        except Exception:
+            self._assembly_failed = True  # a bug, not the data: this step will never deliver
+            raise
+        return by_id, [timing.public(grp.metrics) for grp in by_id.values()], sum(serializers.verify_out_bytes(o) for o in outs)
 
     def _submit_clear(self, keys: list[str]) -> Future:
         """ONE ``tc-clear`` task: ``clear_rows`` over ``keys`` next to the storage units,
@@ -253,24 +294,6 @@ class StepHandle:
                 workers=affinity(store, keys) or None, allow_other_workers=True,
                 retries=settings.retries,
             )
-
-
-def _gather(client: Client, futures: list[Future], timeout: float | None, gather_direct: bool) -> list[FinalizedGroup]:
-    """The groups' results, in order, straight from the workers holding them
-    (``gather_direct``, unless the client was made with ``direct_to_workers`` set):
-    through the scheduler each group's tensors would cross the network twice.
-    ``timeout`` (s) bounds the wait for every group."""
-    from distributed import wait
-
-    direct = getattr(client, "direct_to_workers", None)
-    if direct is None:
-        direct = gather_direct
-    if timeout is not None:
-        wait(futures, timeout=timeout)
-    # The groups' tensors (tens of MB a step) are read into reused memory: the caller
-    # drops a step's tensors after training on them, and the next step's land there.
-    receive_pool.install()
-    return client.gather(futures, errors="raise", direct=direct)
 
 
 class Finalizer:

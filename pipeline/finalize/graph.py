@@ -5,8 +5,11 @@ assembling sites) is computed without Dask; this module only emits its tasks. Pe
 storage site: one union fetch of the staging rows the site holds (and at most one of
 routes), pinned loosely to that worker, cut into one piece per verify task as views;
 verify tasks (``finalize`` resource slot) run where their pieces are, so fetched rows
-never cross workers. One assemble task per group publishes the group's finalize event.
-The task bodies are in :mod:`pipeline.finalize.worker_tasks`.
+never cross workers. The verify outputs are the graph's results: the controller gathers
+them from every site at once and assembles the groups itself
+(:mod:`pipeline.finalize.collect`). :func:`submit_assembly` adds one assemble task per
+group on the cluster instead, for callers that want the groups there (e.g. fidelity
+checks run next to them). The task bodies are in :mod:`pipeline.finalize.worker_tasks`.
 """
 from __future__ import annotations
 
@@ -37,7 +40,8 @@ from .worker_tasks import assemble_piece, fetch_pieces, verify_piece
 if TYPE_CHECKING:
     from distributed import Client, Future
 
-__all__ = ["FinalizeError", "Piece", "StepGraph", "VerifyOut", "affinity", "new_token", "submit_graph", "task_key"]
+__all__ = ["FinalizeError", "Piece", "StepGraph", "VerifyOut", "affinity", "new_token", "submit_assembly", "submit_graph",
+           "task_key"]
 
 # ---- task keys ---------------------------------------------------------------------------
 #
@@ -72,8 +76,10 @@ def task_key(kind: str, token: str, index: int = 0) -> TaskKey:
 @dataclass
 class StepGraph:
     """The submitted graph of one step: plan, layout and Dask futures. ``span`` is the
-    step's span annotation (name and ids), for tasks submitted later (the clear);
-    ``submitted_s`` is wall-clock seconds since the epoch."""
+    step's span annotation (name and ids), for tasks submitted later (the clear, the
+    assembly on the cluster); ``submitted_s`` is wall-clock seconds since the epoch.
+    ``verify_futures`` (task order) are the graph's results; ``group_futures`` stay
+    empty unless :func:`submit_assembly` assembled the groups on the cluster."""
 
     step_id: str
     token: str
@@ -82,7 +88,7 @@ class StepGraph:
     slots: dict[str, list[Slot]]
     submitted_s: float
     queue_depth: int
-    fetch_futures: list[Future]  # these three are empty unless keep_intermediates
+    fetch_futures: list[Future]  # these two are empty unless keep_intermediates
     piece_futures: list[Future]
     verify_futures: list[Future]
     group_futures: dict[str, Future]
@@ -90,10 +96,14 @@ class StepGraph:
     verify_layout: list[list[int]]  # rollout indices of each verify task
     span: dict[str, Any] | None = None
     layout: StepLayout | None = None
+    priority: int = 0  # the step's task priority (older steps higher)
+    retries: int = 0  # Dask retries of its tasks
 
     @property
     def futures(self) -> list[Future]:
-        return list(self.group_futures.values())
+        """What the step's result is made of: the verify tasks' futures, and the groups'
+        once assembled on the cluster."""
+        return list(self.verify_futures) + list(self.group_futures.values())
 
 
 def affinity(store: PlacedStoreLike, keys: Sequence[str]) -> list[str]:
@@ -140,7 +150,6 @@ class _Emitter:
         self.fetch_keys: list[TaskKey] = []
         self.piece_keys: list[TaskKey] = []
         self.verify_keys: list[TaskKey] = []
-        self.group_keys: list[TaskKey] = []
 
     def add(self, layer: str, key: TaskKey, func: Callable[..., object], *args: object) -> TaskRef:
         self.layers.setdefault(layer, {})[key] = Task(key, func, *args)
@@ -184,11 +193,11 @@ class _Emitter:
         for j, t in enumerate(site.tasks):
             task = self.layout.tasks[t]
             has_routes = routes is not None and site.routes.pieces[j].stop > site.routes.pieces[j].start
-            verify_layer = f"{VERIFY}-{a.token}-ships" if task.ships else VERIFY
+            verify_layer = VERIFY
             if moved:
-                verify_layer = f"{verify_layer}-{a.token}-site{s}"
+                verify_layer = f"{VERIFY}-{a.token}-site{s}"
                 self.annotations[verify_layer] = {
-                    "resources": {"finalize": 1}, "priority": a.priority + (0.5 if task.ships else 0),
+                    "resources": {"finalize": 1}, "priority": a.priority,
                     "workers": [site.verify_worker], "allow_other_workers": True}
             self.add(
                 verify_layer, self.verify_keys[t],
@@ -198,23 +207,13 @@ class _Emitter:
                 a.vocab_size, a.num_experts,
             )
 
-    def emit(self, group_ids: Sequence[str], slots: Mapping[str, list[Slot]]) -> None:
-        """Every task of the step: sites first, then one assemble task per group."""
+    def emit(self) -> None:
+        """Every task of the step: each site's fetches, pieces and verify tasks."""
         a = self.args
         self.verify_keys = [task_key(VERIFY, a.token, t) for t in range(len(self.layout.tasks))]
         for s in range(len(self.layout.sites)):
             self.site(s)
         self.annotations[VERIFY] = {"resources": {"finalize": 1}, "priority": a.priority}
-        # Rows assembled on another worker are verified first (a step keeps its own priority).
-        self.annotations[f"{VERIFY}-{a.token}-ships"] = {"resources": {"finalize": 1}, "priority": a.priority + 0.5}
-        for g, (gid, group) in enumerate(zip(group_ids, self.layout.groups)):
-            key = task_key(ASSEMBLE, a.token, g)
-            self.group_keys.append(key)
-            worker = group.worker  # the assembling site's worker (with hosts: a finalize worker of its host)
-            layer = ASSEMBLE if worker is None else f"{ASSEMBLE}-{a.token}-site{group.assembler}"
-            self.pin(layer, worker)
-            deps = [TaskRef(self.verify_keys[t]) for t in group.tasks]
-            self.add(layer, key, assemble_piece, a.step_id, gid, slots[gid], a.submitted_s, a.queue_depth, *deps)
 
     def graph(self) -> HighLevelGraph:
         names = list(self.layers)
@@ -262,19 +261,20 @@ def submit_graph(
     other than the one it is submitted in is rejected ``wrong_group``; the controller
     turns it off for groups given as a plain list (their ids ``"g0"``, ... are made up).
 
-    Only the per-group futures are held by default, so Dask frees fetched rows, pieces
-    and verify outputs as soon as their dependents ran; ``keep_intermediates=True`` also
-    keeps the fetch, piece and verify futures (debugging, tests).
+    Only the verify futures (the graph's results) are held by default, so Dask frees
+    fetched rows and pieces as soon as their verify tasks ran (the verified rows are
+    views of them: the fetched buffers live until the step is collected);
+    ``keep_intermediates=True`` also keeps the fetch and piece futures (debugging, tests).
 
     ``settings`` are the finalizer's (read once when it was built): the verify token
     budget, retries, the fetch timeout, vocabulary and expert bounds. Tasks of a step share ``priority`` (the controller gives older
     steps a higher one, so several steps in flight drain in order).
 
     Placement (soft hints, see :mod:`tasks.finalize.layout`): each site's fetches on the
-    worker hosting its units; verify tasks where their pieces are; each group's assemble
-    on the site chosen for its run of groups. ``hosts`` (where the workers are): each
-    group assembled on the host holding most of its rows, verify and assemble tasks on a
-    finalize worker of their rows' host (:func:`tasks.finalize.layout.step_layout`).
+    worker hosting its units; verify tasks where their pieces are. ``hosts`` (where the
+    workers are): verify tasks (and the groups' assemble tasks, when
+    :func:`submit_assembly` asks for them) on a finalize worker of their rows' host
+    (:func:`tasks.finalize.layout.step_layout`).
     """
     group_ids = _check_groups(groups)
     token_budget, retries = settings.verify_token_budget, settings.retries
@@ -287,9 +287,9 @@ def submit_graph(
                      timing.wall_s(), queue_depth, priority)
     # The whole step goes to the scheduler as ONE graph (one message, however many tasks).
     emitter = _Emitter(store, plan, layout, args)
-    emitter.emit(group_ids, slots)
-    intermediates = emitter.fetch_keys + emitter.piece_keys + emitter.verify_keys
-    wanted = emitter.group_keys + (intermediates if keep_intermediates else [])
+    emitter.emit()
+    intermediates = emitter.fetch_keys + emitter.piece_keys
+    wanted = emitter.verify_keys + (intermediates if keep_intermediates else [])
     with span("token-capture", "finalize", step_id):
         span_annotation = dask.get_annotations().get("span")
         futures = client.get(emitter.graph(), wanted, sync=False, retries=retries or None, priority=priority, fifo_timeout="100ms")
@@ -304,10 +304,33 @@ def submit_graph(
         queue_depth=queue_depth,
         fetch_futures=[by_key[k] for k in emitter.fetch_keys if k in by_key],
         piece_futures=[by_key[k] for k in emitter.piece_keys if k in by_key],
-        verify_futures=[by_key[k] for k in emitter.verify_keys if k in by_key],
-        group_futures={gid: by_key[k] for gid, k in zip(group_ids, emitter.group_keys)},
+        verify_futures=[by_key[k] for k in emitter.verify_keys],
+        group_futures={},
         fetch_calls=len(emitter.fetch_keys),
         verify_layout=[list(task.rollouts) for task in layout.tasks],
         span=span_annotation,
         layout=layout,
+        priority=priority,
+        retries=retries,
     )
+
+
+def submit_assembly(client: Client, graph: StepGraph) -> dict[str, Future]:
+    """One assemble task per group of a submitted step, on the cluster (group id ->
+    future of its :class:`~tasks.finalize.assemble.FinalizedGroup`, submission order),
+    each pinned (loosely) where the layout assembles it and publishing its group event
+    there. The step's verify futures must still be held (the step not collected)."""
+    layout = graph.layout
+    if layout is None or len(graph.verify_futures) != len(layout.tasks):
+        raise FinalizeError(f"step {graph.step_id!r}: its verify results are gone (collected or cancelled)")
+    futures: dict[str, Future] = {}
+    with dask.annotate(**({"span": graph.span} if graph.span else {})):
+        for g, (gid, group) in enumerate(zip(graph.group_ids, layout.groups)):
+            deps = [graph.verify_futures[t] for t in group.tasks]
+            futures[gid] = client.submit(
+                assemble_piece, graph.step_id, gid, graph.slots[gid], graph.submitted_s, graph.queue_depth, *deps,
+                key=task_key(ASSEMBLE, graph.token, g), pure=False, priority=graph.priority,
+                workers=[group.worker] if group.worker else None, allow_other_workers=True,
+                retries=graph.retries or None,
+            )
+    return futures

@@ -116,6 +116,11 @@ class StepMetrics(TypedDict):
     cross_host_bytes: int  # bytes the step's tasks moved between hosts, as measured (0 when not measured)
     cross_host_measured: bool  # whether the scheduler measured them (its plugin answered)
     cross_host_bytes_planned: int  # bytes the layout ships between hosts (verify outputs read on another host)
+    verified_ms: float  # submission -> the step's last verify task ended
+    tail_ms: float  # the last verify task ended -> the groups in the caller's process (gather + assembly)
+    collect_ms: float  # the caller's result(): waiting for, gathering and assembling the groups
+    collected_bytes: int  # bytes gathered into the caller's process (verified rows, or the groups' tensors)
+    assembled_on: str  # "controller" (the caller's process) or "cluster" (assemble tasks on workers)
 
 
 def wall_s() -> float:
@@ -209,6 +214,9 @@ def step_metrics(
     queue_depth_after: int,
     crossing_tasks: Sequence[int] = (),
     cross_host_bytes: int = -1,
+    collect_ms: float = 0.0,
+    collected_bytes: int = 0,
+    assembled_on: str = "controller",
 ) -> StepMetrics:
     """Step-level figures from the per-group metrics and the fetch tasks' timings.
 
@@ -217,7 +225,10 @@ def step_metrics(
     ``crossing_tasks``: the verify tasks whose output the layout ships to another host
     (:meth:`tasks.finalize.layout.StepLayout.crossing_tasks`), summed by their output
     bytes into ``cross_host_bytes_planned``; ``cross_host_bytes``: the scheduler's
-    measure (:mod:`pipeline.finalize.transfers`; -1: not measured).
+    measure (:mod:`pipeline.finalize.transfers`; -1: not measured). ``collect_ms``: how
+    long the caller's ``result()`` took to hold the groups, ``collected_bytes`` what it
+    gathered; ``assembled_on``: where they were assembled. The tail (``tail_ms``) runs from the last verify task's end (its
+    worker's clock) to ``collected_s``.
     """
     fetch_by_id: dict[str, FetchTiming] = {}
     verify_tasks: dict[int, VerifyTiming] = {}
@@ -244,6 +255,7 @@ def step_metrics(
     fetch_ms = sum(t["fetch_ms"] for t in fetch_timings)
     verify_ms = sum(t["ms"] for t in verify_tasks.values())
     wall_ms = max(0.0, (collected_s - submitted_s) * 1e3)
+    verified_s = max((t["start_s"] + t["ms"] / 1e3 for t in verify_tasks.values()), default=submitted_s)
     return {
         "kind": EVENT_KIND_STEP,
         "step_id": step_id,
@@ -271,6 +283,11 @@ def step_metrics(
         "cross_host_bytes": max(0, int(cross_host_bytes)),
         "cross_host_measured": cross_host_bytes >= 0,
         "cross_host_bytes_planned": sum(int(verify_tasks[t].get("out_bytes", 0)) for t in crossing_tasks if t in verify_tasks),
+        "verified_ms": max(0.0, (verified_s - submitted_s) * 1e3),
+        "tail_ms": max(0.0, (collected_s - verified_s) * 1e3),
+        "collect_ms": collect_ms,
+        "collected_bytes": int(collected_bytes),
+        "assembled_on": assembled_on,
     }
 
 

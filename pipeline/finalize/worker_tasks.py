@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from tasks import reasons
-from tasks.finalize.assemble import FinalizedGroup, assemble_group
+from tasks.finalize.assemble import BufferSource, FinalizedGroup, assemble_group
 from tasks.finalize.layout import Slot
 from tasks.finalize.plan import RolloutPlan
 from tasks.finalize.verify import RolloutResult, internal_error_result, rejected_result, verify_many
@@ -22,7 +22,7 @@ from tasks.packed import PackedBatch, payload_bytes_per_row, slice_rows
 
 from .. import events
 from ..store.deadline import takes_timeout
-from ..store.protocol import LOST_KEY, StoreLike
+from ..store.protocol import ABSENT_FIELD, LOST_KEY, StoreLike
 from . import serializers  # registers how Dask weighs and ships these tasks' outputs
 from . import timing
 from .serializers import verify_out_bytes
@@ -167,8 +167,27 @@ def assemble_piece(
     queue_depth: int,
     *verify_outs: VerifyOut,
 ) -> FinalizedGroup:
-    """Assemble one group (keeps its shape: rejected rows get ``sample_mask`` 0) and attach
-    the group's split timing; publishes the group's finalize event."""
+    """The task body of a group assembled on the cluster (a
+    :attr:`~pipeline.finalize.controller.StepHandle.group_futures` future):
+    :func:`assemble_outs`, then the group's finalize event published from the worker."""
+    group = assemble_outs(step_id, group_id, slots, submitted_s, queue_depth, verify_outs)
+    events.publish(events.FINALIZE, timing.public(group.metrics))
+    return group
+
+
+def assemble_outs(
+    step_id: str,
+    group_id: str,
+    slots: Sequence[Slot],
+    submitted_s: float,
+    queue_depth: int,
+    verify_outs: Sequence[VerifyOut],
+    buffers: BufferSource | None = None,
+) -> FinalizedGroup:
+    """Assemble one group from the verify outputs holding its rows (keeps its shape:
+    rejected rows get ``sample_mask`` 0) and attach the group's split timing as its
+    ``metrics`` (the group event, not published here). ``buffers``: where the padded
+    tensors' memory comes from (:func:`tasks.finalize.assemble.assemble_group`)."""
     results: dict[int, RolloutResult] = {}
     verify_ms: dict[int, float] = {}
     bytes_fetched: dict[int, int] = {}
@@ -189,7 +208,7 @@ def assemble_piece(
                 rows.append(results[s.index])
             else:
                 rows.append(rejected_result(s.rollout_id, s.reason, s.detail))
-        group = assemble_group(rows, [s.reward for s in slots])
+        group = assemble_group(rows, [s.reward for s in slots], buffers=buffers)
     mine = [s.index for s in slots if s.index is not None]
     tasks_used = {task_of[r]["task"]: task_of[r] for r in mine}
     calls = sum(s.calls for s in slots if s.index is not None)
@@ -218,7 +237,6 @@ def assemble_piece(
         group_metrics.update(metrics)
     else:  # pragma: no cover - assemble_group always gives a metrics dict
         group.metrics = metrics
-    events.publish(events.FINALIZE, timing.public(metrics))
     return group
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from .. import reasons as R
-from ..schema import ROUTES_DTYPE
+from ..packed import Allocator
 from .linearize import Linearized
 from .verify import RolloutResult
 
@@ -27,7 +27,9 @@ class FinalizedGroup:
 
     ``rewards`` are the receipts' rewards as given, rejected rows included: use
     ``sample_mask`` to drop them. ``routed_experts`` is ``None`` unless some accepted
-    row has routes; ``has_routes`` says which rows carry them (others are zeros).
+    row has routes; ``has_routes`` says which rows carry them (others are zeros). Routes
+    keep the width they were stored in: uint8 when every routed row of the group was
+    staged as uint8, else int16 (the same values either way).
     ``details[i]`` is row ``i``'s rejection detail (which field, which call, the store's
     reason; ``""`` for an accepted row).
     """
@@ -40,7 +42,7 @@ class FinalizedGroup:
     token_mask: torch.Tensor  # float32 [n, max_len]
     sample_mask: torch.Tensor  # float32 [n]
     rewards: torch.Tensor  # float32 [n]
-    routed_experts: torch.Tensor | None  # int16 [n, max_len, L, K]
+    routed_experts: torch.Tensor | None  # uint8 or int16 [n, max_len, L, K]
     has_routes: torch.Tensor  # bool [n]
     status: list[str]
     details: list[str] = field(default_factory=list)
@@ -112,6 +114,12 @@ def _training_rows(
     return status, details, lins, route_shape
 
 
+def routes_dtype(lins: Sequence[Linearized | None]) -> np.dtype:
+    """The dtype holding every routed row's ids as stored: uint8 when all are uint8, int16
+    as soon as one is (rows of old int16 and new uint8 rollouts in one group)."""
+    return np.result_type(*(lin.routed_experts.dtype for lin in lins if lin is not None and lin.routed_experts is not None))
+
+
 @dataclass
 class _Buffers:
     """The group's padded numpy buffers, ``[n, max_len]`` (routes ``[n, max_len, L, K]``)."""
@@ -123,16 +131,30 @@ class _Buffers:
     has_routes: np.ndarray
 
 
-def _fill(lins: list[Linearized | None], lengths: np.ndarray, route_shape: tuple[int, ...] | None, pad_id: int) -> _Buffers:
+# Where a group's padded buffers go: given each big buffer's bytes (ids, mask, logprobs,
+# then routes if any), an allocator handing them out in that order, or None (np.empty).
+BufferSource = Callable[[Sequence[int]], Allocator | None]
+
+
+def _empty(dtype: np.dtype, shape: tuple) -> np.ndarray:
+    return np.empty(shape, dtype=dtype)
+
+
+def _fill(lins: list[Linearized | None], lengths: np.ndarray, route_shape: tuple[int, ...] | None, pad_id: int,
+          source: BufferSource | None = None) -> _Buffers:
     """The padded buffers, each element written once: a row's tokens, then its padding
-    (no zero-fill pass over the whole buffer before the rows are copied in)."""
+    (no zero-fill pass over the whole buffer before the rows are copied in). Routes in
+    the narrowest dtype holding every routed row's (:func:`routes_dtype`). The four big
+    buffers come from ``source`` (``np.empty`` without one)."""
     n = len(lins)
     max_len = int(lengths.max()) if n else 0
-    ids = np.empty((n, max_len), dtype=np.int64)
-    mask = np.empty((n, max_len), dtype=np.float32)
-    lps = np.empty((n, max_len), dtype=np.float32)
+    specs = [(np.dtype(np.int64), (n, max_len)), (np.dtype(np.float32), (n, max_len)), (np.dtype(np.float32), (n, max_len))]
+    if route_shape is not None:
+        specs.append((np.dtype(routes_dtype(lins)), (n, max_len) + tuple(route_shape)))
+    new = (source([dt.itemsize * int(np.prod(sh)) for dt, sh in specs]) if source is not None else None) or _empty
+    ids, mask, lps = (new(*spec) for spec in specs[:3])
     has_routes = np.zeros(n, dtype=bool)
-    routes = None if route_shape is None else np.empty((n, max_len) + tuple(route_shape), dtype=ROUTES_DTYPE)
+    routes = None if route_shape is None else new(*specs[3])
     for i in range(n):
         lin, t = lins[i], int(lengths[i])
         if lin is not None:
@@ -175,6 +197,7 @@ def assemble_group(
     rewards: Sequence[float],
     *,
     pad_id: int = 0,
+    buffers: BufferSource | None = None,
 ) -> FinalizedGroup:
     """Pad and stack one group's results (submission order) into a :class:`FinalizedGroup`.
 
@@ -183,6 +206,8 @@ def assemble_group(
     ``metrics``: accepted, rejected (rows rejected for their data), rejected_by_reason,
     internal_errors (rows the verifier failed on: counted apart, never a reason), tokens
     (accepted tokens), calls_per_rollout (mean chain calls over accepted rows), max_len.
+    ``buffers``: where the padded tensors' memory comes from (e.g. a pool of memory the
+    process already touched); ``np.empty`` without it.
     """
     n = len(results)
     if len(rewards) != n:
@@ -194,7 +219,7 @@ def assemble_group(
     for i in accepted:
         lengths[i] = lins[i].length
         prompts[i] = lins[i].prompt_length
-    buf = _fill(lins, lengths, route_shape, pad_id)
+    buf = _fill(lins, lengths, route_shape, pad_id, buffers)
     sample_mask = np.zeros(n, dtype=np.float32)
     sample_mask[accepted] = 1.0
     return FinalizedGroup(

@@ -5,6 +5,11 @@ placement (plain values: which worker hosts each storage unit) into a frozen
 :class:`StepLayout`. Receipts are indexed four ways: rollout (``plan.rollouts``), verify
 task, site and group; the layout keeps all four in one value, so the Dask graph only
 emits tasks from it and every placement rule is testable without Dask.
+
+A step's groups are assembled by the controller, from every site's verified rows at once
+(nothing crosses between workers). Each group still has an assembling site, the one
+holding most of its rows: where it is assembled when a caller asks for the groups on the
+cluster instead.
 """
 from __future__ import annotations
 
@@ -58,15 +63,10 @@ class SiteFetch:
 
 @dataclass(frozen=True)
 class VerifyTask:
-    """One verify task: ``rollouts`` (indices into the plan, fetch order) of one ``site``.
-
-    ``ships``: the task's rollouts are assembled on another site, so their verified rows
-    cross workers once; such tasks run before the site's own (a higher priority).
-    """
+    """One verify task: ``rollouts`` (indices into the plan, fetch order) of one ``site``."""
 
     site: int
     rollouts: tuple[int, ...]
-    ships: bool
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,7 @@ class StepLayout:
     verify task, of the site holding its rows (:func:`site_tasks`); a site's tasks are
     numbered consecutively; each site fetch is cut into one contiguous run per task of
     the site, the runs covering the fetch exactly, in task order (:func:`site_fetch`);
-    each group is assembled where :func:`group_assemblers` says.
+    each group's assembling site is where :func:`group_assemblers` says.
     """
 
     sites: tuple[Site, ...]
@@ -114,12 +114,18 @@ class StepLayout:
     groups: tuple[GroupLayout, ...]
 
     def crossing_tasks(self) -> list[int]:
-        """Verify tasks whose output crosses hosts: run on one host, read by an assemble
-        task pinned to another (each such output travels once: every group reading a task
-        is assembled on the same site). Empty when hosts are unknown."""
-        to_host = {t: self.sites[g.assembler].host for g in self.groups if g.assembler is not None for t in g.tasks}
-        return [t for t, task in enumerate(self.tasks)
-                if self.sites[task.site].host is not None and t in to_host and to_host[t] != self.sites[task.site].host]
+        """When the groups are assembled on the cluster (at their assembling sites): the
+        verify tasks whose output crosses hosts, once per other host assembling a group
+        that reads it (a task listed twice travels to two hosts). Empty when hosts are
+        unknown. Assembled by the controller, no verify output moves between workers."""
+        out = []
+        for t, task in enumerate(self.tasks):
+            here = self.sites[task.site].host
+            if here is None:
+                continue
+            to = {self.sites[g.assembler].host for g in self.groups if g.assembler is not None and t in g.tasks}
+            out.extend([t] * len(to - {here}))
+        return out
 
 
 # ---- groups' rows --------------------------------------------------------------------
@@ -174,49 +180,6 @@ def sites(unit_workers: Sequence[str], rollouts: Sequence[RolloutPlan]) -> list[
     return [(w, by_worker[w]) for w in order if w in by_worker]
 
 
-def assembly_clusters(tokens: Sequence[int], k: int) -> list[int]:
-    """Split groups (``tokens[g]``: group ``g``'s planned tokens, submission order) into
-    ``k`` runs of about equal tokens: group ``g`` is in run ``result[g]``.
-
-    The rule: with ``total`` the step's tokens and ``mid[g]`` the token position of group
-    ``g``'s midpoint (tokens of the groups before it plus half its own), group ``g`` is
-    in run ``min(k - 1, floor(k * mid[g] / total))`` (run 0 when ``total`` is 0). Runs
-    are therefore contiguous in submission order and never decrease.
-    """
-    total = sum(tokens)
-    out, before = [], 0
-    for n in tokens:
-        mid = before + n / 2
-        out.append(min(k - 1, int(k * mid / total)) if total else 0)
-        before += n
-    return out
-
-
-def assembly_runs(site_tokens: Sequence[int], token_budget: int) -> int:
-    """How many runs of groups the step's assembly is split into (``site_tokens[s]``: the
-    planned tokens site ``s`` holds; ``token_budget``: tokens per verify task).
-
-    ``min(sites, max(1, ceil(max(site_tokens) / token_budget)))``: one run unless a site
-    holds more than one verify budget, since a run is one more verify task per site, which
-    costs more than it saves on a small step.
-    """
-    return min(len(site_tokens), max(1, -(-max(site_tokens, default=0) // token_budget)))
-
-
-def group_assemblers(site_tokens: Sequence[int], group_tokens: Sequence[int], runs: int) -> list[int]:
-    """The site assembling each group (``group_tokens[g]``: group ``g``'s planned tokens,
-    submission order), for a store placing units.
-
-    The rule: the groups are split into ``runs`` runs (:func:`assembly_clusters`) and run
-    ``c`` is assembled on the site holding the ``c``-th most tokens (ties: lower site
-    number first). With one run, the site holding the most tokens of the step assembles
-    every group. The rule balances assembly over sites; it does not look at where a
-    group's own rows are.
-    """
-    heaviest_first = sorted(range(len(site_tokens)), key=lambda s: -site_tokens[s])
-    return [heaviest_first[c] for c in assembly_clusters(group_tokens, runs)]
-
-
 @dataclass(frozen=True)
 class HostMap:
     """Where workers are: ``hosts[worker]`` is its host (the IP part of its address), and
@@ -237,31 +200,25 @@ def host_worker(worker: str, hosts: HostMap) -> str | None:
     return same[0] if same else None
 
 
-def host_assemblers(
-    site_hosts: Sequence[str], tokens: Sequence[Sequence[int]], chosen: Sequence[int]
-) -> list[int]:
-    """Each group's assembling site moved to the host holding most of its rows.
+def group_assemblers(held: Sequence[Sequence[int]], site_hosts: Sequence[str | None]) -> list[int | None]:
+    """The assembling site of each group: ``held[g][s]`` is group ``g``'s planned tokens
+    held by site ``s``, ``site_hosts[s]`` its host (``None``: hosts unknown).
 
-    ``site_hosts[s]``: site ``s``'s host; ``tokens[g][s]``: group ``g``'s planned tokens
-    held by site ``s``; ``chosen[g]``: the site :func:`group_assemblers` gave it. The rule:
-    group ``g``'s host is the one whose sites hold the most of its tokens (ties: the host
-    of the lowest site number). ``chosen[g]`` stays if it is on that host, else the site
-    on that host holding most of the group's tokens (ties: lower site number). A group
-    without tokens keeps its site.
+    The rule: the host whose sites hold the most of the group's tokens (ties: the host of
+    the lowest site number; unknown hosts: each site its own), then the site on that host
+    holding the most of them (ties: lower site number). A group without tokens has none.
     """
-    out = []
-    for g, row in enumerate(tokens):
+    out: list[int | None] = []
+    for row in held:
+        if not sum(row):
+            out.append(None)
+            continue
+        host_of = [h if h is not None else f"site-{s}" for s, h in enumerate(site_hosts)]
         per_host: dict[str, int] = {}
         for s, n in enumerate(row):
-            per_host[site_hosts[s]] = per_host.get(site_hosts[s], 0) + n
-        if not sum(row):
-            out.append(chosen[g])
-            continue
-        host = max(per_host, key=lambda h: (per_host[h], -site_hosts.index(h)))
-        if site_hosts[chosen[g]] == host:
-            out.append(chosen[g])
-        else:
-            out.append(max((s for s in range(len(row)) if site_hosts[s] == host), key=lambda s: (row[s], -s)))
+            per_host[host_of[s]] = per_host.get(host_of[s], 0) + n
+        host = max(per_host, key=lambda h: (per_host[h], -host_of.index(h)))
+        out.append(max((s for s in range(len(row)) if host_of[s] == host), key=lambda s: (row[s], -s)))
     return out
 
 
@@ -269,34 +226,20 @@ def host_assemblers(
 
 
 def site_tasks(
-    site: int,
-    rollouts: Sequence[int],
-    plans: Sequence[RolloutPlan],
-    group_of: Sequence[int],
-    assemblers: Sequence[int] | None,
-    token_budget: int,
+    site: int, rollouts: Sequence[int], plans: Sequence[RolloutPlan], group_of: Sequence[int], token_budget: int
 ) -> list[VerifyTask]:
     """The verify tasks of one site (``rollouts``: its rollout indices, plan order;
-    ``group_of[r]``: rollout ``r``'s group; ``assemblers[g]``: the site assembling group
-    ``g``, ``None``: every group is assembled anywhere, counted as this site).
-
-    The site's rollouts are split by the site assembling their group, those assembled
-    elsewhere first (ascending site), then its own. Each split, in plan order, is cut into
+    ``group_of[r]``: rollout ``r``'s group): ``rollouts`` cut, in plan order, into
     consecutive runs whose lengths are the task sizes
-    :func:`~tasks.finalize.plan.pack_verify_tasks` gives it (group-aligned). Every
-    rollout of the site lands in exactly one task: the splits partition ``rollouts`` and
-    the sizes of a split sum to its length.
+    :func:`~tasks.finalize.plan.pack_verify_tasks` gives them (group-aligned). Every site
+    walks the groups in the same (submission) order, so the first groups' rows are
+    verified first everywhere and can be collected while the later ones are verified.
     """
-    def assembler(r: int) -> int:
-        return site if assemblers is None else assemblers[group_of[r]]
-
     tasks: list[VerifyTask] = []
-    for c in sorted({assembler(r) for r in rollouts}, key=lambda c: (c == site, c)):
-        mine = [r for r in rollouts if assembler(r) == c]
-        at = 0
-        for packed in pack_verify_tasks([plans[r] for r in mine], token_budget, [group_of[r] for r in mine]):
-            tasks.append(VerifyTask(site, tuple(mine[at : at + len(packed)]), ships=c != site))
-            at += len(packed)
+    at = 0
+    for packed in pack_verify_tasks([plans[r] for r in rollouts], token_budget, [group_of[r] for r in rollouts]):
+        tasks.append(VerifyTask(site, tuple(rollouts[at : at + len(packed)])))
+        at += len(packed)
     return tasks
 
 
@@ -352,10 +295,10 @@ def step_layout(
     ``len(plan.order)``); ``unit_workers[u]``: the worker hosting storage unit ``u`` (empty:
     the store places no units); ``token_budget``: tokens per verify task, as
     :func:`~tasks.finalize.plan.pack_verify_tasks` packs them; ``hosts``: where the
-    workers are (``None``: unknown, every placement by worker only). With hosts, each
-    group is assembled on the host holding most of its rows (:func:`host_assemblers`) and
-    verify and assemble tasks are pinned to a finalize worker of their rows' host
-    (:func:`host_worker`). Equal inputs give equal layouts.
+    workers are (``None``: unknown, every placement by worker only). Each group's
+    assembling site holds most of its rows (:func:`group_assemblers`, by host first when
+    hosts are known); with hosts, verify and assemble tasks are pinned to a finalize
+    worker of their rows' host (:func:`host_worker`). Equal inputs give equal layouts.
     """
     plans = list(plan.rollouts)
     slots = group_slots(plan, group_sizes)
@@ -365,31 +308,26 @@ def step_layout(
             if s.index is not None:
                 group_of[s.index] = g
     by_site = sites(unit_workers, plans)
-    site_tokens = [sum(plans[r].n_tokens for r in rs) for _, rs in by_site]
-    runs = assembly_runs(site_tokens, token_budget)
-    group_tokens = [sum(plans[s.index].n_tokens for s in row if s.index is not None) for row in slots]
-    placed = bool(by_site) and by_site[0][0] is not None
-    assemblers = group_assemblers(site_tokens, group_tokens, runs) if placed else None
     site_hosts = [hosts.hosts.get(w, w) if hosts is not None and w is not None else None for w, _ in by_site]
-    if assemblers is not None and hosts is not None:
-        site_of = {r: s for s, (_, rs) in enumerate(by_site) for r in rs}
-        held = [[0] * len(by_site) for _ in slots]
-        for r, p in enumerate(plans):
-            held[group_of[r]][site_of[r]] += p.n_tokens
-        assemblers = host_assemblers([h or "" for h in site_hosts], held, assemblers)
     tasks: list[VerifyTask] = []
     site_list: list[Site] = []
     for s, (worker, rs) in enumerate(by_site):
         # Numbered on from the tasks of the sites before: a site's tasks are consecutive.
-        numbered = list(enumerate(site_tasks(s, rs, plans, group_of, assemblers, token_budget), start=len(tasks)))
+        numbered = list(enumerate(site_tasks(s, rs, plans, group_of, token_budget), start=len(tasks)))
         staging, routes = site_fetch(numbered, _staging_keys, plans), site_fetch(numbered, _routes_keys, plans)
         pinned = host_worker(worker, hosts) if hosts is not None and worker is not None else None
         site_list.append(Site(worker, tuple(t for t, _ in numbered), staging, routes, site_hosts[s], pinned))
         tasks.extend(task for _, task in numbered)
+    placed = bool(by_site) and by_site[0][0] is not None
+    held = [[0] * len(by_site) for _ in slots]
+    for s, (_, rs) in enumerate(by_site):
+        for r in rs:
+            held[group_of[r]][s] += plans[r].n_tokens
+    assemblers = group_assemblers(held, site_hosts) if placed else [None] * len(slots)
     task_of = {r: t for t, task in enumerate(tasks) for r in task.rollouts}
     groups = []
     for g, row in enumerate(slots):
         needed = tuple(sorted({task_of[s.index] for s in row if s.index is not None}))
-        assembler = assemblers[g] if assemblers is not None and needed else None
+        assembler = assemblers[g] if needed else None
         groups.append(GroupLayout(tuple(row), needed, assembler, _assemble_worker(site_list, assembler, hosts)))
     return StepLayout(tuple(site_list), tuple(tasks), tuple(groups))
