@@ -47,7 +47,9 @@ class NumpyEngine:
         return ids.astype(np.int64), lp, self.route(n_tokens)
 
     def route(self, n_tokens: int) -> np.ndarray:
-        return self.rng.integers(0, self.experts, (n_tokens, self.layers, self.top_k)).astype(np.int16)
+        # Any integer dtype: the capture gate checks the ids and stages them in one byte
+        # each when the rollout was opened with num_experts <= 256 (else int16).
+        return self.rng.integers(0, self.experts, (n_tokens, self.layers, self.top_k))
 
 
 def run_rollout(cap, engine: NumpyEngine, rollout_id: str, group_id: str, args, bad: bool) -> tuple[dict, dict | None]:

@@ -8,28 +8,27 @@ Staging the rows is the caller's job (``pipeline.capture`` puts them in the stor
 """
 from __future__ import annotations
 
-import hashlib
 import numbers
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from . import hashing
+from . import digests, hashing
 from .errors import InvalidRecord
 from .finalize.plan import reward_value
 from .keys import check_id, staging_key
 from .receipts import CallRecord, Receipt
-from .schema import ROUTES_INT16, ROUTES_NONE, SCHEMA_VERSION, StagedRow
+from .schema import ROUTES_ENCODINGS, ROUTES_NONE, ROUTES_UINT8, SCHEMA_VERSION, UINT8_MAX_EXPERTS, StagedRow, routes_encoding_for
 from .reasons import INVALID_RECEIPT
-from .validation import check_delta, check_routes, check_weight_version
+from .validation import check_delta, check_weight_version, encode_routes
 
 
 @dataclass
 class _CallState:
     cum_len: int
     chain_hash: bytes
-    prefix: "hashlib._Hash"
+    prefix: "digests.Hasher"
 
 
 class CaptureGate:
@@ -42,11 +41,27 @@ class CaptureGate:
         vocab_size: int,
         num_experts: int | None = None,
         group_id: str | None = None,
+        routes_encoding: int | None = None,
+        digest_version: int = hashing.DIGEST_VERSION,
     ):
+        """``routes_encoding``: how routed experts are staged; None (default) picks it from
+        ``num_experts`` (:func:`tasks.schema.routes_encoding_for`: uint8 ids up to 256
+        experts, else int16). Routes may be given as any integer array: the gate checks
+        their range, then converts them. ``digest_version``: the algorithm of every hash
+        of the rollout (:mod:`tasks.digests`: 1 SHA-256, 2 BLAKE3, the default); an
+        unknown one raises :class:`~tasks.digests.UnsupportedDigest`."""
         self.rollout_id = check_id(rollout_id, "rollout_id")
+        self.digest_version = digests.scheme(digest_version).version
         self.vocab_size = vocab_size
         self.num_experts = num_experts
         self.group_id = group_id
+        if routes_encoding is None:
+            routes_encoding = routes_encoding_for(num_experts)
+        if routes_encoding not in ROUTES_ENCODINGS:
+            raise ValueError(f"routes_encoding {routes_encoding!r}: expected one of {sorted(ROUTES_ENCODINGS)} or None")
+        if routes_encoding == ROUTES_UINT8 and num_experts is not None and num_experts > UINT8_MAX_EXPERTS:
+            raise ValueError(f"routes_encoding {ROUTES_UINT8} (uint8 ids) needs num_experts <= {UINT8_MAX_EXPERTS}, got {num_experts}")
+        self.routes_encoding = routes_encoding  # of this rollout's routed calls
         self._calls: dict[str, _CallState] = {}
         self._records: list[CallRecord] = []
         self._poison: str | None = None
@@ -71,8 +86,9 @@ class CaptureGate:
         token_ids = np.asarray(token_ids)
         delta_len = int(token_ids.shape[0]) if token_ids.ndim == 1 else -1
         prev_len = 0 if parent is None else parent.cum_len
-        self._check_delta(prev_len, delta_len, token_ids, token_mask, logprobs, routed_experts)
-        # Copies: the row must not change if the caller reuses its buffers after staging.
+        routes = self._check_delta(prev_len, delta_len, token_ids, token_mask, logprobs, routed_experts)
+        # Copies: the row must not change if the caller reuses its buffers after staging
+        # (routes converted to the encoding's dtype are a new array already).
         row, prefix = self._hashed_row(
             model_call_id,
             parent_call_id,
@@ -82,7 +98,7 @@ class CaptureGate:
             np.array(token_ids, copy=True),
             np.array(token_mask, copy=True),
             np.array(logprobs, copy=True),
-            None if routed_experts is None else np.array(routed_experts, copy=True),
+            None if routes is None else np.array(routes, copy=True) if routes is routed_experts else routes,
             weight_version,
         )
         self._calls[model_call_id] = _CallState(row.cum_len, row.chain_hash, prefix)
@@ -121,10 +137,10 @@ class CaptureGate:
         token_mask: np.ndarray,
         logprobs: np.ndarray,
         routed_experts: np.ndarray | None,
-    ) -> None:
+    ) -> np.ndarray | None:
         """The delta's rules (:func:`check_delta`), then its routes against the rollout's
-        ``[L, K]``, then invalid_routes for a rollout mixing routed and unrouted calls."""
-        routes_encoding = ROUTES_NONE if routed_experts is None else ROUTES_INT16
+        ``[L, K]`` and ``num_experts``, then invalid_routes for a rollout mixing routed and
+        unrouted calls. Returns the routes in the rollout's encoding (None: unrouted)."""
         problem = check_delta(
             prev_len=prev_len,
             delta_len=delta_len,
@@ -132,17 +148,20 @@ class CaptureGate:
             token_ids=token_ids,
             token_mask=np.asarray(token_mask),
             logprobs=np.asarray(logprobs),
-            routes_encoding=routes_encoding,
-            routed_experts=routed_experts,
+            routes_encoding=ROUTES_NONE,
+            routed_experts=None,
             vocab_size=self.vocab_size,
             num_experts=self.num_experts,
         )
+        routes = None
         if not problem and routed_experts is not None:
-            problem = check_routes(routes_encoding, routed_experts, delta_len, self.num_experts, self._routes_shape)
+            problem, routes = encode_routes(routed_experts, self.routes_encoding, delta_len, self.num_experts, self._routes_shape)
+        routes_encoding = ROUTES_NONE if routed_experts is None else self.routes_encoding
         if not problem and self._records and (routes_encoding != self._records[0].routes_encoding):
             problem = ("invalid_routes", "a rollout's calls must all carry routed experts, or none")
         if problem:
             raise InvalidRecord(*problem)
+        return routes
 
     def _hashed_row(
         self,
@@ -156,11 +175,12 @@ class CaptureGate:
         logprobs: np.ndarray,
         routed_experts: np.ndarray | None,
         weight_version: int,
-    ) -> tuple[StagedRow, "hashlib._Hash"]:
+    ) -> tuple[StagedRow, "digests.Hasher"]:
         """The row of a validated delta (the gate's own copies), its chain hash, cumulative
         hash and digest computed; and the prefix state its children extend."""
-        chain = hashing.chain_hash(None if parent is None else parent.chain_hash, token_ids)
-        prefix = hashing.prefix_state(None if parent is None else parent.prefix)
+        version = self.digest_version
+        chain = hashing.chain_hash(None if parent is None else parent.chain_hash, token_ids, version)
+        prefix = hashing.prefix_state(None if parent is None else parent.prefix, version)
         cumulative = hashing.extend_prefix(prefix, token_ids)
         row = StagedRow(
             rollout_id=self.rollout_id,
@@ -173,13 +193,13 @@ class CaptureGate:
             token_ids=token_ids,
             token_mask=token_mask,
             logprobs=logprobs,
-            routes_encoding=ROUTES_NONE if routed_experts is None else ROUTES_INT16,
+            routes_encoding=ROUTES_NONE if routed_experts is None else self.routes_encoding,
             routed_experts=routed_experts,
             digest=b"",
             chain_hash=chain,
             cumulative_hash=cumulative,
             schema_version=SCHEMA_VERSION,
-            digest_version=hashing.DIGEST_VERSION,
+            digest_version=version,
         )
         row.digest = hashing.row_digest(row)
         return row, prefix
@@ -194,6 +214,7 @@ class CaptureGate:
         num_experts: int | None = None,
         group_id: str | None = None,
         records: Sequence[CallRecord] | None = None,
+        digest_version: int = hashing.DIGEST_VERSION,
     ) -> "CaptureGate":
         """Rebuild a gate (after a crash) from the rows it already staged, in chain order.
 
@@ -203,9 +224,18 @@ class CaptureGate:
         the row's own hashes and, when given, ``records`` (the receipt the controller
         kept); otherwise :class:`InvalidRecord` (``missing_staging_row`` when the counts
         differ, ``identity_mismatch``, ``corrupt_digest``, or a content reason from
-        :meth:`stage_call`) names the call and nothing is returned.
+        :meth:`stage_call`) names the call and nothing is returned. The gate hashes with
+        the rows' digest version (a rollout keeps its algorithm across a restart;
+        ``digest_version`` only when there is no row); rows of mixed or unknown versions
+        are ``invalid_staging_row``.
         """
-        gate = cls(rollout_id, vocab_size=vocab_size, num_experts=num_experts, group_id=group_id)
+        version = _rows_version(rollout_id, rows, digest_version)
+        # The rows' own encoding (rows staged as int16 resume as int16, whatever the experts).
+        enc = next((r.routes_encoding for r in rows if r.routes_encoding != ROUTES_NONE), None)
+        if enc not in ROUTES_ENCODINGS or (enc == ROUTES_UINT8 and num_experts is not None and num_experts > UINT8_MAX_EXPERTS):
+            enc = None  # an unknown encoding: the restaged digest then differs (corrupt_digest)
+        gate = cls(rollout_id, vocab_size=vocab_size, num_experts=num_experts, group_id=group_id, routes_encoding=enc,
+                   digest_version=version)
         if records is not None and len(records) != len(rows):
             raise InvalidRecord("missing_staging_row", f"{rollout_id!r}: {len(rows)} rows for {len(records)} receipt records")
         for i, row in enumerate(rows):
@@ -301,4 +331,22 @@ def record_of(row: StagedRow) -> CallRecord:
         cumulative_hash=row.cumulative_hash,
         routes_encoding=row.routes_encoding,
         staging_key=staging_key(row.rollout_id, row.model_call_id),
+        digest_version=row.digest_version,
     )
+
+
+def _rows_version(rollout_id: str, rows: Sequence[StagedRow], default: int) -> int:
+    """The digest version every one of ``rows`` shares (``default`` for none), or
+    :class:`InvalidRecord` (``invalid_staging_row``) naming the first row that differs."""
+    if not rows:
+        return default
+    version = rows[0].digest_version
+    if version not in digests.SUPPORTED_VERSIONS:
+        raise InvalidRecord("invalid_staging_row", f"{rollout_id!r}: digest_version {version!r} unsupported ({digests.described()})")
+    for i, row in enumerate(rows):
+        if row.digest_version != version:
+            raise InvalidRecord(
+                "invalid_staging_row",
+                f"{rollout_id!r}: row {i} has digest_version {row.digest_version}, row 0 {version}: one rollout, one algorithm",
+            )
+    return version

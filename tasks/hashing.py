@@ -1,47 +1,67 @@
-"""The three SHA-256 hashes of token capture, with their byte layout (version 1).
+"""The three hashes of token capture, with their byte layout, for both digest versions.
 
-Every hash starts with its own domain tag, so a value of one kind can never be passed
-off as another. Integers are little-endian; arrays are hashed as their raw
-little-endian buffers (no copies: hashlib reads the numpy buffer directly).
+Digest version 1 hashes with SHA-256, version 2 with BLAKE3 (:mod:`tasks.digests`);
+both use the layouts below, each version with its own domain tags (``TAG_*`` below is
+``token-capture/<kind>/v<version>\x00``, e.g. ``token-capture/chain/v2\x00`` for a
+BLAKE3 chain hash). Every hash starts with its tag, so a value of one kind (or of one
+version) can never be passed off as another; the digest also carries its version in
+its header. Integers are little-endian; arrays are hashed as their raw little-endian
+buffers (no copies: both hash functions read the numpy buffer directly). One rollout's
+chain (and one cut call's chunks) is hashed with one version throughout: its running
+cumulative state cannot change algorithm midway, so verifiers reject a mix.
 
-chain_hash v1
+chain_hash (v1: SHA-256, v2: BLAKE3)
     TAG_CHAIN
     parent marker: b"\\x00" for a root, or b"\\x01" + parent's chain_hash (32 bytes)
     token_ids as <i8 bytes
     (:func:`chain_state` is the running form: writers feed ids as they are generated.)
 
-cumulative_hash v1
+cumulative_hash (v1: SHA-256, v2: BLAKE3)
     TAG_PREFIX
     token_ids (<i8 bytes) of every call from the root through this one, in order.
-    Writers keep a running ``hashlib`` state per chain; verifiers hash the linearized ids.
+    Writers keep a running state per chain; verifiers hash the linearized ids.
 
-digest v1
+digest (v1: SHA-256, v2: BLAKE3)
     TAG_CALL
     <H schema_version> <H digest_version>
     <I len> rollout_id utf-8, <I len> model_call_id utf-8
     parent marker: b"\\x00", or b"\\x01" <I len> parent_call_id utf-8
     <q prev_len> <q delta_len> <q cum_len> <q weight_version> <b routes_encoding>
     for token_ids (<i8), token_mask (<f4), logprobs (<f4): <Q nbytes> raw bytes
-    if routes_encoding == 1: <I L> <I K> <Q nbytes> routed_experts raw bytes (<i2)
+    if routes_encoding == 1: <I L> <I K> <Q nbytes> routed_experts raw bytes (<i2, 2 per id)
+    if routes_encoding == 2: <I L> <I K> <Q nbytes> routed_experts raw bytes (u1, 1 per id)
     chain_hash (32 bytes) cumulative_hash (32 bytes)
+
+Routes encodings (``tasks.schema``): 0 no routes (nothing hashed after logprobs but the
+hashes); 1 int16 ids (field ``routed_experts``); 2 uint8 ids (field
+``routed_experts_u8``, chosen when the model has at most 256 experts). The encoding byte
+sits in the header and each encoding hashes its own raw buffer, so the same ids under
+the other encoding hash differently: a row relabelled from one encoding to the other
+fails its digest. Rows of encoding 1 hash exactly as they did before encoding 2 existed.
 """
 from __future__ import annotations
 
 import functools
-import hashlib
 import struct
 
 import numpy as np
 
-DIGEST_VERSION = 1
-TAG_CHAIN = b"token-capture/chain/v1\x00"
-TAG_PREFIX = b"token-capture/prefix/v1\x00"
-TAG_CALL = b"token-capture/call/v1\x00"
+from .digests import DEFAULT_VERSION, DIGEST_SHA256, SCHEMES, Hasher, scheme
+
+# The version writers use unless told otherwise (the ``capture.digest`` default, BLAKE3).
+DIGEST_VERSION = DEFAULT_VERSION
+# Version 1's (SHA-256) tags; :func:`tasks.digests.scheme` gives every version's.
+TAG_CHAIN = SCHEMES[DIGEST_SHA256].tag_chain
+TAG_PREFIX = SCHEMES[DIGEST_SHA256].tag_prefix
+TAG_CALL = SCHEMES[DIGEST_SHA256].tag_call
 ROOT_MARKER = b"\x00"
 
 _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
 _I16 = np.dtype("<i2")
+_U8 = np.dtype("u1")
+# routes_encoding -> the dtype its ids are hashed as (tasks.schema.ROUTES_ENCODINGS).
+_ROUTES_DTYPES = {1: _I16, 2: _U8}
 
 
 def _buf(a: np.ndarray, dtype: np.dtype) -> memoryview:
@@ -52,42 +72,48 @@ def _buf(a: np.ndarray, dtype: np.dtype) -> memoryview:
     return memoryview(a).cast("B")
 
 
-def chain_hash(parent_chain: bytes | None, token_ids: np.ndarray) -> bytes:
-    """H(TAG_CHAIN, parent marker, ids): links a call to its parent's chain."""
-    return chain_hash_raw(parent_chain, _buf(token_ids, _I64))
+def chain_hash(parent_chain: bytes | None, token_ids: np.ndarray, version: int = DIGEST_VERSION) -> bytes:
+    """H(TAG_CHAIN, parent marker, ids): links a call to its parent's chain (digest ``version``)."""
+    return chain_hash_raw(parent_chain, _buf(token_ids, _I64), version)
 
 
-def chain_hash_raw(parent_chain: bytes | None, ids_bytes) -> bytes:
+def chain_hash_raw(parent_chain: bytes | None, ids_bytes, version: int = DIGEST_VERSION) -> bytes:
     """:func:`chain_hash` over ids already given as their ``<i8`` bytes (any buffer)."""
-    h = chain_state(parent_chain)
+    h = chain_state(parent_chain, version)
     h.update(ids_bytes)
     return h.digest()
 
 
-def chain_state(parent_chain: bytes | None) -> "hashlib._Hash":
-    """A running chain-hash state: TAG_CHAIN and the parent marker, awaiting the ids.
+def chain_state(parent_chain: bytes | None, version: int = DIGEST_VERSION) -> Hasher:
+    """A running chain-hash state of digest ``version``: TAG_CHAIN and the parent marker,
+    awaiting the ids.
 
     Feeding it a chunk's ids as ``<i8`` bytes (in any number of updates) and taking
-    ``digest()`` gives ``chain_hash(parent_chain, ids)``. The only place the chain
-    layout is written; writers keep one per open chunk instead of re-hashing at a cut.
+    ``digest()`` gives ``chain_hash(parent_chain, ids, version)``. The only place the
+    chain layout is written; writers keep one per open chunk instead of re-hashing at a cut.
     """
-    return hashlib.sha256(TAG_CHAIN + (ROOT_MARKER if parent_chain is None else b"\x01" + parent_chain))
+    s = scheme(version)
+    return s.new(s.chain_root if parent_chain is None else s.chain_link + parent_chain)
 
 
-def prefix_state(parent_state: "hashlib._Hash" | None = None) -> "hashlib._Hash":
-    """A running cumulative-hash state: a copy of the parent's, or a fresh tagged one."""
-    return hashlib.sha256(TAG_PREFIX) if parent_state is None else parent_state.copy()
+def prefix_state(parent_state: Hasher | None = None, version: int = DIGEST_VERSION) -> Hasher:
+    """A running cumulative-hash state: a copy of the parent's (of the parent's version),
+    or a fresh one of digest ``version`` with its tag."""
+    if parent_state is not None:
+        return parent_state.copy()
+    s = scheme(version)
+    return s.new(s.tag_prefix)
 
 
-def extend_prefix(state: "hashlib._Hash", token_ids: np.ndarray) -> bytes:
+def extend_prefix(state: Hasher, token_ids: np.ndarray) -> bytes:
     """Feed one call's ids into a running state and return the cumulative hash so far."""
     state.update(_buf(token_ids, _I64))
     return state.digest()
 
 
-def cumulative_hash(all_token_ids: np.ndarray) -> bytes:
-    """Cumulative hash of a whole linearized chain in one pass."""
-    h = hashlib.sha256(TAG_PREFIX)
+def cumulative_hash(all_token_ids: np.ndarray, version: int = DIGEST_VERSION) -> bytes:
+    """Cumulative hash of a whole linearized chain in one pass (digest ``version``)."""
+    h = prefix_state(None, version)
     h.update(_buf(all_token_ids, _I64))
     return h.digest()
 
@@ -102,12 +128,13 @@ U32, LENGTHS, NBYTES, ROUTES_HEAD = _U32, _LENGTHS, _NBYTES, _ROUTES_HEAD
 
 
 @functools.lru_cache(maxsize=4096)
-def call_head(schema_version: int, rollout_id: bytes) -> bytes:
+def call_head(schema_version: int, rollout_id: bytes, digest_version: int = DIGEST_VERSION) -> bytes:
     """The digest's first bytes: TAG_CALL, ``<H schema_version> <H digest_version>`` and
-    ``<I len> rollout_id`` (shared by every call of a rollout; digest v1)."""
+    ``<I len> rollout_id`` (shared by every call of a rollout)."""
     if not 0 <= schema_version <= 0xFFFF:
-        raise ValueError(f"schema_version {schema_version} outside the 16-bit field of digest v1")
-    return TAG_CALL + _HEAD.pack(schema_version, DIGEST_VERSION) + _U32.pack(len(rollout_id)) + rollout_id
+        raise ValueError(f"schema_version {schema_version} outside the 16-bit field of the digest")
+    tag = scheme(digest_version).tag_call
+    return tag + _HEAD.pack(schema_version, digest_version) + _U32.pack(len(rollout_id)) + rollout_id
 
 
 def digest_header(
@@ -124,16 +151,17 @@ def digest_header(
 ) -> bytes:
     """The digest's bytes from TAG_CALL (included) through ``routes_encoding``.
 
-    Ids are given as their UTF-8 bytes; ``parent_call_id`` ``None`` means a root.
+    Ids are given as their UTF-8 bytes; ``parent_call_id`` ``None`` means a root. An
+    unknown ``digest_version`` raises :class:`~tasks.digests.UnsupportedDigest` (a
+    ``ValueError``).
     """
-    if digest_version != DIGEST_VERSION:
-        raise ValueError(f"unsupported digest_version {digest_version} (this build: {DIGEST_VERSION})")
+    tag = scheme(digest_version).tag_call
     if not 0 <= schema_version <= 0xFFFF:
-        raise ValueError(f"schema_version {schema_version} outside the 16-bit field of digest v1")
+        raise ValueError(f"schema_version {schema_version} outside the 16-bit field of the digest")
     parent = ROOT_MARKER if parent_call_id is None else b"\x01" + struct.pack("<I", len(parent_call_id)) + parent_call_id
     return b"".join(
         (
-            TAG_CALL,
+            tag,
             _HEAD.pack(schema_version, digest_version),
             struct.pack("<I", len(rollout_id)),
             rollout_id,
@@ -153,15 +181,18 @@ def digest_raw(
     routes: tuple[int, int, object] | None,
     chain_hash: bytes,
     cumulative_hash: bytes,
+    digest_version: int = DIGEST_VERSION,
 ) -> bytes:
-    """The digest from :func:`digest_header`'s bytes and the raw little-endian buffers.
+    """The digest from :func:`digest_header`'s bytes and the raw little-endian buffers,
+    hashed with ``digest_version``'s algorithm (the version the header was built with).
 
     ``token_ids`` (``<i8``), ``token_mask`` and ``logprobs`` (``<f4``) are flat byte
     buffers (``bytes`` or format-``B`` memoryviews, whose ``len`` is their size in bytes;
-    memoryviews hash without copies); ``routes`` is ``(L, K, <i2 bytes)`` when
-    ``routes_encoding == 1``, else ``None``. Byte-identical to :func:`digest`.
+    memoryviews hash without copies); ``routes`` is ``(L, K, raw bytes)`` when the
+    header's ``routes_encoding`` carries routes (``<i2`` bytes for 1, ``u1`` for 2), else
+    ``None``. Byte-identical to :func:`digest`.
     """
-    h = hashlib.sha256(header + _NBYTES.pack(len(token_ids)))
+    h = scheme(digest_version).new(header + _NBYTES.pack(len(token_ids)))
     h.update(token_ids)
     h.update(_NBYTES.pack(len(token_mask)))
     h.update(token_mask)
@@ -208,10 +239,13 @@ def digest(
         routes_encoding,
     )
     routes = None
-    if routes_encoding == 1:
+    dtype = _ROUTES_DTYPES.get(routes_encoding)
+    if dtype is not None:
         if routed_experts is None or routed_experts.ndim != 3:
-            raise ValueError("routes_encoding 1 needs routed_experts of shape [delta_len, L, K]")
-        routes = (routed_experts.shape[1], routed_experts.shape[2], _buf(routed_experts, _I16))
+            raise ValueError(f"routes_encoding {routes_encoding} needs routed_experts of shape [delta_len, L, K]")
+        if routed_experts.dtype.newbyteorder("<") != dtype:  # no value casts: only byte order is canonicalized
+            raise ValueError(f"routes_encoding {routes_encoding} needs {dtype} routed_experts, got {routed_experts.dtype}")
+        routes = (routed_experts.shape[1], routed_experts.shape[2], _buf(routed_experts, dtype))
     return digest_raw(
         header,
         _buf(token_ids, _I64),
@@ -220,6 +254,7 @@ def digest(
         routes,
         chain_hash,
         cumulative_hash,
+        digest_version,
     )
 
 

@@ -18,9 +18,10 @@ from .schema import (
     HASH_BYTES,
     HASH_FIELDS,
     ID_FIELDS,
-    ROUTES_DTYPE,
+    ROUTES_ENCODINGS,
     ROUTES_FIELD,
-    ROUTES_INT16,
+    ROUTES_UINT8,
+    ROUTES_U8_FIELD,
     SCALAR_FIELDS,
     TOKEN_FIELDS,
     StagedRow,
@@ -433,9 +434,12 @@ def pack_rows(rows: Sequence[StagedRow], *, with_routes: bool = True) -> PackedB
     for name, dt in TOKEN_FIELDS.items():
         fields[name] = PackedField.from_arrays([getattr(r, name) for r in rows], dtype=dt)
     if with_routes and any(r.routed_experts is not None for r in rows):
-        fields[ROUTES_FIELD] = PackedField.from_arrays(
-            [r.routed_experts if r.routes_encoding == ROUTES_INT16 else None for r in rows], dtype=ROUTES_DTYPE
-        )
+        # Each encoding in its own field (one dtype per field): int16 rows and uint8 rows
+        # may share a batch, each row present in its encoding's field only.
+        for enc, (name, dt) in ROUTES_ENCODINGS.items():
+            routes = [r.routed_experts if r.routes_encoding == enc else None for r in rows]
+            if any(a is not None for a in routes):
+                fields[name] = PackedField.from_arrays(routes, dtype=dt)
     return PackedBatch(keys, fields)
 
 
@@ -446,6 +450,7 @@ def row_from_fields(row: Mapping[str, np.ndarray]) -> StagedRow:
     verifier maps those to ``invalid_staging_row``.
     """
     parent = bytes(row["parent_call_id"]).decode("utf-8")
+    routes = row.get(ROUTES_U8_FIELD) if int(row["routes_encoding"][0]) == ROUTES_UINT8 else row.get(ROUTES_FIELD)
     return StagedRow(
         rollout_id=bytes(row["rollout_id"]).decode("utf-8"),
         model_call_id=bytes(row["model_call_id"]).decode("utf-8"),
@@ -454,7 +459,7 @@ def row_from_fields(row: Mapping[str, np.ndarray]) -> StagedRow:
         token_ids=row["token_ids"],
         token_mask=row["token_mask"],
         logprobs=row["logprobs"],
-        routed_experts=row.get(ROUTES_FIELD),
+        routed_experts=routes,
         **{name: bytes(row[name]) for name in HASH_FIELDS},
     )
 

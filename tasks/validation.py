@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .schema import ROUTES_DTYPE, ROUTES_INT16, ROUTES_NONE, TOKEN_FIELDS
+from .schema import ROUTES_ENCODINGS, ROUTES_NONE, TOKEN_FIELDS
 
 Problem = tuple[str, str] | None
 
@@ -96,27 +96,81 @@ def check_routes(
     num_experts: int | None,
     routes_shape: tuple[int, int] | None = None,
 ) -> Problem:
-    """Routes present iff encoding says so; shape ``[delta_len, L, K]``; ids in range."""
+    """Routes present iff encoding says so; the encoding's dtype (int16 for 1, uint8 for
+    2, :data:`tasks.schema.ROUTES_ENCODINGS`); shape ``[delta_len, L, K]``; ids in
+    ``[0, num_experts)`` (an int16 id below 0 or either past the last expert)."""
     if routes_encoding == ROUTES_NONE:
         if routed_experts is not None:
             return "invalid_routes", "routed_experts present but routes_encoding is 0"
         return None
-    if routes_encoding != ROUTES_INT16:
+    spec = ROUTES_ENCODINGS.get(routes_encoding)
+    if spec is None:
         return "invalid_routes", f"unknown routes_encoding {routes_encoding}"
+    dtype = spec[1]
     if routed_experts is None:
-        return "missing_routes", "routes_encoding is 1 but routed_experts are absent"
-    if not isinstance(routed_experts, np.ndarray) or routed_experts.dtype != ROUTES_DTYPE:
-        return "invalid_routes", f"routed_experts dtype {getattr(routed_experts, 'dtype', None)}, expected int16"
+        return "missing_routes", f"routes_encoding is {routes_encoding} but routed_experts are absent"
+    if not isinstance(routed_experts, np.ndarray) or routed_experts.dtype != dtype:
+        return "invalid_routes", f"routed_experts dtype {getattr(routed_experts, 'dtype', None)}, routes_encoding {routes_encoding} expects {dtype.name}"
+    problem = check_routes_shape(routed_experts, delta_len, routes_shape)
+    if problem is None and num_experts is not None:
+        return check_expert_range(routed_experts, num_experts, routes_encoding)
+    return problem
+
+
+def check_routes_shape(routed_experts: np.ndarray, delta_len: int, routes_shape: tuple[int, int] | None = None) -> Problem:
+    """``[delta_len, L, K]`` with ``L`` and ``K`` within the digest's 32-bit fields (and
+    equal to ``routes_shape`` when given)."""
     if routed_experts.ndim != 3 or routed_experts.shape[0] != delta_len:
         return "invalid_routes", f"routed_experts shape {routed_experts.shape}, expected ({delta_len}, L, K)"
     if max(routed_experts.shape[1:]) > _U32_MAX:
         return "invalid_routes", f"routed_experts [L, K] {routed_experts.shape[1:]} exceed the 32-bit fields of the digest (at most {_U32_MAX} each)"
     if routes_shape is not None and tuple(routed_experts.shape[1:]) != tuple(routes_shape):
         return "invalid_routes", f"routed_experts [L, K] {routed_experts.shape[1:]}, expected {tuple(routes_shape)}"
-    if num_experts is not None and routed_experts.size:
-        if int(routed_experts.min()) < 0 or int(routed_experts.max()) >= num_experts:
-            return "invalid_routes", f"expert id outside [0, {num_experts})"
     return None
+
+
+def encode_routes(
+    routed_experts: object,
+    routes_encoding: int,
+    delta_len: int,
+    num_experts: int | None,
+    routes_shape: tuple[int, int] | None = None,
+) -> tuple[Problem, np.ndarray | None]:
+    """A writer's routed expert ids (any integer array) in the dtype of ``routes_encoding``:
+    ``(None, ids)`` (``ids`` is the given array when it already has that dtype, else a
+    new one), or ``(problem, None)``: not an integer array, a shape :func:`check_routes_shape`
+    refuses, an id outside ``[0, num_experts)``, or (experts unknown) an id the encoding
+    cannot hold. The range is checked on the given values, before any cast, so a cast
+    never wraps an id into range."""
+    dtype = ROUTES_ENCODINGS[routes_encoding][1]
+    if not isinstance(routed_experts, np.ndarray) or routed_experts.dtype.kind not in "iu":
+        got = getattr(routed_experts, "dtype", type(routed_experts).__name__)
+        return ("invalid_routes", f"routed_experts dtype {got}, expected integer expert ids"), None
+    problem = check_routes_shape(routed_experts, delta_len, routes_shape)
+    if problem is None and num_experts is not None:
+        problem = check_expert_range(routed_experts, num_experts, routes_encoding)
+    if problem is None and routed_experts.dtype != dtype and routed_experts.size:
+        info = np.iinfo(dtype)
+        lo, hi = int(routed_experts.min()), int(routed_experts.max())
+        if lo < info.min or hi > info.max:
+            bad = lo if lo < info.min else hi
+            problem = "invalid_routes", f"expert id {bad} does not fit routes_encoding {routes_encoding} ({dtype.name})"
+    if problem:
+        return problem, None
+    return None, routed_experts if routed_experts.dtype == dtype else routed_experts.astype(dtype)
+
+
+def check_expert_range(routed_experts: np.ndarray, num_experts: int, routes_encoding: int | None = None) -> Problem:
+    """Every id of the integer array ``routed_experts`` in ``[0, num_experts)``; the
+    problem names the first id outside (and the encoding, when given)."""
+    if not routed_experts.size:
+        return None
+    lo, hi = int(routed_experts.min()), int(routed_experts.max())
+    if lo >= 0 and hi < num_experts:
+        return None
+    bad = lo if lo < 0 else hi
+    how = "" if routes_encoding is None else f" (routes_encoding {routes_encoding}, {routed_experts.dtype.name} ids)"
+    return "invalid_routes", f"expert id {bad} outside [0, {num_experts}){how}"
 
 
 def check_delta(

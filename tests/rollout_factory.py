@@ -22,7 +22,7 @@ from tasks import hashing
 from tasks.gate import CaptureGate, record_of
 from tasks.packed import PackedBatch, PackedField, pack_rows
 from tasks.receipts import Receipt
-from tasks.schema import ROUTES_FIELD, ROUTES_NONE, STAGING_FIELDS, StagedRow
+from tasks.schema import ROUTES_FIELDS, ROUTES_NONE, STAGING_FIELDS, StagedRow
 
 VOCAB = 64
 
@@ -69,12 +69,18 @@ def make_rollout(
     group_id: Optional[str] = None,
     reward: Optional[float] = None,
     weight_version: int = 0,
+    routes_encoding: Optional[int] = None,
+    digest_version: int = hashing.DIGEST_VERSION,
 ) -> Built:
     """A valid rollout of ``n_calls`` chain calls and ``n_branches`` off-chain calls.
 
-    Lengths are inclusive ranges in tokens; ``routes=(L, K, E)`` adds routed experts.
+    Lengths are inclusive ranges in tokens; ``routes=(L, K, E)`` adds routed experts,
+    staged in ``routes_encoding`` (None: the gate's choice from ``E``, uint8 up to 256
+    experts; 1: int16, as rows staged before uint8 existed), hashed with
+    ``digest_version`` (1: SHA-256, 2: BLAKE3, the default).
     """
-    gate = CaptureGate(rollout_id, vocab_size=vocab_size, num_experts=None if routes is None else routes[2], group_id=group_id)
+    gate = CaptureGate(rollout_id, vocab_size=vocab_size, num_experts=None if routes is None else routes[2], group_id=group_id,
+                       routes_encoding=routes_encoding, digest_version=digest_version)
     rows: list[StagedRow] = []
     chain: list[str] = []
     # Branches are staged at random points between chain calls, off a random staged call.
@@ -123,8 +129,8 @@ def fetch(builts: Sequence[Built], keys: Sequence[str], routes_keys: Sequence[st
     rows = pack_rows(found, with_routes=False).select(STAGING_FIELDS)
     routed = [store[k] for k in routes_keys if k in store and store[k].routed_experts is not None]
     routes = None
-    if routes_keys:
-        routes = PackedBatch.from_rows([r.staging_key for r in routed], [{ROUTES_FIELD: r.routed_experts} for r in routed], [ROUTES_FIELD])
+    if routes_keys:  # one field per routes encoding the rows use (as a store answers)
+        routes = pack_rows(routed).select(ROUTES_FIELDS) if routed else PackedBatch([], {})
     return rows, routes
 
 
@@ -190,9 +196,9 @@ def resign(
     for r in rows:
         parent = by_id.get(r.parent_call_id) if r.parent_call_id else None
         if chain:
-            r.chain_hash = hashing.chain_hash(None if parent is None else parent.chain_hash, r.token_ids)
+            r.chain_hash = hashing.chain_hash(None if parent is None else parent.chain_hash, r.token_ids, r.digest_version)
         if cumulative:
-            st = hashing.prefix_state(None if parent is None else states.get(parent.model_call_id))
+            st = hashing.prefix_state(None if parent is None else states.get(parent.model_call_id), r.digest_version)
             r.cumulative_hash = hashing.extend_prefix(st, r.token_ids)
             states[r.model_call_id] = st
         if digest:
@@ -226,8 +232,13 @@ def set_mask(call: str, mask: Sequence[float], logprobs: Optional[Sequence[float
 
 
 def set_expert(call: str, value: int):
+    """The call's first expert id set to ``value`` (its routes widened to int16, encoding
+    1, when ``value`` does not fit their dtype, e.g. -1 in uint8 routes)."""
     def m(rows):
         r = rows[call]
+        info = np.iinfo(r.routed_experts.dtype)
+        if not info.min <= value <= info.max:
+            r.routed_experts, r.routes_encoding = r.routed_experts.astype(np.int16), 1
         r.routed_experts = r.routed_experts.copy()
         r.routed_experts.reshape(-1)[0] = value
     return m

@@ -35,7 +35,7 @@ def test_dtypes_shapes_padding():
     T = max(lengths)
     assert fg.input_ids.dtype == torch.int64 and fg.input_ids.shape == (n, T)
     assert fg.logprobs.dtype == fg.token_mask.dtype == fg.sample_mask.dtype == fg.rewards.dtype == torch.float32
-    assert fg.routed_experts.dtype == torch.int16 and fg.routed_experts.shape == (n, T, 2, 2)
+    assert fg.routed_experts.dtype == torch.uint8 and fg.routed_experts.shape == (n, T, 2, 2)  # 8 experts: one byte
     assert fg.input_lengths.tolist() == lengths
     assert fg.rewards.tolist() == pytest.approx(rewards)
     assert fg.sample_mask.tolist() == [1.0] * n and fg.has_routes.all()

@@ -15,7 +15,7 @@ from pipeline import events
 from pipeline.finalize import FinalizeError, Finalizer
 from tasks.keys import unit_for_rollout
 from tasks.packed import pack_rows
-from tasks.schema import ALL_FIELDS, ROUTES_FIELD
+from tasks.schema import routes_field, row_fields
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("keep_staged_rows")]
 
@@ -45,12 +45,16 @@ def row_bytes(rows, with_routes: bool) -> int:
 def readback(store, built):
     """The rollout's chain rows read back from the store on the controller."""
     keys = [f"{built.rollout_id}/{c}" for c in built.chain_ids]
-    fields = list(ALL_FIELDS) if built.num_experts is not None else [f for f in ALL_FIELDS if f != ROUTES_FIELD]
+    enc = built.rows[0].routes_encoding
+    fields = list(row_fields(enc))  # the staging fields and the rollout's routes field
     got = store.get_many(keys, fields)
     assert not got.failed
     b = got.batch
     cat = lambda name: np.concatenate([b.fields[name].row(i) for i in range(len(b))])  # noqa: E731
-    return {n: cat(n) for n in fields if n in ("token_ids", "token_mask", "logprobs", ROUTES_FIELD)}
+    out = {n: cat(n) for n in fields if n in ("token_ids", "token_mask", "logprobs")}
+    if routes_field(enc) is not None:
+        out["routed_experts"] = cat(routes_field(enc))
+    return out
 
 
 def assert_group_matches(store, group, builts):
@@ -67,8 +71,8 @@ def assert_group_matches(store, group, builts):
         root = b.rows[0] if b.rows[0].model_call_id == b.chain_ids[0] else b.row(b.chain_ids[0])
         assert int(group.prompt_lengths[i]) == int((root.token_mask == 0).sum())
         assert float(group.rewards[i]) == pytest.approx(b.receipt.reward)
-        if ROUTES_FIELD in want:
-            np.testing.assert_array_equal(group.routed_experts[i, :n].numpy(), want[ROUTES_FIELD])
+        if "routed_experts" in want:
+            np.testing.assert_array_equal(group.routed_experts[i, :n].numpy(), want["routed_experts"])
 
 
 def events_of(client, step_id, kind, n, timeout=10.0):

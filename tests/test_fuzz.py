@@ -28,7 +28,7 @@ from tasks.gate import CaptureGate
 from tasks.hashing import row_digest
 from tasks.packed import PackedBatch, PackedField, pack_rows
 from tasks.finalize.plan import plan_step
-from tasks.schema import STAGING_FIELDS
+from tasks.schema import ROUTES_FIELDS, STAGING_FIELDS
 from tasks.finalize.verify import verify_many
 
 pytestmark = pytest.mark.timeout(240)
@@ -110,14 +110,16 @@ def test_gate_refuses_with_a_typed_error_or_stages_a_valid_row(rid, calls):
     [p] = plan.rollouts
     rows = pack_rows(staged, with_routes=False).select(STAGING_FIELDS)
     routed = [r for r in staged if r.routed_experts is not None and r.staging_key in p.routes_keys]
-    routes = PackedBatch.from_rows([r.staging_key for r in routed], [{"routed_experts": r.routed_experts} for r in routed], ["routed_experts"]) if p.routes_keys else None
+    routes = (pack_rows(routed).select(ROUTES_FIELDS) if routed else PackedBatch([], {})) if p.routes_keys else None
     [res] = verify_many([p], rows, routes, vocab_size=VOCAB, num_experts=E)
     assert res.status in (R.OK, R.INVALID_ROUTES), (res.status, res.detail)  # mixed routed/unrouted chains
 
 
 # ---- receipts ------------------------------------------------------------------------------------
 
-BASE = [make_rollout(np.random.default_rng(i), f"fz{i}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, n_branches=1) for i in range(3)]
+# The first rollout's routes staged as int16 (rows from before uint8 existed), the others uint8.
+BASE = [make_rollout(np.random.default_rng(i), f"fz{i}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, n_branches=1,
+                     routes_encoding=1 if i == 0 else None) for i in range(3)]
 BASE_ROWS = {i: fetch([b], [r.staging_key for r in b.rows], [r.staging_key for r in b.rows]) for i, b in enumerate(BASE)}
 RECEIPT_KEYS = ["rollout_id", "reward", "terminal_model_call_id", "calls", "poisoned", "failure_reason", "group_id", "version", "extra"]
 CALL_KEYS = ["model_call_id", "parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version", "digest", "chain_hash", "cumulative_hash", "routes_encoding", "staging_key", "extra"]
@@ -184,13 +186,14 @@ def mutated_batches(draw):
     i = draw(st.integers(0, len(BASE) - 1))
     rows, routes = BASE_ROWS[i]
     fields = dict(rows.fields)
-    name = draw(st.sampled_from(list(fields) + ["routed_experts", "__keys__"]))
+    routes_name = next(iter(routes.fields))  # the rollout's routes encoding's field
+    name = draw(st.sampled_from(list(fields) + [routes_name, "__keys__"]))
     how = draw(st.integers(0, 4))
     if name == "__keys__":
         keys = list(rows.keys)
         keys[draw(st.integers(0, len(keys) - 1))] = draw(st.one_of(st.text(max_size=8), st.sampled_from(keys)))
         return i, PackedBatch(keys, fields), routes
-    f = routes.fields["routed_experts"] if name == "routed_experts" else fields[name]
+    f = routes.fields[routes_name] if name == routes_name else fields[name]
     if how == 0:  # whole field replaced by junk values, offsets kept
         v = draw(any_array)
         nf = PackedField(v if v.ndim else v.reshape(1), f.offsets.copy(), f.present)
@@ -219,8 +222,8 @@ def mutated_batches(draw):
             except (OverflowError, ValueError):
                 flat[pick] = 0
         nf = PackedField(v, f.offsets.copy(), f.present)
-    if name == "routed_experts":
-        return i, rows, PackedBatch(list(routes.keys), {"routed_experts": nf})
+    if name == routes_name:
+        return i, rows, PackedBatch(list(routes.keys), {routes_name: nf})
     fields[name] = nf
     return i, PackedBatch(list(rows.keys), fields), routes
 
@@ -258,7 +261,7 @@ def fuzz_batches(draw, tag: str = ""):
     n = draw(st.integers(0, 5))
     keys = [draw(st.one_of(st.just(f"u{tag}{k}/c{j}") for j, k in enumerate(range(n))) | ids) for _ in range(n)]
     fields = {}
-    for name in draw(st.lists(st.sampled_from(list(STAGING_FIELDS) + ["routed_experts", "zz"]), max_size=4, unique=True)):
+    for name in draw(st.lists(st.sampled_from(list(STAGING_FIELDS) + list(ROUTES_FIELDS) + ["zz"]), max_size=4, unique=True)):
         v = draw(any_array)
         v = v.reshape(-1) if v.ndim == 0 else v
         offsets = np.linspace(0, len(v), n + 1).astype(np.int64)

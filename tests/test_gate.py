@@ -38,8 +38,10 @@ def stage(gate, call="c0", parent=None, **fields):
 # ---- accepted calls -------------------------------------------------------------------------
 
 
-def test_good_chain_hashes_and_receipt():
-    gate = new_gate()
+@pytest.mark.parametrize("experts,encoding,dtype", [(EXPERTS, 2, np.uint8), (300, 1, np.int16)])
+def test_good_chain_hashes_and_receipt(experts, encoding, dtype):
+    # The routes encoding follows the expert count: one byte per id up to 256 experts.
+    gate = CaptureGate("r0", vocab_size=VOCAB, num_experts=experts, group_id="g0")
     a = good(2, 3, seed=1)
     b = good(4, 2, seed=2)
     r0 = stage(gate, "c0", None, **a)
@@ -50,7 +52,9 @@ def test_good_chain_hashes_and_receipt():
     assert r1.chain_hash == H.chain_hash(r0.chain_hash, b["token_ids"])
     assert r1.cumulative_hash == H.cumulative_hash(np.concatenate([a["token_ids"], b["token_ids"]]))
     for r in (r0, r1):
-        assert r.digest == H.row_digest(r) and r.routes_encoding == 1 and r.weight_version == 7
+        assert r.digest == H.row_digest(r) and r.routes_encoding == encoding and r.weight_version == 7
+        assert r.routed_experts.dtype == dtype
+    np.testing.assert_array_equal(r0.routed_experts, a["routed_experts"])  # same ids, whatever the width
     rec = gate.receipt(0.25)
     assert rec.calls == [record_of(r0), record_of(r1)]
     assert rec.terminal_model_call_id == "c1" and rec.staging_keys == ["r0/c0", "r0/c1"]
@@ -94,7 +98,7 @@ BAD_FIELDS = {
     "mask_float64": (dict(token_mask=np.array([0, 0, 1, 1, 1], np.float64)), "invalid_staging_row", "token_mask dtype"),
     "logprobs_float64": (dict(logprobs=np.array([0, 0, -1, -1, -1], np.float64)), "invalid_staging_row", "logprobs dtype"),
     "mask_list": (dict(token_mask=[0.0, 0.0, 1.0, 1.0, 1.0]), "invalid_staging_row", "token_mask dtype"),
-    "routes_int32": (dict(routed_experts=np.zeros((N, L, K), np.int32)), "invalid_routes", "dtype"),
+    "routes_float": (dict(routed_experts=np.zeros((N, L, K), np.float32)), "invalid_routes", "integer expert ids"),
     # mask order
     "mask_ones_first": (dict(token_mask=np.array([1, 1, 1, 0, 0], np.float32),
                              logprobs=np.array([-1, -1, -1, 0, 0], np.float32)), "invalid_mask_order", "zeros-then-ones"),
@@ -117,7 +121,33 @@ BAD_FIELDS = {
         "invalid_routes",
         "expert id",
     ),
+    # ids given wider than a byte are range-checked before the cast (256 would wrap to 0)
+    "expert_wraps_uint8": (dict(routed_experts=np.full((N, L, K), 256, np.int64)), "invalid_routes", "expert id 256"),
 }
+
+
+@pytest.mark.parametrize("given", [np.int16, np.int32, np.int64, np.uint8, ">i2"])
+def test_any_integer_routes_are_converted_to_the_encoding(given):
+    ids = good(seed=4)["routed_experts"]
+    row = stage(new_gate(), routed_experts=ids.astype(given))
+    assert row.routes_encoding == 2 and row.routed_experts.dtype == np.uint8
+    np.testing.assert_array_equal(row.routed_experts, ids)
+    assert row.digest == H.row_digest(row)
+
+
+def test_explicit_int16_encoding_and_unknown_experts():
+    # Staged "the old way" (int16) on request, and by default when the expert count is unknown.
+    for gate in (CaptureGate("r0", vocab_size=VOCAB, num_experts=EXPERTS, routes_encoding=1),
+                 CaptureGate("r0", vocab_size=VOCAB)):
+        row = stage(gate)
+        assert row.routes_encoding == 1 and row.routed_experts.dtype == np.int16
+    with pytest.raises(ValueError, match="num_experts <= 256"):
+        CaptureGate("r0", vocab_size=VOCAB, num_experts=300, routes_encoding=2)
+    with pytest.raises(ValueError, match="routes_encoding"):
+        CaptureGate("r0", vocab_size=VOCAB, routes_encoding=3)
+    gate = CaptureGate("r0", vocab_size=VOCAB)  # experts unknown: ids must still fit int16
+    with pytest.raises(InvalidRecord, match="does not fit routes_encoding 1"):
+        stage(gate, routed_experts=np.full((N, L, K), 40000, np.int64))
 
 
 def assert_nothing_kept(gate: CaptureGate, n_calls_before: int, call: str, parent):

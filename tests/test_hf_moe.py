@@ -138,7 +138,9 @@ def test_generation_is_reproducible_and_rows_follow_the_staging_rules(engine):
         assert all(rx.same_content(ry) for rx, ry in zip(x.rows, y.rows))
         assert x.receipt.to_msgpack() == y.receipt.to_msgpack()
         for r in x.rows:
-            assert r.routed_experts.dtype == np.int16 and r.routed_experts.shape[1:] == engine.routes_shape
+            # The engine's experts fit a byte: routes are staged compact (encoding 2, uint8).
+            assert r.routes_encoding == 2 and r.routed_experts.dtype == np.uint8 == engine.routes_dtype
+            assert r.routed_experts.shape[1:] == engine.routes_shape
             assert 0 <= r.routed_experts.min() and r.routed_experts.max() < engine.num_experts
             m = r.token_mask > 0
             assert np.all(r.logprobs[~m] == 0) and np.all(r.logprobs[m] < 0)

@@ -14,7 +14,7 @@ from pipeline.store import StagingStore, StoreError
 from tasks import reasons as R
 from tasks.keys import cut_key
 from tasks.packed import PackedBatch, pack_rows
-from tasks.schema import ALL_FIELDS, STAGING_FIELDS
+from tasks.schema import ROUTES_UINT8, STAGING_FIELDS, row_fields
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("keep_staged_rows")]
 
@@ -44,7 +44,8 @@ def under_keys(rows, keys) -> PackedBatch:
 
 
 def snapshot(store, keys, partition="staging"):
-    got = store.get_many(keys, list(ALL_FIELDS), partition=partition)
+    """Every field of the rows (staged with uint8 routes: 8 experts), as bytes."""
+    got = store.get_many(keys, list(row_fields(ROUTES_UINT8)), partition=partition)
     assert not got.failed, got.failed
     return {n: (f.values.tobytes(), f.offsets.tobytes()) for n, f in got.batch.fields.items()}
 

@@ -12,7 +12,7 @@ from tasks.hashing import row_digest
 from tasks.packed import PackedBatch, PackedField, pack_rows, unpack_rows
 from tasks.toy.policy import MoEPolicy, PolicyConfig
 from tasks.toy.rollouts import generate_rollouts, make_step_specs
-from tasks.schema import ALL_FIELDS, HASH_FIELDS, ID_FIELDS, ROUTES_FIELD, SCALAR_FIELDS, STAGING_FIELDS, TOKEN_FIELDS
+from tasks.schema import HASH_FIELDS, ID_FIELDS, ROUTES_FIELD, ROUTES_U8_FIELD, SCALAR_FIELDS, STAGING_FIELDS, TOKEN_FIELDS
 
 CFG = PolicyConfig(vocab_size=300, hidden=16, layers=3, experts=5, top_k=2, seed=3, window=4)
 
@@ -51,46 +51,48 @@ def assert_rows_bit_exact(got, want):
 def test_pack_unpack_with_routes_is_bit_exact(routed_rows):
     batch = pack_rows(routed_rows)
     assert batch.keys == [r.staging_key for r in routed_rows]
-    assert set(batch.fields) == set(ALL_FIELDS)
+    # The toy policy's 5 experts: one-byte ids, in their own field.
+    assert set(batch.fields) == set(STAGING_FIELDS) | {ROUTES_U8_FIELD}
     # One contiguous buffer per field, offsets consistent with delta_len.
     lengths = batch.fields["delta_len"].values
     for name in TOKEN_FIELDS:
         assert np.array_equal(batch.fields[name].lengths(), lengths)
         assert batch.fields[name].values.flags.c_contiguous
-    assert batch.fields[ROUTES_FIELD].spec == ("<i2", (CFG.layers, CFG.top_k))
+    assert batch.fields[ROUTES_U8_FIELD].spec == ("|u1", (CFG.layers, CFG.top_k))
     assert batch.fields["token_ids"].spec == ("<i8", ())
     assert_rows_bit_exact(unpack_rows(batch), routed_rows)
 
 
 def test_pack_unpack_without_routes_is_bit_exact(plain_rows):
     batch = pack_rows(plain_rows)
-    assert ROUTES_FIELD not in batch.fields and set(batch.fields) == set(STAGING_FIELDS)
+    assert set(batch.fields) == set(STAGING_FIELDS)
     got = unpack_rows(batch)
     assert all(r.routes_encoding == 0 and r.routed_experts is None for r in got)
     assert_rows_bit_exact(got, plain_rows)
 
 
 def test_pack_without_routes_field_keeps_encoding(routed_rows):
-    # The finalizer's first fetch carries no routes: rows say encoding 1 but lack them.
+    # The finalizer's first fetch carries no routes: rows say encoding 2 but lack them.
     got = unpack_rows(pack_rows(routed_rows, with_routes=False))
     for a, b in zip(got, routed_rows):
-        assert a.routes_encoding == 1 and a.routed_experts is None
+        assert a.routes_encoding == 2 and a.routed_experts is None
         assert a.token_ids.tobytes() == b.token_ids.tobytes() and a.digest == b.digest
 
 
 def test_mixed_routed_and_plain_rows(routed_rows, plain_rows):
     rows = [routed_rows[0], plain_rows[0], routed_rows[1], plain_rows[1]]
     batch = pack_rows(rows)
-    f = batch.fields[ROUTES_FIELD]
+    assert ROUTES_FIELD not in batch.fields  # no int16 row
+    f = batch.fields[ROUTES_U8_FIELD]
     assert f.present.tolist() == [True, False, True, False]
     assert f.row(1) is None and not f.has(1) and f.has(2)
-    assert ROUTES_FIELD not in batch.row(1) and ROUTES_FIELD in batch.row(0)
+    assert ROUTES_U8_FIELD not in batch.row(1) and ROUTES_U8_FIELD in batch.row(0)
     assert_rows_bit_exact(unpack_rows(batch), rows)
     # Splitting off only the routes (the second fetch) and only the routed keys.
-    routed = batch.select([ROUTES_FIELD]).take(np.flatnonzero(f.present if f.present is not None else np.ones(len(f), bool)))
+    routed = batch.select([ROUTES_U8_FIELD]).take(np.flatnonzero(f.present if f.present is not None else np.ones(len(f), bool)))
     assert routed.keys == [rows[0].staging_key, rows[2].staging_key]
-    assert routed.fields[ROUTES_FIELD].present is None
-    assert routed.fields[ROUTES_FIELD].row(1).tobytes() == rows[2].routed_experts.tobytes()
+    assert routed.fields[ROUTES_U8_FIELD].present is None
+    assert routed.fields[ROUTES_U8_FIELD].row(1).tobytes() == rows[2].routed_experts.tobytes()
 
 
 def test_pack_empty_and_bad_hash():
@@ -217,6 +219,6 @@ def test_packed_batch_survives_dask_serialization(routed_rows, plain_rows):
         [remote] = client.scatter([batch])
         back = client.submit(_roundtrip_in_worker, remote, pure=False).result()
     assert_rows_bit_exact(unpack_rows(back), rows)
-    assert back.fields[ROUTES_FIELD].present.tolist() == [True] * 5 + [False] * 4
+    assert back.fields[ROUTES_U8_FIELD].present.tolist() == [True] * 5 + [False] * 4
     for name in ID_FIELDS + tuple(SCALAR_FIELDS) + HASH_FIELDS:
         assert back.fields[name].values.tobytes() == batch.fields[name].values.tobytes()

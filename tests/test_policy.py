@@ -141,7 +141,8 @@ def test_step_outputs_are_valid(policy):
     B = 64
     win = rng.integers(0, CFG.vocab_size, (B, CFG.window))
     s = policy.decode(win, np.arange(B) * 7, np.arange(B, dtype=np.uint64), 20)
-    assert s.tokens.dtype == np.int64 and s.logprobs.dtype == np.float32 and s.routes.dtype == np.int16
+    # Routes in the engine's compact dtype: one byte per id for these 6 experts.
+    assert s.tokens.dtype == np.int64 and s.logprobs.dtype == np.float32 and s.routes.dtype == np.uint8 == policy.routes_dtype
     assert s.routes.shape == (B, 20, CFG.layers, CFG.top_k)
     assert s.tokens.min() >= 0 and s.tokens.max() < CFG.vocab_size
     assert np.isfinite(s.logprobs).all() and (s.logprobs <= 0).all()
@@ -151,6 +152,13 @@ def test_step_outputs_are_valid(policy):
     # Not degenerate: many distinct tokens, most logprobs well below 0.
     assert len(np.unique(s.tokens)) > CFG.vocab_size // 2
     assert (s.logprobs < -1e-3).mean() > 0.5
+
+
+def test_routes_dtype_follows_the_expert_count():
+    wide = MoEPolicy(PolicyConfig(vocab_size=97, hidden=4, layers=1, experts=300, top_k=2, seed=1, window=2))
+    s = wide.decode(np.zeros((1, 2), np.int64), np.array([3]), np.array([1], np.uint64), 1)
+    assert wide.routes_dtype == s.routes.dtype == np.int16 and s.routes.max() < 300
+    assert MoEPolicy(PolicyConfig(experts=256, top_k=2)).routes_dtype == np.uint8
 
 
 def test_decode_equals_repeated_steps(policy):
@@ -348,7 +356,7 @@ def test_grpo_group_shape_and_rollout_structure(policy):
             assert (r.token_mask[:n_ctx] == 0).all() and (r.token_mask[n_ctx:] == 1).all()
             assert (r.logprobs[:n_ctx] == 0).all() and (r.logprobs[n_ctx:] < 0).all()
             assert r.routed_experts.shape == (r.delta_len, CFG.layers, CFG.top_k)
-            assert r.weight_version == 4 and r.digest == row_digest(r) and r.routes_encoding == 1
+            assert r.weight_version == 4 and r.digest == row_digest(r) and r.routes_encoding == 2  # uint8: 6 experts
             if t:
                 assert np.array_equal(r.token_ids[:4], env.tool_output(spec.rollout_id, t, 4))
         assert rec.rollout_id == spec.rollout_id and rec.group_id == "pr7" and not rec.poisoned

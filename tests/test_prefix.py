@@ -30,8 +30,10 @@ VOCAB = 512
 L, K, E = 2, 2, 8
 
 
-def cut_prefix(rollout="r0", call="c0", *, chunks=(5, 3, 4), context=6, routes=False, seed=0, big_token=None):
-    """Cut a call ``len(chunks)`` times (chunk i adds chunks[i] generated tokens).
+def cut_prefix(rollout="r0", call="c0", *, chunks=(5, 3, 4), context=6, routes=False, seed=0, big_token=None, digest_version=2,
+               routes_dtype=np.int16):
+    """Cut a call ``len(chunks)`` times (chunk i adds chunks[i] generated tokens), hashed
+    with ``digest_version``; routes (int16 ids handed over) kept as ``routes_dtype``.
 
     Returns (rows in chain order as a PackedBatch, the last CallAck, the buffer).
     """
@@ -39,8 +41,8 @@ def cut_prefix(rollout="r0", call="c0", *, chunks=(5, 3, 4), context=6, routes=F
     ctx = rng.integers(0, VOCAB, context)
     kw = {}
     if routes:
-        kw = dict(routes_shape=(L, K), context_routes=rng.integers(0, E, (context, L, K)).astype(np.int16))
-    buf = CallBuffer(rollout, call, ctx, parent_call_id="p0", weight_version=3, **kw)
+        kw = dict(routes_shape=(L, K), context_routes=rng.integers(0, E, (context, L, K)).astype(np.int16), routes_dtype=routes_dtype)
+    buf = CallBuffer(rollout, call, ctx, parent_call_id="p0", weight_version=3, digest_version=digest_version, **kw)
     rows, ack = [], None
     for i, n in enumerate(chunks):
         ids = rng.integers(0, VOCAB, n)
@@ -91,12 +93,39 @@ def test_good_prefix_is_usable_and_resumable():
     assert fresh.cut_keys == list(ack.staging_keys)
 
 
-def test_good_prefix_with_routes():
-    batch, ack, buf = cut_prefix(routes=True)
+@pytest.mark.parametrize("dtype,field,encoding", [(np.int16, "routed_experts", 1), (np.uint8, "routed_experts_u8", 2)])
+def test_good_prefix_with_routes(dtype, field, encoding):
+    batch, ack, buf = cut_prefix(routes=True, routes_dtype=dtype)
+    assert set(batch.fields["routes_encoding"].values.tolist()) == {encoding} and field in batch.fields
     v = verify_prefix(batch, ack, vocab_size=VOCAB, num_experts=E, routes_shape=(L, K))
     assert v.usable, v
     np.testing.assert_array_equal(v.prefix.routed_experts, buf.output()["routed_experts"])
-    assert "routed_experts" in v.prefix.arrays()
+    assert v.prefix.routed_experts.dtype == dtype and "routed_experts" in v.prefix.arrays()
+    # A call resumed from it keeps the prefix's routes dtype, and refuses ids it cannot hold.
+    p = v.prefix
+    fresh = CallBuffer("r0", "c0", p.token_ids[: p.context_tokens], parent_call_id="p0", routes_shape=(L, K),
+                       context_routes=p.routed_experts[: p.context_tokens], routes_dtype=p.routed_experts.dtype)
+    fresh.restore_prefix(p.token_ids[p.context_tokens :], p.logprobs[p.context_tokens :], p.routed_experts[p.context_tokens :],
+                         list(p.keys), list(p.chunk_lengths), p.prefix_digest)
+    fresh.append(np.array([1]), np.array([-0.5], np.float32), np.zeros((1, L, K), np.int64))
+    assert fresh.output()["routed_experts"].dtype == dtype
+    if dtype == np.uint8:
+        from tasks.errors import InvalidCall
+
+        with pytest.raises(InvalidCall, match="expert ids outside uint8"):
+            fresh.append(np.array([1]), np.array([-0.5], np.float32), np.full((1, L, K), 256, np.int16))
+
+
+def test_a_prefix_mixing_routes_encodings_is_refused():
+    # Chunks of one call share a routes encoding: an int16 chunk after uint8 ones is refused.
+    a, ack, _ = cut_prefix(routes=True, routes_dtype=np.uint8)
+    b, _, _ = cut_prefix(routes=True, routes_dtype=np.int16)  # the same tokens and ids, as int16
+    from tasks.packed import unpack_rows
+
+    mixed = pack_rows(unpack_rows(a)[:2] + unpack_rows(b)[2:])  # every row's own digest holds
+    mixed.keys = list(a.keys)
+    v = verify_prefix(mixed, ack)
+    assert v.reason == "invalid_routes" and "chunk 0's is 2" in v.detail, v
 
 
 def test_continuation_from_dict_and_single_chunk():
@@ -104,6 +133,49 @@ def test_continuation_from_dict_and_single_chunk():
     d = {"staging_keys": list(ack.staging_keys), "prefix_tokens": ack.prefix_tokens, "prefix_digest": ack.prefix_digest}
     assert verify_prefix(batch, d).usable
     assert Continuation.of(d) == Continuation(ack.staging_keys, ack.prefix_tokens, ack.prefix_digest)
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_prefix_of_either_digest_version_verifies_and_a_resumed_call_keeps_it(v):
+    batch, ack, _ = cut_prefix(digest_version=v)
+    assert ack.digest_version == v and set(batch.fields["digest_version"].values.tolist()) == {v}
+    verdict = verify_prefix(batch, ack, vocab_size=VOCAB)
+    assert verdict.usable and verdict.prefix.digest_version == v, verdict
+    p = verdict.prefix
+    # Resumed (as GenerationWorker.resume_call does it): the next chunk continues in version v.
+    buf = CallBuffer("r0", "c0", p.token_ids[: p.context_tokens], parent_call_id=p.parent_call_id,
+                     weight_version=p.weight_version, digest_version=p.digest_version)
+    n = p.context_tokens
+    buf.restore_prefix(p.token_ids[n:], p.logprobs[n:], None, p.keys, p.chunk_lengths, p.prefix_digest)
+    buf.append(np.arange(4), np.full(4, -0.5, np.float32))
+    frozen = buf.freeze("ckpt-resumed")
+    ack2 = buf.seal(frozen)
+    from tasks.packed import unpack_rows
+
+    both = pack_rows(unpack_rows(batch) + [frozen.row])
+    both.keys = list(ack2.staging_keys)
+    again = verify_prefix(both, ack2, vocab_size=VOCAB)
+    assert again.usable and again.prefix.digest_version == ack2.digest_version == v, again
+
+
+def test_a_prefix_mixing_digest_versions_is_refused():
+    from tasks.packed import unpack_rows
+
+    sha, ack, _ = cut_prefix(digest_version=1)
+    blake, _, _ = cut_prefix(digest_version=2)  # same seed: the same tokens, hashed with BLAKE3
+    rows = unpack_rows(sha)
+    rows[1] = unpack_rows(blake)[1]
+    mixed = pack_rows(rows)
+    mixed.keys = list(sha.keys)
+    v = verify_prefix(mixed, ack)
+    assert (v.usable, v.reason) == (False, "invalid_staging_row") and "one algorithm" in v.detail
+    # The continuation names its version: SHA-256 rows under a BLAKE3 continuation are refused.
+    v = verify_prefix(sha, dataclasses.replace(ack, digest_version=2))
+    assert (v.usable, v.reason) == (False, "invalid_staging_row") and "continuation" in v.detail
+    d = dict(staging_keys=list(ack.staging_keys), prefix_tokens=ack.prefix_tokens, prefix_digest=ack.prefix_digest)
+    assert verify_prefix(sha, dict(d, digest_version=7)).reason == INVALID_CONTINUATION
+    # An ack that names no version (written before BLAKE3) takes the rows'.
+    assert verify_prefix(sha, d).usable and verify_prefix(sha, dataclasses.replace(ack, digest_version=None)).usable
 
 
 def test_tampered_token_is_corrupt_digest():
@@ -200,10 +272,12 @@ def test_out_of_range_token_and_routes():
     assert verify_prefix(batch, ack).usable  # no vocabulary given: not checked
     v = verify_prefix(batch, ack, vocab_size=VOCAB)
     assert (v.usable, v.reason) == (False, "invalid_token")
-    rbatch, rack, _ = cut_prefix(routes=True)
-    assert verify_prefix(rbatch, rack, num_experts=2).reason == "invalid_routes"
-    no_routes = rbatch.select([n for n in rbatch.fields if n != "routed_experts"])
-    assert verify_prefix(no_routes, rack).reason == "missing_routes"
+    for dtype in (np.int16, np.uint8):
+        rbatch, rack, _ = cut_prefix(routes=True, routes_dtype=dtype)
+        v = verify_prefix(rbatch, rack, num_experts=2)
+        assert v.reason == "invalid_routes" and "outside [0, 2)" in v.detail
+        no_routes = rbatch.select([n for n in rbatch.fields if not n.startswith("routed_experts")])
+        assert verify_prefix(no_routes, rack).reason == "missing_routes"
     plain, pack, _ = cut_prefix()
     assert verify_prefix(plain, pack, routes_shape=(L, K)).reason == "missing_routes"
 

@@ -90,7 +90,8 @@ def test_shapes_dtypes_padding_masks_and_positions():
         assert b[name].shape[0] == B, name
     for name in ("input_ids", "attention_mask", "position_ids", "loss_mask", "old_logprobs", "token_advantages"):
         assert b[name].shape == (B, T), name
-    assert b["routed_experts"].dtype == torch.int16 and b["routed_experts"].shape == (B, T, L, K)
+    # As stored: these few experts were staged as one-byte ids.
+    assert b["routed_experts"].dtype == torch.uint8 and b["routed_experts"].shape == (B, T, L, K)
     assert b["group_index"].tolist() == [0, 0, 0, 1, 1, 1, 1]
     assert b["sample_mask"].tolist() == [1, 0, 1, 1, 1, 1, 1]
     assert b["has_routes"].tolist() == [True, False, True, False, False, False, False]
@@ -303,6 +304,30 @@ def test_property_random_step_compositions(spec, eps, normalize_std):
             assert a.abs().max() <= math.sqrt(sum(acc)) + 1e-5  # |z| <= (k-1)/sqrt(k) for unbiased std
 
 
+# ---- routes encodings --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("asked", [None, torch.int64, torch.int16, torch.uint8])
+def test_routes_in_the_asked_dtype_whichever_encoding_staged_them(asked):
+    # The same rollouts staged with one-byte ids and as int16 (rows staged before uint8
+    # existed), and a group mixing both, give the same batch values; the dtype is the
+    # trainer's choice, by default the widest stored.
+    u8 = verified(30, n=3, routes=(L, K, E), n_calls=2)
+    i16 = verified(30, n=3, routes=(L, K, E), n_calls=2, routes_encoding=1)
+    assert u8[0].linearized.routed_experts.dtype == np.uint8 and i16[0].linearized.routed_experts.dtype == np.int16
+    rewards = [0.0, 1.0, 0.5]
+    batches = [step_batch([group(res, rewards)], routes_dtype=asked) for res in (u8, i16, u8[:1] + i16[1:])]
+    default = [torch.uint8, torch.int16, torch.int16]
+    for b, dtype in zip(batches, default):
+        assert b["routed_experts"].dtype == (dtype if asked is None else asked)
+    first = batches[0]
+    for b in batches[1:]:
+        assert b.keys() == first.keys()
+        for name in first:
+            want = first[name] if asked is not None or name != "routed_experts" else first[name].to(b[name].dtype)
+            assert torch.equal(b[name], want), name
+
+
 # ---- bad input -------------------------------------------------------------------------------
 
 
@@ -322,8 +347,17 @@ def test_bad_input_is_refused_with_a_typed_error():
         step_batch([dataclasses.replace(g, input_lengths=g.input_lengths + 1000)])
     with pytest.raises(InvalidInput, match="sample_mask must hold only 0 and 1"):
         step_batch([dataclasses.replace(g, sample_mask=g.sample_mask * 0.5)])
-    with pytest.raises(InvalidInput, match="routed_experts must be None or torch.int16"):
+    with pytest.raises(InvalidInput, match="routed_experts must be None or uint8/int16"):
         step_batch([dataclasses.replace(g, routed_experts=torch.zeros(2, 3, dtype=torch.int16))])
+    with pytest.raises(InvalidInput, match="routed_experts must be None or uint8/int16"):
+        step_batch([dataclasses.replace(g, routed_experts=torch.zeros(2, g.input_ids.shape[1], 1, 1, dtype=torch.int64))])
+    with pytest.raises(InvalidInput, match="routes_dtype must be"):
+        step_batch([g], routes_dtype=torch.float32)
+    wide = dataclasses.replace(g, routed_experts=torch.full((2, g.input_ids.shape[1], 1, 1), 300, dtype=torch.int16),
+                               has_routes=torch.ones(2, dtype=torch.bool))
+    with pytest.raises(InvalidInput, match="above 255"):
+        step_batch([wide], routes_dtype=torch.uint8)
+    assert step_batch([wide], routes_dtype=torch.int64)["routed_experts"].max() == 300
     for eps in (-1e-6, float("nan"), float("inf"), "1e-6", True):
         with pytest.raises(InvalidInput, match="eps must be"):
             step_batch([g], eps=eps)

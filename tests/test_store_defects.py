@@ -52,8 +52,8 @@ def make_unit(tmp_path):
         u.close()
 
 
-def rollout_batch(rid: str, seed: int = 0, n_calls: int = 2, routes=(L, K, E)) -> tuple[list, PackedBatch]:
-    built = make_rollout(np.random.default_rng(seed), rid, n_calls=n_calls, routes=routes, vocab_size=VOCAB)
+def rollout_batch(rid: str, seed: int = 0, n_calls: int = 2, routes=(L, K, E), routes_encoding=None) -> tuple[list, PackedBatch]:
+    built = make_rollout(np.random.default_rng(seed), rid, n_calls=n_calls, routes=routes, vocab_size=VOCAB, routes_encoding=routes_encoding)
     return built.rows, pack_rows(built.rows)
 
 
@@ -273,24 +273,31 @@ def test_first_junk_write_does_not_pin_the_partition(make_unit, partition):
     assert unit.registry.get(partition).specs["logprobs"] == ("<f4", ())
 
 
-def test_routed_experts_dtype_from_schema_trailing_by_first_write(make_unit):
+@pytest.mark.parametrize("enc,name,spec", [(1, "routed_experts", "<i2"), (2, "routed_experts_u8", "|u1")])
+def test_routed_experts_dtype_from_schema_trailing_by_first_write(make_unit, enc, name, spec):
+    # Each routes encoding's field has its dtype from the schema (int16, uint8).
     unit = make_unit()
-    _, batch = rollout_batch("re", seed=22, n_calls=4)
-    routes = batch.fields["routed_experts"].values  # int16 [tokens, 2, 2]
+    _, batch = rollout_batch("re", seed=22, n_calls=4, routes_encoding=enc)
+    routes = batch.fields[name].values  # [tokens, 2, 2]
     first = batch.take([0])
     for values, why in [(routes.astype(np.int32), "<i4"), (routes.reshape(len(routes), -1), "[4]")]:
-        res = unit.put_many("staging", with_field(first, "routed_experts", values[: len(first.fields["token_ids"].values)]))
+        res = unit.put_many("staging", with_field(first, name, values[: len(first.fields["token_ids"].values)]))
         assert {r for r, _ in res.failed.values()} == {"dtype_mismatch"}, why
-        assert why in next(iter(res.failed.values()))[1] and "<i2[L, K]" in next(iter(res.failed.values()))[1]
-    assert "routed_experts" not in unit.registry.get("staging").specs  # refused writes pin nothing
+        assert why in next(iter(res.failed.values()))[1] and f"{spec}[L, K]" in next(iter(res.failed.values()))[1]
+    assert name not in unit.registry.get("staging").specs  # refused writes pin nothing
     # This deployment's (L, K) = (2, 2) is pinned by the first good write ...
     assert not unit.put_many("staging", batch.take([0, 1])).failed
     # ... and another (L, K) is refused afterwards, naming the pinned one.
     other = batch.take([2])
     n = len(other.fields["token_ids"].values)
-    res = unit.put_many("staging", with_field(other, "routed_experts", np.zeros((n, 4, 2), np.int16)))
+    res = unit.put_many("staging", with_field(other, name, np.zeros((n, 4, 2), routes.dtype)))
     assert res.failed[other.keys[0]][0] == "dtype_mismatch" and "[2, 2]" in res.failed[other.keys[0]][1]
     assert not unit.put_many("staging", batch.take([2, 3])).failed
+    # Rows of the other encoding share the partition: their own field, pinned on its own.
+    _, old = rollout_batch("re-other", seed=23, routes_encoding=3 - enc)
+    assert not unit.put_many("staging", old).failed
+    got = unit.get_many("staging", list(batch.keys) + list(old.keys), None)
+    assert not got.failed and {"routed_experts", "routed_experts_u8"} <= set(got.batch.fields)
 
 
 def test_other_partitions_keep_first_write_pinning(make_unit):

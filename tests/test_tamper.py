@@ -2,17 +2,22 @@
 
 * Exhaustive, pure: every byte of every field of every chain row a finalizer fetches
   (and of a long rollout, sampled), flipped with three masks in turn, through
-  ``verify_many``; every byte of every digest/chain/cumulative hash of the receipt.
+  ``verify_many``; every byte of every digest/chain/cumulative hash of the receipt. Each
+  for both digest versions: BLAKE3 (2, the default) with every mask, SHA-256 (1) with one
+  mask per byte in turn (every byte still flipped, at a third of the cost).
 * At rest, on a real cluster: bytes flipped inside the zict spill files of staged rows
   (bit rot on the storage unit's disk), one flip per rollout, all judged in ONE
-  finalization step; receipts with a flipped hash byte in the same step.
+  finalization step (rollouts of both digest versions side by side); receipts with a
+  flipped hash byte in the same step.
 * Replay: a row staged under another rollout's (or another call's) key, and rows of an
-  older checkpoint restored under the same keys, are rejected.
+  older checkpoint restored under the same keys, are rejected; that checkpoint's own
+  rows (SHA-256, int16 routes) still finalize, beside new uint8 ones, to the same values.
 
 Expected reason of a flip in field ``f`` (first failing rule, see ``tasks.reasons``):
 ids -> ``identity_mismatch`` / ``wrong_parent_call_id`` (``invalid_staging_row`` if the
 bytes stop being UTF-8); a receipt-compared scalar or hash -> ``wrong_<f>``; versions ->
-``invalid_staging_row``; token and routes buffers -> ``corrupt_digest``.
+``invalid_staging_row`` (a digest version flipped to the other supported one:
+``wrong_digest_version``); token and routes buffers -> ``corrupt_digest``.
 """
 from __future__ import annotations
 
@@ -23,16 +28,20 @@ from dataclasses import replace
 import msgpack
 import numpy as np
 import pytest
+import torch
 
 from pipeline.finalize import Finalizer
+from pipeline.generation.call_buffer import CallBuffer
 from pipeline.store import StagingStore
 from pipeline.store.spill import load_row
 from rollout_factory import fetch, flip_byte, make_rollout, resign, set_tokens
 from tasks import reasons as R
+from tasks.digests import SUPPORTED_VERSIONS
 from tasks.packed import PackedBatch, pack_rows
 from tasks.finalize.plan import plan_step
-from tasks.schema import HASH_FIELDS, ID_FIELDS, ROUTES_FIELD, STAGING_FIELDS
+from tasks.schema import HASH_FIELDS, ID_FIELDS, ROUTES_FIELDS, STAGING_FIELDS
 from tasks.finalize.verify import verify_many
+from tasks.cut.prefix import verify_prefix
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,9 +57,9 @@ FLIP_REASON = {
     "token_ids": R.CORRUPT_DIGEST,
     "token_mask": R.CORRUPT_DIGEST,
     "logprobs": R.CORRUPT_DIGEST,
-    ROUTES_FIELD: R.CORRUPT_DIGEST,
+    **{f: R.CORRUPT_DIGEST for f in ROUTES_FIELDS},  # int16 and uint8 routes buffers alike
 }
-assert set(FLIP_REASON) == set(STAGING_FIELDS) | {ROUTES_FIELD}
+assert set(FLIP_REASON) == set(STAGING_FIELDS) | set(ROUTES_FIELDS)
 
 
 def expected_reason(field: str, flipped: bytes) -> str:
@@ -60,6 +69,8 @@ def expected_reason(field: str, flipped: bytes) -> str:
             flipped.decode("utf-8")
         except UnicodeDecodeError:
             return R.INVALID_STAGING_ROW
+    if field == "digest_version" and int.from_bytes(flipped, "little", signed=True) in SUPPORTED_VERSIONS:
+        return R.wrong(field)  # the other algorithm: the receipt's record says otherwise
     return FLIP_REASON[field]
 
 
@@ -72,9 +83,9 @@ def verdict(plan, rows, routes) -> str:
     return verify_many([plan], rows, routes, vocab_size=VOCAB, num_experts=E)[0].status
 
 
-def flip_all(built, sample: int | None = None, seed: int = 0) -> tuple[int, list]:
+def flip_all(built, sample: int | None = None, seed: int = 0, every_mask: bool = True) -> tuple[int, list]:
     """Flip every (or ``sample`` random) byte position of the fetched chain rows with each
-    mask; returns (cases run, misses)."""
+    mask (or, ``every_mask`` False, one mask per position in turn); returns (cases run, misses)."""
     plan = plan_step([built.receipt]).rollouts[0]
     rows, routes = fetch([built], plan.keys, plan.routes_keys)
     assert verdict(plan, rows, routes) == R.OK
@@ -83,14 +94,15 @@ def flip_all(built, sample: int | None = None, seed: int = 0) -> tuple[int, list
         for i in range(len(rows)):
             positions += [("rows", name, i, b) for b in range(len(field_bytes(rows, name, i)))]
     if routes is not None:
-        for i in range(len(routes)):
-            positions += [("routes", ROUTES_FIELD, i, b) for b in range(len(field_bytes(routes, ROUTES_FIELD, i)))]
+        for name in routes.fields:  # the rollout's routes encoding's field
+            for i in range(len(routes)):
+                positions += [("routes", name, i, b) for b in range(len(field_bytes(routes, name, i)))]
     if sample is not None and sample < len(positions):
         pick = np.random.default_rng(seed).choice(len(positions), size=sample, replace=False)
         positions = [positions[j] for j in sorted(pick)]
     misses, n = [], 0
-    for where, name, i, b in positions:
-        for mask in MASKS:
+    for k, (where, name, i, b) in enumerate(positions):
+        for mask in MASKS if every_mask else (MASKS[k % len(MASKS)],):
             src = rows if where == "rows" else routes
             bad = flip_byte(src, name, i, b, mask)
             want = expected_reason(name, field_bytes(bad, name, i))
@@ -104,32 +116,45 @@ def flip_all(built, sample: int | None = None, seed: int = 0) -> tuple[int, list
 # ---- pure, exhaustive --------------------------------------------------------------------
 
 
-def test_every_byte_of_every_fetched_row_flipped_is_detected_with_its_reason():
+# (digest version, every mask at every byte): BLAKE3 every mask, SHA-256 one per byte in turn.
+VERSION_CASES = pytest.mark.parametrize("v, every_mask", [(2, True), (1, False)], ids=["blake3", "sha256"])
+assert {2, 1} == set(SUPPORTED_VERSIONS)
+# Routes encoding of each case's rows: BLAKE3 rows as written now (uint8 ids, 8 experts),
+# SHA-256 rows as written before both (int16 ids): each routes buffer is flipped whole.
+ROUTES_ENCODING = {2: 2, 1: 1}
+
+
+@VERSION_CASES
+def test_every_byte_of_every_fetched_row_flipped_is_detected_with_its_reason(v, every_mask):
     rng = np.random.default_rng(11)
-    built = make_rollout(rng, "tamper-all", n_calls=3, routes=(L, K, E), vocab_size=VOCAB)
-    n, misses = flip_all(built)
-    assert n > 3000
+    built = make_rollout(rng, "tamper-all", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=v,
+                         routes_encoding=ROUTES_ENCODING[v])
+    n, misses = flip_all(built, every_mask=every_mask)
+    assert n > (2500 if every_mask else 1000)  # uint8 routes: half the routes bytes of int16
     assert misses == [], misses[:10]
 
 
-def test_long_rollout_flips_sampled_are_detected():
+@VERSION_CASES
+def test_long_rollout_flips_sampled_are_detected(v, every_mask):
     rng = np.random.default_rng(12)
-    built = make_rollout(rng, "tamper-long", n_calls=4, gen_len=(200, 400), routes=(L, K, E), vocab_size=VOCAB)
-    n, misses = flip_all(built, sample=800, seed=3)
-    assert n == 800 * len(MASKS)
+    built = make_rollout(rng, "tamper-long", n_calls=4, gen_len=(200, 400), routes=(L, K, E), vocab_size=VOCAB, digest_version=v,
+                         routes_encoding=ROUTES_ENCODING[v])
+    n, misses = flip_all(built, sample=800, seed=3, every_mask=every_mask)
+    assert n == 800 * (len(MASKS) if every_mask else 1)
     assert misses == [], misses[:10]
 
 
-def test_every_byte_of_every_receipt_hash_flipped_is_detected():
+@VERSION_CASES
+def test_every_byte_of_every_receipt_hash_flipped_is_detected(v, every_mask):
     rng = np.random.default_rng(13)
-    built = make_rollout(rng, "tamper-receipt", n_calls=3, routes=(L, K, E), vocab_size=VOCAB)
+    built = make_rollout(rng, "tamper-receipt", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=v)
     plan = plan_step([built.receipt]).rollouts[0]
     rows, routes = fetch([built], plan.keys, plan.routes_keys)
     n, misses = 0, []
     for c, rec in enumerate(built.receipt.calls):
         for name in HASH_FIELDS:
             for b in range(32):
-                for mask in MASKS:
+                for mask in MASKS if every_mask else (MASKS[b % len(MASKS)],):
                     h = bytearray(getattr(rec, name))
                     h[b] ^= mask
                     calls = list(built.receipt.calls)
@@ -139,7 +164,7 @@ def test_every_byte_of_every_receipt_hash_flipped_is_detected():
                     n += 1
                     if got != R.wrong(name):
                         misses.append((c, name, b, mask, got))
-    assert n == 3 * 3 * 32 * len(MASKS)
+    assert n == 3 * 3 * 32 * (len(MASKS) if every_mask else 1)
     assert misses == [], misses[:10]
 
 
@@ -212,9 +237,16 @@ def flip_file(path: str, pos: int, mask: int) -> bytes:
 
 def test_bytes_flipped_in_spill_files_and_receipts_are_rejected_in_one_step(cluster_client, disk_store, tmp_path):
     rng = np.random.default_rng(21)
-    fields = list(STAGING_FIELDS) + [ROUTES_FIELD]
+    fields = list(STAGING_FIELDS) + list(ROUTES_FIELDS)
     cases = [(c, f) for c in range(3) for f in fields]  # every (chain row, field) pair
-    builts = [make_rollout(rng, f"rest{i}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB) for i in range(len(cases) + 12)]
+    # Alternate rollouts hashed with SHA-256 (1) and BLAKE3 (2), routes staged as int16
+    # (as before uint8 existed) and as uint8: one step judges them all. A routes field's
+    # case is a rollout of that field's encoding.
+    encoding = {name: enc for enc, name in ((1, ROUTES_FIELDS[0]), (2, ROUTES_FIELDS[1]))}
+    builts = [make_rollout(rng, f"rest{i}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=1 + i % 2,
+                           routes_encoding=encoding.get(cases[i][1] if i < len(cases) else None, 1 + (i // 2) % 2))
+              for i in range(len(cases) + 12)]
+    assert {r.routes_encoding for b in builts for r in b.rows} == {1, 2}
     res = disk_store.put_many(pack_rows([r for b in builts for r in b.rows]))
     assert not res.failed
     assert all(s["memory_bytes"] == 0 for s in disk_store.stats())  # everything is on disk
@@ -304,8 +336,18 @@ def test_rows_replayed_from_another_rollout_or_call_are_rejected(cluster_client,
 
 def test_rows_of_an_older_checkpoint_are_rejected_for_the_newer_receipt(cluster_client, store, tmp_path):
     rng = np.random.default_rng(41)
-    old = [make_rollout(np.random.default_rng(100 + i), f"ck{i}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB) for i in range(3)]
+    # The older checkpoint's rows were hashed with SHA-256 and routes staged as int16 (as
+    # before uint8 existed); the newer captures hash with BLAKE3 and stage uint8 routes.
+    # Both kinds, and cut rows of both routes dtypes, share the store and its checkpoint.
+    old = [make_rollout(np.random.default_rng(100 + i), f"ck{i}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=1,
+                       routes_encoding=1) for i in range(3)]
+    new = make_rollout(np.random.default_rng(100 + 2), "ck3", n_calls=3, routes=(L, K, E), vocab_size=VOCAB)
+    assert {r.routes_encoding for r in old[2].rows} == {1} and {r.routes_encoding for r in new.rows} == {2}
     assert not store.put_many(pack_rows([r for b in old for r in b.rows])).failed
+    assert not store.put_many(pack_rows(new.rows)).failed
+    cuts = {dt: cut_rows(f"cut-{np.dtype(dt).name}", dt) for dt in (np.int16, np.uint8)}
+    for batch, _ in cuts.values():
+        assert not store.put_many(batch, partition="cut").failed
     store.checkpoint(str(tmp_path / "old"))
     # Newer captures of the same rollouts: regenerated with a newer policy (same tokens,
     # weight_version 1), and regenerated with different tokens at c1.
@@ -319,8 +361,37 @@ def test_rows_of_an_older_checkpoint_are_rejected_for_the_newer_receipt(cluster_
         assert {r for r, _ in clash.failed.values()} == {"key_conflict"}
         # ...and the finalizer rejects the newer receipts against the replayed old rows.
         fin = Finalizer(cluster_client, restored, vocab_size=VOCAB, num_experts=E)
-        step = fin.submit_step({"g": [newer_version.receipt, newer_tokens.receipt, untouched.receipt]}, step_id="old-ckpt").result(timeout=60)
-        assert step.groups["g"].status == [R.wrong("weight_version"), R.wrong("digest"), R.OK]
+        receipts = [newer_version.receipt, newer_tokens.receipt, untouched.receipt, new.receipt]
+        step = fin.submit_step({"g": receipts}, step_id="old-ckpt").result(timeout=60)
+        g = step.groups["g"]
+        assert g.status == [R.wrong("weight_version"), R.wrong("digest"), R.OK, R.OK]
+        # The old int16 rollout and the new uint8 one (same ids: same seed) restore and
+        # finalize to the same values, in one group (int16: the widest stored).
+        assert g.routed_experts.dtype == torch.int16
+        for i, b in ((2, untouched), (3, new)):
+            want = np.concatenate([b.row(c).routed_experts for c in b.chain_ids])
+            np.testing.assert_array_equal(g.routed_experts[i, : len(want)].numpy(), want)
+        assert torch.equal(g.routed_experts[2], g.routed_experts[3])
+        # Cut rows of both routes dtypes come back from the checkpoint and verify.
+        for dt, (batch, ack) in cuts.items():
+            verdict = verify_prefix(restored.get_many(list(ack.staging_keys), partition="cut").batch, ack, num_experts=E)
+            assert verdict.usable and verdict.prefix.routed_experts.dtype == dt, verdict
     finally:
         restored.close()
     del rng
+
+
+def cut_rows(rollout: str, dtype) -> tuple[PackedBatch, object]:
+    """Two cut chunks of one call whose routes are kept as ``dtype`` (rows in chain order, last ack)."""
+    rng = np.random.default_rng(7)
+    buf = CallBuffer(rollout, "c0", rng.integers(0, VOCAB, 4), routes_shape=(L, K),
+                     context_routes=rng.integers(0, E, (4, L, K)), routes_dtype=dtype)
+    rows, ack = [], None
+    for i in range(2):
+        buf.append(rng.integers(0, VOCAB, 3), -rng.random(3).astype(np.float32), rng.integers(0, E, (3, L, K)))
+        frozen = buf.freeze(f"ck-{i}")
+        ack = buf.seal(frozen)
+        rows.append(frozen.row)
+    batch = pack_rows(rows)
+    batch.keys = list(ack.staging_keys)
+    return batch, ack

@@ -14,6 +14,7 @@ from tasks.finalize.assemble import assemble_group
 from tasks.finalize.plan import plan_group
 from tasks.finalize.verify import merge_results, verify_many, verify_rollout
 from tasks.finalize.reference import reference_verify_rollout
+from tasks.schema import ROUTES_INT16, ROUTES_UINT8, routes_field
 from rollout_factory import (
     VOCAB,
     drop_key,
@@ -37,9 +38,14 @@ ROUTES = (2, 3, E)
 BAD = 1  # index of the corrupted rollout in its group
 
 
-def group(seed: int = 0, routes=None):
+def group(seed: int = 0, routes=None, enc=None):
+    """Four rollouts; routed ones staged in routes encoding ``enc`` (None: the gate's
+    choice, uint8 for these few experts; 1: int16)."""
     rng = np.random.default_rng(seed)
-    return make_group(rng, "g", 4, n_calls=3, n_branches=1, gen_len=(2, 8), prompt_len=(1, 6), routes=routes)
+    return make_group(rng, "g", 4, n_calls=3, n_branches=1, gen_len=(2, 8), prompt_len=(1, 6), routes=routes, routes_encoding=enc)
+
+
+ENCODINGS = [ROUTES_UINT8, ROUTES_INT16]
 
 
 def same_rows(a, b) -> bool:
@@ -97,9 +103,9 @@ def at(rows, k):
 # ---- the good path -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("routes", [None, ROUTES])
-def test_linearizes_the_chain_only(routes):
-    builts = group(1, routes)
+@pytest.mark.parametrize("routes,enc", [(None, None), (ROUTES, ROUTES_UINT8), (ROUTES, ROUTES_INT16)])
+def test_linearizes_the_chain_only(routes, enc):
+    builts = group(1, routes, enc)
     merged, fg = finalize(builts)
     assert all(r.ok for r in merged)
     for b, r, row_i in zip(builts, merged, range(4)):
@@ -149,7 +155,7 @@ def test_missing_staging_row():
         ("token_ids", np.zeros(1, np.int64)),  # length != delta_len
         ("logprobs", None),  # field absent for this row
         ("schema_version", np.array([2], np.int64)),  # unsupported version
-        ("digest_version", np.array([2], np.int64)),  # digest layout this build cannot recompute
+        ("digest_version", np.array([3], np.int64)),  # digest version this build cannot recompute
         ("token_mask", np.ones(40, np.float32)),  # length != delta_len
     ],
 )
@@ -168,7 +174,8 @@ def test_identity_mismatch_swapped_keys():
 @pytest.mark.parametrize("field", R.RECEIPT_COMPARED_FIELDS)
 def test_wrong_field(field):
     b = group(3, ROUTES)
-    fn = lambda rows: flip_byte(rows, field, at(rows, key(b)), 0)  # noqa: E731
+    mask = 0x03 if field == "digest_version" else 0x01  # 2 <-> 1: the other supported version
+    fn = lambda rows: flip_byte(rows, field, at(rows, key(b)), 0, mask)  # noqa: E731
     assert_only_bad(*finalize(b, rows_fn=fn), R.wrong(field))
 
 
@@ -179,17 +186,18 @@ def test_corrupt_digest_on_content_byte_flip(field):
     assert_only_bad(*finalize(b, rows_fn=fn), R.CORRUPT_DIGEST)
 
 
-def test_corrupt_digest_on_routes_byte_flip():
-    b = group(4, ROUTES)
-    fn = lambda routes: flip_byte(routes, "routed_experts", at(routes, key(b)), 1, mask=0x02)  # noqa: E731
+@pytest.mark.parametrize("enc", ENCODINGS)
+def test_corrupt_digest_on_routes_byte_flip(enc):
+    b = group(4, ROUTES, enc)
+    fn = lambda routes: flip_byte(routes, routes_field(enc), at(routes, key(b)), 1, mask=0x02)  # noqa: E731
     assert_only_bad(*finalize(b, routes_fn=fn), R.CORRUPT_DIGEST)
 
 
 # ---- lineage rules (forged: hashes recomputed by the writer) --------------------------------
 
 
-def forged(mutate, routes=None, **kw):
-    b = group(5, routes)
+def forged(mutate, routes=None, enc=None, **kw):
+    b = group(5, routes, enc)
     b[BAD] = resign(b[BAD], mutate, **kw)
     return b
 
@@ -275,8 +283,11 @@ def test_missing_routes_batch_rejects_routed_rollouts_only():
     assert fg.routed_experts is None  # no accepted row carries routes
 
 
-def test_invalid_routes_expert_out_of_range():
-    assert_only_bad(*finalize(forged(set_expert("c1", E), ROUTES)), R.INVALID_ROUTES)
+@pytest.mark.parametrize("enc,expert", [(ROUTES_UINT8, E), (ROUTES_UINT8, 255), (ROUTES_INT16, E), (ROUTES_INT16, -1)])
+def test_invalid_routes_expert_out_of_range(enc, expert):
+    merged, fg = finalize(forged(set_expert("c1", expert), ROUTES, enc))
+    assert_only_bad(merged, fg, R.INVALID_ROUTES)
+    assert f"expert id {expert} outside [0, {E})" in merged[BAD].detail
 
 
 def test_expert_range_unchecked_without_num_experts():
@@ -288,19 +299,21 @@ def test_invalid_routes_mixed_encoding():
     assert_only_bad(*finalize(forged(drop_routes("c1"), ROUTES)), R.INVALID_ROUTES)
 
 
+@pytest.mark.parametrize("enc", ENCODINGS)
 @pytest.mark.parametrize("bad", ["short", "dtype"])
-def test_invalid_routes_shape_or_dtype(bad):
-    b = group(10, ROUTES)
+def test_invalid_routes_shape_or_dtype(bad, enc):
+    b = group(10, ROUTES, enc)
+    name = routes_field(enc)
 
     def fn(rt):
         i = at(rt, key(b))
         if bad == "short":
-            return replace_field(rt, "routed_experts", i, rt.fields["routed_experts"].row(i)[:-1])
-        f = rt.fields["routed_experts"]
+            return replace_field(rt, name, i, rt.fields[name].row(i)[:-1])
+        f = rt.fields[name]
         from tasks.packed import PackedBatch, PackedField
 
         # The whole routes buffer in the wrong dtype: every routed row is refused, not the task.
-        return PackedBatch(rt.keys, {"routed_experts": PackedField(f.values.astype(np.int32), f.offsets)})
+        return PackedBatch(rt.keys, {name: PackedField(f.values.astype(np.int32), f.offsets)})
 
     merged, fg = finalize(b, routes_fn=fn)
     if bad == "short":
@@ -330,3 +343,41 @@ def test_empty_routes_batch_is_missing_routes_not_a_crash():
     merged, _ = finalize(b, routes_fn=lambda rt: rt.take([]))
     assert [r.status for r in merged] == [R.MISSING_ROUTES] * 4
     assert not any("unreadable" in r.detail for r in merged)
+
+
+# ---- digest versions (1: SHA-256, 2: BLAKE3) ---------------------------------------------------
+
+
+def two_versions(seed: int = 40):
+    """Four rollouts, hashed with SHA-256 (r0, r2) and BLAKE3 (r1, r3)."""
+    rng = np.random.default_rng(seed)
+    return [make_group(rng, "g", 1, rollout_prefix=f"g{i}", n_calls=3, routes=ROUTES, digest_version=1 + i % 2)[0]
+            for i in range(4)]
+
+
+def test_rollouts_of_both_digest_versions_verify_in_one_step():
+    b = two_versions()
+    assert [x.receipt.calls[0].digest_version for x in b] == [1, 2, 1, 2]
+    merged, fg = finalize(b)
+    assert [r.status for r in merged] == [R.OK] * 4 and fg.metrics["accepted"] == 4
+
+
+def test_a_receipt_without_digest_versions_is_sha256():
+    # Receipts written before BLAKE3 name no version: SHA-256. r0 and r2 are SHA-256 rollouts
+    # (ok); r1's rows are BLAKE3, which its stripped receipt no longer says; r3 keeps its own.
+    b = two_versions(41)
+    receipts = [receipt_dict(x) for x in b]
+    for d in receipts[:3]:
+        for c in d["calls"]:
+            del c["digest_version"]
+    assert_only_bad(*finalize(b, receipts=receipts), R.wrong("digest_version"))
+
+
+@pytest.mark.parametrize("change", ["mixed", "unknown"])
+def test_a_receipt_of_mixed_or_unknown_digest_versions_is_invalid(change):
+    b = two_versions(42)
+    receipts = [receipt_dict(x) for x in b]
+    receipts[BAD]["calls"][-1]["digest_version"] = 1 if change == "mixed" else 3
+    merged, fg = finalize(b, receipts=receipts)
+    assert [r.status for r in merged] == [R.OK, R.INVALID_RECEIPT, R.OK, R.OK]
+    assert ("mix digest versions" if change == "mixed" else "digest_version") in merged[BAD].detail

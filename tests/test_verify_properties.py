@@ -2,8 +2,9 @@
 
 Hypothesis draws valid rollouts (calls, delta lengths, routes, branches) and one
 corruption of many kinds; the two implementations must give the same verdict for every
-rollout and bitwise-identical training rows. Receipt parsing is held to the reference
-receipt rules the same way.
+rollout and bitwise-identical training rows, whichever digest version (1: SHA-256, 2:
+BLAKE3) hashed the rollouts. Receipt parsing is held to the reference receipt rules the
+same way.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from rollout_factory import (
 from test_verify import same_rows
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+DIGEST_VERSIONS = st.sampled_from([1, 2])
 
 ROW_FIELDS = (
     "rollout_id", "model_call_id", "parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version",
@@ -56,6 +58,8 @@ def scenario(draw):
         gen_len=(1, draw(st.integers(1, 10))),
         ctx_len=(0, draw(st.integers(0, 4))),
         routes=(draw(st.integers(1, 3)), draw(st.integers(1, 2)), 6) if routed else None,
+        digest_version=draw(DIGEST_VERSIONS),
+        routes_encoding=draw(st.sampled_from([None, 1])),  # None: the gate's uint8; 1: int16
     )
     corruption = draw(st.sampled_from(CORRUPTIONS))
     pick = draw(st.integers(0, 10**6))
@@ -102,7 +106,7 @@ def _corrupt(rng, builts, rows, routes, corruption, pick, byte, bit, field):
     if corruption == "flip_routes":
         if routes is None or not len(routes):
             return builts, rows, routes
-        out = flip_byte(routes, "routed_experts", pick % len(routes), byte, bit)
+        out = flip_byte(routes, next(iter(routes.fields)), pick % len(routes), byte, bit)  # its encoding's field
         return builts, rows, (routes if out is None else out)
     if corruption == "drop":
         return builts, drop_key(rows, rows.keys[i]), routes
@@ -160,7 +164,7 @@ REWARDS = st.sampled_from([1e300, -1e300, 1e39, -1e39, 3.4028235e38, -3.4028235e
                            float(np.nextafter(2.0**128 - 2.0**103, 0)), 10**400, -(10**39), 10**38, 0.5])
 GROUPS = st.sampled_from([None, "", "g", "h"])
 RECORD_FIELDS = ("model_call_id", "parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version",
-                 "digest", "chain_hash", "cumulative_hash", "routes_encoding", "staging_key")
+                 "digest", "chain_hash", "cumulative_hash", "routes_encoding", "staging_key", "digest_version")
 
 
 @st.composite
@@ -168,12 +172,12 @@ def receipt_scenario(draw):
     """(receipt dict, the group it is submitted in: None for a flat list)."""
     seed = draw(st.integers(0, 2**32 - 1))
     b = make_rollout(np.random.default_rng(seed), "rr", n_calls=draw(st.integers(1, 4)), n_branches=draw(st.integers(0, 2)),
-                     group_id=draw(GROUPS))
+                     group_id=draw(GROUPS), digest_version=draw(DIGEST_VERSIONS))
     d = receipt_dict(b)
     submitted = draw(st.sampled_from([None, "g", "h"]))
     for _ in range(draw(st.integers(0, 2))):
         kind = draw(st.sampled_from(["top", "record", "reorder", "parent", "terminal", "dup", "drop_field", "cycle",
-                                     "reward", "group", "inner_terminal", "inner_terminal"]))
+                                     "reward", "group", "inner_terminal", "inner_terminal", "version"]))
         calls = d.get("calls")
         has_calls = isinstance(calls, list) and calls and all(isinstance(c, dict) for c in calls)
         if kind == "top":
@@ -195,6 +199,13 @@ def receipt_scenario(draw):
             c["parent_call_id"] = draw(st.sampled_from([None, "ghost"] + [x.get("model_call_id") for x in calls]))
         elif kind == "terminal":
             d["terminal_model_call_id"] = draw(st.sampled_from([None, "ghost"] + [x.get("model_call_id") for x in calls]))
+        elif kind == "version":  # another (or no: SHA-256) digest version on one call
+            c = calls[draw(st.integers(0, len(calls) - 1))]
+            v = draw(st.sampled_from([None, 1, 2, 3]))
+            if v is None:
+                c.pop("digest_version", None)
+            else:
+                c["digest_version"] = v
         elif kind == "dup":
             calls.append(dict(calls[draw(st.integers(0, len(calls) - 1))]))
         elif kind == "cycle":

@@ -52,10 +52,11 @@ def _verdicts(builts, num_experts):
     return [r.status for r in got], [r.status for r in want]  # the reference gives no details
 
 
-@pytest.mark.parametrize("bad", [-1, -(2**15), E, 2**15 - 1])
-def test_expert_range_scan_rejects_like_the_reference(bad):
+@pytest.mark.parametrize("enc,bad", [(1, -1), (1, -(2**15)), (1, E), (1, 2**15 - 1), (2, E), (2, 255)])
+def test_expert_range_scan_rejects_like_the_reference(enc, bad):
+    # int16 routes (encoding 1) span negatives; uint8 routes (2) can only exceed the range.
     rng = np.random.default_rng(7)
-    builts = [make_rollout(rng, f"r{k}", n_calls=3, routes=(2, 2, E)) for k in range(3)]
+    builts = [make_rollout(rng, f"r{k}", n_calls=3, routes=(2, 2, E), routes_encoding=enc) for k in range(3)]
 
     def poke(rows):
         r = rows[sorted(rows)[1]]

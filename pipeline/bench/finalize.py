@@ -10,7 +10,9 @@ routes) are staged once and finalized by four modes side by side on the same clu
 - ``rollout_fetch_vec``: the same fetches, vectorized verify (:mod:`tasks.finalize.verify`);
 - ``union_fetch_token``: ONE fetch per step, the baseline's per-token verify per group;
 - ``graph``: :mod:`pipeline.finalize` (one union fetch per storage site, verify where the
-  rows landed).
+  rows landed), on rows hashed with ``capture.digest`` (BLAKE3 by default);
+- ``graph_sha256``: the same graph on a SHA-256 copy of the rows (same tokens, own store),
+  which the first three modes read too: the seed's per-token path keeps SHA-256.
 
 Every run's output is checked: every rollout accepted, the same tokens in every mode, and
 sampled groups bit-identical to the graph's. Any failure: ``ok: false``, ``failures``, no
@@ -28,16 +30,20 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
+from tasks.digests import DIGEST_SHA256, algorithm_of
 from tasks.gate import CaptureGate
+from tasks.hashing import DIGEST_VERSION
 from tasks.packed import pack_rows
 from tasks.receipts import Receipt
 
+from .. import config
 from .common import add_cluster_arguments, bench_client, main, notes
 from .finalize_checks import TENSORS, check_all_accepted, check_same_output, group_diff
 from .finalize_figures import WorkloadShape, drop_speedups, workload_figures
 from .finalize_modes import (
     EXPERTS,
     MODES,
+    SHA256_MODES,
     VOCAB,
     ModeRun,
     per_rollout_group,
@@ -93,30 +99,33 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def make_rollout(rng: np.random.Generator, rid: str, gid: str, calls: int, delta: int,
-                 routes: tuple[int, int] | None) -> tuple[list[StagedRow], Receipt]:
+                 routes: tuple[int, int] | None, digest_version: int = DIGEST_VERSION) -> tuple[list[StagedRow], Receipt]:
     """One rollout through the capture gate: a chain of ``calls`` deltas of ``delta`` tokens
-    (the root: a quarter prompt; later calls: a quarter tool tokens; the rest generated)."""
-    gate = CaptureGate(rid, vocab_size=VOCAB, num_experts=EXPERTS, group_id=gid)
+    (the root: a quarter prompt; later calls: a quarter tool tokens; the rest generated),
+    hashed with ``digest_version``."""
+    gate = CaptureGate(rid, vocab_size=VOCAB, num_experts=EXPERTS, group_id=gid, digest_version=digest_version)
     n_ctx = delta // 4
     mask = np.concatenate([np.zeros(n_ctx, np.float32), np.ones(delta - n_ctx, np.float32)])
     rows, parent = [], None
     for c in range(calls):
         ids = rng.integers(0, VOCAB, delta)
         lps = np.where(mask > 0, -rng.random(delta, dtype=np.float32) - 0.01, 0.0).astype(np.float32)
-        experts = None if routes is None else rng.integers(0, EXPERTS, (delta,) + tuple(routes)).astype(np.int16)
+        # Ids as drawn: the gate stages them in the encoding EXPERTS calls for (uint8 up to 256).
+        experts = None if routes is None else rng.integers(0, EXPERTS, (delta,) + tuple(routes))
         rows.append(gate.stage_call(f"c{c}", parent, ids, mask, lps, routed_experts=experts))
         parent = f"c{c}"
     return rows, gate.receipt(float(rng.random()))
 
 
 def stage_group(store: StagingStore, group_id: str, rollouts: int, shape: tuple[int, int, tuple[int, int] | None],
-                rng: np.random.Generator) -> list[Receipt]:
+                rng: np.random.Generator, digest_version: int = DIGEST_VERSION) -> list[Receipt]:
     """Stage one group of ``rollouts`` rollouts (``shape``: calls, new tokens per call,
-    routes) in ONE put; their receipts. Raises naming the group if a row is refused."""
+    routes) hashed with ``digest_version`` in ONE put; their receipts. Raises naming the
+    group if a row is refused."""
     calls, delta, routes = shape
     rows, receipts = [], []
     for r in range(rollouts):
-        rr, rec = make_rollout(rng, f"{group_id}-r{r}", group_id, calls, delta, routes)
+        rr, rec = make_rollout(rng, f"{group_id}-r{r}", group_id, calls, delta, routes, digest_version=digest_version)
         rows += rr
         receipts.append(rec)
     res = store.put_many(pack_rows(rows))
@@ -126,12 +135,13 @@ def stage_group(store: StagingStore, group_id: str, rollouts: int, shape: tuple[
 
 
 def stage_workload(store: StagingStore, name: str, n_groups: int, rng: np.random.Generator,
-                   progress: Callable[[str], None]) -> list[list[Receipt]]:
-    """Stage ``n_groups`` groups of workload ``name`` (one put per group); their receipts."""
+                   progress: Callable[[str], None], digest_version: int = DIGEST_VERSION) -> list[list[Receipt]]:
+    """Stage ``n_groups`` groups of workload ``name`` (one put per group, hashed with
+    ``digest_version``); their receipts."""
     rollouts, calls, delta, routes = WORKLOADS[name]
     groups = []
     for g in range(n_groups):
-        groups.append(stage_group(store, f"{name}-g{g}", rollouts, (calls, delta, routes), rng))
+        groups.append(stage_group(store, f"{name}-g{g}", rollouts, (calls, delta, routes), rng, digest_version))
         if (g + 1) % max(1, n_groups // 4) == 0 or g + 1 == n_groups:
             progress(f"staged {name} {g + 1}/{n_groups}")
     return groups
@@ -149,6 +159,12 @@ class _Session:
     groups_per_step: int  # groups per step (0: all in one)
     say: Callable[[str], None]
     failures: list[str]  # one line per failed run or check
+    sha256_store: StagingStore  # the SHA-256 copy of every workload (same tokens, own units)
+    sha256_groups: dict[str, list[list[Receipt]]]  # workload -> its SHA-256 copy's receipts
+
+    def data(self, mode: str, name: str, groups: list[list[Receipt]]) -> tuple[StagingStore, list[list[Receipt]]]:
+        """The store and groups ``mode`` finalizes: the SHA-256 copy for :data:`SHA256_MODES`."""
+        return (self.sha256_store, self.sha256_groups[name]) if mode in SHA256_MODES else (self.store, groups)
 
 
 def _sample_groups(n: int) -> list[int]:
@@ -161,7 +177,8 @@ def _warm_up(s: _Session, staged: dict[str, list[list[Receipt]]]) -> None:
     enough to load every module on both workers."""
     for name, groups in staged.items():
         for mode in MODES:
-            run_mode(mode, s.client, s.store, [groups[0][:1], groups[-1][:1]], 0)
+            store, data = s.data(mode, name, groups)
+            run_mode(mode, s.client, store, [data[0][:1], data[-1][:1]], 0)
 
 
 def _round(s: _Session, k: int, name: str, groups: list[list[Receipt]]) -> dict[str, ModeRun]:
@@ -172,7 +189,7 @@ def _round(s: _Session, k: int, name: str, groups: list[list[Receipt]]) -> dict[
     this: dict[str, ModeRun] = {}
     for mode in order:
         try:
-            r = run_mode(mode, s.client, s.store, groups, s.groups_per_step, keep)
+            r = run_mode(mode, s.client, *s.data(mode, name, groups), s.groups_per_step, keep)
         except Exception as e:  # noqa: BLE001 - a failed run is reported, then fails the command
             s.failures.append(f"{name} {mode} run {k}: {type(e).__name__}: {e}")
             s.say(f"{name}: {mode} run {k} FAILED: {type(e).__name__}: {e}")
@@ -215,22 +232,26 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     # Every mode reads the same staged rows, run after run: the graph must not delete them.
     with dask.config.set({"token-capture.finalize.clear-staged": False}), bench_client(args, n_workers=args.workers) as client:
         say(f"cluster up: {len(client.scheduler_info()['workers'])} workers")
-        store = StagingStore.start(client)
+        store, sha256_store = StagingStore.start(client), StagingStore.start(client)
         try:
-            session = _Session(client, store, args.groups_per_step, say, failures)
-            staged = {name: stage_workload(store, name, n, rng, say) for name, n in counts.items() if n > 0}
+            version = config.digest_version()  # the graph's digest: capture.digest (BLAKE3 by default)
+            staged = {name: stage_workload(store, name, n, rng, say, version) for name, n in counts.items() if n > 0}
+            rng = np.random.default_rng(args.seed)  # the same draws again: the same tokens, hashed with SHA-256
+            copy = {name: stage_workload(sha256_store, name, n, rng, say, DIGEST_SHA256) for name, n in counts.items() if n > 0}
+            session = _Session(client, store, args.groups_per_step, say, failures, sha256_store, copy)
             _warm_up(session, staged)
             say("warm-up done")
             runs = _timed_rounds(session, staged, repeats)
             for name, groups in staged.items():
                 try:
-                    vh = verify_vs_hash(store, groups)
+                    vh = verify_vs_hash(store, groups, algorithm=algorithm_of(version))
                 except Exception as e:  # noqa: BLE001
                     failures.append(f"{name} verify_vs_hash: {type(e).__name__}: {e}")
                     vh = None
                 figures[name] = out[name] = workload_figures(WORKLOADS[name], TARGETS[name], len(groups), runs[name], vh)
         finally:
             store.close()
+            sha256_store.close()
     out["failures"] = failures
     out["ok"] = not failures
     if failures:

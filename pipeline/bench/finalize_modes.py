@@ -6,7 +6,12 @@ on the cluster (wall seconds from the first submit to the last answer):
 - ``rollout_fetch_vec``: the same fetches, vectorized verify (:mod:`tasks.finalize.verify`);
 - ``union_fetch_token``: ONE fetch per step, the baseline's per-token verify per group;
 - ``graph``: :mod:`pipeline.finalize` (one union fetch per storage site, verify where the
-  rows landed).
+  rows landed), on rows hashed with the default digest (BLAKE3);
+- ``graph_sha256``: the same graph on the same rows hashed with SHA-256.
+
+The first three run on the SHA-256 copy too (:data:`SHA256_MODES`): the seed's per-token
+path keeps SHA-256, what teams run today. ``graph`` against ``graph_sha256`` is the
+algorithm's share, ``graph_sha256`` against ``baseline`` the graph's.
 
 The group functions (:func:`per_rollout_group`, :func:`union_fetch`, :func:`union_group`)
 run as Dask tasks.
@@ -20,7 +25,7 @@ from typing import TYPE_CHECKING, Sequence, TypedDict
 
 from tasks.finalize.reference import RoutesView, RowsView, reference_verify_rollout
 from tasks.receipts import Receipt
-from tasks.schema import ALL_FIELDS, ROUTES_FIELD, STAGING_FIELDS
+from tasks.schema import ALL_FIELDS, ROUTES_FIELDS, STAGING_FIELDS
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -34,7 +39,9 @@ if TYPE_CHECKING:
 
 VOCAB, EXPERTS = 512, 8  # token ids in [0, VOCAB) and expert ids in [0, EXPERTS) of every staged row
 
-MODES = ("baseline", "rollout_fetch_vec", "union_fetch_token", "graph")
+MODES = ("baseline", "rollout_fetch_vec", "union_fetch_token", "graph", "graph_sha256")
+# The modes that finalize the SHA-256 copy of a workload (the others: the default digest's).
+SHA256_MODES = frozenset({"baseline", "rollout_fetch_vec", "union_fetch_token", "graph_sha256"})
 
 # The per-token path as published (``.tolist()`` per token, ``bytes()`` for ids, hash inputs
 # built linearly, float and routes buffers hashed as one buffer each) is the reference
@@ -147,7 +154,7 @@ def union_group(batch: PackedBatch, receipts: Sequence[Receipt], vocab_size: int
                 keep: bool) -> GroupOutcome:
     """One group verified per token against the step's union fetch. Runs as a Dask task."""
     rows = RowsView(batch)
-    routes = RoutesView(batch if ROUTES_FIELD in batch.fields else None)
+    routes = RoutesView(batch if any(f in batch.fields for f in ROUTES_FIELDS) else None)
     results = []
     for receipt in receipts:
         rp, rejected = _plan_one(receipt)
@@ -270,6 +277,6 @@ def run_mode(mode: str, client: Client, store: StagingStore, groups: list[list[R
         return run_per_rollout(client, store, groups, True, keep)
     if mode == "union_fetch_token":
         return run_union_per_token(client, store, groups, groups_per_step, keep)
-    if mode == "graph":
+    if mode in ("graph", "graph_sha256"):  # the store given holds the mode's copy
         return run_graph(client, store, groups, groups_per_step, keep)
     raise ValueError(f"unknown mode {mode!r}")

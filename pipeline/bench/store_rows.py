@@ -7,18 +7,23 @@ import numpy as np
 from tasks.gate import CaptureGate
 from tasks.packed import PackedBatch, pack_rows
 
+DISTINCT_ROWS = 8  # rows built by the gate; a template of more repeats them (the payload is what moves)
 
-def template_batch(n: int, tokens: int, *, layers: int, top_k: int, routes: bool, seed: int = 0) -> PackedBatch:
-    """``n`` real staged rows (capture gate, one call each) packed; keys are renamed per use."""
+
+def template_batch(n: int, tokens: int, *, layers: int, top_k: int, routes: bool, seed: int = 0,
+                   experts: int = 8) -> PackedBatch:
+    """``n`` real staged rows (capture gate, one call each; routes of ``layers`` x
+    ``top_k`` ids below ``experts``, in the encoding the gate picks for that many) packed;
+    keys are renamed per use. At most :data:`DISTINCT_ROWS` distinct rows, repeated."""
     rng = np.random.default_rng(seed)
     rows = []
-    for i in range(n):
-        gate = CaptureGate(f"t{i}", vocab_size=512, num_experts=8)
+    for i in range(min(n, DISTINCT_ROWS)):
+        gate = CaptureGate(f"t{i}", vocab_size=512, num_experts=experts)
         mask = np.ones(tokens, np.float32)
         lp = -rng.random(tokens, dtype=np.float32) - 0.01
-        re = rng.integers(0, 8, (tokens, layers, top_k)).astype(np.int16) if routes else None
+        re = rng.integers(0, experts, (tokens, layers, top_k), dtype=np.int16) if routes else None
         rows.append(gate.stage_call("c0", None, rng.integers(0, 512, tokens), mask, lp, routed_experts=re))
-    return pack_rows(rows)
+    return pack_rows([rows[i % len(rows)] for i in range(n)])
 
 
 def with_keys(template: PackedBatch, tag: str, start: int, n: int) -> PackedBatch:
@@ -26,3 +31,9 @@ def with_keys(template: PackedBatch, tag: str, start: int, n: int) -> PackedBatc
     means every put needs new keys; the payload is what is being moved)."""
     base = template if n == len(template) else template.take(np.arange(n))
     return PackedBatch([f"{tag}{start + i}/c0" for i in range(n)], base.fields)
+
+
+def route_id_bytes(batch: PackedBatch) -> int:
+    """Bytes per routed-expert id in ``batch`` as the gate packed it (0 without routes)."""
+    extra = [f for f in batch.fields.values() if f.values.ndim == 3]  # [tokens, layers, top-k]
+    return int(extra[0].values.dtype.itemsize) if extra else 0

@@ -5,17 +5,20 @@ actor, an inference-server thread, a Dask task). :meth:`CaptureClient.open` give
 :class:`~pipeline.client.rollout.RolloutCapture` per rollout; the rows of every rollout
 staged through one client share one queue, put in ONE ``put_many`` per flush (see
 :mod:`pipeline.client.batcher`). Flush thresholds: ``capture-client.flush-calls`` (rows)
-and ``capture-client.flush-ms`` (ms).
+and ``capture-client.flush-ms`` (ms). Rows are hashed with ``capture.digest``, read once
+when the client is built.
 """
 from __future__ import annotations
 
 import threading
 from typing import TYPE_CHECKING
 
+from tasks.digests import version_of
 from tasks.errors import InvalidInput
 from tasks.gate import CaptureGate
 from tasks.keys import STAGING_PARTITION
 
+from .. import config
 from ..store.protocol import StoreLike
 from .batcher import RowBatcher
 from .discovery import lookup_store
@@ -29,8 +32,9 @@ class CaptureClient:
     """Stages the calls of many rollouts, from many threads, in batched puts.
 
     ``store``: a :class:`~pipeline.store.client.StagingStore` (or any store with
-    ``put_many``). ``flush_calls`` (rows) / ``flush_ms`` (ms) override the config knobs.
-    Use as a context manager, or call :meth:`close`: it puts every queued row first.
+    ``put_many``). ``flush_calls`` (rows) / ``flush_ms`` (ms) override the config knobs;
+    ``digest`` (``"blake3"`` or ``"sha256"``) the ``capture.digest`` setting. Use as a
+    context manager, or call :meth:`close`: it puts every queued row first.
     """
 
     def __init__(
@@ -40,10 +44,12 @@ class CaptureClient:
         partition: str = STAGING_PARTITION,
         flush_calls: int | None = None,
         flush_ms: float | None = None,
+        digest: str | None = None,
     ) -> None:
         if not callable(getattr(store, "put_many", None)):
             raise InvalidInput(f"store must have put_many (a StagingStore), got {type(store).__name__}")
         self.store = store
+        self.digest_version = version_of(config.digest_algorithm() if digest is None else digest)
         self._batcher = RowBatcher(store, partition=partition, flush_calls=flush_calls, flush_ms=flush_ms)
         self._lock = threading.Lock()
         self._open: dict[str, RolloutCapture] = {}
@@ -88,9 +94,11 @@ class CaptureClient:
         num_experts: int | None = None,
     ) -> RolloutCapture:
         """Start capturing rollout ``rollout_id`` (token ids in ``[0, vocab_size)``, expert
-        ids in ``[0, num_experts)``). A rollout id may be open once at a time per client;
+        ids in ``[0, num_experts)``; ``num_experts <= 256`` stages routes as one byte per
+        id, routes encoding 2). A rollout id may be open once at a time per client;
         its keys must be new to the store (keys are write-once)."""
-        gate = CaptureGate(rollout_id, vocab_size=vocab_size, num_experts=num_experts, group_id=group_id)
+        gate = CaptureGate(rollout_id, vocab_size=vocab_size, num_experts=num_experts, group_id=group_id,
+                           digest_version=self.digest_version)
         rc = RolloutCapture(gate, self._batcher, on_finish=self._finished)
         with self._lock:
             if self._closing:

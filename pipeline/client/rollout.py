@@ -71,8 +71,9 @@ class RolloutCapture:
 
         ``token_ids`` int (< vocab_size), ``token_mask`` float32 (0 for carried context
         tokens, then 1 for generated ones), ``logprobs`` float32 (<= 0, 0 where the mask
-        is 0), ``routed_experts`` int16 ``[delta_len, L, K]`` or ``None``: all ``delta_len``
-        long (the tokens new since ``parent_call_id``); ``weight_version`` an int within
+        is 0), ``routed_experts`` integer ids ``[delta_len, L, K]`` (any integer dtype: the
+        gate stages them as uint8 when the rollout was opened with ``num_experts <= 256``,
+        else int16) or ``None``: all ``delta_len`` long (the tokens new since ``parent_call_id``); ``weight_version`` an int within
         int64 (the digest stores it as ``<q``). The arrays are copied: reuse them.
         Raises :class:`~tasks.errors.InvalidRecord` (``reason`` names the rule) on bad
         input, keeping nothing; the rollout's other calls are unaffected.

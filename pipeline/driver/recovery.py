@@ -20,7 +20,7 @@ from tasks.cut.resume import decide
 from tasks.errors import InvalidRecord
 from tasks.keys import STAGING_PARTITION
 from tasks.packed import unpack_rows
-from tasks.schema import ALL_FIELDS, STAGING_FIELDS, StagedRow
+from tasks.schema import ROUTES_NONE, StagedRow, row_fields
 from tasks.toy.policy import MoEPolicy
 from tasks.toy.rollouts import call_id
 
@@ -79,7 +79,7 @@ def start_batchers(client: Client, store: StagingStore, workers: list[str], poli
 def rebuild_rollouts(book: RolloutBook, store: StagingStore, snapshot: DriverSnapshot, n_slots: int,
                      with_routes: bool, stats: RecoveryStats) -> list[RolloutState]:
     """The snapshot's rollouts into ``book`` (spec ``i`` on slot ``i % n_slots``), gates
-    rebuilt from the staged rows (ONE get for all rollouts); the running ones.
+    rebuilt from the staged rows (one get per routes encoding for all rollouts); the running ones.
 
     A rollout whose rows are missing or do not hash to its receipt is poisoned (named
     in ``stats.poisoned``); the others go on.
@@ -93,8 +93,17 @@ def rebuild_rollouts(book: RolloutBook, store: StagingStore, snapshot: DriverSna
             r.final = rec  # finished before the cut: its receipt is final
         else:
             running.append(r)
-    keys = [k for r in running for k in snapshot.receipts[r.spec.rollout_id].staging_keys]
-    rows, failed = _staged_rows(store, keys, with_routes)
+    # One get per routes encoding the receipts name (rows staged as int16 before uint8
+    # existed and new uint8 rows each come with their own routes field).
+    by_encoding: dict[int, list[str]] = defaultdict(list)
+    for r in running:
+        for c in snapshot.receipts[r.spec.rollout_id].calls:
+            by_encoding[c.routes_encoding if with_routes else ROUTES_NONE].append(c.staging_key)
+    rows, failed = {}, {}
+    for encoding, keys in by_encoding.items():
+        got_rows, got_failed = _staged_rows(store, keys, encoding)
+        rows.update(got_rows)
+        failed.update(got_failed)
     alive = []
     for r in running:
         problem = _replay(book, r, snapshot, rows, failed)
@@ -107,12 +116,13 @@ def rebuild_rollouts(book: RolloutBook, store: StagingStore, snapshot: DriverSna
 
 
 def _staged_rows(store: StagingStore, keys: list[str],
-                 with_routes: bool) -> tuple[dict[str, StagedRow], dict[str, tuple[str, str]]]:
-    """Rows of ``keys`` from the staging partition (one get, when there are keys) and the
-    keys that failed: ``(rows by key, failed[key] = (reason, detail))``."""
+                 encoding: int) -> tuple[dict[str, StagedRow], dict[str, tuple[str, str]]]:
+    """Rows of ``keys`` (staged with routes ``encoding``) from the staging partition (one
+    get, when there are keys) and the keys that failed: ``(rows by key, failed[key] =
+    (reason, detail))``."""
     if not keys:
         return {}, {}
-    fields = list(ALL_FIELDS) if with_routes else list(STAGING_FIELDS)
+    fields = list(row_fields(encoding))
     got = store.get_many(keys, fields, partition=STAGING_PARTITION)
     return dict(zip(got.batch.keys, unpack_rows(got.batch))), dict(got.failed)
 

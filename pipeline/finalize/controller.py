@@ -62,9 +62,10 @@ class StepResult:
         """Rollouts the verifier failed on (bugs, logged on the workers; not rejections)."""
         return int(self.metrics.get("internal_errors", 0))
 
-    def to_batch(self, *, as_tensordict: bool = False, **kwargs: float | int | bool) -> dict[str, torch.Tensor] | TensorDict:
+    def to_batch(self, *, as_tensordict: bool = False, **kwargs: float | int | bool | torch.dtype | None) -> dict[str, torch.Tensor] | TensorDict:
         """The step as ONE training batch: :func:`tasks.finalize.step_batch.step_batch` over
-        the groups in submission order (``kwargs``: ``eps``, ``pad_id``, ``normalize_std``).
+        the groups in submission order (``kwargs``: ``eps``, ``pad_id``, ``normalize_std``,
+        ``routes_dtype``: e.g. ``torch.int64``; default as stored).
 
         A ``dict[str, torch.Tensor]``, or with ``as_tensordict`` a ``tensordict.TensorDict``
         of ``batch_size=[B]`` (needs the ``tensordict`` extra).

@@ -27,7 +27,7 @@ from tasks.errors import FinalizeError
 from tasks.finalize.layout import HostMap, SiteFetch, Slot, StepLayout, step_layout
 from tasks.finalize.plan import ReceiptLike, StepPlan, plan_step
 from tasks.keys import STAGING_PARTITION, primary_units
-from tasks.schema import ROUTES_FIELD, STAGING_FIELDS
+from tasks.schema import STAGING_FIELDS, routes_field
 
 from ..store.placement import Placement
 from ..store.protocol import PlacedStoreLike
@@ -139,6 +139,14 @@ class _StepArgs:
     priority: int
 
 
+def routes_fields(plan: StepPlan) -> list[str]:
+    """The routes fields the step's receipts name (one per routes encoding in use: old
+    int16 rows and new uint8 rows may share a step). A routes fetch asks for these only,
+    so a step of one encoding gets no ``absent_field`` for the other."""
+    encodings = {c.routes_encoding for p in plan.rollouts for c in p.chain}
+    return [name for name in map(routes_field, sorted(encodings)) if name is not None]
+
+
 class _Emitter:
     """The step's tasks by layer (in creation order, each layer depending on the ones
     before it), their annotations, and the keys of each kind of task."""
@@ -150,6 +158,7 @@ class _Emitter:
         self.fetch_keys: list[TaskKey] = []
         self.piece_keys: list[TaskKey] = []
         self.verify_keys: list[TaskKey] = []
+        self.routes_fields = routes_fields(plan)
 
     def add(self, layer: str, key: TaskKey, func: Callable[..., object], *args: object) -> TaskRef:
         self.layers.setdefault(layer, {})[key] = Task(key, func, *args)
@@ -186,7 +195,7 @@ class _Emitter:
         layer = f"{FETCH_STAGING}-{a.token}-site{s}"
         self.pin(layer, site.worker)
         staging = self.fetch(layer, "staging", list(STAGING_FIELDS), site.staging, s)
-        routes = self.fetch(layer, "routes", [ROUTES_FIELD], site.routes, s)
+        routes = self.fetch(layer, "routes", self.routes_fields, site.routes, s)
         # A site whose worker takes no finalize work: its verify tasks pinned (loosely) to
         # a finalize worker of its host, so its rows do not leave the host.
         moved = site.verify_worker is not None and site.verify_worker != site.worker

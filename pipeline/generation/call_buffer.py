@@ -4,18 +4,18 @@ A buffer holds a call's context and generated tokens (sealed, frozen, active par
 a lifecycle lock, plus running hash states fed on every append, so a checkpoint cut
 freezes a chunk in O(1) under the lock and describes its row outside it. The cut
 transaction that writes frozen chunks is :func:`pipeline.generation.cut.run_cut`.
-Lengths are in tokens; hashes are SHA-256 digests (32 bytes).
+Lengths are in tokens; hashes are 32-byte digests of the buffer's digest version
+(:mod:`tasks.digests`: BLAKE3 by default, SHA-256 under ``capture.digest: sha256``).
 """
 from __future__ import annotations
 
-import hashlib
 import threading
 import time
 from typing import Any, Literal, Sequence
 
 import numpy as np
 
-from tasks import hashing
+from tasks import digests, hashing
 from tasks.cut.batching import ROW_FIXED_BYTES, CallIdentity, Part, PrefixChunk, Signature, chunk_signature, token_nbytes
 from tasks.cut.receipt import (
     COMPLETED,
@@ -31,7 +31,7 @@ from tasks.cut.receipt import (
 from tasks.errors import InvalidCall
 from tasks.keys import CUT_PREFIX, check_id, primary_unit
 from tasks.placement_hash import default_unit_ids
-from tasks.schema import StagedRow
+from tasks.schema import ROUTES_DTYPE, StagedRow, routes_encoding_of
 
 # A call's lifecycle state: plain strings (they appear as such in ``info()``/``output()``).
 CallLifecycle = Literal["active", "completed", "failed"]
@@ -52,7 +52,7 @@ class FrozenChunk:
     __slots__ = ("buffer", "seq", "key", "parts", "chunk", "prefix_tokens", "prefix_digest", "_chain_state",
                  "frozen_at", "tokens", "nbytes", "signature", "unit", "_row")
 
-    def __init__(self, buffer: CallBuffer, seq: int, parts: list[Part], chain_state: "hashlib._Hash",
+    def __init__(self, buffer: CallBuffer, seq: int, parts: list[Part], chain_state: digests.Hasher,
                  tokens: int = 0, prefix_tokens: int = 0, prefix_digest: bytes = b""):
         self.buffer = buffer
         self.seq = seq
@@ -78,15 +78,15 @@ class FrozenChunk:
 
     @property
     def gen_ids(self) -> np.ndarray:
-        return _concat_parts(self.parts, self.buffer.routes_shape)[0]
+        return _concat_parts(self.parts, self.buffer.routes_shape, self.buffer.routes_dtype)[0]
 
     @property
     def gen_logprobs(self) -> np.ndarray:
-        return _concat_parts(self.parts, self.buffer.routes_shape)[1]
+        return _concat_parts(self.parts, self.buffer.routes_shape, self.buffer.routes_dtype)[1]
 
     @property
     def gen_routes(self) -> np.ndarray | None:
-        return _concat_parts(self.parts, self.buffer.routes_shape)[2]
+        return _concat_parts(self.parts, self.buffer.routes_shape, self.buffer.routes_dtype)[2]
 
 
 class CallBuffer:
@@ -94,8 +94,11 @@ class CallBuffer:
 
     ``context_ids`` are the call's carried tokens (mask 0), generated tokens are appended
     with :meth:`append` (mask 1). ``routes_shape=(L, K)`` turns on routed experts: then
-    ``context_routes`` (int16[len(context), L, K]) is required and every append carries
-    routes. ``max_new_tokens`` (tokens, optional) completes the call when reached.
+    ``context_routes`` ([len(context), L, K]) is required and every append carries
+    routes, kept in ``routes_dtype`` (int16, or uint8 for a model of at most 256 experts:
+    the cut rows' routes encoding; ids that do not fit it are refused). ``max_new_tokens`` (tokens, optional) completes the call when reached.
+    ``digest_version`` (:mod:`tasks.digests`) hashes the call's chunks, chain and prefix
+    digest; a resumed call passes its prefix's.
     """
 
     def __init__(
@@ -109,8 +112,11 @@ class CallBuffer:
         routes_shape: tuple[int, int] | None = None,
         context_routes: np.ndarray | None = None,
         max_new_tokens: int | None = None,
+        digest_version: int = hashing.DIGEST_VERSION,
+        routes_dtype: np.dtype | str = ROUTES_DTYPE,
     ):
         self.rollout_id = check_id(rollout_id, "rollout_id")
+        self.digest_version = v = digests.scheme(digest_version).version
         self.model_call_id = check_id(model_call_id, "model_call_id")
         self.parent_call_id = None if parent_call_id is None else check_id(parent_call_id, "parent_call_id")
         self._call: CallId = (self.rollout_id, self.model_call_id)
@@ -120,12 +126,15 @@ class CallBuffer:
         self.context_ids = np.ascontiguousarray(ctx, dtype="<i8")
         self.weight_version = int(weight_version)
         self.routes_shape = None if routes_shape is None else tuple(int(x) for x in routes_shape)
+        self.routes_dtype = np.dtype(routes_dtype)
+        if routes_encoding_of(self.routes_dtype) is None:
+            raise InvalidCall("invalid_argument", f"routes_dtype of {self.key}: int16 or uint8, got {self.routes_dtype}")
         if self.routes_shape is not None:
             want = (len(self.context_ids),) + self.routes_shape
             if context_routes is None or tuple(np.shape(context_routes)) != want:
                 got = None if context_routes is None else tuple(np.shape(context_routes))
                 raise InvalidCall("invalid_argument", f"context_routes of {self.key}: expected shape {want}, got {got}")
-            self.context_routes = np.ascontiguousarray(context_routes, dtype="<i2")
+            self.context_routes = self._routes(context_routes)
         else:
             self.context_routes = None
         self.max_new_tokens = max_new_tokens
@@ -143,17 +152,29 @@ class CallBuffer:
         # Running hash states, fed on every append (so a freeze only reads them out):
         # the cumulative hash and prefix digest over every token so far, and the chain
         # hash of the chunk not yet sealed (chunk 0 starts with the context).
-        self._prefix_digest = prefix_state().digest()  # of the sealed prefix
-        self._run_cum = hashing.prefix_state()
-        self._run_pdig = prefix_state()
-        self._run_chain = hashing.chain_state(None)
+        self._prefix_digest = prefix_state(v).digest()  # of the sealed prefix
+        self._run_cum = hashing.prefix_state(None, v)
+        self._run_pdig = prefix_state(v)
+        self._run_chain = hashing.chain_state(None, v)
         self._feed(self.context_ids)
         # What every chunk of the call shares, made once (a freeze only reads them).
-        self._identity = CallIdentity.of(self.rollout_id, self.model_call_id, self.parent_call_id)
+        self._identity = CallIdentity.of(self.rollout_id, self.model_call_id, self.parent_call_id, v)
         self._key_stem = f"{self.rollout_id}/{self.model_call_id}/"  # cut key after the checkpoint root
-        self._signature = chunk_signature(self.routes_shape)
-        self._token_nbytes = token_nbytes(self.routes_shape)  # bytes per token of a packed row
+        self._signature = chunk_signature(self.routes_shape, self.routes_dtype)
+        self._token_nbytes = token_nbytes(self.routes_shape, self.routes_dtype.itemsize)  # bytes per token of a packed row
         self._unit: tuple[int | tuple[str, ...], int] = (0, 0)  # (units asked, the rows' unit): unit() caches it
+
+    def _routes(self, routes: np.ndarray) -> np.ndarray:
+        """``routes`` as a contiguous array of ``routes_dtype``; ids that do not fit it
+        are refused (``invalid_argument``), never wrapped."""
+        a = np.asarray(routes)
+        if a.dtype != self.routes_dtype and a.size:
+            if a.dtype.kind not in "iu":
+                raise InvalidCall("invalid_argument", f"{self.key}: routes must be integer expert ids, got {a.dtype}")
+            info = np.iinfo(self.routes_dtype)
+            if int(a.min()) < info.min or int(a.max()) > info.max:
+                raise InvalidCall("invalid_argument", f"{self.key}: expert ids outside {self.routes_dtype.name} (the call's routes dtype)")
+        return np.ascontiguousarray(a, dtype=self.routes_dtype)
 
     @property
     def key(self) -> str:
@@ -186,9 +207,9 @@ class CallBuffer:
             raise InvalidCall("invalid_argument", f"{self.key}: ids {ids.shape} and logprobs {logprobs.shape} must be equal 1-D")
         if self.routes_shape is not None:
             if routes is None or tuple(np.shape(routes)) != (len(ids),) + self.routes_shape:
-                raise InvalidCall("invalid_argument", f"{self.key}: routes must be int16{(len(ids),) + self.routes_shape}, got "
+                raise InvalidCall("invalid_argument", f"{self.key}: routes must be {(len(ids),) + self.routes_shape} integers, got "
                                   f"{None if routes is None else np.shape(routes)}")
-            routes = np.ascontiguousarray(routes, dtype="<i2")
+            routes = self._routes(routes)
         else:
             routes = None
         with self.lock:
@@ -279,12 +300,12 @@ class CallBuffer:
         if len(keys) != len(lengths) or sum(lengths) != len(ids) or any(n <= 0 for n in lengths):
             raise InvalidCall("invalid_prefix", f"{self.key}: {len(keys)} keys with chunk lengths {lengths[:8]} do not cover "
                               f"the {len(ids)}-token prefix")
-        chain, start = None, 0
-        cum, pdig = hashing.prefix_state(), prefix_state()
+        chain, start, v = None, 0, self.digest_version
+        cum, pdig = hashing.prefix_state(None, v), prefix_state(v)
         pdigest = pdig.digest()
         for n in lengths:
             chunk = ids[start : start + n]
-            chain = hashing.chain_hash(chain, chunk)
+            chain = hashing.chain_hash(chain, chunk, v)
             hashing.extend_prefix(cum, chunk)
             pdigest = extend_prefix_digest(pdig, chunk)
             start += n
@@ -294,10 +315,10 @@ class CallBuffer:
             if len(gen_ids):
                 self._sealed.append((np.ascontiguousarray(gen_ids, dtype="<i8"),
                                      np.ascontiguousarray(gen_logprobs, dtype="<f4"),
-                                     None if self.routes_shape is None else np.ascontiguousarray(gen_routes, dtype="<i2")))
+                                     None if self.routes_shape is None else self._routes(gen_routes)))
             self.generated = len(gen_ids)
             self._prefix_digest = pdigest
-            self._run_cum, self._run_pdig, self._run_chain = cum, pdig, hashing.chain_state(chain)
+            self._run_cum, self._run_pdig, self._run_chain = cum, pdig, hashing.chain_state(chain, v)
             self.cut_keys = list(keys)
             self.cut_tokens = len(ids)
             if self.max_new_tokens is not None and self.generated >= self.max_new_tokens:
@@ -340,7 +361,7 @@ class CallBuffer:
             # The running states already cover every token: reading them is O(1).
             chain = self._run_chain.digest()
             cumulative = self._run_cum.digest()
-            chain_state, self._run_chain = self._run_chain, hashing.chain_state(chain)  # next chunk extends this one
+            chain_state, self._run_chain = self._run_chain, hashing.chain_state(chain, self.digest_version)  # next chunk extends this one
             frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state, tokens, prev + tokens, self._run_pdig.digest())
         # Outside the lock: describe the row (no copy, no hashing: pack_chunks does both
         # once). Its pieces are valid by construction (converted on append): no re-check.
@@ -349,7 +370,7 @@ class CallBuffer:
         frozen.chunk = PrefixChunk.trusted(
             key, self.rollout_id, self.model_call_id, self.parent_call_id, prev, self.weight_version,
             self.context_ids if n_ctx else None, self.context_routes if n_ctx else None, parts, self.routes_shape,
-            chain, cumulative, tokens, self._identity,
+            chain, cumulative, tokens, self._identity, self.routes_dtype,
         )
         frozen.nbytes = tokens * self._token_nbytes + self._identity.id_nbytes + ROW_FIXED_BYTES
         frozen.signature = self._signature
@@ -402,7 +423,7 @@ class CallBuffer:
 
     def _durable_ack_locked(self) -> CallAck:
         return CallAck(self.rollout_id, self.model_call_id, DURABLE_PREFIX, tuple(self.cut_keys),
-                       self.cut_tokens, self._prefix_digest)
+                       self.cut_tokens, self._prefix_digest, digest_version=self.digest_version)
 
     def _completed_ack_locked(self) -> CallAck:
         return CallAck(self.rollout_id, self.model_call_id, COMPLETED,
@@ -420,10 +441,10 @@ def _bytes(ids: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(ids, dtype="<i8")).cast("B")
 
 
-def _concat_parts(parts: Sequence[Part], routes_shape: tuple[int, int] | None) -> Part:
+def _concat_parts(parts: Sequence[Part], routes_shape: tuple[int, int] | None, routes_dtype: np.dtype = ROUTES_DTYPE) -> Part:
     """The parts as one (ids, logprobs, routes) triple (the part itself when only one)."""
     if not parts:
-        empty_routes = None if routes_shape is None else np.zeros((0,) + tuple(routes_shape), "<i2")
+        empty_routes = None if routes_shape is None else np.zeros((0,) + tuple(routes_shape), routes_dtype)
         return np.zeros(0, "<i8"), np.zeros(0, "<f4"), empty_routes
     if len(parts) == 1:
         return parts[0]

@@ -116,6 +116,7 @@ class GenerationWorker:
                 parent_call_id=c.get("parent_call_id"), weight_version=int(c.get("weight_version", 0)),
                 routes_shape=self.policy.routes_shape if self.with_routes else None,
                 context_routes=st.context_routes, max_new_tokens=st.max_new_tokens,
+                digest_version=self.cut_settings.digest_version, routes_dtype=st.routes_dtype,
             )
             opened.append(_Call(st, buf))
         with self._calls_lock:
@@ -142,6 +143,7 @@ class GenerationWorker:
         parent_call_id: str | None = None,
         weight_version: int = 0,
         expected_digest: bytes | None = None,
+        digest_version: int | None = None,
     ) -> dict:
         """Reopen a call from its cut prefix (chunks concatenated in chain order).
 
@@ -150,6 +152,8 @@ class GenerationWorker:
         lengths (tokens). The prefix counts as already cut: the next cut writes only new
         tokens, continuing the chain. ``expected_digest`` (the receipt's prefix digest)
         is checked; a mismatch raises :class:`~tasks.errors.InvalidCall`.
+        ``digest_version``: the prefix's (the call keeps hashing with it, whatever
+        ``capture.digest`` says now: one call, one algorithm); None: this worker's setting.
         """
         call_key = (rollout_id, model_call_id)
         with self._calls_lock:
@@ -164,6 +168,8 @@ class GenerationWorker:
             rollout_id, model_call_id, st.context, parent_call_id=parent_call_id, weight_version=weight_version,
             routes_shape=self.policy.routes_shape if self.with_routes else None,
             context_routes=st.context_routes, max_new_tokens=st.max_new_tokens,
+            digest_version=self.cut_settings.digest_version if digest_version is None else digest_version,
+            routes_dtype=st.routes_dtype,  # the prefix's: a call's chunks share one routes encoding
         )
         buf.restore_prefix(st.tokens, st.logprobs, st.routes, list(prefix_keys), list(chunk_lengths), expected_digest)
         with self._calls_lock:

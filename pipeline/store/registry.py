@@ -3,8 +3,10 @@
 A partition is a namespace of keys in a storage unit ("staging", "cut"). In the staged-row
 partitions (:data:`SCHEMA_PARTITIONS`) the fields of the row schema (``tasks/schema.py``)
 have their specs from the schema (:data:`SCHEMA_SPECS`), never from the first writer:
-only ``routed_experts``' trailing ``(L, K)`` is per deployment, so its dtype comes from
-the schema and its trailing shape (two dims) is pinned by the first write. Any other
+only the routes fields' trailing ``(L, K)`` is per deployment, so their dtypes come from
+the schema and their trailing shape (two dims) is pinned by the first write. Each routes
+encoding has its own field (``routed_experts`` int16, ``routed_experts_u8`` uint8), so
+rows of both encodings live side by side in one partition, and in its checkpoint. Any other
 field, in any partition, is pinned by the first row that carries it. A batch whose field
 differs is refused with ``dtype_mismatch`` naming the field, the expected and the
 incoming spec. Checking per field (not per row) keeps it O(fields) per batch: a packed
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from tasks.keys import CUT_PARTITION, STAGING_PARTITION
-from tasks.schema import HASH_FIELDS, ID_FIELDS, ROUTES_DTYPE, ROUTES_FIELD, SCALAR_FIELDS, TOKEN_FIELDS
+from tasks.schema import HASH_FIELDS, ID_FIELDS, ROUTES_ENCODINGS, SCALAR_FIELDS, TOKEN_FIELDS
 
 Spec = tuple[str, tuple[int, ...]]  # (numpy dtype string, trailing shape)
 
@@ -31,10 +33,11 @@ SCHEMA_SPECS: dict[str, tuple[str, tuple[int, ...] | None]] = {
     **{name: (np.dtype(dt).str, ()) for name, dt in SCALAR_FIELDS.items()},
     **{name: (_BYTES, ()) for name in HASH_FIELDS},  # 32 bytes per row
     **{name: (np.dtype(dt).str, ()) for name, dt in TOKEN_FIELDS.items()},
-    ROUTES_FIELD: (ROUTES_DTYPE.str, None),  # None: trailing (L, K) pinned by first write
+    # None: trailing (L, K) pinned by first write
+    **{name: (np.dtype(dt).str, None) for name, dt in ROUTES_ENCODINGS.values()},
 }
 """Each row-schema field's ``(dtype string, trailing shape)``; trailing ``None``: two
-dims, fixed per partition by the first write (routed experts' ``(L, K)``)."""
+dims, fixed per partition by the first write (routed experts' ``(L, K)``, per field)."""
 SCHEMA_PARTITIONS = frozenset({STAGING_PARTITION, CUT_PARTITION})
 """Partitions holding staged rows: their schema fields are typed by :data:`SCHEMA_SPECS`."""
 

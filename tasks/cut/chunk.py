@@ -14,7 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from ..errors import InvalidChunk
-from ..schema import HASH_BYTES, ROUTES_DTYPE, TOKEN_FIELDS, StagedRow
+from ..schema import HASH_BYTES, ROUTES_DTYPE, TOKEN_FIELDS, StagedRow, routes_encoding_of
 from .packing import CallIdentity, Part, pack_chunks
 from .row_cost import ROW_FIXED_BYTES, Signature, chunk_signature, token_nbytes
 
@@ -32,6 +32,8 @@ class PrefixChunk:
     chunk; ``chain_hash``/``cumulative_hash`` are the running states read at freeze time.
     Arrays are little-endian and contiguous (``CallBuffer`` guarantees it). ``identity``
     encodes the ids as given at construction: a chunk's ids are not reassigned after it.
+    ``routes_dtype``: the dtype of every routes piece, int16 or uint8 (a routes encoding's,
+    :data:`tasks.schema.ROUTES_ENCODINGS`): the row is staged in that encoding.
     """
 
     key: str
@@ -48,6 +50,7 @@ class PrefixChunk:
     cumulative_hash: bytes
     delta_len: int = 0  # tokens (filled by __post_init__)
     identity: CallIdentity | None = field(default=None, repr=False)  # the ids encoded (filled by __post_init__)
+    routes_dtype: np.dtype = ROUTES_DTYPE
 
     @classmethod
     def trusted(
@@ -66,6 +69,7 @@ class PrefixChunk:
         cumulative_hash: bytes,
         delta_len: int,
         identity: CallIdentity,
+        routes_dtype: np.dtype = ROUTES_DTYPE,
     ) -> "PrefixChunk":
         """A chunk built without :meth:`__post_init__`'s checks, for a writer whose pieces
         are valid by construction (:class:`~pipeline.generation.call_buffer.CallBuffer`
@@ -76,12 +80,18 @@ class PrefixChunk:
         self.key, self.rollout_id, self.model_call_id, self.parent_call_id = key, rollout_id, model_call_id, parent_call_id
         self.prev_len, self.weight_version, self.context_ids, self.context_routes = prev_len, weight_version, context_ids, context_routes
         self.parts, self.routes_shape, self.chain_hash, self.cumulative_hash = parts, routes_shape, chain_hash, cumulative_hash
-        self.delta_len, self.identity = delta_len, identity
+        self.delta_len, self.identity, self.routes_dtype = delta_len, identity, routes_dtype
         return self
 
     def __post_init__(self) -> None:
         # Checked per piece (a few per call, never per token): pack_chunks copies with
         # numpy's casting rules, which would silently convert a wrong dtype.
+        try:
+            rdt = self.routes_dtype = np.dtype(self.routes_dtype)
+        except TypeError:
+            rdt = None
+        if rdt is None or routes_encoding_of(rdt) is None:
+            raise InvalidChunk(f"{self.key}: routes_dtype must be int16 or uint8, got {self.routes_dtype!r}")
         rs = self.routes_shape
         if rs is not None and not (type(rs) is tuple and len(rs) == 2 and type(rs[0]) is int and type(rs[1]) is int
                                    and rs[0] > 0 and rs[1] > 0):
@@ -95,7 +105,7 @@ class PrefixChunk:
             try:  # fast path (numpy's dtypes are singletons); the slow one names the problem
                 ok = ctx.dtype is _IDS and ctx.ndim == 1 and (
                     ctx_routes is None if rs is None
-                    else ctx_routes.dtype is ROUTES_DTYPE and ctx_routes.shape[1:] == rs and len(ctx_routes) == len(ctx))
+                    else ctx_routes.dtype == rdt and ctx_routes.shape[1:] == rs and len(ctx_routes) == len(ctx))
             except (TypeError, ValueError, AttributeError):
                 ok = False
             if not ok:
@@ -107,7 +117,7 @@ class PrefixChunk:
                 ids, lps, routes = p
                 ok = ids.dtype is _IDS and lps.dtype is _LOGPROBS and ids.ndim == 1 and lps.shape == ids.shape and (
                     routes is None if rs is None
-                    else routes.dtype is ROUTES_DTYPE and routes.shape[1:] == rs and len(routes) == len(ids))
+                    else routes.dtype == rdt and routes.shape[1:] == rs and len(routes) == len(ids))
             except (TypeError, ValueError, AttributeError):
                 ok = False
             if not ok:  # say exactly what is wrong
@@ -140,19 +150,19 @@ class PrefixChunk:
             if a is not None:
                 raise InvalidChunk(f"{self.key}: {what} given but routes_shape is None")
             return
-        if not isinstance(a, np.ndarray) or a.dtype != ROUTES_DTYPE or a.shape != (n,) + rs:
+        if not isinstance(a, np.ndarray) or a.dtype != self.routes_dtype or a.shape != (n,) + rs:
             got = f"{a.dtype.str}{list(a.shape)}" if isinstance(a, np.ndarray) else type(a).__name__
-            raise InvalidChunk(f"{self.key}: {what} must be {ROUTES_DTYPE.str}{[n, *rs]}, got {got}")
+            raise InvalidChunk(f"{self.key}: {what} must be {self.routes_dtype.str}{[n, *rs]}, got {got}")
 
     @property
     def signature(self) -> Signature:
         """Same value as :func:`row_signature` of the row this chunk packs to."""
-        return chunk_signature(self.routes_shape)
+        return chunk_signature(self.routes_shape, self.routes_dtype)
 
     @property
     def nbytes(self) -> int:
         """Same value as :func:`put_nbytes` of the row this chunk packs to (bytes)."""
-        return self.delta_len * token_nbytes(self.routes_shape) + self.identity.id_nbytes + ROW_FIXED_BYTES
+        return self.delta_len * token_nbytes(self.routes_shape, self.routes_dtype.itemsize) + self.identity.id_nbytes + ROW_FIXED_BYTES
 
     def to_row(self) -> StagedRow:
         """The chunk as a :class:`StagedRow` (concatenated, digest set): what a put stores."""

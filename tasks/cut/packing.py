@@ -2,15 +2,15 @@
 
 :func:`pack_chunks` copies each chunk's pieces once, into one buffer per token field
 (optionally views of a pooled slab), and digests each row over its slices of those
-buffers, from its call's identity encoded once (:class:`CallIdentity`: the digest v1
-header up to its lengths, the one layout written here beside tasks/hashing.py).
+buffers, from its call's identity encoded once (:class:`CallIdentity`: the digest
+header up to its lengths, the one layout written here beside tasks/hashing.py, and the
+hash constructor of the call's digest version).
 Per-row Python only, never per token: a copy is one ``concatenate`` per field, the mask
 one vectorized fill, a digest a few ``update`` calls per row. docs/design.md,
 "Checkpoint cuts".
 """
 from __future__ import annotations
 
-import hashlib
 import operator
 import struct
 from dataclasses import dataclass
@@ -19,17 +19,17 @@ from typing import Callable, NamedTuple, Protocol, Sequence
 import numpy as np
 
 from .. import hashing
+from ..digests import Hasher, scheme
 from ..errors import InvalidChunk
 from ..packed import Allocator, PackedBatch, PackedField
 from ..schema import (
     HASH_BYTES,
-    ROUTES_DTYPE,
-    ROUTES_FIELD,
-    ROUTES_INT16,
     ROUTES_NONE,
     SCALAR_FIELDS,
     SCHEMA_VERSION,
     TOKEN_FIELDS,
+    routes_encoding_of,
+    routes_field,
 )
 
 # ``allocate(field sizes in bytes)`` -> an allocator for those fields' buffers, or None
@@ -52,7 +52,7 @@ _CHUNK_FIELDS = operator.attrgetter(
 _HASH_LEN = {HASH_BYTES}
 
 
-# (ids <i8[n], logprobs <f4[n], routes <i2[n, L, K] or None): one piece of generated tokens.
+# (ids <i8[n], logprobs <f4[n], routes [n, L, K] (int16 or uint8) or None): one piece of generated tokens.
 Part = tuple[np.ndarray, np.ndarray, np.ndarray | None]
 
 
@@ -61,9 +61,10 @@ class CallIdentity:
     """What every chunk of one call shares, encoded once per call (not per row).
 
     ``rollout_id``/``model_call_id``/``parent_call_id`` are the ids' UTF-8 bytes
-    (``parent_call_id`` ``None`` for a root); ``digest_head`` is the digest v1 header
-    up to its lengths (tag, versions, ids, parent marker); ``id_nbytes`` the ids' bytes
-    a packed row carries.
+    (``parent_call_id`` ``None`` for a root); ``digest_head`` is the digest header up to
+    its lengths (tag, versions, ids, parent marker); ``id_nbytes`` the ids' bytes a
+    packed row carries; ``digest_version`` the version every hash of the call's chunks
+    uses (:mod:`tasks.digests`) and ``new`` its hash constructor.
     """
 
     rollout_id: bytes
@@ -71,14 +72,20 @@ class CallIdentity:
     parent_call_id: bytes | None
     digest_head: bytes
     id_nbytes: int
+    digest_version: int
+    new: Callable[..., Hasher]
 
     @classmethod
-    def of(cls, rollout_id: str, model_call_id: str, parent_call_id: str | None) -> "CallIdentity":
-        """The identity of a call with these (already checked) ids."""
+    def of(
+        cls, rollout_id: str, model_call_id: str, parent_call_id: str | None, digest_version: int = hashing.DIGEST_VERSION
+    ) -> "CallIdentity":
+        """The identity of a call with these (already checked) ids, hashed with
+        ``digest_version`` (an unknown one raises :class:`~tasks.digests.UnsupportedDigest`)."""
         rid, mid = rollout_id.encode("utf-8"), model_call_id.encode("utf-8")
         pid = None if parent_call_id is None else parent_call_id.encode("utf-8")
-        head = hashing.digest_header(SCHEMA_VERSION, hashing.DIGEST_VERSION, rid, mid, pid, 0, 0, 0, 0, 0)
-        return cls(rid, mid, pid, head[: -_DIGEST_LENGTHS.size], len(rid) + len(mid) + len(pid or b""))
+        head = hashing.digest_header(SCHEMA_VERSION, digest_version, rid, mid, pid, 0, 0, 0, 0, 0)
+        ids_nbytes = len(rid) + len(mid) + len(pid or b"")
+        return cls(rid, mid, pid, head[: -_DIGEST_LENGTHS.size], ids_nbytes, digest_version, scheme(digest_version).new)
 
 
 class PackableChunk(Protocol):
@@ -96,6 +103,7 @@ class PackableChunk(Protocol):
     context_routes: np.ndarray | None
     parts: Sequence[Part]  # generated pieces, in order
     routes_shape: tuple[int, int] | None  # (layers, top_k)
+    routes_dtype: np.dtype  # of every routes piece: int16 or uint8 (the row's routes encoding)
 
 
 class _Columns(NamedTuple):
@@ -117,7 +125,7 @@ class _TokenBuffers(NamedTuple):
     token_ids: np.ndarray  # int64[T]
     token_mask: np.ndarray  # float32[T]
     logprobs: np.ndarray  # float32[T]
-    routed_experts: np.ndarray | None  # int16[T, L, K] or None
+    routed_experts: np.ndarray | None  # [T, L, K] (int16 or uint8) or None
 
 
 def pack_chunks(chunks: Sequence[PackableChunk], allocate: BufferSource | None = None) -> PackedBatch:
@@ -125,36 +133,41 @@ def pack_chunks(chunks: Sequence[PackableChunk], allocate: BufferSource | None =
 
     Byte-identical to ``pack_rows([c.to_row() for c in chunks])`` with the keys replaced,
     but each token is copied once (piece -> batch buffer) and each digest is hashed over
-    the batch buffer's row slices. Chunks of one batch share a routes shape (or none):
-    the planner groups them by :attr:`~tasks.cut.chunk.PrefixChunk.signature`. ``allocate(sizes)``, given
+    the batch buffer's row slices. Chunks of one batch share a routes shape and dtype (or
+    have no routes): the planner groups them by :attr:`~tasks.cut.chunk.PrefixChunk.signature`. ``allocate(sizes)``, given
     the token fields' sizes (bytes), may supply an allocator for their buffers (e.g.
     views of a pooled slab, memory already mapped); by default they are fresh arrays.
     """
-    routes_shape = _shared_routes_shape(chunks)
+    routes_shape, routes_dtype = _shared_routes(chunks)
     columns = _read_columns(chunks)
     context_lens = [0 if ctx is None else len(ctx) for ctx in columns.contexts]
     pieces = _pieces(chunks, columns.contexts, context_lens, routes_shape is not None)
     offsets = np.zeros(len(chunks) + 1, dtype=np.int64)
     np.cumsum(columns.lengths, out=offsets[1:])
-    tokens = _token_buffers(*pieces, int(offsets[-1]), routes_shape, allocate)
+    tokens = _token_buffers(*pieces, int(offsets[-1]), routes_shape, routes_dtype, allocate)
     _mask_contexts(tokens.token_mask, offsets, context_lens)
-    encoding = ROUTES_NONE if tokens.routed_experts is None else ROUTES_INT16
+    encoding = ROUTES_NONE if tokens.routed_experts is None else routes_encoding_of(routes_dtype)
     digests = _row_digests(columns, offsets, tokens, routes_shape, encoding)
     fields = _fixed_fields(columns, digests, encoding)
     fields["token_ids"] = PackedField(tokens.token_ids, offsets)
     fields["token_mask"] = PackedField(tokens.token_mask, offsets.copy())
     fields["logprobs"] = PackedField(tokens.logprobs, offsets.copy())
     if tokens.routed_experts is not None:
-        fields[ROUTES_FIELD] = PackedField(tokens.routed_experts, offsets.copy())
+        fields[routes_field(encoding)] = PackedField(tokens.routed_experts, offsets.copy())
     return PackedBatch(columns.keys, fields)
 
 
-def _shared_routes_shape(chunks: Sequence[PackableChunk]) -> tuple[int, int] | None:
-    """The batch's one routes shape ``(layers, top_k)``, or None; ``InvalidChunk`` if mixed."""
+def _shared_routes(chunks: Sequence[PackableChunk]) -> tuple[tuple[int, int] | None, np.dtype]:
+    """The batch's one routes shape ``(layers, top_k)`` (or None) and dtype;
+    ``InvalidChunk`` if mixed."""
     shapes = {c.routes_shape for c in chunks}
     if len(shapes) > 1:
         raise InvalidChunk(f"chunks of one batch must share a routes shape, got {sorted(map(str, shapes))}")
-    return shapes.pop() if shapes else None
+    shape = shapes.pop() if shapes else None
+    dtypes = {np.dtype(c.routes_dtype) for c in chunks} if shape is not None else set()
+    if len(dtypes) > 1:
+        raise InvalidChunk(f"chunks of one batch must share a routes dtype, got {sorted(d.str for d in dtypes)}")
+    return shape, (dtypes.pop() if dtypes else np.dtype("<i2"))
 
 
 def _read_columns(chunks: Sequence[PackableChunk]) -> _Columns:
@@ -200,6 +213,7 @@ def _token_buffers(
     route_pieces: list[np.ndarray],
     total: int,
     routes_shape: tuple[int, int] | None,
+    routes_dtype: np.dtype,
     allocate: BufferSource | None,
 ) -> _TokenBuffers:
     """The token fields' buffers (``total`` tokens, from ``allocate`` or fresh), each
@@ -208,12 +222,12 @@ def _token_buffers(
     out = None
     if allocate is not None:
         sizes = [total * _IDS.itemsize, total * _MASK.itemsize, total * _LOGPROBS.itemsize]
-        out = allocate(sizes if routes_shape is None else sizes + [total * ROUTES_DTYPE.itemsize * routes_shape[0] * routes_shape[1]])
+        out = allocate(sizes if routes_shape is None else sizes + [total * routes_dtype.itemsize * routes_shape[0] * routes_shape[1]])
     out = out or _fresh
     ids = _concat(id_pieces, out(_IDS, (total,)))
     mask = out(_MASK, (total,))
     lps = _concat(lp_pieces, out(_LOGPROBS, (total,)))
-    routes = None if routes_shape is None else _concat(route_pieces, out(ROUTES_DTYPE, (total,) + tuple(routes_shape)))
+    routes = None if routes_shape is None else _concat(route_pieces, out(routes_dtype, (total,) + tuple(routes_shape)))
     return _TokenBuffers(ids, mask, lps, routes)
 
 
@@ -231,24 +245,24 @@ def _mask_contexts(mask: np.ndarray, offsets: np.ndarray, context_lens: list[int
 def _row_digests(
     columns: _Columns, offsets: np.ndarray, tokens: _TokenBuffers, routes_shape: tuple[int, int] | None, encoding: int
 ) -> list[bytes]:
-    """One digest per row over its slices of the batch buffers (digest v1,
-    tasks/hashing.py): the call's encoded identity head, then lengths and buffers; a few
-    calls per row."""
+    """One digest per row over its slices of the batch buffers (tasks/hashing.py, with
+    the hash constructor of the row's call): the call's encoded identity head, then
+    lengths and buffers; a few calls per row."""
     ids_b = memoryview(tokens.token_ids).cast("B")
     mask_b = memoryview(tokens.token_mask).cast("B")
     lps_b = memoryview(tokens.logprobs).cast("B")
     routes_b = None if tokens.routed_experts is None else memoryview(tokens.routed_experts.reshape(-1)).cast("B")
-    per_route = 0 if routes_shape is None else 2 * routes_shape[0] * routes_shape[1]  # bytes per token
+    per_route = 0 if routes_b is None else tokens.routed_experts.itemsize * routes_shape[0] * routes_shape[1]  # bytes per token
     digests: list[bytes] = []
     add_digest = digests.append
-    sha256, lengths_ids, nbytes = hashlib.sha256, _DIGEST_LENGTHS_IDS.pack, _NBYTES.pack
+    lengths_ids, nbytes = _DIGEST_LENGTHS_IDS.pack, _NBYTES.pack
     starts, ends = offsets[:-1].tolist(), offsets[1:].tolist()
     for ident, p, version, chain, cum, a, b in zip(
         columns.identities, columns.prev_lens, columns.weight_versions, columns.chain_hashes, columns.cumulative_hashes,
         starts, ends,
     ):
         k = b - a
-        h = sha256(ident.digest_head + lengths_ids(p, k, p + k, version, encoding, 8 * k))
+        h = ident.new(ident.digest_head + lengths_ids(p, k, p + k, version, encoding, 8 * k))
         h.update(ids_b[8 * a : 8 * b])
         q = nbytes(4 * k)
         h.update(q)
@@ -276,7 +290,7 @@ def _fixed_fields(columns: _Columns, digests: list[bytes], encoding: int) -> dic
         "weight_version": np.array(columns.weight_versions, dtype=np.int64),
         "routes_encoding": np.full(n, encoding),
         "schema_version": np.full(n, SCHEMA_VERSION),
-        "digest_version": np.full(n, hashing.DIGEST_VERSION),
+        "digest_version": np.fromiter((d.digest_version for d in columns.identities), np.int64, n),
     }
     idents = columns.identities
     fields: dict[str, PackedField] = {

@@ -13,16 +13,16 @@ from typing import TYPE_CHECKING, Any, Mapping, NamedTuple
 
 import numpy as np
 
-from .. import hashing, reasons, validation
+from .. import digests, hashing, reasons, validation
 from .receipt import CallAck
 from .receipt import prefix_digest as _prefix_digest
 from ..errors import InvalidKey
 from ..keys import CUT_PREFIX
 from ..packed import PackedBatch, row_from_fields
-from ..schema import HASH_BYTES, ROUTES_FIELD, ROUTES_INT16, ROUTES_NONE, STAGING_FIELDS, StagedRow
+from ..schema import HASH_BYTES, ROUTES_ENCODINGS, ROUTES_NONE, STAGING_FIELDS, StagedRow, routes_field
 
 if TYPE_CHECKING:
-    import hashlib
+    from ..digests import Hasher
 
 # Reasons of this module beyond the finalizer's vocabulary (tasks.reasons).
 EMPTY_PREFIX = "empty_prefix"
@@ -37,11 +37,13 @@ PREFIX_REASONS = frozenset(
 
 @dataclass(frozen=True)
 class Continuation:
-    """What a resumed call carries: cut keys in chain order, token count, prefix digest."""
+    """What a resumed call carries: cut keys in chain order, token count, prefix digest
+    and the digest version of that digest and of the rows (None: the rows' own decides)."""
 
     keys: tuple[str, ...]
     prefix_tokens: int  # tokens
     prefix_digest: bytes  # 32 bytes
+    digest_version: int | None = None
 
     @classmethod
     def of(cls, obj: ContinuationLike) -> "Continuation":
@@ -63,7 +65,10 @@ class Continuation:
             raise ValueError(f"continuation prefix_tokens must be an int, got {tokens!r}")
         if not isinstance(digest, (bytes, bytearray)) or len(digest) != HASH_BYTES:
             raise ValueError(f"continuation prefix_digest must be {HASH_BYTES} bytes, got {digest!r}")
-        return cls(tuple(keys), int(tokens), bytes(digest))
+        version = get("digest_version")
+        if version is not None and (isinstance(version, bool) or version not in digests.SUPPORTED_VERSIONS):
+            raise ValueError(f"continuation digest_version {version!r} unsupported ({digests.described()})")
+        return cls(tuple(keys), int(tokens), bytes(digest), None if version is None else int(version))
 
 
 # What verify_prefix and Continuation.of take: a continuation, a cut receipt's CallAck,
@@ -84,9 +89,10 @@ class ResumePrefix:
     token_ids: np.ndarray  # int64[T]
     token_mask: np.ndarray  # float32[T]
     logprobs: np.ndarray  # float32[T]
-    routed_experts: np.ndarray | None  # int16[T, L, K] or None
+    routed_experts: np.ndarray | None  # [T, L, K] as stored (int16 or uint8), or None
     context_tokens: int  # leading mask-0 tokens (the call's carried context)
     prefix_digest: bytes
+    digest_version: int = digests.DEFAULT_VERSION  # of every hash of the prefix: the resumed call continues with it
 
     @property
     def tokens(self) -> int:
@@ -109,6 +115,7 @@ class ResumePrefix:
             "parent_call_id": self.parent_call_id,
             "weight_version": self.weight_version,
             "expected_digest": self.prefix_digest,
+            "digest_version": self.digest_version,
         }
 
 
@@ -166,7 +173,7 @@ def verify_prefix(
         _check_rows(rows, cont)
         chain = _walk_chunks(rows, cont, rollout_id, call_id)
         content = _check_content(rows, cont, chain.routed, vocab_size, num_experts, routes_shape)
-        digest = _check_claims(cont, chain.tokens, content.token_ids)
+        digest = _check_claims(cont, chain.tokens, content.token_ids, chain.digest_version)
     except _Unusable as e:
         return PrefixVerdict.unusable(e.reason, e.detail)
     return PrefixVerdict(
@@ -186,6 +193,7 @@ def verify_prefix(
             routed_experts=content.routed_experts,
             context_tokens=int(len(content.token_mask) - np.count_nonzero(content.token_mask)),
             prefix_digest=digest,
+            digest_version=chain.digest_version,
         ),
     )
 
@@ -214,7 +222,8 @@ class _ChainWalk:
     parent_call_id: str | None = None  # chunk 0's (every chunk must agree)
     weight_version: int = 0  # chunk 0's
     chunk_lengths: list[int] = field(default_factory=list)  # tokens per chunk
-    routed: list[bool] = field(default_factory=list)  # per chunk: it carries routes (int16)
+    routed: list[int] = field(default_factory=list)  # per chunk: its routes encoding (0: none)
+    digest_version: int = digests.DEFAULT_VERSION  # chunk 0's (every chunk must share it)
 
 
 class _Content(NamedTuple):
@@ -223,7 +232,7 @@ class _Content(NamedTuple):
     token_ids: np.ndarray  # int64[T]
     token_mask: np.ndarray  # float32[T]
     logprobs: np.ndarray  # float32[T]
-    routed_experts: np.ndarray | None  # int16[T, L, K] or None
+    routed_experts: np.ndarray | None  # [T, L, K] (int16 or uint8) or None
 
 
 def _checked_continuation(continuation: ContinuationLike) -> Continuation:
@@ -264,19 +273,38 @@ def _walk_chunks(rows: PackedBatch, cont: Continuation, rollout_id: str, call_id
     hashes recomputed (per-chunk Python: a prefix has a handful of chunks)."""
     walk = _ChainWalk()
     chain: bytes | None = None
-    cumulative = hashing.prefix_state()
+    cumulative: Hasher | None = None
     for i, key in enumerate(cont.keys):
         try:
             row = row_from_fields(rows.row(i))
         except (KeyError, ValueError, IndexError, UnicodeDecodeError) as e:
             raise _Unusable(reasons.INVALID_STAGING_ROW, f"{key!r} does not decode: {type(e).__name__}: {e}") from None
         _check_chunk_identity(row, key, i, rollout_id, call_id, walk)
+        if i == 0:
+            walk.digest_version = _chunk_version(row, key, cont)
+            cumulative = hashing.prefix_state(None, walk.digest_version)
+        elif row.digest_version != walk.digest_version:
+            raise _Unusable(
+                reasons.INVALID_STAGING_ROW,
+                f"{key!r}: digest_version {row.digest_version}, chunk 0's {walk.digest_version}: one call, one algorithm",
+            )
         _check_chunk_layout(row, key, walk.tokens)
         chain = _check_chunk_hashes(row, key, i, chain, cumulative)
         walk.tokens = row.cum_len
         walk.chunk_lengths.append(row.delta_len)
-        walk.routed.append(row.routes_encoding == ROUTES_INT16)
+        walk.routed.append(row.routes_encoding)
     return walk
+
+
+def _chunk_version(row: StagedRow, key: str, cont: Continuation) -> int:
+    """Chunk 0's digest version: one this build computes, and the continuation's when it
+    states one; else invalid_staging_row."""
+    v = row.digest_version
+    if v not in digests.SUPPORTED_VERSIONS:
+        raise _Unusable(reasons.INVALID_STAGING_ROW, f"{key!r}: digest_version {v} unsupported ({digests.described()})")
+    if cont.digest_version is not None and v != cont.digest_version:
+        raise _Unusable(reasons.INVALID_STAGING_ROW, f"{key!r}: digest_version {v}, the continuation's {cont.digest_version}")
+    return v
 
 
 def _check_chunk_identity(row: StagedRow, key: str, i: int, rollout_id: str, call_id: str, walk: _ChainWalk) -> None:
@@ -304,15 +332,15 @@ def _check_chunk_layout(row: StagedRow, key: str, preceding: int) -> None:
         raise _Unusable(problem[0], f"{key!r}: {problem[1]}")
     if row.prev_len != preceding:
         raise _Unusable(reasons.PARENT_LENGTH_MISMATCH, f"{key!r}: prev_len {row.prev_len}, but {preceding} tokens precede it")
-    if row.routes_encoding not in (ROUTES_NONE, ROUTES_INT16):
+    if row.routes_encoding != ROUTES_NONE and row.routes_encoding not in ROUTES_ENCODINGS:
         raise _Unusable(reasons.INVALID_ROUTES, f"{key!r}: unknown routes_encoding {row.routes_encoding}")
-    if row.routes_encoding == ROUTES_INT16 and row.routed_experts is None:
-        raise _Unusable(reasons.MISSING_ROUTES, f"{key!r}: routes_encoding 1 but no routed_experts")
+    if row.routes_encoding != ROUTES_NONE and row.routed_experts is None:
+        raise _Unusable(reasons.MISSING_ROUTES, f"{key!r}: routes_encoding {row.routes_encoding} but no routed experts")
     if row.routes_encoding == ROUTES_NONE:
         row.routed_experts = None
 
 
-def _check_chunk_hashes(row: StagedRow, key: str, i: int, chain: bytes | None, cumulative: "hashlib._Hash") -> bytes:
+def _check_chunk_hashes(row: StagedRow, key: str, i: int, chain: bytes | None, cumulative: Hasher) -> bytes:
     """The row's digest recomputed; its chain hash extends ``chain`` (the previous
     chunk's, None for chunk 0) and its cumulative hash extends the running
     ``cumulative`` state (fed this chunk's ids). Returns this chunk's chain hash."""
@@ -322,7 +350,7 @@ def _check_chunk_hashes(row: StagedRow, key: str, i: int, chain: bytes | None, c
         raise _Unusable(reasons.INVALID_STAGING_ROW, f"{key!r}: {e}") from None
     if recomputed != row.digest:
         raise _Unusable(reasons.CORRUPT_DIGEST, f"{key!r}: recomputed digest differs from the row's")
-    chain = hashing.chain_hash(chain, row.token_ids)
+    chain = hashing.chain_hash(chain, row.token_ids, row.digest_version)
     if chain != row.chain_hash:
         raise _Unusable(reasons.CHAIN_HASH_MISMATCH, f"{key!r}: chain hash does not extend chunk {i - 1}")
     if hashing.extend_prefix(cumulative, row.token_ids) != row.cumulative_hash:
@@ -333,13 +361,14 @@ def _check_chunk_hashes(row: StagedRow, key: str, i: int, chain: bytes | None, c
 def _check_content(
     rows: PackedBatch,
     cont: Continuation,
-    routed: list[bool],
+    routed: list[int],
     vocab_size: int | None,
     num_experts: int | None,
     routes_shape: tuple[int, int] | None,
 ) -> _Content:
     """The whole prefix at once (vectorized): mask zeros-then-ones, token range,
-    logprobs, and routes on every chunk or none (``routed``: per chunk)."""
+    logprobs, and routes on every chunk or none, all of one encoding (``routed``: each
+    chunk's routes encoding)."""
     # Rows are in chain order, so each field's packed buffer IS the prefix (no copy).
     ids, mask, lps = (_span(rows, name) for name in ("token_ids", "token_mask", "logprobs"))
     problem = _check_prefix_mask(mask) or (validation.check_tokens(ids, vocab_size) if vocab_size is not None else None)
@@ -349,10 +378,14 @@ def _check_content(
     routes = None
     if any(routed):
         if not all(routed):
-            i = routed.index(False)
+            i = routed.index(ROUTES_NONE)
             raise _Unusable(reasons.MISSING_ROUTES, f"{cont.keys[i]!r} has no routes; chunk(s) before it do")
-        routes = _span(rows, ROUTES_FIELD)
-        problem = validation.check_routes(ROUTES_INT16, routes, len(ids), num_experts, routes_shape)
+        enc = routed[0]
+        if any(e != enc for e in routed):
+            i = next(i for i, e in enumerate(routed) if e != enc)
+            raise _Unusable(reasons.INVALID_ROUTES, f"{cont.keys[i]!r}: routes_encoding {routed[i]}, chunk 0's is {enc}")
+        routes = _span(rows, routes_field(enc))
+        problem = validation.check_routes(enc, routes, len(ids), num_experts, routes_shape)
         if problem:
             raise _Unusable.of(problem)
     elif routes_shape is not None:
@@ -360,12 +393,13 @@ def _check_content(
     return _Content(ids, mask, lps, routes)
 
 
-def _check_claims(cont: Continuation, tokens: int, token_ids: np.ndarray) -> bytes:
+def _check_claims(cont: Continuation, tokens: int, token_ids: np.ndarray, digest_version: int) -> bytes:
     """The continuation's own claims: its token count is the chunks' ``tokens``, its
-    digest the one recomputed over ``token_ids``. Returns that digest (32 bytes)."""
+    digest the one recomputed over ``token_ids`` (with the chunks' ``digest_version``).
+    Returns that digest (32 bytes)."""
     if tokens != cont.prefix_tokens:
         raise _Unusable(PREFIX_LENGTH_MISMATCH, f"the chunks hold {tokens} tokens, the continuation says {cont.prefix_tokens}")
-    digest = _prefix_digest(token_ids)
+    digest = _prefix_digest(token_ids, digest_version)
     if digest != cont.prefix_digest:
         raise _Unusable(PREFIX_DIGEST_MISMATCH, "recomputed prefix digest differs from the continuation's")
     return digest

@@ -17,10 +17,11 @@ from ..schema import (
     HASH_FIELDS,
     ID_FIELDS,
     ROUTES_DTYPE,
-    ROUTES_FIELD,
     SCALAR_FIELDS,
     TOKEN_FIELDS,
     StagedRow,
+    routes_encoding_of,
+    routes_field,
 )
 
 # Bytes a packed row costs besides its token payload: scalars, hashes and one offset per
@@ -34,11 +35,12 @@ _TOKEN_SIGNATURE = tuple((name, dt.str, ()) for name, dt in TOKEN_FIELDS.items()
 
 
 def row_signature(row: StagedRow) -> Signature:
-    """(field, dtype, trailing shape) of every token field the row carries."""
+    """(field, dtype, trailing shape) of every token field the row carries (its routes
+    under its encoding's field: int16 and uint8 rows never share a put)."""
     sig = tuple((name, np.asarray(getattr(row, name)).dtype.str, ()) for name in TOKEN_FIELDS)
     if row.routes_encoding and row.routed_experts is not None:
         r = row.routed_experts
-        sig += ((ROUTES_FIELD, r.dtype.str, tuple(r.shape[1:])),)
+        sig += ((routes_field(row.routes_encoding), r.dtype.str, tuple(r.shape[1:])),)
     return sig
 
 
@@ -49,13 +51,16 @@ def put_nbytes(row: StagedRow) -> int:
     return int(row.token_ids.nbytes + row.token_mask.nbytes + row.logprobs.nbytes + routes + ids + ROW_FIXED_BYTES)
 
 
-def chunk_signature(routes_shape: tuple[int, int] | None) -> Signature:
-    """The planner signature of every chunk with ``routes_shape`` (:func:`row_signature`)."""
+def chunk_signature(routes_shape: tuple[int, int] | None, routes_dtype: np.dtype = ROUTES_DTYPE) -> Signature:
+    """The planner signature of every chunk with ``routes_shape`` and routes of
+    ``routes_dtype`` (int16 or uint8; :func:`row_signature`)."""
     if routes_shape is None:
         return _TOKEN_SIGNATURE
-    return _TOKEN_SIGNATURE + ((ROUTES_FIELD, ROUTES_DTYPE.str, tuple(routes_shape)),)
+    dtype = np.dtype(routes_dtype)
+    return _TOKEN_SIGNATURE + ((routes_field(routes_encoding_of(dtype)), dtype.str, tuple(routes_shape)),)
 
 
-def token_nbytes(routes_shape: tuple[int, int] | None) -> int:
-    """Bytes one token adds to a packed row: ids, mask, logprobs (and routed experts)."""
-    return 16 + (0 if routes_shape is None else 2 * routes_shape[0] * routes_shape[1])
+def token_nbytes(routes_shape: tuple[int, int] | None, routes_itemsize: int = ROUTES_DTYPE.itemsize) -> int:
+    """Bytes one token adds to a packed row: ids, mask, logprobs (and routed experts of
+    ``routes_itemsize`` bytes per id)."""
+    return 16 + (0 if routes_shape is None else routes_itemsize * routes_shape[0] * routes_shape[1])

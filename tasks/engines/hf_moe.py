@@ -30,7 +30,8 @@ from transformers import MixtralConfig, MixtralForCausalLM, Qwen2MoeConfig, Qwen
 
 from ..errors import InvalidCall, InvalidPolicyConfig, InvalidRecord
 from ..gate import CaptureGate
-from ..schema import ROUTES_DTYPE, StagedRow
+from ..hashing import DIGEST_VERSION
+from ..schema import StagedRow
 from ..toy.environment import ToolEnvironment
 from .shapes import ConfigShapes
 from .threads import torch_threads
@@ -253,8 +254,10 @@ def generate_rollouts(
     *,
     env: ToolEnvironment | None = None,
     weight_version: int = 0,
+    digest_version: int = DIGEST_VERSION,
 ) -> list[GeneratedRollout]:
-    """Generate every rollout (KV-cached decoding), each call staged through a CaptureGate.
+    """Generate every rollout (KV-cached decoding), each call staged through a CaptureGate
+    hashing with ``digest_version`` (:mod:`tasks.digests`).
 
     Rollouts of the same shape (prompt length, turns, tokens per turn, tool tokens) decode
     as one batch with one KV cache, kept across turns: call ``t`` prefills the previous
@@ -269,7 +272,8 @@ def generate_rollouts(
         raise InvalidCall("invalid_argument", "duplicate rollout_id in specs")
     V = engine.vocab_size
     env = env or ToolEnvironment(seed=engine.config.seed, vocab_size=V)
-    gates = [CaptureGate(s.rollout_id, vocab_size=V, num_experts=engine.num_experts, group_id=s.group_id) for s in specs]
+    gates = [CaptureGate(s.rollout_id, vocab_size=V, num_experts=engine.num_experts, group_id=s.group_id,
+                         digest_version=digest_version) for s in specs]
     rows: list[list[StagedRow]] = [[] for _ in specs]
     tokens: list[np.ndarray] = [np.zeros(0, np.int64) for _ in specs]
     generated: list[np.ndarray] = [np.zeros(0, np.int64) for _ in specs]
@@ -323,7 +327,7 @@ def _generate_batch(
         ctx_routes = np.concatenate([routes[:, :1], routes[:, : c - 1]], axis=1) if turn == 0 else routes[:, :c]
         gen_tok = np.empty((B, n_new), np.int64)
         gen_lp = np.empty((B, n_new), np.float32)
-        gen_rt = np.empty((B, n_new, *engine.routes_shape), ROUTES_DTYPE)
+        gen_rt = np.empty((B, n_new, *engine.routes_shape), engine.routes_dtype)  # uint8 up to 256 experts
         step_logits, step_routes = logits[:, -1], routes[:, -1]
         for j in range(n_new):
             pos = np.full(B, prev_len + c + j, dtype=np.int64)
@@ -444,7 +448,7 @@ def check_row(engine: HFMoEEngine, input_ids: RowArray, token_mask: RowArray, lo
     """Teacher-force one finalized row (arrays of its own length ``T``) and compare.
 
     input_ids int ``[T]``, token_mask float ``[T]``, logprobs float32 ``[T]``,
-    routed_experts int16 ``[T, L, K]`` (numpy or torch).
+    routed_experts ``[T, L, K]`` in any integer dtype (uint8 or int16 as staged; numpy or torch).
     """
     ids = _as_int64(input_ids)
     mask = np.asarray(token_mask.cpu().numpy() if isinstance(token_mask, torch.Tensor) else token_mask) > 0

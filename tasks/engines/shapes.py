@@ -1,7 +1,12 @@
-"""The shapes an engine answers from its config: vocabulary, experts, routes ``(L, K)``."""
+"""The shapes an engine answers from its config: vocabulary, experts, routes ``(L, K)``
+and the dtype its routed expert ids are captured in."""
 from __future__ import annotations
 
 from typing import Protocol
+
+import numpy as np
+
+from ..schema import routes_dtype_for
 
 
 class ShapesConfig(Protocol):
@@ -38,3 +43,9 @@ class ConfigShapes:
     def routes_shape(self) -> tuple[int, int]:
         """``(L, K)``: the trailing shape of routed experts per token."""
         return (self.config.layers, self.config.top_k)
+
+    @property
+    def routes_dtype(self) -> np.dtype:
+        """The dtype routed expert ids are produced in: uint8 up to 256 experts, else int16
+        (:func:`tasks.schema.routes_dtype_for`; the gate stages them in that encoding)."""
+        return routes_dtype_for(self.config.experts)

@@ -8,19 +8,18 @@ next (parent chain hash, parent length, routes shape). A failed rule raises
 """
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from .. import hashing
 from .. import reasons as R
+from ..digests import SUPPORTED_VERSIONS, DigestScheme, described, scheme
 from ..errors import RuleFailed
 from ..receipts import CallRecord
 from ..schema import (
     HASH_FIELDS,
     ID_FIELDS,
-    ROUTES_INT16,
     ROUTES_NONE,
     SCALAR_FIELDS,
     SCHEMA_VERSION,
@@ -54,18 +53,21 @@ def _utf8(text: str) -> bytes | None:
 class ChainCheck:
     """One rollout's walk from the root call to the terminal, and the state it carries.
 
-    ``root_enc``: the root's routes encoding (every call must share it);
+    ``root_enc``: the root's routes encoding (every call must share it); ``scheme``: the
+    receipt's digest version, the algorithm every call is recomputed with (a receipt's
+    calls share one, :func:`~tasks.finalize.plan.plan_step` checked it);
     ``parent_chain``: the previous call's recomputed chain hash (None before the root);
     ``prev_cum``: where the previous call's tokens end; ``routes_shape``: the ``(L, K)``
     of the first routed call. After :meth:`run`, ``rows_i`` / ``rows_j`` hold each
     call's row in the staging / routes table (-1: no routes).
     """
 
-    __slots__ = ("plan", "root_enc", "parent_chain", "prev_cum", "routes_shape", "rows_i", "rows_j")
+    __slots__ = ("plan", "root_enc", "scheme", "parent_chain", "prev_cum", "routes_shape", "rows_i", "rows_j")
 
     def __init__(self, plan: RolloutPlan) -> None:
         self.plan = plan
         self.root_enc: int = plan.chain[0].routes_encoding
+        self.scheme: DigestScheme = scheme(plan.chain[0].digest_version)
         self.parent_chain: bytes | None = None
         self.prev_cum = 0
         self.routes_shape: tuple[int, ...] | None = None
@@ -80,7 +82,7 @@ class ChainCheck:
     def run(self, rules: "CallRules") -> None:
         """Every call's rules, root first; raises :class:`RuleFailed` at the first failure."""
         index, good = rules.rows.index, rules.rows.good
-        lean, checked = rules.lean, rules.checked
+        lean, checked = rules.lean_for(self.root_enc), rules.checked
         rid = self.plan.rollout_id
         rid_utf8 = _utf8(rid)
         rows_i, rows_j = self.rows_i, self.rows_j
@@ -88,7 +90,7 @@ class ChainCheck:
             i = index.get(rec.staging_key, -1)
             if i < 0:
                 raise RuleFailed(R.MISSING_STAGING_ROW, f"call {rec.model_call_id!r}: no staged row for {rec.staging_key!r}")
-            j = lean(rec, i, self, rid_utf8) if good[i] else None
+            j = lean(rec, i, self, rid_utf8) if good[i] and lean is not None else None
             if j is None:  # not cleared by the pre-checks: the named checks decide
                 j = checked(rec, rid, i, self)
             rows_i.append(i)
@@ -98,24 +100,36 @@ class ChainCheck:
 class CallRules:
     """The rules of one call against one fetched batch (built once per verify task).
 
-    :attr:`lean` is the path of a row the batch pre-checks cleared (:attr:`RowTable.good`,
-    :attr:`RoutesTable.sound`): ids compared as bytes, receipt fields compared, digest and
-    chain hash recomputed over byte views of the batch buffers, content and expert ranges
-    read off the pre-scans. :meth:`checked` runs every rule through its named check.
-    Reasons and details are the same either way.
+    :meth:`lean_for` gives the path of a row the batch pre-checks cleared
+    (:attr:`RowTable.good`, :attr:`RoutesTable.sound`): ids compared as bytes, receipt
+    fields compared, digest and chain hash recomputed over byte views of the batch
+    buffers, content and expert ranges read off the pre-scans. :meth:`checked` runs every
+    rule through its named check. Reasons and details are the same either way.
+    ``routes``: one :class:`RoutesTable` per routes encoding (a chain reads its root's).
     """
 
-    def __init__(self, rows: RowTable, routes: RoutesTable, vocab_size: int, num_experts: int | None) -> None:
+    def __init__(self, rows: RowTable, routes: Mapping[int, RoutesTable], vocab_size: int, num_experts: int | None) -> None:
         self.rows = rows
         self.routes = routes
         self.vocab_size = vocab_size
         self.num_experts = num_experts
-        self.lean: LeanCall = _lean_path(rows, routes, vocab_size, num_experts)
+        self._lean: dict[int, LeanCall] = {enc: _lean_path(rows, t, vocab_size, num_experts) for enc, t in routes.items()}
+        if self._lean:  # an unrouted chain reads no routes table: any encoding's path serves
+            self._lean.setdefault(ROUTES_NONE, next(iter(self._lean.values())))
+        self._no_routes = RoutesTable(None, None)
+
+    def lean_for(self, encoding: int) -> LeanCall | None:
+        """The lean path of chains of routes ``encoding`` (None: unknown, named checks only)."""
+        return self._lean.get(encoding)
+
+    def routes_for(self, encoding: int) -> RoutesTable:
+        """The routes table of ``encoding`` (an empty one for no routes or an unknown one)."""
+        return self.routes.get(encoding, self._no_routes)
 
     def checked(self, rec: CallRecord, rid: str, i: int, st: ChainCheck) -> int:
         """Every rule for one call, each through its named check (the path for a row the
         batch pre-checks did not clear). Returns the call's routes row (-1: none)."""
-        rows, routes, num_experts = self.rows, self.routes, self.num_experts
+        rows, routes, num_experts = self.rows, self.routes_for(st.root_enc), self.num_experts
         where = f"call {rec.model_call_id!r}"
         row = _row_structure(rows, i)
         if row["rollout_id"] != rid or row["model_call_id"] != rec.model_call_id:
@@ -164,7 +178,7 @@ class CallRules:
             raise RuleFailed(R.CORRUPT_DIGEST, f"{where}: recomputed digest differs from the stored one")
         if row["prev_len"] != st.prev_cum:
             raise RuleFailed(R.PARENT_LENGTH_MISMATCH, f"{where}: prev_len {row['prev_len']}, parent ends at {st.prev_cum}")
-        st.parent_chain = hashing.chain_hash(st.parent_chain, row["token_ids"])
+        st.parent_chain = hashing.chain_hash(st.parent_chain, row["token_ids"], row["digest_version"])
         if st.parent_chain != row["chain_hash"]:
             raise RuleFailed(R.CHAIN_HASH_MISMATCH, f"{where}: recomputed chain hash differs")
         check_content(rec, rows, i, row["token_ids"], row["token_mask"], row["logprobs"], self.vocab_size)
@@ -227,8 +241,9 @@ def _lean_match(rows: RowTable, routes: RoutesTable) -> LeanMatch:
     b_dig, b_ch, b_cu = raw.get("digest"), raw.get("chain_hash"), raw.get("cumulative_hash")
     s_prev, s_delta, s_cum = scal.get("prev_len"), scal.get("delta_len"), scal.get("cum_len")
     s_wv, s_enc, s_sv = scal.get("weight_version"), scal.get("routes_encoding"), scal.get("schema_version")
+    s_dv = scal.get("digest_version")
     r_index, r_sound, r_present, r_offsets = routes.index, routes.sound, routes.present, routes.offsets
-    r_mv, r_bpt = routes.mv, routes.bytes_per_token
+    r_mv, r_bpt, r_enc = routes.mv, routes.bytes_per_token, routes.encoding
 
     def match(rec: CallRecord, i: int, st: ChainCheck, rids: bytes | None) -> LeanRow | None:
         row_rid = b_rid[o_rid[i] : o_rid[i + 1]]
@@ -247,6 +262,7 @@ def _lean_match(rows: RowTable, routes: RoutesTable) -> LeanMatch:
             or cum != rec.cum_len
             or wv != rec.weight_version
             or enc != rec.routes_encoding
+            or s_dv[i] != rec.digest_version
             or dig != rec.digest
             or chh != rec.chain_hash
             or cuh != rec.cumulative_hash
@@ -257,7 +273,7 @@ def _lean_match(rows: RowTable, routes: RoutesTable) -> LeanMatch:
         route_buf = None
         if enc != ROUTES_NONE:
             j = r_index.get(rec.staging_key, -1)
-            if not (enc == ROUTES_INT16 and r_sound and j >= 0 and r_present[j] and r_offsets[j + 1] - r_offsets[j] == delta):
+            if not (enc == r_enc and r_sound and j >= 0 and r_present[j] and r_offsets[j + 1] - r_offsets[j] == delta):
                 return None
             route_buf = r_mv[r_offsets[j] * r_bpt : r_offsets[j + 1] * r_bpt]
         return (j, enc, delta, cum, prev, wv, s_sv[i], row_rid, row_cid, row_par, dig, chh, cuh, route_buf)
@@ -277,10 +293,10 @@ def _lean_hashes(rows: RowTable, routes: RoutesTable) -> Callable[[CallRecord, i
     o_ids, o_mask, o_lps = offs.get("token_ids"), offs.get("token_mask"), offs.get("logprobs")
     mv_ids, mv_mask, mv_lps = mv.get("token_ids"), mv.get("token_mask"), mv.get("logprobs")
     r_shape = routes.route_shape
-    sha256, head, u32, lengths, nbytes, routes_head = (
-        hashlib.sha256, hashing.call_head, hashing.U32.pack, hashing.LENGTHS.pack, hashing.NBYTES.pack, hashing.ROUTES_HEAD.pack,
+    head, u32, lengths, nbytes, routes_head = (
+        hashing.call_head, hashing.U32.pack, hashing.LENGTHS.pack, hashing.NBYTES.pack, hashing.ROUTES_HEAD.pack,
     )
-    tag, tag_root, root, linked = hashing.TAG_CHAIN, hashing.TAG_CHAIN + hashing.ROOT_MARKER, hashing.ROOT_MARKER, b"\x01"
+    root, linked = hashing.ROOT_MARKER, b"\x01"
 
     def hashes(rec: CallRecord, i: int, st: ChainCheck, row: LeanRow) -> None:
         _, enc, delta, cum, prev, wv, sv, row_rid, row_cid, row_par, dig, chh, cuh, route_buf = row
@@ -289,8 +305,9 @@ def _lean_hashes(rows: RowTable, routes: RoutesTable) -> Callable[[CallRecord, i
         a_mask, a_lps = o_mask[i], o_lps[i]
         mask_b = mv_mask[a_mask * 4 : (a_mask + delta) * 4]
         lps_b = mv_lps[a_lps * 4 : (a_lps + delta) * 4]
-        h = sha256(b"".join((
-            head(sv, row_rid), u32(len(row_cid)), row_cid,
+        sc = st.scheme  # the receipt's algorithm (the row's: its digest_version matched)
+        h = sc.new(b"".join((
+            head(sv, row_rid, sc.version), u32(len(row_cid)), row_cid,
             linked + u32(len(row_par)) + row_par if row_par else root,
             lengths(prev, delta, cum, wv, enc), nbytes(len(ids_b)),
         )))
@@ -310,7 +327,7 @@ def _lean_hashes(rows: RowTable, routes: RoutesTable) -> Callable[[CallRecord, i
                 R.PARENT_LENGTH_MISMATCH, f"call {rec.model_call_id!r}: prev_len {prev}, parent ends at {st.prev_cum}"
             )
         parent = st.parent_chain
-        c = sha256(tag_root if parent is None else tag + linked + parent)
+        c = sc.new(sc.chain_root if parent is None else sc.chain_link + parent)
         c.update(ids_b)
         st.parent_chain = c.digest()
         if st.parent_chain != chh:
@@ -374,10 +391,11 @@ def _row_structure(t: RowTable, i: int) -> dict[str, Any]:
         row[name] = t.scalars[name][i]
     for name in HASH_FIELDS:
         row[name] = t.raw(name, i)
-    if row["schema_version"] != SCHEMA_VERSION or row["digest_version"] != hashing.DIGEST_VERSION:
+    if row["schema_version"] != SCHEMA_VERSION or row["digest_version"] not in SUPPORTED_VERSIONS:
         raise RuleFailed(
             R.INVALID_STAGING_ROW,
-            f"schema/digest version {row['schema_version']}/{row['digest_version']} unsupported",
+            f"schema/digest version {row['schema_version']}/{row['digest_version']} unsupported "
+            f"(this build: schema {SCHEMA_VERSION}, digest {described()})",
         )
     for name in TOKEN_FIELDS:
         row[name] = t.view(name, i)

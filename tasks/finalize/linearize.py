@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from ..schema import ROUTES_DTYPE, TOKEN_FIELDS
+from ..schema import TOKEN_FIELDS
 
 
 @dataclass
@@ -28,7 +28,7 @@ class Linearized:
     input_ids: np.ndarray  # int64[T]
     token_mask: np.ndarray  # float32[T]
     logprobs: np.ndarray  # float32[T]
-    routed_experts: np.ndarray | None  # int16[T, L, K] or None
+    routed_experts: np.ndarray | None  # [T, L, K] as stored (int16 or uint8), or None
     prompt_length: int
     spans: list[tuple[str, int, int]]
 
@@ -164,7 +164,8 @@ def linearize_ranges(
     ids = gather_ranges(ids_v, ids_s, ids_e, TOKEN_FIELDS["token_ids"], alloc)
     mask = gather_ranges(mask_v, mask_s, mask_e, TOKEN_FIELDS["token_mask"], alloc)
     lps = gather_ranges(*logprobs, TOKEN_FIELDS["logprobs"], alloc)
-    routes = None if routed_experts is None else gather_ranges(*routed_experts, ROUTES_DTYPE, alloc)
+    # Routes keep the dtype they were stored in (int16 or uint8, one per chain).
+    routes = None if routed_experts is None else gather_ranges(*routed_experts, routed_experts[0].dtype, alloc)
     # Zeros-then-ones was verified, so the prompt is the root's zeros.
     root = mask_v[mask_s[0] : mask_e[0]] if len(mask_s) else mask_v[:0]
     prompt_length = int(root.shape[0] - np.count_nonzero(root))
@@ -182,7 +183,7 @@ def linearize(
     """Concatenate the chain's deltas (root first); the inputs are already verified.
 
     ``routed_experts`` is ``None`` for an unrouted chain, else one ``[delta_len, L, K]``
-    array per call with the same ``[L, K]``.
+    array per call with the same ``[L, K]`` and dtype (kept: int16 or uint8).
     """
 
     def cat(parts: Sequence[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -193,7 +194,7 @@ def linearize(
     ids = cat(token_ids, TOKEN_FIELDS["token_ids"])
     mask = cat(token_mask, TOKEN_FIELDS["token_mask"])
     lps = cat(logprobs, TOKEN_FIELDS["logprobs"])
-    routes = None if routed_experts is None else cat(routed_experts, ROUTES_DTYPE)
+    routes = None if routed_experts is None else cat(routed_experts, routed_experts[0].dtype)
     root_mask = token_mask[0]
     prompt_length = int(root_mask.shape[0] - np.count_nonzero(root_mask))
     return Linearized(ids, mask, lps, routes, prompt_length, _spans(call_ids, [int(p.shape[0]) for p in token_ids]))

@@ -11,10 +11,11 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence, TypedDict, cast
 
 from .. import reasons as R
+from ..digests import SUPPORTED_VERSIONS, described
 from ..errors import InvalidKey
 from ..keys import CUT_PREFIX, MAX_ID_BYTES, check_id, staging_key
 from ..receipts import RECEIPT_VERSION, CallRecord, Receipt
-from ..schema import HASH_BYTES, HASH_FIELDS, ROUTES_INT16, ROUTES_NONE
+from ..schema import HASH_BYTES, HASH_FIELDS, ROUTES_INT16, ROUTES_NONE, ROUTES_UINT8
 
 ReceiptLike = Receipt | Mapping[str, object]
 Rejection = tuple[str, str]
@@ -24,6 +25,8 @@ _RECEIPT_REQUIRED = ("rollout_id", "reward", "terminal_model_call_id", "calls")
 _RECEIPT_OPTIONAL = {"poisoned": False, "failure_reason": None, "group_id": None, "version": RECEIPT_VERSION}
 _RECORD_FIELDS = tuple(CallRecord.__dataclass_fields__)
 _INT_FIELDS = ("prev_len", "delta_len", "cum_len", "weight_version")
+# A record field a mapping may leave out: a record without it was hashed with SHA-256.
+_OPTIONAL_RECORD_FIELDS = {"digest_version": 1}
 # Training reads rewards as float32 (``FinalizedGroup.rewards``): a float64 of this
 # magnitude or more rounds to +-inf there (it is the midpoint between float32's largest
 # finite value and 2**128, and that tie rounds to even: up).
@@ -187,11 +190,12 @@ def _plain_record(raw: CallRecord) -> CallRecord | None:
     if not (
         type(p) is int and type(d) is int and type(c) is int and type(w) is int and type(e) is int
         and 0 <= p <= _I64_MAX and 0 < d <= _I64_MAX and c == p + d and c <= _I64_MAX and _I64_MIN <= w <= _I64_MAX
-        and (e == ROUTES_NONE or e == ROUTES_INT16)
+        and (e == ROUTES_NONE or e == ROUTES_INT16 or e == ROUTES_UINT8)
         and type(r.digest) is bytes and len(r.digest) == HASH_BYTES
         and type(r.chain_hash) is bytes and len(r.chain_hash) == HASH_BYTES
         and type(r.cumulative_hash) is bytes and len(r.cumulative_hash) == HASH_BYTES
         and type(r.staging_key) is str
+        and type(r.digest_version) is int and r.digest_version in SUPPORTED_VERSIONS
         and _plain_id(r.model_call_id) and (par is None or _plain_id(par))
     ):
         return None
@@ -208,10 +212,10 @@ def _record(raw: object, i: int) -> CallRecord:
         get = lambda n: getattr(raw, n)  # noqa: E731
     elif isinstance(raw, Mapping):
         unknown = set(raw) - set(_RECORD_FIELDS)
-        missing = set(_RECORD_FIELDS) - set(raw)
+        missing = set(_RECORD_FIELDS) - set(raw) - set(_OPTIONAL_RECORD_FIELDS)
         if unknown or missing:
             raise _Bad(R.INVALID_RECEIPT, f"calls[{i}]: unknown fields {sorted(map(str, unknown))}, missing {sorted(missing)}")
-        get = raw.__getitem__
+        get = lambda n: raw[n] if n in raw else _OPTIONAL_RECORD_FIELDS[n]  # noqa: E731
     else:
         raise _Bad(R.INVALID_RECEIPT, f"calls[{i}] is {type(raw).__name__}, expected a call record")
     where = f"calls[{i}]"
@@ -230,17 +234,21 @@ def _record(raw: object, i: int) -> CallRecord:
     if ints["cum_len"] != ints["prev_len"] + ints["delta_len"]:
         raise _Bad(R.INVALID_RECEIPT, f"{where}.cum_len {ints['cum_len']} != prev_len + delta_len")
     enc = get("routes_encoding")
-    if not _is_int(enc) or enc not in (ROUTES_NONE, ROUTES_INT16):
-        raise _Bad(R.INVALID_RECEIPT, f"{where}.routes_encoding = {enc!r}, expected 0 or 1")
+    if not _is_int(enc) or enc not in (ROUTES_NONE, ROUTES_INT16, ROUTES_UINT8):
+        raise _Bad(R.INVALID_RECEIPT, f"{where}.routes_encoding = {enc!r}, expected 0, 1 or 2")
     key = get("staging_key")
     if not isinstance(key, str):
         raise _Bad(R.INVALID_RECEIPT, f"{where}.staging_key is {type(key).__name__}, expected str")
     hashes = {name: _hash(get(name), f"{where}.{name}") for name in HASH_FIELDS}
+    version = get("digest_version")
+    if not _is_int(version) or version not in SUPPORTED_VERSIONS:
+        raise _Bad(R.INVALID_RECEIPT, f"{where}.digest_version = {_short(version)}: this build verifies {described()}")
     return CallRecord(
         model_call_id=call_id,
         parent_call_id=parent,
         routes_encoding=int(enc),
         staging_key=key,
+        digest_version=int(version),
         **ints,
         **hashes,
     )
@@ -321,6 +329,13 @@ def _plan_one(raw: object, submitted_group: str | None = None) -> RolloutPlan:
     if not h["calls"]:
         raise _Bad(R.EMPTY_MANIFEST, "receipt lists no calls")
     records = [_record(c, i) for i, c in enumerate(h["calls"])]
+    mixed = next((r for r in records if r.digest_version != records[0].digest_version), None)
+    if mixed is not None:
+        raise _Bad(
+            R.INVALID_RECEIPT,
+            f"calls mix digest versions {records[0].digest_version} and {mixed.digest_version} "
+            f"({mixed.model_call_id!r}): one rollout's calls are hashed with one algorithm",
+        )
     seen: set[str] = set()
     for r in records:
         if r.model_call_id in seen:

@@ -1,9 +1,11 @@
 """A deliberately simple, per-token reference of the verification rules.
 
-Written independently of ``tasks.finalize.verify`` / ``tasks.hashing``: ids, mask and
-logprobs go through ``.tolist()`` and every rule is a Python loop over them; each hash
-input is built by hand from the layout in ``tasks/hashing.py``'s docstring (parts joined
-once; float and routes buffers hashed as one contiguous buffer each). It is the tests'
+Written independently of ``tasks.finalize.verify`` / ``tasks.hashing`` /
+``tasks.digests``: ids, mask and logprobs go through ``.tolist()`` and every rule is a
+Python loop over them; each hash input is built by hand from the layout in
+``tasks/hashing.py``'s docstring (parts joined once; float and routes buffers hashed as
+one contiguous buffer each), with the hash function and tags of the row's digest version
+(1: ``hashlib.sha256``, 2: ``blake3.blake3``), spelled out here. It is the tests'
 oracle and, as the per-token path the published system runs, the finalize benchmark's
 baseline.
 
@@ -16,6 +18,7 @@ import hashlib
 import math
 from typing import TYPE_CHECKING, Any
 
+import blake3
 import numpy as np
 
 from tasks.finalize.linearize import Linearized
@@ -40,6 +43,11 @@ __all__ = [
 TAG_CHAIN = b"token-capture/chain/v1\x00"
 TAG_PREFIX = b"token-capture/prefix/v1\x00"
 TAG_CALL = b"token-capture/call/v1\x00"
+# digest_version -> (hash function, chain tag, prefix tag, call tag).
+ALGORITHMS = {
+    1: (hashlib.sha256, TAG_CHAIN, TAG_PREFIX, TAG_CALL),
+    2: (blake3.blake3, b"token-capture/chain/v2\x00", b"token-capture/prefix/v2\x00", b"token-capture/call/v2\x00"),
+}
 
 ID_NAMES = ["rollout_id", "model_call_id", "parent_call_id"]
 SCALAR_NAMES = {
@@ -48,8 +56,10 @@ SCALAR_NAMES = {
 }
 HASH_NAMES = ["digest", "chain_hash", "cumulative_hash"]
 TOKEN_NAMES = {"token_ids": "<i8", "token_mask": "<f4", "logprobs": "<f4"}
+# routes_encoding -> (field, dtype) of the routes it stores (0: none).
+ROUTES_NAMES = {1: ("routed_experts", "<i2"), 2: ("routed_experts_u8", "u1")}
 COMPARED = ["parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version",
-            "routes_encoding", "digest", "chain_hash", "cumulative_hash"]
+            "routes_encoding", "digest_version", "digest", "chain_hash", "cumulative_hash"]
 
 
 class _Reject(Exception):
@@ -153,32 +163,34 @@ class RowsView:
 
 
 class RoutesView:
-    """A fetched ``routed_experts`` batch (or ``None``), indexed once, offsets checked once."""
+    """A fetched routes batch (or ``None``), indexed once, each encoding's field's offsets
+    checked once."""
 
     def __init__(self, routes: PackedBatch | None) -> None:
         self.index: dict[str, int] = {}
-        self.field = None
-        self.offs: list[int] = []
+        self.fields: dict[int, tuple[Any, list[int]]] = {}  # encoding -> (field, offsets)
         if routes is None:
             return
         for j, k in enumerate(routes.keys):
             self.index.setdefault(k, j)
-        f = routes.fields.get("routed_experts")
         n = len(routes.keys)
-        if f is None or not isinstance(f.values, np.ndarray) or f.offsets.shape != (n + 1,):
-            return
-        offs = f.offsets.tolist()
-        if n and (offs[0] < 0 or offs[-1] > f.values.shape[0] or any(b < a for a, b in zip(offs, offs[1:]))):
-            return
-        self.field, self.offs = f, offs
+        for enc, (name, _) in ROUTES_NAMES.items():
+            f = routes.fields.get(name)
+            if f is None or not isinstance(f.values, np.ndarray) or f.offsets.shape != (n + 1,):
+                continue
+            offs = f.offsets.tolist()
+            if n and (offs[0] < 0 or offs[-1] > f.values.shape[0] or any(b < a for a, b in zip(offs, offs[1:]))):
+                continue
+            self.fields[enc] = (f, offs)
 
-    def cell(self, key: str) -> np.ndarray | None:
+    def cell(self, key: str, encoding: int = 1) -> np.ndarray | None:
         idx = self.index.get(key)
-        if idx is None or self.field is None:
+        if idx is None or encoding not in self.fields:
             return None
-        if self.field.present is not None and not bool(self.field.present[idx]):
+        f, offs = self.fields[encoding]
+        if f.present is not None and not bool(f.present[idx]):
             return None
-        return self.field.values[self.offs[idx] : self.offs[idx + 1]]
+        return f.values[offs[idx] : offs[idx + 1]]
 
 
 def read_row(rows: RowsView, i: int) -> dict[str, Any]:
@@ -206,7 +218,7 @@ def read_row(rows: RowsView, i: int) -> dict[str, Any]:
         if len(b) != 32:
             raise _Reject("invalid_staging_row")
         row[name] = b
-    if row["schema_version"] != 1 or row["digest_version"] != 1:
+    if row["schema_version"] != 1 or row["digest_version"] not in ALGORITHMS:
         raise _Reject("invalid_staging_row")
     for name in TOKEN_NAMES:
         row[name] = cells[name]
@@ -249,12 +261,13 @@ def _routes_cell(
     than the chain's first routed call's ``lk``)."""
     if row["routes_encoding"] != root_enc:
         raise _Reject("invalid_routes")
-    if row["routes_encoding"] != 1:
+    names = ROUTES_NAMES.get(row["routes_encoding"])
+    if names is None:
         return None
-    experts = routes.cell(rec.staging_key)
+    experts = routes.cell(rec.staging_key, row["routes_encoding"])
     if experts is None:
         raise _Reject("missing_routes")
-    if experts.dtype != np.dtype("<i2") or experts.ndim != 3 or experts.shape[0] != row["delta_len"]:
+    if experts.dtype != np.dtype(names[1]) or experts.ndim != 3 or experts.shape[0] != row["delta_len"]:
         raise _Reject("invalid_routes")
     if lk is not None and (experts.shape[1], experts.shape[2]) != lk:
         raise _Reject("invalid_routes")
@@ -264,8 +277,9 @@ def _routes_cell(
 def _call_digest(rid: str, row: dict[str, Any], ids_b: bytes, experts: np.ndarray | None) -> bytes:
     """The row's digest recomputed by hand (``tasks/hashing.py``'s layout, parts joined once)."""
     parent_marker = b"\x00" if row["parent_call_id"] is None else b"\x01" + framed(row["parent_call_id"])
+    new, _, _, tag_call = ALGORITHMS[row["digest_version"]]
     parts = [
-        TAG_CALL, u(row["schema_version"] & 0xFFFF, 2), u(row["digest_version"], 2),
+        tag_call, u(row["schema_version"] & 0xFFFF, 2), u(row["digest_version"], 2),
         framed(rid), framed(row["model_call_id"]), parent_marker,
         s(row["prev_len"], 8), s(row["delta_len"], 8), s(row["cum_len"], 8), s(row["weight_version"], 8),
         s(row["routes_encoding"], 1), u(len(ids_b), 8), ids_b,
@@ -277,7 +291,7 @@ def _call_digest(rid: str, row: dict[str, Any], ids_b: bytes, experts: np.ndarra
         b = _raw(experts)
         parts += [u(experts.shape[1], 4), u(experts.shape[2], 4), u(b.nbytes, 8), b]
     parts += [row["chain_hash"], row["cumulative_hash"]]
-    return hashlib.sha256(b"".join(parts)).digest()
+    return new(b"".join(parts)).digest()
 
 
 def _check_hashes(
@@ -288,7 +302,8 @@ def _check_hashes(
         raise _Reject("corrupt_digest")
     if row["prev_len"] != prev_end:
         raise _Reject("parent_length_mismatch")
-    h = hashlib.sha256(TAG_CHAIN + (b"\x00" if parent_chain is None else b"\x01" + parent_chain))
+    new, tag_chain, _, _ = ALGORITHMS[row["digest_version"]]
+    h = new(tag_chain + (b"\x00" if parent_chain is None else b"\x01" + parent_chain))
     h.update(ids_b)
     chain = h.digest()
     if chain != row["chain_hash"]:
@@ -310,10 +325,11 @@ def _check_delta_content(
 
 class _TrainingRow:
     """The verified calls' tokens, joined call by call (Python lists, as published), and
-    the running prefix hash over their ids."""
+    the running prefix hash over their ids (with the receipt's digest version's algorithm)."""
 
-    def __init__(self) -> None:
-        self.prefix = hashlib.sha256(TAG_PREFIX)
+    def __init__(self, digest_version: int) -> None:
+        new, _, tag_prefix, _ = ALGORITHMS[digest_version]
+        self.prefix = new(tag_prefix)
         self.ids: list[int] = []
         self.mask: list[float] = []
         self.lps: list[float] = []
@@ -348,8 +364,9 @@ class _TrainingRow:
         if not self.ids or all(m == 0.0 for m in self.mask):
             raise _Reject("empty_training_row")
         routed = None
-        if root_enc == 1:
-            routed = np.concatenate(self.route_parts).astype(np.int16, copy=False).reshape(len(self.ids), lk[0], lk[1])
+        if root_enc in ROUTES_NAMES:
+            dtype = ROUTES_NAMES[root_enc][1]
+            routed = np.concatenate(self.route_parts).astype(dtype, copy=False).reshape(len(self.ids), lk[0], lk[1])
         return Linearized(
             np.array(self.ids, dtype=np.int64),
             np.array(self.mask, dtype=np.float32),
@@ -365,7 +382,7 @@ def _verify(plan: RolloutPlan, rows: RowsView, routes: RoutesView, vocab_size: i
     terminal, then once for the rollout; raises :class:`_Reject` at the first failure."""
     rid = plan.rollout_id
     root_enc = plan.chain[0].routes_encoding
-    out = _TrainingRow()
+    out = _TrainingRow(plan.chain[0].digest_version)
     lk = None
     prev_end = 0
     parent_chain = None

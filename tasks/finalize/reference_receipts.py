@@ -13,6 +13,8 @@ from typing import Any
 
 RECORD_KEYS = ["model_call_id", "parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version",
                "digest", "chain_hash", "cumulative_hash", "routes_encoding", "staging_key"]
+# A record may also say which algorithm hashed it (1 SHA-256, 2 BLAKE3); without it: 1.
+DIGEST_VERSIONS = (1, 2)
 
 
 def _good_id(v: object) -> bool:
@@ -79,7 +81,10 @@ def _top_level_reason(raw: dict[Any, Any]) -> str | None:
 def _record_ok(c: object) -> bool:
     """One call record is well formed (else invalid_receipt): its keys, good ids, int
     lengths that add up, a known routes encoding, a str staging key, 32-byte hashes."""
-    if not isinstance(c, dict) or sorted(c) != sorted(RECORD_KEYS):
+    if not isinstance(c, dict) or sorted(k for k in c if k != "digest_version") != sorted(RECORD_KEYS):
+        return False
+    version = c.get("digest_version", 1)
+    if not _int(version) or version not in DIGEST_VERSIONS:
         return False
     if not _good_id(c["model_call_id"]):
         return False
@@ -90,7 +95,7 @@ def _record_ok(c: object) -> bool:
             return False
     if c["delta_len"] <= 0 or c["prev_len"] < 0 or c["cum_len"] != c["prev_len"] + c["delta_len"]:
         return False
-    if not _int(c["routes_encoding"]) or c["routes_encoding"] not in (0, 1):
+    if not _int(c["routes_encoding"]) or c["routes_encoding"] not in (0, 1, 2):
         return False
     if not isinstance(c["staging_key"], str):
         return False
@@ -155,6 +160,8 @@ def reference_receipt_reason(raw: object, submitted_group: str | None = None) ->
     for c in calls:
         if not _record_ok(c):
             return "invalid_receipt"
+    if len({c.get("digest_version", 1) for c in calls}) > 1:
+        return "invalid_receipt"  # one rollout's calls are hashed with one algorithm
     ids = [c["model_call_id"] for c in calls]
     return _keys_reason(raw["rollout_id"], calls, ids) or _lineage_reason(raw["terminal_model_call_id"], calls, ids)
 

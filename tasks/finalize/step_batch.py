@@ -7,7 +7,10 @@ to the step's longest row ``T`` (tokens). Keys and dtypes: ``input_ids`` int64 [
 (generated tokens of accepted rows), ``old_logprobs`` float32 [B, T] (0 off ``loss_mask``),
 ``rewards``, ``advantages``, ``sample_mask`` float32 [B], ``token_advantages`` float32
 [B, T], ``group_index``, ``input_lengths``, ``prompt_lengths`` int64 [B], ``has_routes``
-bool [B], and ``routed_experts`` int16 [B, T, L, K] only when some row has routes.
+bool [B], and ``routed_experts`` [B, T, L, K] only when some row has routes: in the
+``routes_dtype`` the trainer asks for (e.g. ``torch.int64`` to index embeddings), by
+default as stored (uint8 when every group's routes were staged as one-byte ids, int16
+otherwise). The values are the same whichever encoding staged them.
 
 Advantages are GRPO's outcome advantages over each group's ACCEPTED rows only (mean and
 unbiased ``torch.std``, as verl's ``compute_grpo_outcome_advantage``), computed in float64
@@ -21,15 +24,15 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 
 from ..errors import InvalidInput
-from ..schema import ROUTES_DTYPE
 from .assemble import FinalizedGroup
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
-_ROUTES_TORCH = torch.from_numpy(np.zeros(0, dtype=ROUTES_DTYPE)).dtype  # int16
+# What a FinalizedGroup's routes may be (as stored), and what a trainer may ask for.
+_STORED_ROUTES = (torch.uint8, torch.int16)
+ROUTES_DTYPES = (torch.uint8, torch.int16, torch.int32, torch.int64)
 
 # (field, dtype, trailing shape rule): "n" = [n], "nt" = [n, t]
 _FIELDS: tuple[tuple[str, torch.dtype, str], ...] = (
@@ -63,9 +66,9 @@ def _check_group(gi: int, g: Any) -> tuple[int, int]:
             got = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
             raise _bad(gi, f"{name} must be {dtype} {list(want)}, got {got}")
     re = g.routed_experts
-    if re is not None and (not isinstance(re, torch.Tensor) or re.dtype != _ROUTES_TORCH or re.dim() != 4 or tuple(re.shape[:2]) != (n, t)):
+    if re is not None and (not isinstance(re, torch.Tensor) or re.dtype not in _STORED_ROUTES or re.dim() != 4 or tuple(re.shape[:2]) != (n, t)):
         got = f"{re.dtype} {tuple(re.shape)}" if isinstance(re, torch.Tensor) else type(re).__name__
-        raise _bad(gi, f"routed_experts must be None or {_ROUTES_TORCH} [{n}, {t}, L, K], got {got}")
+        raise _bad(gi, f"routed_experts must be None or uint8/int16 [{n}, {t}, L, K], got {got}")
     lengths, prompts = g.input_lengths, g.prompt_lengths
     if n and bool(((lengths < 0) | (lengths > t) | (prompts < 0) | (prompts > lengths)).any()):
         raise _bad(gi, f"lengths out of range: need 0 <= prompt_lengths <= input_lengths <= {t}")
@@ -79,11 +82,25 @@ def _check_group(gi: int, g: Any) -> tuple[int, int]:
     return n, t
 
 
-def _check_options(eps: float, pad_id: int) -> None:
+def _check_options(eps: float, pad_id: int, routes_dtype: torch.dtype | None) -> None:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise InvalidInput(f"step_batch: eps must be a finite number >= 0, got {eps!r}")
     if isinstance(pad_id, bool) or not isinstance(pad_id, int) or not -(2**63) <= pad_id < 2**63:
         raise InvalidInput(f"step_batch: pad_id must be an int64 token id, got {pad_id!r}")
+    if routes_dtype is not None and routes_dtype not in ROUTES_DTYPES:
+        raise InvalidInput(f"step_batch: routes_dtype must be None (as stored) or one of {list(ROUTES_DTYPES)}, got {routes_dtype!r}")
+
+
+def _routes_dtype(groups: Sequence[FinalizedGroup], asked: torch.dtype | None) -> torch.dtype:
+    """The batch's routes dtype: ``asked``, or the widest the groups store; uint8 asked of
+    int16-stored routes only when every id fits a byte (else :class:`InvalidInput`)."""
+    stored = [g.routed_experts for g in groups if g.routed_experts is not None]
+    widest = torch.uint8 if all(r.dtype == torch.uint8 for r in stored) else torch.int16
+    if asked is None:
+        return widest
+    if asked == torch.uint8 and any(r.dtype != torch.uint8 and r.numel() and int(r.max()) > 255 for r in stored):
+        raise InvalidInput("step_batch: routes_dtype uint8 asked, but int16-stored routes hold expert ids above 255")
+    return asked
 
 
 def group_advantages(
@@ -121,44 +138,59 @@ def group_advantages(
     return out.clamp(-_F32_MAX, _F32_MAX).to(torch.float32)
 
 
+def _padded(
+    groups: Sequence[FinalizedGroup], shapes: list[tuple[int, int]], T: int, pad_id: int,
+    route_shape: tuple[int, ...] | None, routes_dtype: torch.dtype | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The groups' ids, mask, logprobs (and routes, in :func:`_routes_dtype`) stacked and
+    right-padded to ``T`` tokens: one slice copy per field and group."""
+    B = sum(n for n, _ in shapes)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.int64)
+    token_mask = torch.zeros((B, T), dtype=torch.float32)
+    logprobs = torch.zeros((B, T), dtype=torch.float32)
+    routes = None
+    if route_shape is not None:
+        routes = torch.zeros((B, T) + route_shape, dtype=_routes_dtype(groups, routes_dtype))
+    row = 0
+    for g, (n, t) in zip(groups, shapes):
+        input_ids[row:row + n, :t] = g.input_ids
+        token_mask[row:row + n, :t] = g.token_mask
+        logprobs[row:row + n, :t] = g.logprobs
+        if routes is not None and g.routed_experts is not None:
+            routes[row:row + n, :t] = g.routed_experts  # cast to the asked dtype: same values
+        row += n
+    return input_ids, token_mask, logprobs, routes
+
+
 def step_batch(
     groups: Sequence[FinalizedGroup],
     *,
     eps: float = 1e-6,
     pad_id: int = 0,
     normalize_std: bool = True,
+    routes_dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
     """Stack a step's groups (step order) into one padded batch; see the module docstring.
 
-    Raises :class:`tasks.errors.InvalidInput` naming the group and field for a group that is
-    not a well-formed FinalizedGroup, a non-finite reward or logprob, routes whose
-    ``[L, K]`` differ between groups, a negative or non-finite ``eps``, or a bad ``pad_id``.
+    ``routes_dtype``: the dtype of ``routed_experts`` (one of :data:`ROUTES_DTYPES`);
+    ``None`` keeps them as stored (the widest of the groups'). Raises
+    :class:`tasks.errors.InvalidInput` naming the group and field for a group that is not
+    a well-formed FinalizedGroup, a non-finite reward or logprob, routes whose ``[L, K]``
+    differ between groups, a negative or non-finite ``eps``, a bad ``pad_id`` or
+    ``routes_dtype``.
     """
     if isinstance(groups, (FinalizedGroup, Mapping, str, bytes)) or not isinstance(groups, Sequence):
         hint = " (pass list(step.groups.values()))" if isinstance(groups, Mapping) else ""
         raise InvalidInput(f"step_batch: groups must be a sequence of FinalizedGroup, got {type(groups).__name__}{hint}")
-    _check_options(eps, pad_id)
+    _check_options(eps, pad_id, routes_dtype)
     shapes = [_check_group(gi, g) for gi, g in enumerate(groups)]
     route_shapes = {tuple(g.routed_experts.shape[2:]) for g in groups if g.routed_experts is not None}
     if len(route_shapes) > 1:
         raise InvalidInput(f"step_batch: routed_experts [L, K] differ between groups: {sorted(route_shapes)}")
     B = sum(n for n, _ in shapes)
     T = max((t for _, t in shapes), default=0)
-
-    input_ids = torch.full((B, T), pad_id, dtype=torch.int64)
-    token_mask = torch.zeros((B, T), dtype=torch.float32)
-    logprobs = torch.zeros((B, T), dtype=torch.float32)
-    routes = None
-    if route_shapes:
-        routes = torch.zeros((B, T) + next(iter(route_shapes)), dtype=_ROUTES_TORCH)
-    row = 0
-    for g, (n, t) in zip(groups, shapes):  # one slice copy per field and group
-        input_ids[row:row + n, :t] = g.input_ids
-        token_mask[row:row + n, :t] = g.token_mask
-        logprobs[row:row + n, :t] = g.logprobs
-        if routes is not None and g.routed_experts is not None:
-            routes[row:row + n, :t] = g.routed_experts
-        row += n
+    route_shape = next(iter(route_shapes)) if route_shapes else None
+    input_ids, token_mask, logprobs, routes = _padded(groups, shapes, T, pad_id, route_shape, routes_dtype)
 
     def cat(name: str, dtype: torch.dtype) -> torch.Tensor:
         return torch.cat([getattr(g, name) for g in groups]) if B else torch.zeros(0, dtype=dtype)

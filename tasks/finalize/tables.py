@@ -2,7 +2,8 @@
 
 :class:`RowTable` indexes the staging rows by key and runs the numpy scans that clear
 sound rows from per-call checks; :class:`RoutesTable` does the same for the
-``routed_experts`` batch. Built once per verify task, read-only afterwards, shared by
+routes batch (one table per routes encoding: each reads its own field). Built once per
+verify task, read-only afterwards, shared by
 every rollout of the task. Nothing here raises on bad data: a failed scan only means
 the per-call checks run.
 """
@@ -12,14 +13,14 @@ from typing import Sequence
 
 import numpy as np
 
-from .. import hashing
+from ..digests import SUPPORTED_VERSIONS
 from ..packed import PackedBatch, PackedField
 from ..schema import (
     HASH_BYTES,
     HASH_FIELDS,
     ID_FIELDS,
-    ROUTES_DTYPE,
-    ROUTES_FIELD,
+    ROUTES_ENCODINGS,
+    ROUTES_INT16,
     SCALAR_FIELDS,
     SCHEMA_VERSION,
     TOKEN_FIELDS,
@@ -35,6 +36,11 @@ _LEN_BOUND = 1 << 62
 # Elements per step of the whole-buffer scan: its boolean temporaries stay small enough
 # to be reused from the heap (a fresh large temporary costs a page fault per 4 KiB).
 _SCAN_CHUNK = 1 << 15
+
+
+def routes_tables(batch: PackedBatch | None, num_experts: int | None) -> dict[int, "RoutesTable"]:
+    """One :class:`RoutesTable` per routes encoding over the same fetched batch."""
+    return {enc: RoutesTable(batch, num_experts, enc) for enc in ROUTES_ENCODINGS}
 
 
 def _byte_view(a: np.ndarray) -> memoryview:
@@ -131,7 +137,7 @@ class RowTable:
             self.values[name] = v
             self.mv[name] = _byte_view(v)
         prev, delta, cum = cols["prev_len"], cols["delta_len"], cols["cum_len"]
-        good = ok & (cols["schema_version"] == SCHEMA_VERSION) & (cols["digest_version"] == hashing.DIGEST_VERSION)
+        good = ok & (cols["schema_version"] == SCHEMA_VERSION) & np.isin(cols["digest_version"], SUPPORTED_VERSIONS)
         # The check_lengths rules; the bounds keep prev + delta clear of int64 overflow.
         good &= (delta > 0) & (delta < _LEN_BOUND) & (prev >= 0) & (prev < _LEN_BOUND) & (cum == prev + delta)
         for name in TOKEN_FIELDS:
@@ -259,13 +265,16 @@ def _all_below(v: np.ndarray, bound: int) -> bool:
 
 
 class RoutesTable:
-    """The ``routed_experts`` batch (or ``None``), indexed by key, range pre-scanned.
+    """The routes of one encoding in a fetched routes batch (or ``None``), indexed by
+    key, range pre-scanned.
 
     Public, read-only attributes:
 
-    - ``index``: key -> row; ``field``: the batch's ``routed_experts`` field when its
+    - ``encoding``: the routes encoding read (its field: ``routed_experts`` for int16,
+      ``routed_experts_u8`` for uint8; :data:`tasks.schema.ROUTES_ENCODINGS`).
+    - ``index``: key -> row; ``field``: the batch's field of that encoding when its
       offsets are sane, else None (no routes are readable).
-    - ``sound``: the field is one int16 ``[total, L, K]`` buffer with a sane presence
+    - ``sound``: the field is one ``[total, L, K]`` buffer of the encoding's dtype with a sane presence
       mask, so a row present with ``delta_len`` tokens passes :func:`check_routes`'
       presence, dtype and shape rules without calling it. Only then are these set:
       ``values`` (the contiguous buffer), ``mv`` (its flat byte view), ``route_shape``
@@ -274,7 +283,9 @@ class RoutesTable:
       scanned).
     """
 
-    def __init__(self, batch: PackedBatch | None, num_experts: int | None) -> None:
+    def __init__(self, batch: PackedBatch | None, num_experts: int | None, encoding: int = ROUTES_INT16) -> None:
+        self.encoding = encoding
+        name, dtype = ROUTES_ENCODINGS[encoding]
         self.index: dict[str, int] = {}
         self.field: PackedField | None = None
         self.in_range: list[bool] | None = None
@@ -289,7 +300,7 @@ class RoutesTable:
             return
         for i, k in enumerate(batch.keys):
             self.index.setdefault(k, i)
-        f = batch.fields.get(ROUTES_FIELD)
+        f = batch.fields.get(name)
         if f is None or not isinstance(f.values, np.ndarray) or f.offsets.shape != (len(batch.keys) + 1,):
             return
         n = len(batch.keys)
@@ -300,7 +311,7 @@ class RoutesTable:
         present_ok = f.present is None or (
             isinstance(f.present, np.ndarray) and f.present.dtype == bool and f.present.shape == (n,)
         )
-        if v.dtype == ROUTES_DTYPE and v.ndim == 3 and present_ok:
+        if v.dtype == dtype and v.ndim == 3 and present_ok:
             self.sound = True
             self.values = np.ascontiguousarray(v)
             self.mv = _byte_view(self.values)

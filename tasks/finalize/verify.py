@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from .. import hashing
 from .. import reasons as R
 from ..errors import RuleFailed
 from ..packed import PackedBatch
-from ..schema import ROUTES_NONE
 from .chain import CallRules, ChainCheck
 from .linearize import VIEWS, Alloc, Linearized, OutputArena, linearize_ranges, row_bytes
 from .plan import RolloutPlan, StepPlan
-from .tables import RoutesTable, RowTable
+from .tables import RoutesTable, RowTable, routes_tables
 
 logger = logging.getLogger(__name__)
 
@@ -82,10 +81,11 @@ def linearize_chain(walk: ChainCheck, rows: RowTable, routes: RoutesTable, alloc
     return linearize_ranges(names, *parts) if alloc is None else linearize_ranges(names, *parts, alloc)
 
 
-def check_training_row(lin: Linearized, rows: RowTable, terminal_row: int) -> None:
+def check_training_row(lin: Linearized, rows: RowTable, terminal_row: int, digest_version: int) -> None:
     """The rules of the whole row: the terminal's cumulative hash, recomputed once over the
-    linearized ids (covers every token from the root on), then at least one generated token."""
-    if hashing.cumulative_hash(lin.input_ids) != rows.raw("cumulative_hash", terminal_row):
+    linearized ids with the chain's ``digest_version`` (covers every token from the root
+    on), then at least one generated token."""
+    if hashing.cumulative_hash(lin.input_ids, digest_version) != rows.raw("cumulative_hash", terminal_row):
         raise RuleFailed(R.CUMULATIVE_HASH_MISMATCH, "cumulative hash of the linearized ids differs from the terminal's")
     # A terminal row the content pre-scan cleared ends with a generated token, and its
     # delta is in the row: the scan of the whole mask is then known to succeed.
@@ -100,8 +100,8 @@ def _verify(plan: RolloutPlan, rules: CallRules, alloc: Alloc | None) -> Rollout
     :class:`RuleFailed` at the first failure."""
     walk = ChainCheck(plan)
     walk.run(rules)
-    lin = linearize_chain(walk, rules.rows, rules.routes, alloc)
-    check_training_row(lin, rules.rows, walk.rows_i[-1])
+    lin = linearize_chain(walk, rules.rows, rules.routes_for(walk.root_enc), alloc)
+    check_training_row(lin, rules.rows, walk.rows_i[-1], walk.scheme.version)
     return RolloutResult(plan.rollout_id, R.OK, "", lin, len(plan.chain))
 
 
@@ -156,22 +156,22 @@ def verify_many(
     needed = [k for p in plans for k in p.keys]
     try:
         table = RowTable(rows, vocab_size, needed)
-        rtable = RoutesTable(routes, num_experts)
+        rtables = routes_tables(routes, num_experts)
     except Exception as e:  # an unusable batch rejects its rollouts, not the task
         return [
             RolloutResult(p.rollout_id, R.INVALID_STAGING_ROW, f"unreadable batch: {type(e).__name__}: {e}", None, len(p.chain))
             for p in plans
         ]
-    rules = CallRules(table, rtable, vocab_size, num_experts)
+    rules = CallRules(table, rtables, vocab_size, num_experts)
     if views:
         return [_verdict(p, rules, VIEWS) for p in plans]
-    arena = _arena(plans, table, rtable)
+    arena = _arena(plans, table, rtables)
     if arena is None:
         return [_verdict(p, rules) for p in plans]
     return [_verdict(p, rules, arena.alloc(k)) for k, p in enumerate(plans)]
 
 
-def _arena(plans: Sequence[RolloutPlan], table: RowTable, rtable: RoutesTable) -> OutputArena | None:
+def _arena(plans: Sequence[RolloutPlan], table: RowTable, rtables: Mapping[int, RoutesTable]) -> OutputArena | None:
     """One output buffer for every rollout's training row, sized from the receipts.
 
     A verified chain's tokens are exactly its receipts' delta lengths, and rollouts of
@@ -183,14 +183,14 @@ def _arena(plans: Sequence[RolloutPlan], table: RowTable, rtable: RoutesTable) -
     if table.batch_problem is not None:
         return None
     left = int(table.values["token_ids"].shape[0])
-    per_token_routes = rtable.bytes_per_token if rtable.sound else 0
+    # Bytes per token of each encoding's routes (0: unrouted, or no sound table).
+    per_token_routes = {enc: t.bytes_per_token if t.sound else 0 for enc, t in rtables.items()}
     sizes = []
     for p in plans:
         n = sum(rec.delta_len for rec in p.chain)
-        routed = p.chain[0].routes_encoding != ROUTES_NONE
         fits = 0 < n <= left
         left -= n if fits else 0
-        sizes.append(row_bytes(n, per_token_routes if routed else 0) if fits else 0)
+        sizes.append(row_bytes(n, per_token_routes.get(p.chain[0].routes_encoding, 0)) if fits else 0)
     return OutputArena(sizes) if any(sizes) else None
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from ..errors import InvalidCall, TokenCaptureError
 from ..keys import check_id
-from .call_state import F32, I16
+from .call_state import F32, I16, U8
 from .policy import MoEPolicy
 
 
@@ -75,7 +75,7 @@ def prefix_context_len(
     """The context length (tokens, the mask-0 part) of a saved prefix of ``n`` tokens,
     after checking its mask (float32[n], zeros then ones), logprobs (float32[n], finite,
     <= 0, 0 on the context), generated length (<= ``max_new_tokens``) and routes
-    (int16[n, L, K] of expert ids in range, or None).
+    (int16 or uint8 [n, L, K] of expert ids in range, or None).
 
     Raises ``invalid_prefix`` naming the first check that fails.
     """
@@ -94,8 +94,8 @@ def prefix_context_len(
         raise InvalidCall("invalid_prefix", f"{n - c} generated tokens exceed max_new_tokens {max_new_tokens}")
     L, K = policy.routes_shape
     if prefix_routes is not None:
-        if not isinstance(prefix_routes, np.ndarray) or prefix_routes.dtype != I16 or prefix_routes.shape != (n, L, K):
-            raise InvalidCall("invalid_prefix", f"prefix_routes must be int16[{n}, {L}, {K}], got {getattr(prefix_routes, 'dtype', None)}{list(np.shape(prefix_routes))}")
+        if not isinstance(prefix_routes, np.ndarray) or prefix_routes.dtype not in (I16, U8) or prefix_routes.shape != (n, L, K):
+            raise InvalidCall("invalid_prefix", f"prefix_routes must be int16 or uint8 [{n}, {L}, {K}], got {getattr(prefix_routes, 'dtype', None)}{list(np.shape(prefix_routes))}")
         if prefix_routes.size and (int(prefix_routes.min()) < 0 or int(prefix_routes.max()) >= policy.num_experts):
             raise InvalidCall("invalid_prefix", f"prefix_routes hold expert ids outside [0, {policy.num_experts})")
     return c

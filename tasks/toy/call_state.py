@@ -15,7 +15,8 @@ from .sampling import rollout_key
 
 I64 = np.dtype(np.int64)  # token ids
 F32 = np.dtype(np.float32)  # token mask, logprobs
-I16 = np.dtype(np.int16)  # routed expert ids
+I16 = np.dtype(np.int16)  # routed expert ids of a policy with more than 256 experts
+U8 = np.dtype(np.uint8)  # routed expert ids of a policy with at most 256 experts
 
 
 def readonly_view(a: np.ndarray) -> np.ndarray:
@@ -30,7 +31,8 @@ class CallDelta:
     """A call's delta (or a slice of it): the arrays a staged or cut row carries.
 
     token_ids int64[n], token_mask float32[n] (0 context, then 1 generated), logprobs
-    float32[n] (0 where mask is 0), routed_experts int16[n, L, K] or None.
+    float32[n] (0 where mask is 0), routed_experts [n, L, K] (the policy's routes dtype:
+    uint8 up to 256 experts, else int16) or None.
     """
 
     token_ids: np.ndarray
@@ -52,9 +54,10 @@ class CallState:
         prev_len: tokens of the rollout before this call's delta (its ``prev_len``).
         history_tail: int64, the last ``min(window, prev_len)`` of those tokens.
         context: int64[c], the delta's carried tokens (prompt or tool tokens, mask 0).
-        context_routes: int16[c, L, K] or None: routes of the context tokens.
+        context_routes: [c, L, K] or None: routes of the context tokens.
         max_new_tokens: tokens this call generates in total.
         with_routes: whether routes are kept (and staged).
+        routes_dtype: the routes' dtype (the policy's: uint8 or int16).
     Generated so far (read-only views, never overwritten later): :attr:`tokens`,
     :attr:`logprobs`, :attr:`routes`.
     """
@@ -71,6 +74,7 @@ class CallState:
         max_new_tokens: int,
         routes_shape: tuple[int, int],
         with_routes: bool,
+        routes_dtype: np.dtype = I16,
     ):
         self.rollout_id = rollout_id
         self.seed = int(seed)
@@ -82,6 +86,7 @@ class CallState:
         self.max_new_tokens = int(max_new_tokens)
         self.routes_shape = tuple(routes_shape)
         self.with_routes = with_routes
+        self.routes_dtype = np.dtype(routes_dtype)
         self._n = 0
         self._grow(0)
 
@@ -94,7 +99,7 @@ class CallState:
         if self._n == 0 and need == 0:
             self._tok = np.empty(cap, I64)
             self._lp = np.empty(cap, F32)
-            self._rt = np.empty((cap, *self.routes_shape), I16) if self.with_routes else None
+            self._rt = np.empty((cap, *self.routes_shape), self.routes_dtype) if self.with_routes else None
             return
         if need <= len(self._tok):
             return
@@ -104,13 +109,13 @@ class CallState:
         tok[:n], lp[:n] = self._tok[:n], self._lp[:n]
         self._tok, self._lp = tok, lp
         if self.with_routes:
-            rt = np.empty((cap, *self.routes_shape), I16)
+            rt = np.empty((cap, *self.routes_shape), self.routes_dtype)
             rt[:n] = self._rt[:n]
             self._rt = rt
 
     def _append(self, tokens: np.ndarray, logprobs: np.ndarray, routes: np.ndarray | None) -> None:
         """Add generated tokens (int64[m]), their logprobs (float32[m]) and, when routes
-        are kept, their routes (int16[m, L, K]) past the end."""
+        are kept, their routes ([m, L, K], cast to ``routes_dtype``) past the end."""
         n, m = self._n, len(tokens)
         self._grow(n + m)
         self._tok[n : n + m] = tokens

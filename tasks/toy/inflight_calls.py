@@ -14,7 +14,7 @@ import numpy as np
 
 from ..errors import InvalidCall
 from .call_inputs import checked_rollout_id, checked_tokens, history_tail, per_call_values, prefix_context_len
-from .call_state import I16, CallState
+from .call_state import CallState
 from .policy import MoEPolicy
 
 # A call checked and ready to open: (rollout_id, prev_len in tokens, int64 history tail,
@@ -69,13 +69,14 @@ def start_calls(
             max_new_tokens=maxes[i],
             routes_shape=policy.routes_shape,
             with_routes=with_routes,
+            routes_dtype=policy.routes_dtype,
         )
         for i, (rid, plen, tail, ctx) in enumerate(prepared)
     ]
 
 
 def _context_routes(policy: MoEPolicy, prepared: Sequence[_Prepared]) -> list[np.ndarray]:
-    """Per prepared call, int16[len(context), L, K]: the routes of its context tokens,
+    """Per prepared call, [len(context), L, K] (``policy.routes_dtype``): the routes of its context tokens,
     from ONE prefill pass over every context token of every call."""
     L, K = policy.routes_shape
     windows, positions = [], []
@@ -88,7 +89,7 @@ def _context_routes(policy: MoEPolicy, prepared: Sequence[_Prepared]) -> list[np
     if len(all_positions):
         routes = policy.route(all_windows, all_positions)
     else:
-        routes = np.zeros((0, L, K), I16)
+        routes = np.zeros((0, L, K), policy.routes_dtype)
     splits = np.cumsum([len(p[3]) for p in prepared])[:-1]
     return np.split(routes, splits) if prepared else []
 
@@ -148,7 +149,7 @@ def resume_state(
         a tail holding at least the last ``policy.window`` tokens).
     prefix_ids, prefix_mask, prefix_logprobs, prefix_routes: the saved delta prefix, cut
         chunks concatenated in chain order (int64, float32 zeros-then-ones, float32,
-        int16[n, L, K] or None for a call without routes). The prefix must hold the
+        int16 or uint8 [n, L, K], or None for a call without routes). The prefix must hold the
         call's WHOLE context (its mask-0 part; any ``CallState.delta(0)`` does) and may
         end anywhere in the generation, also before its first token. A prefix cut
         inside the context cannot be told apart from a shorter context: don't write one.
@@ -174,6 +175,8 @@ def resume_state(
         max_new_tokens=max_new_tokens,
         routes_shape=policy.routes_shape,
         with_routes=with_routes,
+        # A resumed call keeps its prefix's routes dtype (a cut of int16 routes resumes as int16).
+        routes_dtype=prefix_routes.dtype if with_routes else policy.routes_dtype,
     )
     state._append(ids[c:], np.asarray(prefix_logprobs[c:]), prefix_routes[c:] if with_routes else None)
     if verify and len(ids) - c:

@@ -95,7 +95,8 @@ class PolicyConfig:
 @dataclass
 class Step:
     """One decoded token per call: ``tokens`` int64[B], ``logprobs`` float32[B] (<= 0,
-    finite), ``routes`` int16[B, L, K]."""
+    finite), ``routes`` [B, L, K] in the policy's ``routes_dtype`` (uint8 up to 256
+    experts, else int16)."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
@@ -188,8 +189,8 @@ class MoEPolicy(ConfigShapes):
         return h @ self.unembed, routes
 
     def route(self, windows: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Routes int16[B, L, K] only (prefill of context tokens)."""
-        return self.forward(windows, positions)[1].numpy().astype(np.int16)
+        """Routes [B, L, K] (``routes_dtype``) only (prefill of context tokens)."""
+        return self.forward(windows, positions)[1].numpy().astype(self.routes_dtype)
 
     def step(self, windows: np.ndarray, positions: np.ndarray, keys: np.ndarray) -> Step:
         """Sample one token per row; row ``i`` depends only on row ``i`` of the inputs.
@@ -211,17 +212,17 @@ class MoEPolicy(ConfigShapes):
         return Step(
             tokens.astype(np.int64),
             np.minimum(logprobs, 0.0).astype(np.float32),
-            routes.numpy().astype(np.int16),
+            routes.numpy().astype(self.routes_dtype),
         )
 
     def decode(self, windows: np.ndarray, positions: np.ndarray, keys: np.ndarray, n_tokens: int) -> Step:
         """``n_tokens`` consecutive tokens per row: tokens int64[B, n], logprobs
-        float32[B, n], routes int16[B, n, L, K]. Equal to ``n_tokens`` :meth:`step` calls."""
+        float32[B, n], routes [B, n, L, K] (``routes_dtype``). Equal to ``n_tokens`` :meth:`step` calls."""
         b = len(positions)
         L, K = self.routes_shape
         tokens = np.empty((b, n_tokens), dtype=np.int64)
         logprobs = np.empty((b, n_tokens), dtype=np.float32)
-        routes = np.empty((b, n_tokens, L, K), dtype=np.int16)
+        routes = np.empty((b, n_tokens, L, K), dtype=self.routes_dtype)
         win = np.array(windows, dtype=np.int64, copy=True)
         pos = np.array(positions, dtype=np.int64, copy=True)
         with torch_threads(self.config.threads):  # once per decode, not per step
