@@ -9,11 +9,6 @@ caller's thread, before any row reaches a store.
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import dask
 import numpy as np
 import pytest
@@ -27,7 +22,6 @@ from tasks.finalize.plan import plan_step
 from tasks.gate import CaptureGate
 from tasks.hashing import row_digest
 
-ROOT = Path(__file__).resolve().parents[1]
 VOCAB, EXPERTS = 16, 4
 I64_MIN, I64_MAX = -(2**63), 2**63 - 1
 TLS_KEYS = ("distributed.comm.tls.ca-file", "distributed.comm.tls.client.cert", "distributed.comm.tls.client.key")
@@ -175,36 +169,32 @@ def test_finish_refuses_a_terminal_that_is_not_a_str_before_finishing(capture):
 # ---- the command line: a tls:// address without the TLS settings -----------------------------
 
 
-def _env_without_tls(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("DASK_DISTRIBUTED__COMM__")}
-    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
-    env["DASK_TOKEN_CAPTURE__CLUSTER__DASHBOARD_ADDRESS"] = "127.0.0.1:0"
-    return {**env, **extra}
-
-
-def _one_error_line(proc: subprocess.CompletedProcess, code: int) -> str:
-    err = [line for line in proc.stderr.splitlines() if line.strip()]
-    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
-    assert len(err) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert proc.stdout == ""  # refused before the demo printed its run id
+def _one_error_line(capsys, code: int, want: int) -> str:
+    """The command ended with ``want`` and one ``error: ...; fix`` line on stderr, nothing
+    on stdout, no traceback (run through ``pipeline.cli.main`` in this process: the same
+    code path as ``python -m pipeline``, without a second interpreter)."""
+    out = capsys.readouterr()
+    err = [line for line in out.err.splitlines() if line.strip()]
+    assert code == want, (code, out.out, out.err)
+    assert len(err) == 1 and "Traceback" not in out.err, out.err
+    assert out.out == ""  # refused before the demo printed its run id
     assert err[0].startswith("error: ") and "; " in err[0], err[0]
     return err[0]
 
 
-def test_cli_tls_address_without_security_settings_names_the_keys():
-    cmd = [sys.executable, "-m", "pipeline", "demo", "--scheduler", "tls://127.0.0.1:8786", "--connect-timeout", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env_without_tls(), capture_output=True, text=True, timeout=240)
-    line = _one_error_line(proc, 2)
+def test_cli_tls_address_without_security_settings_names_the_keys(capsys):
+    with dask.config.set({key: None for key in TLS_KEYS}):
+        code = cli_main(["demo", "--scheduler", "tls://127.0.0.1:8786", "--connect-timeout", "2"])
+    line = _one_error_line(capsys, code, 2)
     assert "'tls://127.0.0.1:8786'" in line and "TLS security settings" in line
     assert all(key in line for key in TLS_KEYS) and "distributed.comm.require-encryption" in line
     assert "not a scheduler address" not in line and "tcp://HOST:PORT" not in line
 
 
-def test_cli_plain_tcp_while_encryption_is_required_is_one_line_not_a_traceback():
-    cmd = [sys.executable, "-m", "pipeline", "bench", "store", "--scheduler", "tcp://127.0.0.1:8786", "--connect-timeout", "2"]
-    env = _env_without_tls(DASK_DISTRIBUTED__COMM__REQUIRE_ENCRYPTION="True")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    line = _one_error_line(proc, 2)
+def test_cli_plain_tcp_while_encryption_is_required_is_one_line_not_a_traceback(capsys):
+    with dask.config.set({"distributed.comm.require-encryption": True}):
+        code = cli_main(["bench", "store", "--scheduler", "tcp://127.0.0.1:8786", "--connect-timeout", "2"])
+    line = _one_error_line(capsys, code, 2)
     assert "distributed.comm.require-encryption is true" in line and "tls://" in line
 
 
