@@ -54,15 +54,22 @@ def stage_rollouts(store: StoreLike, rollouts: Sequence[GeneratedRollout]) -> li
     return receipts
 
 
-def generate_and_stage(store: StoreLike, specs: Sequence[RolloutSpec], policy_overrides: Mapping[str, object] | None = None, weight_version: int = 0) -> list[Receipt]:
-    """Task body: generate ``specs`` with the toy policy, stage their rows, return receipts."""
+def generate_and_stage(
+    store: StoreLike, specs: Sequence[RolloutSpec], policy_overrides: Mapping[str, object] | None = None, weight_version: int = 0,
+    digest_version: int | None = None,
+) -> list[Receipt]:
+    """Task body: generate ``specs`` with the toy policy, stage their rows (hashed with
+    ``digest_version``; None: this process's ``capture.digest``), return receipts."""
     policy = policy_from_config(policy_overrides)
-    rollouts = generate_rollouts(policy, specs, weight_version=weight_version)
+    version = config.digest_version() if digest_version is None else digest_version
+    rollouts = generate_rollouts(policy, specs, weight_version=weight_version, digest_version=version)
     return stage_rollouts(store, rollouts)
 
 
 def submit_generation(client: Client, store: StoreLike, groups: Sequence[Sequence[RolloutSpec]], **kwargs: object) -> list[Future]:
-    """One generation task per group on the cluster; futures of each group's receipts."""
+    """One generation task per group on the cluster; futures of each group's receipts.
+    The rows are hashed with the caller's ``capture.digest`` (read here, sent along)."""
+    kwargs.setdefault("digest_version", config.digest_version())
     return [
         client.submit(generate_and_stage, store, list(specs), pure=False, **kwargs)
         for specs in groups

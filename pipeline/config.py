@@ -36,6 +36,25 @@ def get(key: str) -> Any:
     return dask.config.get(f"{NAMESPACE}.{key}")
 
 
+def digest_algorithm() -> str:
+    """``capture.digest``: the algorithm every bulk hash is written with (``"blake3"`` or
+    ``"sha256"``), read now; anything else raises
+    :class:`~tasks.digests.UnsupportedDigest` naming the setting."""
+    from tasks.digests import ALGORITHMS, UnsupportedDigest
+
+    value = get("capture.digest")
+    if value not in ALGORITHMS:
+        raise UnsupportedDigest(f"token-capture.capture.digest is {value!r}; set one of {', '.join(ALGORITHMS)}")
+    return str(value)
+
+
+def digest_version() -> int:
+    """The digest version rows are written with under ``capture.digest`` (read now)."""
+    from tasks.digests import version_of
+
+    return version_of(digest_algorithm())
+
+
 def parse_bytes(value: int | str) -> int:
     """A size (``"256MiB"``, ``"64 KiB"`` or an int) as bytes."""
     return int(dask.utils.parse_bytes(value))

@@ -76,6 +76,10 @@ class InvalidInventory(InvalidInput):
     """A cut inventory entry that names no call: not ``(rollout_id, model_call_id)``."""
 
 
+class UnsupportedDigest(InvalidInput):
+    """A digest version or algorithm name this build cannot compute (``tasks.digests``)."""
+
+
 class InvalidPolicyConfig(InvalidInput):
     """A policy configuration value is missing, unknown or out of range."""
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 # receipt (tasks.finalize.plan), per receipt
 #     invalid_receipt (top-level types; reward not a finite float32) -> wrong_group
 #     (the receipt names a group other than the one it was submitted in) ->
-#     capture_poisoned -> empty_manifest -> invalid_receipt (per record) ->
+#     capture_poisoned -> empty_manifest -> invalid_receipt (per record: an unknown
+#     digest_version too; then calls of mixed digest versions) ->
 #     duplicate_call_id -> duplicate_staging_key -> invalid_receipt (staging_key not
 #     derived from the ids) -> missing_terminal -> missing_parent (any record) ->
 #     lineage_cycle (any record) -> terminal_not_leaf (a call of the receipt names the
@@ -20,7 +21,7 @@ from __future__ import annotations
 #     then across the step: duplicate_staging_key for every receipt sharing a rollout_id.
 # rows (tasks.finalize.chain / verify), call by call from the root to the terminal
 #     missing_staging_row (lost_staging_row when the store says the row was lost) -> invalid_staging_row (fields present, dtypes, ids decode,
-#     one value per scalar, 32-byte hashes, supported versions) -> identity_mismatch ->
+#     one value per scalar, 32-byte hashes, supported schema and digest versions) -> identity_mismatch ->
 #     wrong_<field> in RECEIPT_COMPARED_FIELDS order -> invalid_staging_row (token arrays
 #     not delta_len long) -> routes readiness (invalid_routes for a chain mixing routed
 #     and unrouted calls, missing_routes, invalid_routes for dtype/shape) ->
@@ -60,6 +61,7 @@ RECEIPT_COMPARED_FIELDS: tuple[str, ...] = (
     "cum_len",
     "weight_version",
     "routes_encoding",
+    "digest_version",
     "digest",
     "chain_hash",
     "cumulative_hash",

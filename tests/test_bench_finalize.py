@@ -68,8 +68,10 @@ def test_run_reports_every_mode(monkeypatch):
             assert st["wall_s_min"] == min(runs)
             assert min(runs) <= st["wall_s_median"] <= max(runs)
         for key in ("speedup_median", "speedup_min", "speedup_median_rollout_fetch_vec", "speedup_median_union_fetch_token",
-                    "verify_vs_hash", "graph_verify_vs_hash"):
+                    "speedup_median_graph_sha256", "graph_sha256_vs_graph", "verify_vs_hash", "graph_verify_vs_hash",
+                    "graph_sha256_verify_vs_hash"):
             assert key in w, key
+        assert w["hash_algorithm"] == "blake3" and w["hash_ms"] > 0 and w["hash_sha256_ms"] > 0
         rollouts = TINY[name][0]
         assert w["modes"]["baseline"]["fetch_calls_per_group"] == rollouts  # one get per rollout
         assert w["modes"]["rollout_fetch_vec"]["fetch_calls_per_group"] == rollouts
@@ -80,8 +82,8 @@ def test_run_with_a_corrupt_row_fails(monkeypatch):
     monkeypatch.setattr(bench, "WORKLOADS", TINY)
     honest = bench.make_rollout
 
-    def corrupt_first(rng, rid, gid, calls, delta, routes):
-        rows, receipt = honest(rng, rid, gid, calls, delta, routes)
+    def corrupt_first(rng, rid, gid, calls, delta, routes, **kw):
+        rows, receipt = honest(rng, rid, gid, calls, delta, routes, **kw)
         if rid.endswith("-g0-r0"):
             t = flip_token_byte(rows, receipt)
             rows, receipt = t.rows, t.receipt

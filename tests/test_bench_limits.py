@@ -8,9 +8,10 @@ from pipeline.bench import limits, loopback
 
 def test_limits_reports_every_figure_from_real_runs():
     out = limits.run(argparse.Namespace(repeats=1, messages=1, quiet=True))
-    for name in ("loopback_send", "loopback_recv", "memcpy", "first_touch", "sha256"):
+    for name in ("loopback_send", "loopback_recv", "memcpy", "first_touch", "sha256", "blake3", "sha256_4k", "blake3_4k"):
         assert out[f"{name}_gb_per_s"] > 0
         assert len(out[f"{name}_gb_per_s_runs"]) == 1
+    assert out["blake3_vs_sha256"] > 0
 
 
 def test_loopback_moves_every_byte_both_ways():

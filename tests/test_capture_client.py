@@ -19,10 +19,10 @@ from pipeline.client import CaptureClient, lookup_store, publish_store, unpublis
 from pipeline.finalize.controller import Finalizer
 from pipeline.testing.faults import FaultRules, FaultyStore
 from support import wait_until
-from tasks.errors import InvalidInput, InvalidRecord, StoreUnavailable
+from tasks.errors import InvalidInput, InvalidRecord, StoreUnavailable, UnsupportedDigest
 from tasks.gate import CaptureGate
 from tasks.keys import STAGING_PARTITION
-from tasks.packed import pack_rows
+from tasks.packed import pack_rows, unpack_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 VOCAB, EXPERTS, L, K = 64, 4, 2, 2
@@ -188,6 +188,24 @@ def test_misuse_is_invalid_input(store_factory):
         open_rollout(cap, "misuse-r1")
     with pytest.raises(InvalidInput):
         CaptureClient(object())
+
+
+def test_rows_follow_the_digest_setting_read_when_the_client_is_built(cluster_client, store_factory):
+    store = store_factory(n_units=1)
+    with dask.config.set({"token-capture.capture.digest": "sha256"}):
+        sha = CaptureClient(store, flush_ms=1.0)
+    with dask.config.set({"token-capture.capture.digest": "md5"}), pytest.raises(UnsupportedDigest, match="capture.digest"):
+        CaptureClient(store)
+    receipts = []
+    for cap, rid in ((sha, "digest-sha256"), (CaptureClient(store, flush_ms=1.0), "digest-blake3")):
+        rc = open_rollout(cap, rid)
+        stage_chain(rc, 2, seed=7)
+        receipts.append(rc.finish(1.0))
+        cap.close()
+    assert [{c.digest_version for c in r.calls} for r in receipts] == [{1}, {2}]
+    got = store.get_many([c.staging_key for r in receipts for c in r.calls])
+    assert [row.digest_version for row in unpack_rows(got.batch)] == [1, 1, 2, 2]
+    assert finalize(cluster_client, store, {"g": receipts}).groups["g"].status == ["ok", "ok"]
 
 
 # ---- (4) refusals poison only their own rollout -------------------------------------------

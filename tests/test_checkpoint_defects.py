@@ -125,7 +125,11 @@ def test_malformed_entries_are_refused_naming_the_entry(store_factory, tmp_path)
     path, manifest, _ = saved(store_factory, tmp_path)
     fresh = store_factory(n_units=1)
     for edit, words in [
-        (lambda m: m["files"][0].update(sha256="../../x"), "sha256"),
+        (lambda m: m["files"][0].update({m["file_digest"]: "../../x"}), "64 lowercase hex"),
+        (lambda m: m["files"][0].pop(m["file_digest"]), "needs one file digest"),
+        (lambda m: m["files"][0].update(sha256="0" * 64), "needs one file digest"),  # two digests
+        (lambda m: m.update(file_digest="md5"), "file_digest"),
+        (lambda m: m["files"][0].update(sha256=m["files"][0].pop("blake3")), "file_digest is blake3"),
         (lambda m: m["files"][0].update(rows=-1), "rows and bytes"),
         (lambda m: m["files"][0].update(partition="../p"), "partition"),
         (lambda m: m["files"].append(dict(m["files"][0])), "named twice"),
@@ -201,8 +205,9 @@ def _replace_file(path, entry_index: int, data: bytes) -> None:
     m = json.loads((path / ck.MANIFEST).read_text())
     entry = m["files"][entry_index]
     (path / entry["file"]).write_bytes(data)
-    sha, size = batch_file.file_sha256(str(path / entry["file"]))
-    resign(path, lambda m: m["files"][entry_index].update(sha256=sha, bytes=size))
+    algorithm = m["file_digest"]
+    hexdigest, size = batch_file.file_digest(str(path / entry["file"]), algorithm)
+    resign(path, lambda m: m["files"][entry_index].update({algorithm: hexdigest, "bytes": size}))
 
 
 @pytest.mark.parametrize("damage", ["garbage", "truncated", "bad-offsets", "rows"])

@@ -203,7 +203,7 @@ def _patch_writes(mode: str, after: int = 0) -> None:
     real = getattr(Location, "_real_write", Location.write)
     count = {"n": 0}
 
-    def write(self, name, buffers):
+    def write(self, name, buffers, *rest):
         count["n"] += 1
         if count["n"] > after:
             if mode == "fail":
@@ -212,7 +212,7 @@ def _patch_writes(mode: str, after: int = 0) -> None:
                 return "0" * 64, 1
             if mode == "die":
                 os._exit(1)
-        return real(self, name, buffers)
+        return real(self, name, buffers, *rest)
 
     Location._real_write = real
     Location.write = write
@@ -281,12 +281,12 @@ def test_older_generations_go_only_after_the_manifest_reads_back(client, make, w
     store, first, rows = saved(make, where)
     real = Location.write
 
-    def garbled(self, name, buffers):  # the manifest lands damaged (a broken put, a full disk)
+    def garbled(self, name, buffers, *rest):  # the manifest lands damaged (a broken put, a full disk)
         if name == ck.MANIFEST:
             data = bytearray(b"".join(bytes(b) for b in buffers))
             data[len(data) // 2] ^= 0x55
             buffers = [bytes(data)]
-        return real(self, name, buffers)
+        return real(self, name, buffers, *rest)
 
     monkeypatch.setattr(Location, "write", garbled)
     with pytest.raises(CheckpointError, match="did not read back"):

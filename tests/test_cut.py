@@ -338,6 +338,30 @@ def test_actor_cut_batch_size_knob_and_cached_retry(client, store):
     assert unknown.ack("nope", "call-0").reason == UNKNOWN_CALL and unknown.ack("g1", "call-0").durable
 
 
+def test_actor_cut_follows_the_digest_setting_read_when_built(client, store):
+    # capture.digest is read once, when the worker is built: a worker built under sha256
+    # cuts SHA-256 rows (digest version 1) and says so in its acks, whatever the setting
+    # is at cut time; the verifier recomputes with the version the rows and ack declare.
+    with dask.config.set({"token-capture.capture.digest": "sha256"}):
+        gen = _start(client, store, 3, name="gen-sha256")
+    gen.step(6).result()
+    receipt = gen.checkpoint_cut("dg").result()
+    assert receipt.counts() == {DURABLE_PREFIX: 3}
+    for ack in receipt.acks:
+        rows = unpack_rows(store.get_many(list(ack.staging_keys), partition="cut").batch)
+        assert ack.digest_version == 1 and {r.digest_version for r in rows} == {1}
+        ids = [r.token_ids for r in rows]
+        assert prefix_digest(ids, 1) == ack.prefix_digest != prefix_digest(ids, 2)
+        verdict = verify_prefix(store.get_many(list(ack.staging_keys), partition="cut").batch, ack)
+        assert verdict.usable and verdict.prefix.digest_version == 1, (verdict.reason, verdict.detail)
+        assert verdict.prefix.resume_kwargs()["digest_version"] == 1  # a resumed call keeps SHA-256
+    blake = _start(client, store, 1, name="gen-blake3")  # the default
+    blake.step(3).result()
+    (ack,) = blake.checkpoint_cut("dg2").result().acks
+    assert ack.digest_version == 2
+    assert_verifies(store, ack)
+
+
 def test_actor_call_finishing_mid_cut_is_neither_lost_nor_doubled(client, store):
     """Decoding continues while the cut's put is paused; calls finish, fail, or keep going."""
     faulty = FaultyStore(store, FaultRules(pause_put=1, event_prefix="midcut"))

@@ -1,20 +1,24 @@
-"""tasks.hashing: known-answer vectors, the documented byte layout, and tamper evidence.
+"""tasks.hashing: known-answer vectors, the documented byte layout, and tamper evidence,
+for both digest versions (1: SHA-256, 2: BLAKE3).
 
-The hex strings below were computed once with tasks/hashing.py (layout v1) and are
-FIXED: a change to any of them is a change of the on-disk/wire format and must come with
-a new digest_version, not a new expected value.
+The hex strings below were computed once with tasks/hashing.py and are FIXED: a change
+to any of them is a change of the on-disk/wire format and must come with a new
+digest_version, not a new expected value. Version 1's are the values every row written
+before BLAKE3 carries.
 """
 from __future__ import annotations
 
 import hashlib
 import struct
 
+import blake3
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tasks import hashing as H
+from tasks.digests import UnsupportedDigest
 
 IDS = np.array([1, 2, 3, 500, 0, 7], dtype=np.int64)
 PARENT_CHAIN = bytes(range(32))
@@ -25,6 +29,22 @@ KAT_CUMULATIVE = "3a4be169a19d3c125acc99cea5f1e198098eeee526a4895aa277991c0ebb1f
 KAT_CUMULATIVE_EMPTY = "267dab3a015334f8aff819c4f8cc07041d3023dad001233a1455f3ce8bbd629c"
 KAT_DIGEST_ROUTES = "922bd6b46e8f0f1322a9db8a94db5706103e435ed1818dc3d2c6276ddfb8fd88"
 KAT_DIGEST_ROOT_NO_ROUTES = "4f5dcf2e6ac44cfb9a2ba4f1d3a0891c122b77afa887fe66e6999f7aaab6c58a"
+# digest_version -> the known answers above, in order (chain root, chain child, cumulative,
+# cumulative of nothing, digest with routes, root digest without routes).
+KATS = {
+    1: (KAT_CHAIN_ROOT, KAT_CHAIN_CHILD, KAT_CUMULATIVE, KAT_CUMULATIVE_EMPTY, KAT_DIGEST_ROUTES, KAT_DIGEST_ROOT_NO_ROUTES),
+    2: (
+        "2783c52efe7b6fd5c718a409bb720a73b8257fa8f845c7e4ccae3024c81858ca",
+        "71d9dc37b45e7b0b29a6f535d9159a2c434122632e45d7201d25683da039e970",
+        "b6e98c74f179467436b9204b4a3f302bda9feb2971f00d1b11496e4a52d98441",
+        "68aa7ae1dfe34adb1b7b30c07ce3c02e2497162bb00dabadeeb6a5e1693e3cf6",
+        "88d7d695c9fc8fb5897ff7c419f7ddb1a62b69c4b529d2d34c83f2f049c69bee",
+        "688dd83b13d4dbf8751257bb8ce06c0aa95c2e43038ad21fd3f87efbec873e0a",
+    ),
+}
+VERSIONS = sorted(KATS)
+# The documented hash function of each version, called directly (not through tasks.digests).
+HASH_OF = {1: hashlib.sha256, 2: blake3.blake3}
 
 
 def call_kwargs(**over):
@@ -57,38 +77,49 @@ def root_kwargs(**over):
 # ---- known answers ---------------------------------------------------------------------------
 
 
-def test_known_answers():
-    assert H.chain_hash(None, IDS).hex() == KAT_CHAIN_ROOT
-    assert H.chain_hash(PARENT_CHAIN, IDS).hex() == KAT_CHAIN_CHILD
-    assert H.cumulative_hash(IDS).hex() == KAT_CUMULATIVE
-    assert H.cumulative_hash(np.zeros(0, np.int64)).hex() == KAT_CUMULATIVE_EMPTY
-    assert H.digest(**call_kwargs()).hex() == KAT_DIGEST_ROUTES
-    assert H.digest(**root_kwargs()).hex() == KAT_DIGEST_ROOT_NO_ROUTES
+@pytest.mark.parametrize("v", VERSIONS)
+def test_known_answers(v):
+    chain_root, chain_child, cumulative, cumulative_empty, digest_routes, digest_root = KATS[v]
+    assert H.chain_hash(None, IDS, v).hex() == chain_root
+    assert H.chain_hash(PARENT_CHAIN, IDS, v).hex() == chain_child
+    assert H.cumulative_hash(IDS, v).hex() == cumulative
+    assert H.cumulative_hash(np.zeros(0, np.int64), v).hex() == cumulative_empty
+    assert H.digest(**call_kwargs(), digest_version=v).hex() == digest_routes
+    assert H.digest(**root_kwargs(), digest_version=v).hex() == digest_root
 
 
-def test_known_answers_are_layout_independent_of_input_dtype_and_order():
+def test_default_version_is_blake3_and_versions_never_collide():
+    assert H.DIGEST_VERSION == 2
+    assert H.chain_hash(None, IDS).hex() == KATS[2][0] and H.digest(**call_kwargs()).hex() == KATS[2][4]
+    assert len({kat for v in VERSIONS for kat in KATS[v]}) == 6 * len(VERSIONS)
+
+
+@pytest.mark.parametrize("v", VERSIONS)
+def test_known_answers_are_layout_independent_of_input_dtype_and_order(v):
     # Big-endian, int32 and non-contiguous inputs hash as their canonical <i8 / <f4 bytes.
+    _, chain_child, cumulative, _, digest_routes, _ = KATS[v]
     ids_be = IDS.astype(">i8")
     ids_strided = np.repeat(IDS, 2)[::2]
     assert not ids_strided.flags.c_contiguous
     for ids in (ids_be, IDS.astype(np.int32), ids_strided):
-        assert H.chain_hash(PARENT_CHAIN, ids).hex() == KAT_CHAIN_CHILD
-        assert H.cumulative_hash(ids).hex() == KAT_CUMULATIVE
+        assert H.chain_hash(PARENT_CHAIN, ids, v).hex() == chain_child
+        assert H.cumulative_hash(ids, v).hex() == cumulative
     kw = call_kwargs(token_mask=call_kwargs()["token_mask"].astype(">f4"))
-    assert H.digest(**kw).hex() == KAT_DIGEST_ROUTES
+    assert H.digest(**kw, digest_version=v).hex() == digest_routes
 
 
 # ---- the documented layout, written out independently ------------------------------------------
 
 
-def reference_digest(kw) -> bytes:
-    """Digest v1 exactly as the tasks/hashing.py docstring describes it."""
+def reference_digest(kw, v: int = 1) -> bytes:
+    """The digest of version ``v`` exactly as the tasks/hashing.py docstring describes it."""
 
     def framed(s: str) -> bytes:
         b = s.encode("utf-8")
         return struct.pack("<I", len(b)) + b
 
-    parts = [b"token-capture/call/v1\x00", struct.pack("<HH", 1, 1), framed(kw["rollout_id"]), framed(kw["model_call_id"])]
+    tag = f"token-capture/call/v{v}\x00".encode()
+    parts = [tag, struct.pack("<HH", 1, v), framed(kw["rollout_id"]), framed(kw["model_call_id"])]
     parts.append(b"\x00" if kw["parent_call_id"] is None else b"\x01" + framed(kw["parent_call_id"]))
     parts.append(
         struct.pack("<qqqqb", kw["prev_len"], kw["delta_len"], kw["cum_len"], kw["weight_version"], kw["routes_encoding"])
@@ -100,21 +131,22 @@ def reference_digest(kw) -> bytes:
         r = np.asarray(kw["routed_experts"], dtype="<i2")
         parts += [struct.pack("<IIQ", r.shape[1], r.shape[2], r.nbytes), r.tobytes()]
     parts += [kw["chain_hash"], kw["cumulative_hash"]]
-    return hashlib.sha256(b"".join(parts)).digest()
+    return HASH_OF[v](b"".join(parts)).digest()
 
 
-def test_digest_matches_documented_layout():
-    assert H.digest(**call_kwargs()) == reference_digest(call_kwargs())
-    assert H.digest(**root_kwargs()) == reference_digest(root_kwargs())
+@pytest.mark.parametrize("v", VERSIONS)
+def test_digest_matches_documented_layout(v):
+    assert H.digest(**call_kwargs(), digest_version=v) == reference_digest(call_kwargs(), v)
+    assert H.digest(**root_kwargs(), digest_version=v) == reference_digest(root_kwargs(), v)
 
 
-def test_chain_and_cumulative_match_documented_layout():
-    assert H.chain_hash(None, IDS) == hashlib.sha256(b"token-capture/chain/v1\x00" + b"\x00" + IDS.tobytes()).digest()
-    assert (
-        H.chain_hash(PARENT_CHAIN, IDS)
-        == hashlib.sha256(b"token-capture/chain/v1\x00" + b"\x01" + PARENT_CHAIN + IDS.tobytes()).digest()
-    )
-    assert H.cumulative_hash(IDS) == hashlib.sha256(b"token-capture/prefix/v1\x00" + IDS.tobytes()).digest()
+@pytest.mark.parametrize("v", VERSIONS)
+def test_chain_and_cumulative_match_documented_layout(v):
+    h = HASH_OF[v]
+    chain_tag, prefix_tag = f"token-capture/chain/v{v}\x00".encode(), f"token-capture/prefix/v{v}\x00".encode()
+    assert H.chain_hash(None, IDS, v) == h(chain_tag + b"\x00" + IDS.tobytes()).digest()
+    assert H.chain_hash(PARENT_CHAIN, IDS, v) == h(chain_tag + b"\x01" + PARENT_CHAIN + IDS.tobytes()).digest()
+    assert H.cumulative_hash(IDS, v) == h(prefix_tag + IDS.tobytes()).digest()
 
 
 @settings(max_examples=60, deadline=None)
@@ -127,8 +159,9 @@ def test_chain_and_cumulative_match_documented_layout():
     weight_version=st.integers(-(2**63), 2**63 - 1),
     routed=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
+    v=st.sampled_from(VERSIONS),
 )
-def test_digest_property_matches_reference(rid, n, lk, parent, prev_len, weight_version, routed, seed):
+def test_digest_property_matches_reference(rid, n, lk, parent, prev_len, weight_version, routed, seed, v):
     rng = np.random.default_rng(seed)
     kw = dict(
         rollout_id=rid,
@@ -146,29 +179,35 @@ def test_digest_property_matches_reference(rid, n, lk, parent, prev_len, weight_
         chain_hash=rng.bytes(32),
         cumulative_hash=rng.bytes(32),
     )
-    assert H.digest(**kw) == reference_digest(kw)
+    assert H.digest(**kw, digest_version=v) == reference_digest(kw, v)
 
 
 # ---- running prefix state ---------------------------------------------------------------------
 
 
-def test_running_prefix_equals_one_pass_and_parent_state_is_untouched():
+@pytest.mark.parametrize("v", VERSIONS)
+def test_running_prefix_equals_one_pass_and_parent_state_is_untouched(v):
     chunks = [IDS[:2], IDS[2:5], IDS[5:]]
-    state = H.prefix_state()
+    state = H.prefix_state(None, v)
     hashes = []
     for c in chunks:
         child = H.prefix_state(state)  # a copy: branching must not disturb the parent
         hashes.append(H.extend_prefix(child, c))
         state = child
-    assert hashes[-1] == H.cumulative_hash(IDS)
-    assert hashes[0] == H.cumulative_hash(IDS[:2])
+    assert hashes[-1] == H.cumulative_hash(IDS, v)
+    assert hashes[0] == H.cumulative_hash(IDS[:2], v)
     # Branch from the first chunk's state twice: both branches agree, parent unchanged.
-    s0 = H.prefix_state()
+    s0 = H.prefix_state(None, v)
     H.extend_prefix(s0, chunks[0])
     a = H.extend_prefix(H.prefix_state(s0), chunks[1])
     b = H.extend_prefix(H.prefix_state(s0), chunks[1])
-    assert a == b == H.cumulative_hash(IDS[:5])
-    assert s0.digest() == H.cumulative_hash(IDS[:2])
+    assert a == b == H.cumulative_hash(IDS[:5], v)
+    assert s0.digest() == H.cumulative_hash(IDS[:2], v)
+    # The running chain state, fed in pieces, equals the one-pass chain hash.
+    c = H.chain_state(PARENT_CHAIN, v)
+    for piece in chunks:
+        c.update(piece.tobytes())
+    assert c.digest() == H.chain_hash(PARENT_CHAIN, IDS, v)
 
 
 # ---- tamper evidence: one flipped byte anywhere changes the hash --------------------------------
@@ -213,14 +252,15 @@ def variants(base: dict):
         yield f"schema_version[byte {i}]", dict(base, schema_version=1 ^ (1 << (8 * i)))
 
 
+@pytest.mark.parametrize("v", VERSIONS)
 @pytest.mark.parametrize("make", [call_kwargs, root_kwargs], ids=["child_with_routes", "root_without_routes"])
-def test_any_single_byte_flip_changes_digest(make):
+def test_any_single_byte_flip_changes_digest(make, v):
     base = make()
-    d0 = H.digest(**base)
+    d0 = H.digest(**base, digest_version=v)
     seen = {d0: "original"}
     n = 0
     for label, kw in variants(base):
-        d = H.digest(**kw)
+        d = H.digest(**kw, digest_version=v)
         assert d != d0, f"flipping {label} left the digest unchanged"
         assert d not in seen, f"{label} collides with {seen[d]}"
         seen[d] = label
@@ -231,9 +271,10 @@ def test_any_single_byte_flip_changes_digest(make):
     assert n == 48 + 24 + 24 + routes + 4 + 6 + parent + 32 + 64 + 2
 
 
-def test_structural_changes_change_digest():
+@pytest.mark.parametrize("v", VERSIONS)
+def test_structural_changes_change_digest(v):
     base = call_kwargs()
-    d0 = H.digest(**base)
+    d0 = H.digest(**base, digest_version=v)
     changed = {
         "root marker": dict(base, parent_call_id=None),
         "empty parent id": dict(base, parent_call_id=""),
@@ -245,35 +286,54 @@ def test_structural_changes_change_digest():
         ),
         "hashes swapped": dict(base, chain_hash=base["cumulative_hash"], cumulative_hash=base["chain_hash"]),
     }
-    digests = {H.digest(**kw) for kw in changed.values()}
+    digests = {H.digest(**kw, digest_version=v) for kw in changed.values()}
     assert d0 not in digests and len(digests) == len(changed)
 
 
-def test_any_single_byte_flip_changes_chain_and_cumulative():
-    c0, p0 = H.chain_hash(PARENT_CHAIN, IDS), H.cumulative_hash(IDS)
-    chains = {H.chain_hash(PARENT_CHAIN, ids) for ids in flipped_copies(IDS)}
-    chains |= {H.chain_hash(p, IDS) for p in flipped_bytes(PARENT_CHAIN)}
-    chains.add(H.chain_hash(None, IDS))
+@pytest.mark.parametrize("v", VERSIONS)
+def test_any_single_byte_flip_changes_chain_and_cumulative(v):
+    c0, p0 = H.chain_hash(PARENT_CHAIN, IDS, v), H.cumulative_hash(IDS, v)
+    chains = {H.chain_hash(PARENT_CHAIN, ids, v) for ids in flipped_copies(IDS)}
+    chains |= {H.chain_hash(p, IDS, v) for p in flipped_bytes(PARENT_CHAIN)}
+    chains.add(H.chain_hash(None, IDS, v))
     assert c0 not in chains and len(chains) == IDS.nbytes + 32 + 1
-    cums = {H.cumulative_hash(ids) for ids in flipped_copies(IDS)}
+    cums = {H.cumulative_hash(ids, v) for ids in flipped_copies(IDS)}
     assert p0 not in cums and len(cums) == IDS.nbytes
     # Domain tags: the same bytes never hash alike across kinds.
-    assert H.chain_hash(None, IDS) != H.cumulative_hash(IDS)
+    assert H.chain_hash(None, IDS, v) != H.cumulative_hash(IDS, v)
 
 
-def test_digest_rejects_unknown_version_and_bad_routes():
-    with pytest.raises(ValueError, match="digest_version"):
-        H.digest(**call_kwargs(), digest_version=2)
+def test_the_digest_version_is_hashed():
+    # A row relabelled from one version to the other fails its digest under either.
+    d1, d2 = (H.digest(**call_kwargs(), digest_version=v) for v in (1, 2))
+    assert d1 != d2
+    assert reference_digest(call_kwargs(), 1) == d1 and reference_digest(call_kwargs(), 2) == d2
+
+
+@pytest.mark.parametrize("bad", [0, 3, 0xFFFF, -1, None, "2"])
+def test_unknown_digest_version_is_a_typed_rejection(bad):
+    for call in (
+        lambda: H.digest(**call_kwargs(), digest_version=bad),
+        lambda: H.chain_hash(None, IDS, bad),
+        lambda: H.cumulative_hash(IDS, bad),
+        lambda: H.prefix_state(None, bad),
+    ):
+        with pytest.raises(UnsupportedDigest, match="digest_version"):
+            call()
+
+
+def test_digest_rejects_bad_routes():
     with pytest.raises(ValueError, match="routed_experts"):
         H.digest(**call_kwargs(routed_experts=None))
     with pytest.raises(ValueError, match="routed_experts"):
         H.digest(**call_kwargs(routed_experts=np.zeros((6, 4), np.int16)))
 
 
-def test_row_digest_equals_digest_of_fields():
+@pytest.mark.parametrize("v", VERSIONS)
+def test_row_digest_equals_digest_of_fields(v):
     from tasks.schema import StagedRow
 
     kw = call_kwargs()
-    row = StagedRow(digest=b"", **kw)
-    assert H.row_digest(row) == H.digest(**kw)
-    assert H.row_digest(row).hex() == KAT_DIGEST_ROUTES
+    row = StagedRow(digest=b"", digest_version=v, **kw)
+    assert H.row_digest(row) == H.digest(**kw, digest_version=v)
+    assert H.row_digest(row).hex() == KATS[v][4]

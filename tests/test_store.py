@@ -18,12 +18,14 @@ pytestmark = pytest.mark.timeout(120)
 VOCAB, EXPERTS, L, K = 512, 8, 4, 2
 
 
-def make_rows(n_rollouts: int, calls: int = 2, tokens: int = 64, routes: bool = True, seed: int = 0, prefix: str = "r") -> list[StagedRow]:
-    """Chains of ``calls`` model calls per rollout, built by the real capture gate."""
+def make_rows(n_rollouts: int, calls: int = 2, tokens: int = 64, routes: bool = True, seed: int = 0, prefix: str = "r",
+              digest_version: int = 2) -> list[StagedRow]:
+    """Chains of ``calls`` model calls per rollout, built by the real capture gate
+    (hashed with ``digest_version``: 2 BLAKE3, 1 SHA-256)."""
     rng = np.random.default_rng(seed)
     rows = []
     for r in range(n_rollouts):
-        gate = CaptureGate(f"{prefix}{r}", vocab_size=VOCAB, num_experts=EXPERTS)
+        gate = CaptureGate(f"{prefix}{r}", vocab_size=VOCAB, num_experts=EXPERTS, digest_version=digest_version)
         parent = None
         for c in range(calls):
             ctx = 4 if c else 0

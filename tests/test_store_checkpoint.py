@@ -4,10 +4,12 @@ from __future__ import annotations
 import json
 import os
 
+import dask
 import pytest
 
 from pipeline.store import CheckpointCorrupt, CheckpointError, StagingStore
 from pipeline.store import checkpoint as ck
+from tasks.hashing import row_digest
 from tasks.packed import pack_rows, unpack_rows
 
 from test_store import make_rows  # noqa: E402  (tests/ is on sys.path under pytest)
@@ -77,11 +79,11 @@ def _fail_writes_after(n: int) -> None:
     real = getattr(mod, "_real_write_atomic", mod.write_atomic)
     count = {"n": 0}
 
-    def failing(path, buffers):
+    def failing(path, buffers, *rest):
         count["n"] += 1
         if count["n"] > n:
             raise OSError(f"injected crash before writing {os.path.basename(path)}")
-        return real(path, buffers)
+        return real(path, buffers, *rest)
 
     mod._real_write_atomic = real
     mod.write_atomic = failing
@@ -154,9 +156,43 @@ def test_corrupt_checkpoint_refused(store_factory, tmp_path):
 
     # An edited manifest is refused too, and a missing checkpoint says so.
     m = json.loads((path / ck.MANIFEST).read_text())
-    m["files"][0]["sha256"] = "0" * 64
+    m["files"][0][m["file_digest"]] = "0" * 64
     (path / ck.MANIFEST).write_text(json.dumps(m))
     with pytest.raises(CheckpointCorrupt, match="manifest digest"):
         fresh.restore(str(path))
     with pytest.raises(CheckpointError, match="MANIFEST.json is missing"):
         fresh.restore(str(tmp_path / "nowhere"))
+
+
+def test_a_sha256_checkpoint_in_the_old_format_restores_under_the_blake3_default(store_factory, tmp_path):
+    """A checkpoint as the code before BLAKE3 wrote it: SHA-256 rows (digest version 1),
+    SHA-256 file digests under ``sha256``, no ``file_digest`` field. It restores, its rows
+    keep verifying, and a damaged file of it is still refused, under ``capture.digest:
+    blake3``; a save follows the setting (``sha256`` above, ``blake3`` below)."""
+    path = tmp_path / "old"
+    rows = make_rows(3, digest_version=1)
+    src = store_factory(n_units=1)
+    assert not src.put_many(pack_rows(rows)).failed
+    with dask.config.set({"token-capture.capture.digest": "sha256"}):
+        saved = src.checkpoint(str(path), chunk_bytes=4_000)
+    assert saved["file_digest"] == "sha256" and all(set(f) & {"sha256", "blake3"} == {"sha256"} for f in saved["files"])
+    m = json.loads((path / ck.MANIFEST).read_text())
+    del m["file_digest"]  # the old writer had no such field
+    m["manifest_sha256"] = ck._manifest_digest(m)
+    (path / ck.MANIFEST).write_text(json.dumps(m))
+
+    assert dask.config.get("token-capture.capture.digest") == "blake3"
+    dst = store_factory(n_units=2)
+    out = dst.restore(str(path))
+    assert out["rows"] == len(rows) and not out["failed"]
+    back = read_all(dst, rows)
+    assert all(b.digest_version == 1 and row_digest(b) == b.digest == a.digest for a, b in zip(rows, back))
+    again = dst.checkpoint(str(tmp_path / "new"))
+    assert again["file_digest"] == "blake3" and all("blake3" in f and "sha256" not in f for f in again["files"])
+
+    victim = path / m["files"][-1]["file"]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="sha256"):
+        store_factory(n_units=1).restore(str(path))

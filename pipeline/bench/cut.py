@@ -117,10 +117,12 @@ def _token_sizes(args: argparse.Namespace) -> list[int]:
 def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str, prof: MoeProfile | None) -> list[CallBuffer]:
     """One writer client's in-flight calls: ``tokens``-token prefixes (context + generated),
     with ``prof``'s routed experts (int16 ids in ``[0, experts)``) unless it is None."""
+    from .. import config
     from ..generation.call_buffer import CallBuffer
 
     rng = np.random.default_rng(client_idx)
     gen_n = tokens - CONTEXT_TOKENS
+    version = config.digest_version()  # capture.digest, as a generation worker reads it
     shape = None if prof is None else (prof.layers, prof.top_k)
 
     def routes(n: int) -> np.ndarray | None:
@@ -129,7 +131,8 @@ def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str, prof: Mo
     calls = []
     for i in range(n_calls):
         b = CallBuffer(f"{tag}c{client_idx}r{i}", "call-0", rng.integers(0, 512, CONTEXT_TOKENS),
-                       max_new_tokens=gen_n + 1, routes_shape=shape, context_routes=routes(CONTEXT_TOKENS))
+                       max_new_tokens=gen_n + 1, routes_shape=shape, context_routes=routes(CONTEXT_TOKENS),
+                       digest_version=version)
         b.append(rng.integers(0, 512, gen_n), -rng.random(gen_n, dtype=np.float32), routes(gen_n))
         calls.append(b)
     return calls

@@ -14,7 +14,8 @@ from .finalize_verify_vs_hash import VerifyVsHash
 WorkloadShape = tuple[int, int, int, tuple[int, int] | None]
 
 # A mode's speedup figures: (mode, suffix of its speedup keys).
-SPEEDUPS = (("graph", ""), ("rollout_fetch_vec", "_rollout_fetch_vec"), ("union_fetch_token", "_union_fetch_token"))
+SPEEDUPS = (("graph", ""), ("rollout_fetch_vec", "_rollout_fetch_vec"), ("union_fetch_token", "_union_fetch_token"),
+            ("graph_sha256", "_graph_sha256"))
 
 
 class ModeFigures(TypedDict, total=False):
@@ -59,6 +60,8 @@ def speedups(modes: Mapping[str, ModeFigures]) -> dict[str, float]:
     for mode, suffix in SPEEDUPS:
         out[f"speedup_median{suffix}"] = round(base["wall_s_median"] / modes[mode]["wall_s_median"], 2)
         out[f"speedup_min{suffix}"] = round(base["wall_s_min"] / modes[mode]["wall_s_min"], 2)
+    # The digest's share: the same graph on SHA-256 rows over the default digest's.
+    out["graph_sha256_vs_graph"] = round(modes["graph_sha256"]["wall_s_median"] / modes["graph"]["wall_s_median"], 2)
     return out
 
 
@@ -83,16 +86,23 @@ def graph_figures(g: Sequence[GraphRun]) -> dict[str, float | int]:
     }
 
 
-def hash_figures(vh: VerifyVsHash, graph: Mapping[str, float | int] | None) -> dict[str, float | int]:
-    """The in-process verify and hash pass (ms) and their ratio; with the ``graph``'s
-    figures also its verify tasks' wall and CPU time over the hash pass's."""
-    out: dict[str, float | int] = {
+def hash_figures(vh: VerifyVsHash, graph: Mapping[str, float | int] | None,
+                 graph_sha256_verify_ms: float | None = None) -> dict[str, float | int | str]:
+    """The in-process verify and hash passes (ms: the digest in use, ``hash_algorithm``,
+    and SHA-256) and their ratio; with the ``graph``'s figures also its verify tasks' wall
+    and CPU time over the hash pass's, and ``graph_sha256``'s over the SHA-256 pass's."""
+    out: dict[str, float | int | str] = {
         "verify_ms_in_process": round(vh["verify_ms"], 3),
+        "hash_algorithm": vh["algorithm"],
         "hash_ms": round(vh["hash_ms"], 3),
         "hash_cpu_ms": round(vh["hash_cpu_ms"], 3),
+        "hash_sha256_ms": round(vh["hash_sha256_ms"], 3),
         "hash_bytes": vh["bytes"],
         "verify_vs_hash": round(vh["verify_ms"] / vh["hash_ms"], 2),
     }
+    if graph_sha256_verify_ms is not None:
+        out["graph_sha256_verify_ms"] = round(graph_sha256_verify_ms, 2)
+        out["graph_sha256_verify_vs_hash"] = round(graph_sha256_verify_ms / vh["hash_sha256_ms"], 2)
     if graph is not None:
         # The same ratio with the graph's own verify tasks (2 busy workers; median run): their
         # wall time (waits for a CPU and the GIL included), and their threads' CPU time
@@ -122,7 +132,8 @@ def workload_figures(shape: WorkloadShape, targets: dict[str, float], n_groups: 
     if graph is not None:
         res.update(graph)
     if vh is not None:
-        res.update(hash_figures(vh, graph))
+        g256 = runs.get("graph_sha256")
+        res.update(hash_figures(vh, graph, statistics.median(r["verify_ms"] for r in g256) if g256 else None))
     res["targets"] = targets
     return res
 

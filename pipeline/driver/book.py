@@ -16,6 +16,7 @@ import numpy as np
 from tasks.cut.receipt import CallAck
 from tasks.errors import InvalidRecord
 from tasks.gate import CaptureGate
+from tasks.hashing import DIGEST_VERSION
 from tasks.receipts import CallRecord, Receipt
 from tasks.schema import StagedRow
 from tasks.toy.policy import MoEPolicy
@@ -27,10 +28,12 @@ from .state import RolloutState
 
 
 class RolloutBook:
-    """Rollout states by id, in submission order, with gates for ``policy``'s shapes."""
+    """Rollout states by id, in submission order, with gates for ``policy``'s shapes,
+    hashing with ``digest_version`` (:mod:`tasks.digests`)."""
 
-    def __init__(self, policy: MoEPolicy):
+    def __init__(self, policy: MoEPolicy, digest_version: int = DIGEST_VERSION):
         self.policy = policy
+        self.digest_version = digest_version
         self._rollouts: dict[str, RolloutState] = {}
         self._order: list[str] = []
 
@@ -55,12 +58,14 @@ class RolloutBook:
 
     def new_gate(self, spec: RolloutSpec) -> CaptureGate:
         return CaptureGate(spec.rollout_id, vocab_size=self.policy.vocab_size, num_experts=self.policy.num_experts,
-                           group_id=spec.group_id)
+                           group_id=spec.group_id, digest_version=self.digest_version)
 
     def resume_gate(self, spec: RolloutSpec, chain: Sequence[StagedRow], records: Sequence[CallRecord]) -> CaptureGate:
-        """The gate of ``spec`` with its staged ``chain`` replayed (raises :class:`InvalidRecord`)."""
+        """The gate of ``spec`` with its staged ``chain`` replayed (raises :class:`InvalidRecord`;
+        it keeps the chain's digest version)."""
         return CaptureGate.resume(spec.rollout_id, chain, vocab_size=self.policy.vocab_size,
-                                  num_experts=self.policy.num_experts, group_id=spec.group_id, records=records)
+                                  num_experts=self.policy.num_experts, group_id=spec.group_id, records=records,
+                                  digest_version=self.digest_version)
 
     @property
     def active(self) -> int:

@@ -16,6 +16,7 @@ from tasks.receipts import Receipt
 from tasks.toy.environment import ToolEnvironment
 from tasks.toy.rollouts import RolloutSpec
 
+from .. import config
 from ..capture import policy_from_config
 from .book import RolloutBook
 from .cut import CutStats, cut_actors
@@ -67,7 +68,7 @@ class RolloutDriver:
         self._settings = RoundSettings.from_config(step_tokens, weight_version, with_routes)
         self.env = ToolEnvironment(seed=self.policy.config.seed, vocab_size=self.policy.vocab_size)
         self.snapshot: DriverSnapshot | None = None
-        self._book = RolloutBook(self.policy)
+        self._book = RolloutBook(self.policy, config.digest_version())  # capture.digest, read once
         self._pool = ActorPool.start(client, ActorPool.placement(client, n_workers, workers), self.cut_store,
                                      pool_settings)
         self._rounds = RoundRunner(self._pool, self._book, store, self.env, self._settings)

@@ -67,15 +67,20 @@ def generate_and_stage(
     specs: Sequence[RolloutSpec],
     overrides: Mapping[str, object] | None = None,
     weight_version: int = 0,
+    digest_version: int | None = None,
 ) -> list[Receipt]:
-    """Task body: generate ``specs`` with the HF engine, stage their rows in ONE put, return receipts."""
-    rollouts = generate_rollouts(engine_from_config(overrides), specs, weight_version=weight_version)
+    """Task body: generate ``specs`` with the HF engine, stage their rows in ONE put (hashed
+    with ``digest_version``; None: this process's ``capture.digest``), return receipts."""
+    version = config.digest_version() if digest_version is None else digest_version
+    rollouts = generate_rollouts(engine_from_config(overrides), specs, weight_version=weight_version, digest_version=version)
     return stage_rollouts(store, rollouts)
 
 
 def submit_generation(client: Client, store: StoreLike, groups: Sequence[Sequence[RolloutSpec]], **kwargs: object) -> list[Future]:
     """One HF generation task per group on the cluster; futures of each group's receipts.
-    ``kwargs``: ``overrides``, ``weight_version``."""
+    ``kwargs``: ``overrides``, ``weight_version``, ``digest_version`` (default: the
+    caller's ``capture.digest``, read here)."""
+    kwargs.setdefault("digest_version", config.digest_version())
     return [
         client.submit(generate_and_stage, store, list(specs), pure=False, **kwargs)
         for specs in groups

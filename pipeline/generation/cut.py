@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator, Protocol, Sequen
 import numpy as np
 
 from tasks.cut.batching import BatchLimits, BatchPlanner, pack_chunks
+from tasks.hashing import DIGEST_VERSION
 from tasks.cut.receipt import (
     CONTROL_DEADLINE,
     CUT_ERROR,
@@ -57,15 +58,18 @@ class CutStore(Protocol):
 
 @dataclass(frozen=True)
 class CutSettings:
-    """A generation worker's cut knobs, read once when it is built (``token-capture.cut``)."""
+    """A generation worker's cut knobs, read once when it is built (``token-capture.cut``,
+    and ``capture.digest``: the digest version its calls' chunks are hashed with)."""
 
     limits: BatchLimits  # rows, tokens and bytes per cut-time put
     deadline_s: float  # a cut without a deadline ends this long after it starts, s
     receipt_cache_size: int  # cut receipts kept for retried cuts (count)
+    digest_version: int = DIGEST_VERSION  # tasks.digests: 1 SHA-256, 2 BLAKE3
 
     @classmethod
     def from_config(cls) -> CutSettings:
-        return cls(limits_from_config(), float(config.get("cut.deadline-s")), int(config.get("cut.receipt-cache-size")))
+        return cls(limits_from_config(), float(config.get("cut.deadline-s")), int(config.get("cut.receipt-cache-size")),
+                   config.digest_version())
 
 
 def limits_from_config() -> BatchLimits:

@@ -8,7 +8,7 @@ writes (temp, fsync, rename) and SHA-256 of files; sizes are in bytes.
 """
 from __future__ import annotations
 
-import hashlib
+from tasks.digests import SHA256, file_hash
 import os
 import struct
 
@@ -106,14 +106,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_atomic(path: str, buffers: list[bytes | memoryview]) -> tuple[str, int]:
+def write_atomic(path: str, buffers: list[bytes | memoryview], algorithm: str = SHA256) -> tuple[str, int]:
     """Write ``buffers`` to ``path`` via ``path.tmp`` + fsync + rename.
 
-    Returns (sha256 hex of the bytes written, size in bytes). The hash is computed over
-    the very buffers written, in one pass (hashlib releases the GIL on large buffers).
+    Returns (hex digest of the bytes written under ``algorithm``, ``"sha256"`` or
+    ``"blake3"``; size in bytes). The hash is computed over the very buffers written, in
+    one pass (both release the GIL on large buffers).
     """
     tmp = f"{path}.tmp"
-    h = hashlib.sha256()
+    h = file_hash(algorithm)
     size = 0
     with open(tmp, "wb") as fh:
         for b in buffers:
@@ -128,7 +129,12 @@ def write_atomic(path: str, buffers: list[bytes | memoryview]) -> tuple[str, int
 
 def file_sha256(path: str) -> tuple[str, int]:
     """(sha256 hex, size in bytes) of a file, read in 8 MiB blocks."""
-    h = hashlib.sha256()
+    return file_digest(path, SHA256)
+
+
+def file_digest(path: str, algorithm: str) -> tuple[str, int]:
+    """(hex digest under ``algorithm``, size in bytes) of a file, read in 8 MiB blocks."""
+    h = file_hash(algorithm)
     size = 0
     with open(path, "rb") as fh:
         while True:

@@ -4,7 +4,8 @@ A checkpoint location (a local directory or any fsspec URL, :mod:`~pipeline.stor
 holds ``MANIFEST.json`` (written last, by the controller) and one generation ``gen-<id>/``
 of packed batch files (:mod:`~pipeline.store.batch_file`, one per chunk of about
 ``chunk_bytes`` of a unit's partition), each written by its unit straight to the location
-from the unit's own worker process. The manifest records each file's SHA-256 and size in
+from the unit's own worker process. The manifest records each file's digest (BLAKE3 or
+SHA-256, ``capture.digest`` read once per save; ``file_digest`` names it) and size in
 bytes, and, when ``store.checkpoint-key`` names a key file, an HMAC-SHA256 of its whole
 body. Its file names must be ``<generation>/<plain name>`` (resolving inside a local
 directory). Commit needs no rename: before the manifest is written every file it names is
@@ -36,6 +37,7 @@ from .location_lease import Lease, location_lease
 from .location_lock import location_lock, lock_timeout_s
 from .location_probe import probe, probe_timeout_s
 from .manifest import (  # noqa: F401 (the checkpoint's public names, re-exported)
+    FILE_DIGEST_FIELD,
     HMAC_FIELD,
     MANIFEST,
     MANIFEST_FORMAT,
@@ -87,8 +89,9 @@ def save(store: "StoreLike", path: Where, chunk_bytes: int) -> dict:
         return _save_locked(store, loc, chunk_bytes, key, lease)
 
 
-def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int) -> tuple[list, list[BaseException]]:
-    """Every unit writes its files into generation ``gen``: (entries per unit, errors)."""
+def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int, digest: str) -> tuple[list, list[BaseException]]:
+    """Every unit writes its files into generation ``gen``, hashed with ``digest``:
+    (entries per unit, errors)."""
     token = gen.url  # gen-<id> under the location: unique per save
     outcomes: list = []
     try:
@@ -101,7 +104,9 @@ def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int) -> tu
             # A replicated store holds every key twice: each unit writes only its primary keys.
             placement = store.placement
             primary_of = list(placement.unit_ids) if placement.replicas == 2 else None
-            outcomes = settle_all([unit.checkpoint_write(gen, int(chunk_bytes), primary_of, u) for u, unit in enumerate(store.units)])
+            outcomes = settle_all([
+                unit.checkpoint_write(gen, int(chunk_bytes), primary_of, u, digest) for u, unit in enumerate(store.units)
+            ])
             errors = [o for o in outcomes if isinstance(o, Exception)]
     finally:
         # Closing applies the deletes deferred meanwhile (a lost unit has nothing to close).
@@ -139,7 +144,8 @@ def _save_locked(store: "StoreLike", loc: Location, chunk_bytes: int, key: bytes
     gen = loc.child(generation)
     if loc.local:
         os.makedirs(gen.root)
-    outcomes, errors = _write_generation(store, gen, chunk_bytes)
+    digest = config.digest_algorithm()  # capture.digest, once per save
+    outcomes, errors = _write_generation(store, gen, chunk_bytes, digest)
     entries = [e for unit_entries in ([] if errors else outcomes) for e in unit_entries]
     if not errors:
         missing = _missing_files(gen, entries)
@@ -162,6 +168,7 @@ def _save_locked(store: "StoreLike", loc: Location, chunk_bytes: int, key: bytes
         "rows": sum(f["rows"] for f in files),
         "bytes": sum(f["bytes"] for f in files),
         "files": files,
+        FILE_DIGEST_FIELD: digest,
         "store": _store_name(store),
     }
     if lease is not None:

@@ -2,15 +2,17 @@
 files straight to the checkpoint's generation (a local directory or an fsspec URL,
 :mod:`~pipeline.store.location`). Restoring, one Dask task per file: read (locally as a
 regular file inside the directory, remotely bounded by the manifest's size), size and
-SHA-256 recomputed on the bytes read (never trusted), decoded, rows/keys/fields checked;
-then put into the store under the restore's claim."""
+digest recomputed on the bytes read (never trusted) with the algorithm the entry names
+(``blake3`` or ``sha256``), decoded, rows/keys/fields checked; then put into the store
+under the restore's claim. A save hashes with the algorithm it is given (the controller
+reads ``capture.digest`` once per save)."""
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence, TypeVar
 
+from tasks.digests import DEFAULT_ALGORITHM, file_hash
 from tasks.errors import CheckpointCorrupt
 from tasks.keys import primary_units
 from tasks.packed import PackedBatch
@@ -18,7 +20,7 @@ from tasks.packed import PackedBatch
 from . import batch_file
 from .batch_file import decode_batch
 from .location import Location, local
-from .manifest import _entry_problem, resolve_entry
+from .manifest import _entry_problem, entry_digest, resolve_entry
 from .protocol import check_key, field_problem
 from .registry import FieldRegistry
 from .row_packing import pack_stored_rows
@@ -87,12 +89,15 @@ def _read_data(root: "str | Location", entry: dict, generation: str) -> bytes | 
 
 
 def _read_checked(root: "str | Location", entry: dict, generation: str) -> PackedBatch:
-    """Read one data file, check size and SHA-256 on the bytes read, decode, validate."""
+    """Read one data file, check size and digest on the bytes read, decode, validate."""
     buf = _read_data(root, entry, generation)
-    sha = hashlib.sha256(buf).hexdigest()
-    if len(buf) != entry["bytes"] or sha != entry["sha256"]:
+    algorithm, want = entry_digest(entry)
+    h = file_hash(algorithm)
+    h.update(buf)
+    got = h.hexdigest()
+    if len(buf) != entry["bytes"] or got != want:
         raise CheckpointCorrupt(
-            f"{entry['file']}: sha256 {sha} / {len(buf)} bytes, manifest says {entry['sha256']} / {entry['bytes']} bytes"
+            f"{entry['file']}: {algorithm} {got} / {len(buf)} bytes, manifest says {want} / {entry['bytes']} bytes"
         )
     try:
         batch = decode_batch(buf)
@@ -107,7 +112,7 @@ def _read_checked(root: "str | Location", entry: dict, generation: str) -> Packe
 def verify_file(root: "str | Location", entry: dict, generation: str) -> dict:
     """Validate-only pass over one file: ``{"problem": why or None, "keys": [...]}``.
 
-    Size, SHA-256, decode and row/key/field checks, exactly as :func:`load_file` does;
+    Size, digest, decode and row/key/field checks, exactly as :func:`load_file` does;
     only the keys travel back (the rows are dropped here)."""
     try:
         batch = _read_checked(root, entry, generation)
@@ -117,7 +122,7 @@ def verify_file(root: "str | Location", entry: dict, generation: str) -> dict:
 
 
 def load_file(root: "str | Location", entry: dict, generation: str) -> PackedBatch:
-    """Read one data file again and re-check it (SHA-256 on the bytes read, decode, rows)."""
+    """Read one data file again and re-check it (digest on the bytes read, decode, rows)."""
     return _read_checked(root, entry, generation)
 
 
@@ -140,13 +145,14 @@ def primary_items(items: list[tuple[str, T]], units: int | Sequence[str], unit_i
 
 def write_partition_files(
     target: "str | Location", stem: str, partition: str, rows: Iterable[tuple[str, dict, int]], reg: FieldRegistry | None,
-    chunk_bytes: int,
+    chunk_bytes: int, digest: str = DEFAULT_ALGORITHM,
 ) -> list[dict]:
     """One unit's partition as packed batch files ``<stem>-<n>.tcb`` of about
     ``chunk_bytes`` (row weights, bytes) each, written to ``target`` (a generation: a
     local directory, every file atomic by temp, fsync, rename; or a remote one, every file
     one whole-object put). ``rows`` yields ``(key, row, weight)``. Returns one manifest
-    entry per file."""
+    entry per file, its hex digest under ``digest`` (the algorithm, ``"blake3"`` or
+    ``"sha256"``)."""
     loc = target if isinstance(target, Location) else local(target)
     names = list(reg.specs) if reg else []
     entries: list[dict] = []
@@ -157,8 +163,8 @@ def write_partition_files(
     def flush() -> None:
         batch = pack_stored_rows(keys, chunk, names, reg)
         name = f"{stem}-{len(entries):05d}{batch_file.DATA_SUFFIX}"
-        sha, nbytes = loc.write(name, batch_file.encode_batch(batch))
-        entries.append({"file": name, "partition": partition, "rows": len(batch), "bytes": nbytes, "sha256": sha})
+        hexdigest, nbytes = loc.write(name, batch_file.encode_batch(batch), digest)
+        entries.append({"file": name, "partition": partition, "rows": len(batch), "bytes": nbytes, digest: hexdigest})
 
     for key, row, weight in rows:
         keys.append(key)
@@ -174,16 +180,19 @@ def write_partition_files(
 
 def write_unit_files(
     target: "str | Location", me: int, held: "HeldRows", registry: Mapping[str, FieldRegistry], chunk_bytes: int,
-    primary_of_units: int | Sequence[str] | None = None,
+    primary_of_units: int | Sequence[str] | None = None, digest: str = DEFAULT_ALGORITHM,
 ) -> list[dict]:
     """A unit's checkpoint_write: every partition of ``held`` as files ``u<me>-<partition>-<n>.tcb``
     in ``target`` (:func:`write_partition_files`); with ``primary_of_units`` only the keys
-    unit ``me`` is the primary of. Runs on the unit's actor thread: a consistent snapshot."""
+    unit ``me`` is the primary of; files hashed with ``digest``. Runs on the unit's actor
+    thread: a consistent snapshot."""
     entries: list[dict] = []
     for partition, index in held.index.items():
         items = list(index.items())
         if primary_of_units is not None:
             items = primary_items(items, primary_of_units, me)
         rows = ((key, held.rows.peek(slot), held.weights[slot]) for key, slot in items)
-        entries.extend(write_partition_files(target, f"u{me:03d}-{partition}", partition, rows, registry.get(partition), chunk_bytes))
+        entries.extend(write_partition_files(
+            target, f"u{me:03d}-{partition}", partition, rows, registry.get(partition), chunk_bytes, digest
+        ))
     return entries

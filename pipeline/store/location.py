@@ -14,12 +14,12 @@ every object name is validated (plain components, no ``..``), every read bounded
 """
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+from tasks.digests import SHA256, file_hash
 from tasks.errors import CheckpointError
 
 from .. import config
@@ -74,16 +74,19 @@ class Location:
 
     # ---- operations ---------------------------------------------------------------
 
-    def write(self, name: str, buffers: Sequence[bytes | memoryview]) -> tuple[str, int]:
-        """Write ``buffers`` as the whole object ``name``: (sha256 hex of the bytes written,
-        size in bytes). Local: temp, fsync, rename. Remote: one whole-object put (an
-        object store shows it whole or not at all)."""
+    def write(self, name: str, buffers: Sequence[bytes | memoryview], algorithm: str = SHA256) -> tuple[str, int]:
+        """Write ``buffers`` as the whole object ``name``: (hex digest of the bytes written
+        under ``algorithm``, ``"sha256"`` or ``"blake3"``; size in bytes). Local: temp,
+        fsync, rename. Remote: one whole-object put (an object store shows it whole or not
+        at all)."""
         if self.local:
             # Through the module (not an imported name): one patch point for every atomic write.
-            return batch_file.write_atomic(self.path(name), list(buffers))
+            return batch_file.write_atomic(self.path(name), list(buffers), algorithm)
         data = b"".join(buffers)
         self.fs().pipe_file(self.path(name), data)
-        return hashlib.sha256(data).hexdigest(), len(data)
+        h = file_hash(algorithm)
+        h.update(data)
+        return h.hexdigest(), len(data)
 
     def create(self, name: str, data: bytes) -> bool:
         """Write ``name`` only if it does not exist (True), else leave it (False). Remote:

@@ -2,7 +2,10 @@
 rules its file entries follow.
 
 ``MANIFEST.json`` names one generation ``gen-<id>/`` of packed batch files with each
-file's SHA-256 and size in bytes. Its unkeyed SHA-256 catches accidents; with
+file's digest and size in bytes. The file digests are BLAKE3 or SHA-256 (the
+``capture.digest`` setting at save time): the manifest says which in ``file_digest``
+(absent: SHA-256, every checkpoint from before BLAKE3) and each entry keeps its hex
+digest under the algorithm's name. Its unkeyed SHA-256 catches accidents; with
 ``store.checkpoint-key`` (the PATH of a key file) it is also signed (HMAC-SHA256), and a
 signed manifest carries a ``sequence`` per store name that a restore checks against the
 highest one this controller saved or restored (a replayed older save is refused). Its
@@ -21,6 +24,7 @@ import os
 import re
 from typing import Final, Union
 
+from tasks.digests import ALGORITHMS, SHA256
 from tasks.errors import CheckpointCorrupt, CheckpointError, CheckpointReplayed
 
 from .. import config
@@ -37,6 +41,7 @@ KEY_CONFIG = "store.checkpoint-key"
 MANIFEST_MAX_CONFIG = "store.checkpoint-manifest-max-bytes"
 STORE_NAME_CONFIG = "capture-client.store-name"
 HMAC_FIELD = "manifest_hmac_sha256"
+FILE_DIGEST_FIELD = "file_digest"  # the data files' digest algorithm; absent: sha256
 _DIGEST_FIELDS = ("manifest_sha256", HMAC_FIELD)
 _HMAC_TAG = b"dask-token-capture/store-checkpoint-manifest/v1\n"
 _MIN_KEY_BYTES = 32
@@ -236,6 +241,9 @@ def _check_entries(loc: Location, mpath: str, manifest: dict) -> None:
     generation = manifest.get("generation")
     if not isinstance(generation, str) or not _GENERATION_RE.match(generation):
         raise CheckpointCorrupt(f"{mpath}: generation {generation!r} is not a plain gen-<id> name")
+    algorithm = manifest.get(FILE_DIGEST_FIELD, SHA256)
+    if algorithm not in ALGORITHMS:
+        raise CheckpointCorrupt(f"{mpath}: file_digest {algorithm!r} is not one of {', '.join(ALGORITHMS)}")
     files = manifest.get("files")
     if not isinstance(files, list):
         raise CheckpointCorrupt(f"{mpath}: files must be a list")
@@ -243,6 +251,8 @@ def _check_entries(loc: Location, mpath: str, manifest: dict) -> None:
     for i, entry in enumerate(files):
         what = f"{mpath}: files[{i}] {entry.get('file') if isinstance(entry, dict) else entry!r}"
         problem = _entry_problem(entry, generation)
+        if problem is None and entry_digest(entry)[0] != algorithm:
+            problem = f"digest {entry_digest(entry)[0]}, the manifest's file_digest is {algorithm}"
         if problem is None:
             if entry["file"] in seen:
                 problem = "named twice"
@@ -282,9 +292,19 @@ def _entry_problem(entry: object, generation: str) -> str | None:
         return f"partition {partition!r} is not a partition name"
     if not (_int_field(entry, "rows") and _int_field(entry, "bytes")):
         return f"rows and bytes must be non-negative integers, got {entry.get('rows')!r} / {entry.get('bytes')!r}"
-    if not isinstance(entry.get("sha256"), str) or not _SHA_RE.match(entry["sha256"]):
-        return f"sha256 {entry.get('sha256')!r} is not 64 lowercase hex digits"
+    named = [a for a in ALGORITHMS if a in entry]
+    if len(named) != 1:
+        return f"needs one file digest ({' or '.join(ALGORITHMS)}), got {named or 'none'}"
+    value = entry[named[0]]
+    if not isinstance(value, str) or not _SHA_RE.match(value):
+        return f"{named[0]} {value!r} is not 64 lowercase hex digits"
     return None
+
+
+def entry_digest(entry: dict) -> tuple[str, str]:
+    """``(algorithm, hex digest)`` of a checked file entry (its one digest field)."""
+    algorithm = next(a for a in ALGORITHMS if a in entry)
+    return algorithm, entry[algorithm]
 
 
 def resolve_entry(root: str, entry: dict, generation: str) -> str:

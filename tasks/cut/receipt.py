@@ -3,7 +3,10 @@
 Each call listed is ``durable_prefix`` (sealed in the store: keys, token count, prefix
 digest), ``durable_failure`` with a reason (it regenerates after a restore) or
 ``completed``. Receipts are cached by (checkpoint_id, inventory digest) so a retried cut
-answers the same receipt. Digest byte layouts (version 1): docs/design.md, "Checkpoint cuts".
+answers the same receipt. Digest byte layouts: docs/design.md, "Checkpoint cuts". The
+prefix digest is hashed with the call's digest version (:mod:`tasks.digests`: 1 SHA-256,
+2 BLAKE3, each with its own tag), which the ack names; the inventory digest (a cache key
+over a few ids) stays SHA-256.
 """
 from __future__ import annotations
 
@@ -14,11 +17,12 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from ..digests import DEFAULT_VERSION, DIGEST_SHA256, SCHEMES, Hasher, scheme
 from ..errors import InvalidInventory
 from ..keys import check_id
 
 CUT_RECEIPT_VERSION = 1
-TAG_CUT_PREFIX = b"token-capture/cut-prefix/v1\x00"
+TAG_CUT_PREFIX = SCHEMES[DIGEST_SHA256].tag_cut_prefix  # version 1's; scheme(v).tag_cut_prefix for any
 TAG_INVENTORY = b"token-capture/cut-inventory/v1\x00"
 _U32 = struct.Struct("<I")
 
@@ -41,21 +45,23 @@ InventoryEntry = CallId | list | str
 # ---- digests ---------------------------------------------------------------------------
 
 
-def prefix_state() -> "hashlib._Hash":
-    """A fresh running prefix-digest state; feed chunks with :func:`extend_prefix_digest`."""
-    return hashlib.sha256(TAG_CUT_PREFIX)
+def prefix_state(digest_version: int = DEFAULT_VERSION) -> Hasher:
+    """A fresh running prefix-digest state of ``digest_version``; feed chunks with
+    :func:`extend_prefix_digest`."""
+    s = scheme(digest_version)
+    return s.new(s.tag_cut_prefix)
 
 
-def extend_prefix_digest(state: "hashlib._Hash", token_ids: np.ndarray) -> bytes:
+def extend_prefix_digest(state: Hasher, token_ids: np.ndarray) -> bytes:
     """Feed one chunk's ids (as <i8) into ``state``; return the digest so far."""
     a = np.ascontiguousarray(token_ids, dtype="<i8")
     state.update(memoryview(a).cast("B"))
     return state.digest()
 
 
-def prefix_digest(token_ids: np.ndarray | Iterable[np.ndarray]) -> bytes:
+def prefix_digest(token_ids: np.ndarray | Iterable[np.ndarray], digest_version: int = DEFAULT_VERSION) -> bytes:
     """Prefix digest of a whole prefix: one array, or its chunks in chain order."""
-    h = prefix_state()
+    h = prefix_state(digest_version)
     chunks = [token_ids] if isinstance(token_ids, np.ndarray) else token_ids
     out = h.digest()
     for c in chunks:
@@ -122,6 +128,9 @@ class CallAck:
     reason: str | None = None
     detail: str = ""
     total_tokens: int = 0  # for ``completed``: tokens the finished call holds (context + generated)
+    # The digest version of ``prefix_digest`` and of the prefix's rows (tasks.digests);
+    # None: not stated (an ack from before BLAKE3): the rows' own version decides.
+    digest_version: int | None = None
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import InvalidCall, InvalidRecord
 from ..gate import CaptureGate
+from ..hashing import DIGEST_VERSION
 from ..keys import check_id
 from ..receipts import Receipt
 from ..schema import StagedRow
@@ -231,13 +232,15 @@ def generate_rollouts(
     env: ToolEnvironment | None = None,
     weight_version: int = 0,
     with_routes: bool = True,
+    digest_version: int = DIGEST_VERSION,
 ) -> list[GeneratedRollout]:
     """Generate every rollout, all of them batched together turn by turn.
 
     Each call's delta goes through a :class:`CaptureGate` (vocab and expert ranges of the
     policy). A delta the gate refuses poisons that rollout's receipt (``failure_reason``
     names the gate's reason) and ends that rollout; the others go on.
-    env: defaults to ``ToolEnvironment(policy seed, vocab)``.
+    env: defaults to ``ToolEnvironment(policy seed, vocab)``. ``digest_version``: the
+    gates' hash algorithm (:mod:`tasks.digests`).
     Returns one :class:`GeneratedRollout` per spec, in order.
     """
     ids = [s.rollout_id for s in specs]
@@ -245,7 +248,8 @@ def generate_rollouts(
         raise InvalidCall("invalid_argument", "duplicate rollout_id in specs")
     env = env or ToolEnvironment(seed=policy.config.seed, vocab_size=policy.vocab_size)
     rollouts = [
-        _RolloutInProgress(s, CaptureGate(s.rollout_id, vocab_size=policy.vocab_size, num_experts=policy.num_experts, group_id=s.group_id))
+        _RolloutInProgress(s, CaptureGate(s.rollout_id, vocab_size=policy.vocab_size, num_experts=policy.num_experts,
+                                          group_id=s.group_id, digest_version=digest_version))
         for s in specs
     ]
     for r in rollouts:

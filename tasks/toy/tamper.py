@@ -97,7 +97,7 @@ def forge_token(rows: Sequence[StagedRow], receipt: Receipt, call: int = -1, pos
     v = int(ids[pos])
     ids[pos] = v - 1 if v > 0 else v + 1
     r.token_ids = ids
-    state = hashing.prefix_state()
+    state = hashing.prefix_state(None, out[0].digest_version)
     for i, row in enumerate(out):  # chain order: this call's cumulative hash and its descendants'
         h = hashing.extend_prefix(state, row.token_ids)
         if i >= c:
