@@ -153,3 +153,29 @@ def test_a_unit_adopts_only_received_or_handed_over_batches(tmp_path):
         assert unit.counters["adopted_rows"] == 2
     finally:
         unit.close()
+
+
+def test_heavy_rows_leave_over_the_wire_as_views_in_process_as_copies(tmp_path):
+    """An answer that only crosses the wire (``views=True``) serves a put's heavy rows as
+    read-only views of the memory they are stored in, one batch per run of rows stored
+    side by side; without ``views`` (an in-process caller) the answer is a copy."""
+    unit = StorageUnit(0, memory_limit=1 << 30, capacity=1 << 30, spill_directory=str(tmp_path))
+    try:
+        rows = make_rows(6, calls=1, tokens=8 * TOKENS, seed=46)  # 16,384 tokens: heavy rows
+        for part in (rows[:4], rows[4:]):  # two puts, each received off the wire
+            assert not unit.put_many("staging", pickle.loads(pickle.dumps(pack_rows(part), protocol=5))).failed
+        order = [r.staging_key for r in rows[1:3] + rows[4:] + rows[:1]]
+        got = unit.get_many("staging", order, views=True)
+        assert len(got.batch) == 0 and [p.keys for p in got.parts] == [order[:2], order[2:4], order[4:]]
+        stored = [unit.held.rows.peek(unit.held.index["staging"][k]) for k in order]
+        ids = got.parts[0].fields["token_ids"].values
+        assert np.shares_memory(ids, stored[0]["token_ids"]) and np.shares_memory(ids, stored[1]["token_ids"])
+        assert not ids.flags.writeable
+        merged = PackedBatch.concat(got.parts)
+        want = pack_rows(rows[1:3] + rows[4:] + rows[:1])
+        for name, f in want.fields.items():
+            assert np.array_equal(merged.fields[name].values, f.values) and np.array_equal(merged.fields[name].offsets, f.offsets)
+        copy = unit.get_many("staging", order)
+        assert not copy.parts and not np.shares_memory(copy.batch.fields["token_ids"].values, stored[0]["token_ids"])
+    finally:
+        unit.close()

@@ -96,33 +96,81 @@ def test_a_get_over_the_answer_budget_is_split_into_calls_in_flight_and_merged_i
     handle = Handle(placement, None, placement)
     handle.settings = StoreSettings(16 << 20, False, budget, 2)
     handle.buffers = lambda: SlabPool(0)
+    handle.answer_row_bytes = {}
     value = {k: i for i, k in enumerate(keys)}
 
     def answer(call: Call) -> GetResult:
-        partition, packed, _fields, _version, max_bytes = call.args()
+        partition, packed, _fields, _version, max_bytes, views = call.args()
+        assert views, "over the wire a unit may answer views"
         asked = unpack_names(packed, "keys")
         n = max(1, max_bytes // row_bytes)
         served, more = asked[:n], asked[n:]
-        values = np.repeat(np.array([value[k] for k in served], np.int64), row_bytes // 8)
-        offsets = np.arange(len(served) + 1, dtype=np.int64) * (row_bytes // 8)
-        return GetResult(PackedBatch(served, {"token_ids": PackedField(values, offsets)}), {}, more)
+
+        def batch(ks: list[str]) -> PackedBatch:
+            values = np.repeat(np.array([value[k] for k in ks], np.int64), row_bytes // 8)
+            return PackedBatch(ks, {"token_ids": PackedField(values, np.arange(len(ks) + 1, dtype=np.int64) * (row_bytes // 8))})
+
+        if call.unit == 1:  # runs of rows as separate parts (views, sent as they are)
+            return GetResult(PackedBatch([], {}), {}, more, [batch(served[:1]), batch(served[1:])])
+        return GetResult(batch(served), {}, more)
+
+    def drive(wanted: list[str]) -> tuple[list[list[Call]], GetResult]:
+        op = operations.get(handle, wanted, None, "staging")
+        waves: list[list[Call]] = []
+        try:
+            step = op.send(None)
+            while True:
+                waves.append(step)
+                step = op.send([answer(c) for c in step])
+        except StopIteration as done:
+            return waves, done.value
 
     wanted = keys[::-1] + keys[:3]  # any order, duplicates repeat
-    op = operations.get(handle, wanted, None, "staging")
-    waves: list[list[Call]] = []
-    try:
-        step = op.send(None)
-        while True:
-            waves.append(step)
-            step = op.send([answer(c) for c in step])
-    except StopIteration as done:
-        result = done.value
-    assert len(waves[0]) == 2, "one call per unit first"
-    for wave in waves:
-        per_unit = [c.unit for c in wave]
-        assert max(per_unit.count(u) for u in set(per_unit)) <= 2, "answers in flight per unit"
-    calls = sum(len(w) for w in waves)
-    assert calls == sum(-(-n // 3) for n in (len(ks) for _, ks in operations.plan_read(placement, wanted)[0]))
+    per_unit = [len(ks) for _, ks in operations.plan_read(placement, wanted)[0]]
+    waves, result = drive(wanted)
+    assert [len(w) for w in waves] == [2, sum(-(-(n - 3) // 3) for n in per_unit)], "one call per unit, then the rest"
+    assert all(w.per_unit == 2 for w in waves), "answers in flight per unit"
+    assert [c.unit for c in waves[1][:2]] == [0, 1], "the units' calls interleaved"
     assert result.batch.keys == wanted and not result.failed
     got = result.batch.fields["token_ids"]
     assert [int(got.values[got.offsets[i]]) for i in range(len(wanted))] == [value[k] for k in wanted]
+    # The next get is planned from these answers' bytes per row: budget-sized calls at once.
+    waves, again = drive(wanted)
+    assert len(waves) == 1 and again.batch.keys == wanted
+    assert len(waves[0]) == sum(-(-n // 3) for n in per_unit) and max(len(c.keys) for c in waves[0]) == 3
+
+
+def test_a_window_keeps_at_most_per_unit_calls_in_flight():
+    """The sync driver sends a :class:`Window`'s calls ``per_unit`` at a time per unit,
+    the next one as one of its unit's is answered; answers come back in call order."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from pipeline.store.calls import Window, _send_sync
+
+    in_flight = {0: 0, 1: 0}
+    peak = {0: 0, 1: 0}
+
+    class Unit:
+        def __init__(self, u: int) -> None:
+            self.u = u
+
+        def get_many(self, n: int) -> Future:
+            in_flight[self.u] += 1
+            peak[self.u] = max(peak[self.u], in_flight[self.u])
+            f: Future = Future()
+            f.set_result(n)
+            real = f.result
+
+            def result(timeout=None):
+                in_flight[self.u] -= 1
+                return real(timeout)
+
+            f.result = result  # type: ignore[method-assign]
+            return f
+
+    store = SimpleNamespace(units=[Unit(0), Unit(1)], settings=SimpleNamespace(local_reads=False),
+                            placement=SimpleNamespace(workers=WORKERS[:2]))
+    calls = [Call(i % 2, "get_many", lambda i=i: (i,)) for i in range(10)]
+    assert _send_sync(Window(calls, 2), store, None) == list(range(10))
+    assert peak == {0: 2, 1: 2}

@@ -21,7 +21,7 @@ import numpy as np
 from .spill import Row, SpillMapping
 
 
-def _root(a: object) -> object:
+def root_of(a: object) -> object:
     """The object that owns the memory ``a`` (an array or buffer) views."""
     while True:
         if isinstance(a, np.ndarray):
@@ -42,7 +42,7 @@ def root_nbytes(arrays: Iterable[np.ndarray]) -> int:
     shared buffer of a batch's small fields)."""
     roots: dict[int, int] = {}
     for a in arrays:
-        r = _root(a)
+        r = root_of(a)
         if id(r) not in roots:
             roots[id(r)] = r.nbytes if isinstance(r, (np.ndarray, memoryview)) else memoryview(r).nbytes  # type: ignore[arg-type]
     return sum(roots.values())

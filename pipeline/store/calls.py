@@ -14,6 +14,7 @@ every other call's answer stands. Anything else (a bug) raises.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Generator, Protocol, Sequence, TypeVar, Union
 
@@ -42,7 +43,8 @@ class Call:
     rows while the event loop writes the previous one. ``keys`` are the keys this call
     answers for (they fail ``unit_unavailable`` if the unit does), ``empty`` makes the
     answer of a unit that failed. ``local``: a read that may run on the unit's own actor
-    thread when this code runs on the unit's worker (``store.local-reads``)."""
+    thread when this code runs on the unit's worker (``store.local-reads``), with
+    ``local_args()`` when given (the arguments of a call that crosses no wire)."""
 
     unit: int
     method: str
@@ -50,6 +52,17 @@ class Call:
     keys: Sequence[str] = ()
     empty: Callable[[], Answer] = StoreResult
     local: bool = False
+    local_args: Callable[[], tuple] | None = None
+
+
+class Window(list):
+    """Calls (a ``list[Call]`` request) sent at most ``per_unit`` at a time to each unit:
+    the next call to a unit leaves as one of its unit's is answered. Answers in call order
+    (interleave the units' calls, as the drivers wait for them in that order)."""
+
+    def __init__(self, calls: Sequence[Call], per_unit: int):
+        super().__init__(calls)
+        self.per_unit = max(1, int(per_unit))
 
 
 @dataclass(frozen=True)
@@ -78,6 +91,7 @@ class Driven(Protocol):
     placement: Placement
     moving: MovingTable | None  # a move in progress: its two tables (units: the union)
     settings: StoreSettings
+    answer_row_bytes: dict[tuple, float]  # (partition, fields) -> bytes per row of the last get's answers
 
     def refresh(self, seen: int) -> bool: ...
 
@@ -127,21 +141,38 @@ def run_sync(op: Operation[T], store: Driven, end: float | None) -> T:
 
 
 def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answer]:
-    futures = [_invoke_sync(store, c) for c in calls]  # each sent as soon as its args exist
+    per_unit = getattr(calls, "per_unit", None)
+    queued: dict[int, deque[int]] = {}
+    for i, c in enumerate(calls):
+        queued.setdefault(c.unit if per_unit else -1, deque()).append(i)
+    futures: list[Pending | None] = [None] * len(calls)
+
+    def launch(u: int, n: int) -> None:
+        for _ in range(n):
+            if queued[u]:
+                i = queued[u].popleft()
+                futures[i] = _invoke_sync(store, calls[i])  # each sent as soon as its args exist
+
+    for u in queued:
+        launch(u, per_unit or len(calls))
     out = []
-    for c, f in zip(calls, futures):
+    for i, c in enumerate(calls):
         try:
-            outcome: object = waiter(f, end)()
+            outcome: object = waiter(futures[i], end)()
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
             outcome = e
         out.append(settle(c, outcome, store.placement.workers))
+        if per_unit:
+            launch(c.unit, 1)  # its unit has one call fewer in flight
     return out
 
 
 def _invoke_sync(store: Driven, call: Call) -> "Pending":
     unit = store.units[call.unit]
     fn = local_call(unit, call.method) if call.local and store.settings.local_reads else None
-    return (fn or getattr(unit, call.method))(*call.args())
+    if fn is not None:
+        return fn(*(call.local_args or call.args)())
+    return getattr(unit, call.method)(*call.args())
 
 
 # ---- async ------------------------------------------------------------------------------
@@ -170,7 +201,17 @@ async def _send_async(calls: list[Call], store: Driven, end: float | None) -> li
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
             outcome = e
         return [settle(c, outcome, workers)]
-    outs = await asyncio.gather(
-        *(bounded(getattr(store.units[c.unit], c.method)(*c.args()), end) for c in calls), return_exceptions=True
-    )
+    per_unit = getattr(calls, "per_unit", None)
+    if per_unit:
+        gates = {c.unit: asyncio.Semaphore(per_unit) for c in calls}
+
+        async def one(c: Call) -> object:
+            async with gates[c.unit]:  # FIFO: a unit's calls leave in order
+                return await bounded(getattr(store.units[c.unit], c.method)(*c.args()), end)
+
+        outs = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+    else:
+        outs = await asyncio.gather(
+            *(bounded(getattr(store.units[c.unit], c.method)(*c.args()), end) for c in calls), return_exceptions=True
+        )
     return [settle(c, o, workers) for c, o in zip(calls, outs)]

@@ -74,6 +74,7 @@ class StagingStore:
         self.settings = settings or StoreSettings.from_config()
         self.owner = owner  # only in the creating process (never pickled)
         self.closed = False
+        self.answer_row_bytes: dict[tuple, float] = {}  # gets' bytes per row: how big gets are split (operations.py)
 
     # ---- the placement, as the rest of the pipeline reads it ------------------------
 
@@ -175,6 +176,7 @@ class StagingStore:
         self.settings = state["settings"]
         self.closed = state["closed"]
         self.owner = None
+        self.answer_row_bytes = {}
 
     def with_settings(self, **changes: int | bool) -> "StagingStore":
         """A handle on the same units with some :class:`StoreSettings` changed (it owns nothing)."""

@@ -15,7 +15,7 @@ import numpy as np
 
 from tasks.packed import PackedBatch, gathered_nbytes, slice_rows, take_rows
 
-from .calls import Call, Driven, Operation, Refresh
+from .calls import Call, Driven, Operation, Refresh, Window
 from .merging import (
     RETRY_REASONS,
     after_failover,
@@ -120,10 +120,12 @@ def _read(store: Driven, parts: list, partition: str, wire_fields: bytes | None)
     budget = store.settings.max_answer_bytes or None
 
     def call(u: int, ks: list[str], local: bool) -> Call:
-        return Call(u, "get_many", lambda: (partition, pack_names(ks), wire_fields, version, budget), ks, empty_get, local=local)
+        # Over the wire a unit may answer views of its memory (sent, not copied); in-process, copies.
+        return Call(u, "get_many", lambda: (partition, pack_names(ks), wire_fields, version, budget, True), ks, empty_get,
+                    local=local, local_args=lambda: (partition, pack_names(ks), wire_fields, version, budget, False))
 
     def fetch(parts: list, local: bool) -> Operation[list[GetResult]]:
-        return _fetch(parts, call, local, store.settings.answers_in_flight)
+        return _fetch(store, (partition, wire_fields), parts, call, local)
 
     if moving is not None:
         return (yield from _read_moving(moving, [k for _, ks in parts for k in ks], fetch))
@@ -134,42 +136,48 @@ def _read(store: Driven, parts: list, partition: str, wire_fields: bytes | None)
     return results
 
 
-def _fetch(parts: list, call: Callable[[int, list[str], bool], Call], local: bool, in_flight: int) -> Operation[list[GetResult]]:
-    """Every answer to ``parts`` (unit, keys): one call per unit first; a unit whose
-    answer reached the call's byte budget left the rest in ``more``, which is asked for
-    in calls of about one budget each (sized by that answer's bytes per row), at most
-    ``in_flight`` per unit at a time, so no answer (nor buffer holding one) grows with the
-    size of the get."""
+ESTIMATE_MARGIN = 1.1  # a call planned from the last answers' bytes per row asks for this much less than its budget
+
+
+def _fetch(store: Driven, what: tuple, parts: list, call: Callable[[int, list[str], bool], Call], local: bool
+           ) -> Operation[list[GetResult]]:
+    """Every answer to ``parts`` (unit, keys), in calls of at most one answer budget
+    (``store.max-answer-bytes``) each, ``answers_in_flight`` per unit at a time, so no
+    answer (nor buffer holding one) grows with the size of the get. Calls are planned from
+    the bytes per row the last answers for ``what`` (partition, fields) had; a unit whose
+    answer reached the budget all the same leaves the rest in ``more``, asked for next."""
+    settings, sizes = store.settings, store.answer_row_bytes
+    per_call = None
+    if settings.max_answer_bytes and sizes.get(what):
+        per_call = max(1, int(settings.max_answer_bytes / (sizes[what] * ESTIMATE_MARGIN)))
+    queued = [(u, ks[i : i + per_call]) for u, ks in parts for i in range(0, len(ks), per_call)] if per_call else list(parts)
     results: list[GetResult] = []
-    wave = [(u, list(ks)) for u, ks in parts]
-    queued: list[tuple[int, list[str]]] = []
-    while wave:
-        answers = yield [call(u, ks, local) for u, ks in wave]
+    while queued:
+        wave = _interleave(queued)
+        answers = yield Window([call(u, ks, local) for u, ks in wave], settings.answers_in_flight)
+        queued = []
         for (u, asked), r in zip(wave, answers):
             if r.more:
-                queued += [(u, ks) for ks in _split_more(r.more, len(asked) - len(r.more))]
-                r = GetResult(r.batch, r.failed)
-            results.append(r)
-        wave, queued = _next_wave(queued, in_flight)
+                answered = len(asked) - len(r.more)
+                queued += [(u, r.more[i : i + answered]) for i in range(0, len(r.more), max(1, answered))]
+            results.append(GetResult(r.batch, r.failed) if r.more or r.parts else r)
+            results += [GetResult(part, {}) for part in r.parts]
+    rows = sum(len(r.batch) for r in results)
+    if rows:
+        sizes[what] = sum(r.batch.nbytes for r in results) / rows
     return results
 
 
-def _split_more(more: list[str], answered: int) -> list[list[str]]:
-    """``more`` in runs of as many keys as the answer leaving them covered (a budget's worth)."""
-    per_call = max(1, answered)
-    return [more[i : i + per_call] for i in range(0, len(more), per_call)]
-
-
-def _next_wave(queued: list[tuple[int, list[str]]], in_flight: int) -> tuple[list, list]:
-    """(the next calls: at most ``in_flight`` per unit, the rest still queued)."""
-    wave, rest, count = [], [], {}
-    for u, ks in queued:
-        if count.get(u, 0) < in_flight:
-            count[u] = count.get(u, 0) + 1
-            wave.append((u, ks))
-        else:
-            rest.append((u, ks))
-    return wave, rest
+def _interleave(calls: list[tuple[int, list[str]]]) -> list[tuple[int, list[str]]]:
+    """``calls`` round-robin over their units (each unit's in order): the order a window
+    of calls per unit is answered in."""
+    by_unit: dict[int, list] = {}
+    for u, ks in calls:
+        by_unit.setdefault(u, []).append((u, ks))
+    out = []
+    for i in range(max((len(v) for v in by_unit.values()), default=0)):
+        out += [v[i] for v in by_unit.values() if i < len(v)]
+    return out
 
 
 def _read_moving(moving: MovingTable, keys: list[str], fetch: Callable[[list, bool], Operation[list[GetResult]]]) -> Operation[list[GetResult]]:

@@ -74,12 +74,16 @@ class GetResult:
     A key whose row lacks a requested field is served (``present[i]`` false for that
     field) and also listed in ``failed`` with reason ``absent_field``. ``more``: keys of
     the request a unit left for further calls, its answer having reached the call's byte
-    budget (neither served nor failed; the store client asks again).
+    budget (neither served nor failed; the store client asks again). ``parts``: a unit's
+    answer over the wire may serve its rows as several batches instead (runs of rows it
+    stores side by side, sent from where they are: see ``view_stored_rows``), in request
+    order after ``batch``'s; the store client merges them into one batch.
     """
 
     batch: PackedBatch
     failed: dict[str, tuple[str, str]] = field(default_factory=dict)
     more: list[str] = field(default_factory=list)
+    parts: list[PackedBatch] = field(default_factory=list)
 
 
 class StoreLike(Protocol):

@@ -19,7 +19,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Sequence
 
-from tasks.digests import BLAKE3
 from tasks.errors import InvalidStoreRequest, StoreBusy, StoreUnavailable
 from tasks.packed import PackedBatch
 
@@ -45,7 +44,7 @@ from .protocol import (
 )
 from .registry import PartitionRegistry
 from .reporter import start_reporter
-from .row_packing import ROW_OVERHEAD_BYTES, SMALL_FIELD_ELEMENTS, key_nbytes, pack_stored_rows  # noqa: F401 (re-exported)
+from .row_packing import ROW_OVERHEAD_BYTES, SMALL_FIELD_ELEMENTS, key_nbytes, pack_stored_rows, view_stored_rows  # noqa: F401 (re-exported)
 from .settings import UnitSettings
 from .slab_pool import SlabPool
 from .spill import Row
@@ -177,13 +176,16 @@ class StorageUnit:
 
     def get_many(
         self, partition: str, keys: Sequence[str] | bytes, fields: Sequence[str] | bytes | None = None,
-        version: int | None = None, max_bytes: int | None = None,
+        version: int | None = None, max_bytes: int | None = None, views: bool = False,
     ) -> GetResult:
         """Rows of ``keys`` (found ones, in request order) with ``fields`` (``None``: every
         field pinned in the partition; only explicitly requested fields report
         ``absent_field``). ``keys``/``fields`` may come as :func:`pack_names` bytes.
         ``max_bytes``: the answer covers the first keys whose rows weigh at most this
-        together (at least one); the others come back in ``more``, to ask again."""
+        together (at least one); the others come back in ``more``, to ask again.
+        ``views``: the answer only crosses the wire, so heavy rows may be served as
+        read-only views of the stored memory (``parts``: sent without a copy); never for
+        an in-process caller, who gets copies."""
         self._check_open()
         check_partition(partition, self.partitions)
         keys = unpack_names(keys, "keys")
@@ -205,8 +207,12 @@ class StorageUnit:
                 if absent:
                     failed[key] = (ABSENT_FIELD, f"{key!r} has no field(s) {absent}")
         self.counters["get_rows"] += len(found)
-        out = GetResult(pack_stored_rows(found, rows, names, reg, self.answers), failed, more)
-        del rows  # the answer holds copies
+        parts = view_stored_rows(found, rows, names) if views else None
+        if parts is None:
+            out = GetResult(pack_stored_rows(found, rows, names, reg, self.answers), failed, more)
+        else:
+            out = GetResult(PackedBatch([], {}), failed, more, parts)
+        del rows  # the answer holds copies, or views it keeps alive itself
         self.held.compact()  # reading spilled rows back may have evicted others
         return out
 
@@ -419,8 +425,7 @@ class StorageUnit:
     # ---- checkpoint -------------------------------------------------------------
 
     def checkpoint_write(
-        self, directory: str | Location, chunk_bytes: int, primary_of_units: int | Sequence[str] | None = None, index: int | None = None,
-        digest: str = BLAKE3,
+        self, directory: str | Location, chunk_bytes: int, primary_of_units: int | Sequence[str] | None = None, index: int | None = None
     ) -> list[dict]:
         """Write every partition's rows as packed batch files (about ``chunk_bytes`` each)
         into ``directory`` (a local directory: atomically per file; or a generation at an
@@ -429,11 +434,10 @@ class StorageUnit:
 
         ``primary_of_units`` (a replicated store's unit ids, or count: default ids): write only
         the keys this unit is the primary of, so a checkpoint holds each key once, not twice.
-        ``index``: this unit's position in the caller's table (default ``unit_index``).
-        ``digest``: the files' algorithm, ``"blake3"`` or ``"sha256"`` (the saver's ``capture.digest``)."""
+        ``index``: this unit's position in the caller's table (default ``unit_index``)."""
         self._check_open()
         me = self.unit_index if index is None else int(index)
-        return write_unit_files(directory, me, self.held, self.registry, chunk_bytes, primary_of_units, digest)
+        return write_unit_files(directory, me, self.held, self.registry, chunk_bytes, primary_of_units)
 
     # ---- lifecycle --------------------------------------------------------------
 
