@@ -53,7 +53,12 @@ def test_multi_worker_cluster_from_the_command_line():
 
 def test_hf_moe_rollouts_prints_faithful_fidelity_figures():
     pytest.importorskip("transformers")
-    out = _run([sys.executable, str(EXAMPLES / "hf_moe_rollouts.py"), "--groups", "2", "--rollouts", "2", "--turns", "3", "--tokens-per-turn", "8"])
+    # One embedded worker: generation, finalization and the fidelity check still run as
+    # tasks in a worker process, but transformers is imported by two processes, not three
+    # (the import is most of this example's time on 2 cores).
+    one_worker = {"DASK_TOKEN_CAPTURE__CLUSTER__N_WORKERS": "1", "DASK_TOKEN_CAPTURE__CLUSTER__ADAPTIVE_MINIMUM": "1"}
+    out = _run([sys.executable, str(EXAMPLES / "hf_moe_rollouts.py"), "--groups", "2", "--rollouts", "2", "--turns", "3",
+                "--tokens-per-turn", "8"], **one_worker)
     assert re.search(r"step-0: 4/4 accepted", out), out
     assert re.search(r"route agreement: 100\.00% \(\d+/\d+ ", out), out
     max_diff = float(re.search(r"max \|dlogprob\|: (\S+) nats \(tolerance (\S+)\)", out).group(1))
