@@ -1,8 +1,9 @@
 """How a finalize step's costs grow with hosts and with work, as counts (and times).
 
-On :class:`~pipeline.deploy.LocalHosts` clusters (a ``dask scheduler`` and ``dask
-worker`` processes, each host on its own loopback address, one worker per host with
-the ``storage`` and ``finalize`` roles and one storage unit per host):
+On one :class:`~pipeline.deploy.LocalHosts` cluster grown 1 -> 2 -> 4 hosts (a ``dask
+scheduler`` and ``dask worker`` processes, each host on its own loopback address, one
+worker per host with the ``storage`` and ``finalize`` roles; a fresh store of one unit
+per host for each mode):
 
 - weak scaling: 1, 2 and 4 hosts with the same rollouts per host;
 - strong growth: 4 hosts with 1x to 16x those rollouts.
@@ -113,53 +114,77 @@ def _one_step(client: Client, store: Any, fin: Finalizer, prefix: str, rollouts:
     }
 
 
-def _cluster(hosts: int) -> Any:
-    """A LocalHosts cluster of ``hosts`` hosts, one storage+finalize worker each."""
+def _cluster() -> Any:
+    """A LocalHosts scheduler (hosts are added by :func:`_grow`)."""
     from ..deploy import LocalHosts
 
     env = {"DASK_TOKEN_CAPTURE__STORE__REPLICAS": "1", "DASK_TOKEN_CAPTURE__STORE__REPORT_INTERVAL_S": "0"}
     cluster = LocalHosts(env=env)
     cluster.start(port=0, dashboard_address="127.0.0.1:0")
-    cluster.add_hosts([cluster.spec(("storage", "finalize")) for _ in range(hosts)])
     return cluster
 
 
-def _mode(hosts: int, sizes: Mapping[str, int], runs: int, say: Callable[[str], None], failures: list[str]) -> dict[str, dict[str, Any]]:
-    """Every size (label -> rollouts) on one cluster of ``hosts`` hosts: medians of ``runs``."""
-    import dask
-    from distributed import Client
+def _grow(cluster: Any, hosts: int) -> None:
+    """Add hosts, one storage+finalize worker each, until the cluster has ``hosts``."""
+    more = hosts - len(cluster.hosts)
+    if more > 0:
+        cluster.add_hosts([cluster.spec(("storage", "finalize")) for _ in range(more)])
 
+
+def _mode(client: Any, cluster: Any, hosts: int, sizes: Mapping[str, int], runs: int, say: Callable[[str], None],
+          failures: list[str]) -> dict[str, dict[str, Any]]:
+    """Every size (label -> rollouts) on the cluster as grown to ``hosts`` hosts, on a store
+    of one unit per host made for this mode: medians of ``runs``."""
     from ..finalize import Finalizer
     from ..store.hosted import close_hosted, start_hosted
 
     out: dict[str, dict[str, Any]] = {}
+    name = f"{STORE_NAME}-{hosts}"
+    store = start_hosted(client, name, n_units=hosts, workers=cluster.role_workers("storage"))
+    try:
+        fin = Finalizer(client, store)
+        rng = np.random.default_rng(hosts)
+        _one_step(client, store, fin, f"warm{hosts}", hosts, rng)  # imports, plugin, first graph
+        for label, rollouts in sizes.items():
+            samples = []
+            for k in range(runs):
+                s = _one_step(client, store, fin, f"h{hosts}-{label}-{k}", rollouts, rng)
+                if s["accepted"] != rollouts:
+                    failures.append(f"{hosts} hosts, {label}, run {k}: {s['accepted']} of {rollouts} accepted")
+                samples.append(s)
+            out[label] = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
+            out[label]["hosts"] = hosts
+            say(f"{hosts} hosts {label}: {out[label]['tasks']:.0f} tasks, {out[label]['store_calls']:.0f} store calls, "
+                f"{out[label]['wall_s']:.3f} s")
+    finally:
+        close_hosted(client, name)
+    return out
+
+
+def _modes(per_host: int, growth: tuple[int, ...], runs: int, say: Callable[[str], None],
+           failures: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """(weak, growth at 4 hosts): ONE cluster grown 1 -> 2 -> 4 hosts (a cluster per host
+    count would start a scheduler and every host again), a fresh store per mode."""
+    import dask
+    from distributed import Client
+
     settings = {"token-capture.hosts.nanny": False, "token-capture.hosts.threads-per-worker": 1,
                 "token-capture.hosts.workers-per-host": 1, "token-capture.store.replicas": 1}
+    weak: dict[str, Any] = {}
     with dask.config.set(settings):
-        cluster = _cluster(hosts)
+        cluster = _cluster()
         try:
             with Client(cluster.address) as client:
-                store = start_hosted(client, STORE_NAME, n_units=hosts, workers=cluster.role_workers("storage"))
-                try:
-                    fin = Finalizer(client, store)
-                    rng = np.random.default_rng(hosts)
-                    _one_step(client, store, fin, f"warm{hosts}", hosts, rng)  # imports, plugin, first graph
-                    for label, rollouts in sizes.items():
-                        samples = []
-                        for k in range(runs):
-                            s = _one_step(client, store, fin, f"h{hosts}-{label}-{k}", rollouts, rng)
-                            if s["accepted"] != rollouts:
-                                failures.append(f"{hosts} hosts, {label}, run {k}: {s['accepted']} of {rollouts} accepted")
-                            samples.append(s)
-                        out[label] = {key: statistics.median(s[key] for s in samples) for key in samples[0]}
-                        out[label]["hosts"] = hosts
-                        say(f"{hosts} hosts {label}: {out[label]['tasks']:.0f} tasks, {out[label]['store_calls']:.0f} store calls, "
-                            f"{out[label]['wall_s']:.3f} s")
-                finally:
-                    close_hosted(client, STORE_NAME)
+                for hosts in WEAK_HOSTS:
+                    _grow(cluster, hosts)
+                    if hosts == GROWTH_HOSTS:
+                        at4 = _mode(client, cluster, hosts, {f"{g}x": per_host * hosts * g for g in growth}, runs, say, failures)
+                        weak[f"{hosts}"] = at4["1x"]
+                    else:
+                        weak[f"{hosts}"] = _mode(client, cluster, hosts, {"1x": per_host * hosts}, runs, say, failures)["1x"]
         finally:
             cluster.close(graceful=False)
-    return out
+    return weak, at4
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -167,13 +192,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_host = 8 if args.quick else args.rollouts_per_host
     growth = QUICK_GROWTH if args.quick else GROWTH
     failures: list[str] = []
-    weak: dict[str, Any] = {}
-    for hosts in WEAK_HOSTS:
-        if hosts == GROWTH_HOSTS:
-            continue
-        weak[f"{hosts}"] = _mode(hosts, {"1x": per_host * hosts}, args.runs, say, failures)["1x"]
-    at4 = _mode(GROWTH_HOSTS, {f"{g}x": per_host * GROWTH_HOSTS * g for g in growth}, args.runs, say, failures)
-    weak[f"{GROWTH_HOSTS}"] = at4["1x"]
+    weak, at4 = _modes(per_host, growth, args.runs, say, failures)
     result: dict[str, Any] = {
         "rollouts_per_host": per_host, "runs": args.runs,
         "shape": {"rollouts_per_group": ROLLOUTS_PER_GROUP, "calls": CALLS, "tokens_per_call": DELTA, "routes": list(ROUTES)},
