@@ -24,7 +24,7 @@ from support import store_maker, wait_until
 from tasks.errors import CheckpointError
 from tasks.keys import unit_for_key
 from tasks.packed import pack_rows
-from tasks.schema import ROUTES_FIELD
+from tasks.schema import ROUTES_FIELDS
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -228,7 +228,7 @@ def test_a_step_clears_every_key_in_one_delete_per_unit(cluster_client, store):
     assert cleared["deleted"] == len(keys) and set(cleared["failed"]) == {f"{bad.rollout_id}/c1"}  # deleted above
     after = unit_deletes(store)
     assert [a - b for a, b in zip(after, before)] == [1, 1]  # ONE delete call per unit for the step
-    got = store.get_many(keys, ["token_ids", ROUTES_FIELD])  # routes live in the same rows
+    got = store.get_many(keys, ["token_ids", *ROUTES_FIELDS])  # routes live in the same rows
     assert len(got.batch) == 0 and set(got.failed) == set(keys)
     assert all(s["rows"] == 0 for s in store.stats())
 
