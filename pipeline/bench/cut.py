@@ -6,8 +6,8 @@ against a real StagingStore, at 1,024- and 16,384-token prefixes, one row per pu
 calls: ``cut_vs_raw_put_T`` is the batched cut's rows/s over that (1.0: the cut's
 bookkeeping costs nothing). ``cpu_s``: CPU seconds of the controller and each worker.
 Each mode runs ``--repeats`` times (interleaved, each on a fresh store); ``wall_s`` and
-``rows_per_s`` are medians. Rows carry the routes of ``--profile`` (the cut path picks
-their stored encoding: ``route_id_bytes``; ``--no-routes``: the rows of earlier rounds);
+``rows_per_s`` are medians. Rows carry the routes of ``--profile`` (in the dtype an engine
+picks for its expert count: ``route_id_bytes``; ``--no-routes``: earlier rounds' rows);
 a bigger profile scales the default row counts down to toy's bytes. Rows report ``gb_s``
 beside ``rows_per_s``. A cut that raises, a ``durable_failure`` ack, a refused row or a
 sampled row read back not bit-exact fails the run: ``ok`` false, ``failures`` say what,
@@ -116,7 +116,9 @@ def _token_sizes(args: argparse.Namespace) -> list[int]:
 
 def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str, prof: MoeProfile | None) -> list[CallBuffer]:
     """One writer client's in-flight calls: ``tokens``-token prefixes (context + generated),
-    with ``prof``'s routed experts (int16 ids in ``[0, experts)``) unless it is None."""
+    with ``prof``'s routed experts (ids in ``[0, experts)``) unless it is None."""
+    from tasks.schema import routes_dtype_for
+
     from .. import config
     from ..generation.call_buffer import CallBuffer
 
@@ -124,6 +126,7 @@ def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str, prof: Mo
     gen_n = tokens - CONTEXT_TOKENS
     version = config.digest_version()  # capture.digest, as a generation worker reads it
     shape = None if prof is None else (prof.layers, prof.top_k)
+    routes_dtype = routes_dtype_for(None if prof is None else prof.experts)  # as the worker's engine picks it
 
     def routes(n: int) -> np.ndarray | None:
         return None if prof is None else rng.integers(0, prof.experts, (n, *shape), dtype=np.int16)
@@ -132,7 +135,7 @@ def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str, prof: Mo
     for i in range(n_calls):
         b = CallBuffer(f"{tag}c{client_idx}r{i}", "call-0", rng.integers(0, 512, CONTEXT_TOKENS),
                        max_new_tokens=gen_n + 1, routes_shape=shape, context_routes=routes(CONTEXT_TOKENS),
-                       digest_version=version)
+                       digest_version=version, routes_dtype=routes_dtype)
         b.append(rng.integers(0, 512, gen_n), -rng.random(gen_n, dtype=np.float32), routes(gen_n))
         calls.append(b)
     return calls
@@ -349,6 +352,7 @@ def _cpu_seconds(client: Client | None) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, object]:
     """Run the cut table; returns the JSON-able result (see module docstring)."""
+    from .. import config
     from ..store.client import StagingStore
 
     token_sizes = _token_sizes(args)
@@ -391,7 +395,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 raw_put += [r for r in medians if r["mode"] == RAW_PUT]
     out: dict[str, object] = {"benchmark": "cut", "clients": args.clients, "repeats": args.repeats,
                               **payload_figures(prof, route_id_bytes=id_bytes), "routes": not args.no_routes,
-                              "route_id_bytes": id_bytes, "rows": {str(t): n for t, n in rows_for.items()},
+                              "route_id_bytes": id_bytes, "digest": config.digest_algorithm(),
+                              "rows": {str(t): n for t, n in rows_for.items()},
                               "table": table, "raw_put": raw_put}
     if failures:
         say(f"FAILED ({len(failures)}): {failures[:3]}")

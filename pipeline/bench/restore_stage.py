@@ -2,8 +2,8 @@
 
 Rows are real cut rows (a :class:`~pipeline.generation.call_buffer.CallBuffer` frozen),
 eight templates reused under many keys, carrying the routed experts of ``--profile``
-(expert ids in ``[0, experts)``, int16 arrays handed to the buffer: the cut path picks the
-stored encoding) unless ``--no-routes``. A profile bigger than toy keeps the scenarios
+(expert ids in ``[0, experts)``, kept in the dtype the engine picks for that expert count,
+as a generation worker's buffers are) unless ``--no-routes``. A profile bigger than toy keeps the scenarios
 (workers, restores) and shrinks the default tokens per restore so a row holds toy's
 bytes at 16,384 tokens (:func:`restore_tokens`): a 16,384-token qwen3-moe table would be
 13 GB on this 23 GB machine.
@@ -93,18 +93,23 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 def templates(tokens: int, prof: MoeProfile | None, seed: int = 0, n: int = TEMPLATES) -> PackedBatch:
     """``n`` real cut rows (CallBuffer freeze) of ``tokens`` tokens, with ``prof``'s routes
     unless None: the payload to replicate."""
+    from tasks.schema import routes_dtype_for
+
+    from .. import config
     from ..generation.call_buffer import CallBuffer
 
     rng = np.random.default_rng(seed)
     ctx = min(CONTEXT_TOKENS, tokens - 1)
     shape = None if prof is None else (prof.layers, prof.top_k)
+    # As a generation worker builds them (digest of capture.digest, its engine's routes dtype).
+    kinds = {"digest_version": config.digest_version(), "routes_dtype": routes_dtype_for(None if prof is None else prof.experts)}
 
     def routes(k: int) -> np.ndarray | None:
         return None if prof is None else rng.integers(0, prof.experts, (k, *shape), dtype=np.int16)
 
     rows = []
     for i in range(n):
-        b = CallBuffer(f"tmpl{i}", "c0", rng.integers(0, 512, ctx), routes_shape=shape, context_routes=routes(ctx))
+        b = CallBuffer(f"tmpl{i}", "c0", rng.integers(0, 512, ctx), routes_shape=shape, context_routes=routes(ctx), **kinds)
         b.append(rng.integers(0, 512, tokens - ctx), -rng.random(tokens - ctx, dtype=np.float32), routes(tokens - ctx))
         rows.append(b.freeze("bench").row)
     return pack_rows(rows)
