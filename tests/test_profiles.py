@@ -100,3 +100,14 @@ def test_soak_runs_the_toy_policy_at_the_profile_shape():
     assert (policy.config.layers, policy.config.top_k, policy.config.experts) == (48, 8, 128)
     assert "hidden" not in soak.policy_overrides(bench_args(soak))
     assert soak.policy_overrides(bench_args(soak, "--profile", "qwen3-moe", "--hidden", "8"))["hidden"] == 8
+
+
+def test_capture_bench_deltas_carry_the_profile_routes_and_keep_the_layer_overrides():
+    from pipeline.bench import capture
+
+    args = bench_args(capture, "--profile", "deepseek-v3", "--rollouts", "1", "--calls", "1", "--tokens", "4")
+    routes = capture.make_deltas(args)[0][0]["routed_experts"]
+    assert routes.shape == (4, 58, 8) and 0 <= int(routes.min()) and int(routes.max()) < 256
+    args = bench_args(capture, "--profile", "deepseek-v3", "--layers", "3", "--rollouts", "1", "--calls", "1", "--tokens", "4")
+    assert capture.make_deltas(args)[0][0]["routed_experts"].shape == (4, 3, 8)
+    assert capture._payload(args, rows_per_s=None)["bytes_per_token"] == 16 + 3 * 8  # one byte per id: the gate's choice

@@ -11,6 +11,7 @@ their ratio (client / direct) are reported. A run fails if any receipt is poison
 the units did not store exactly its rows; any failed run makes the command exit non-zero.
 
     python -m pipeline bench capture --json
+    python -m pipeline bench capture --json --profile qwen3-moe --rollouts 32
     python -m pipeline.bench.capture --json --rollouts 512 --tokens 4096
 """
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, TypedDict
 import numpy as np
 
 from .common import add_cluster_arguments, bench_client, main, notes
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes
 
 if TYPE_CHECKING:
     from tasks.receipts import Receipt
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
     from ..store.protocol import StoreLike
 
-VOCAB, EXPERTS = 512, 8
+VOCAB = 512
 
 
 class Delta(TypedDict):
@@ -66,14 +68,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--runs", type=int, default=3, help="runs per mode, median reported (at least 3)")
     p.add_argument("--flush-calls", type=int, default=256, help="rows per flush (client) and per put (direct)")
     p.add_argument("--flush-ms", type=float, default=10.0, help="client flush deadline after the oldest queued row (ms)")
-    p.add_argument("--layers", type=int, default=4, help="routed-experts L (default 4)")
-    p.add_argument("--top-k", type=int, default=2, help="routed-experts K (default 2)")
+    add_profile_argument(p)
+    p.add_argument("--layers", type=int, default=None, help="routed-experts L (default: the profile's)")
+    p.add_argument("--top-k", type=int, default=None, help="routed-experts K (default: the profile's)")
     p.add_argument("--no-routes", action="store_true", help="calls without routed experts")
     add_cluster_arguments(p)
 
 
 def make_deltas(args: argparse.Namespace, seed: int = 0) -> list[list[Delta]]:
-    """Per rollout, per call: the delta arrays an engine would hand to ``stage``."""
+    """Per rollout, per call: the delta arrays an engine would hand to ``stage`` (routes:
+    int16 ids in ``[0, experts)`` of ``--profile``; the capture gate picks their encoding)."""
+    prof = profile_from_args(args)
     rng = np.random.default_rng(seed)
     n_ctx = min(16, args.tokens - 1)
     mask = np.concatenate([np.zeros(n_ctx, np.float32), np.ones(args.tokens - n_ctx, np.float32)])
@@ -82,7 +87,7 @@ def make_deltas(args: argparse.Namespace, seed: int = 0) -> list[list[Delta]]:
         calls = []
         for _ in range(args.calls):
             lp = np.where(mask > 0, -rng.random(args.tokens, dtype=np.float32) - 0.01, 0.0).astype(np.float32)
-            routes = None if args.no_routes else rng.integers(0, EXPERTS, (args.tokens, args.layers, args.top_k)).astype(np.int16)
+            routes = None if args.no_routes else rng.integers(0, prof.experts, (args.tokens, prof.layers, prof.top_k), dtype=np.int16)
             calls.append(Delta(token_ids=rng.integers(0, VOCAB, args.tokens), token_mask=mask, logprobs=lp, routed_experts=routes))
         out.append(calls)
     return out
@@ -107,7 +112,7 @@ def run_client(store: StoreLike, deltas: list[list[Delta]], args: argparse.Names
         barrier.wait()
         try:
             # An engine batch: every rollout of this thread advances turn by turn.
-            rcs = [cap.open(f"{tag}r{i}", f"{tag}g", vocab_size=VOCAB, num_experts=EXPERTS) for i in mine]
+            rcs = [cap.open(f"{tag}r{i}", f"{tag}g", vocab_size=VOCAB, num_experts=profile_from_args(args).experts) for i in mine]
             for t in range(args.calls):
                 for i, rc in zip(mine, rcs):
                     rc.stage(f"c{t}", None if t == 0 else f"c{t - 1}", **deltas[i][t])
@@ -138,7 +143,7 @@ def run_direct(store: StoreLike, deltas: list[list[Delta]], args: argparse.Names
     rows: list[StagedRow] = []
     g0 = time.perf_counter()
     for i, calls in enumerate(deltas):
-        gate = CaptureGate(f"{tag}r{i}", vocab_size=VOCAB, num_experts=EXPERTS, group_id=f"{tag}g")
+        gate = CaptureGate(f"{tag}r{i}", vocab_size=VOCAB, num_experts=profile_from_args(args).experts, group_id=f"{tag}g")
         _stage_rollout(lambda *a, **kw: rows.append(gate.stage_call(*a, **kw)), calls)
     gate_s = time.perf_counter() - g0
     p0 = time.perf_counter()
@@ -208,6 +213,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     client_rate, direct_rate = medians["client"], medians["direct"]
     if client_rate and direct_rate:
         out["ratio_client_over_direct"] = round(client_rate / direct_rate, 3)
+    out.update(_payload(args, rows_per_s=client_rate))
     say(f"median rows/s: client {client_rate}, direct {direct_rate}, "
         f"ratio {out.get('ratio_client_over_direct')}")
     out["failures"] = failures
@@ -215,6 +221,22 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     if failures:
         say(f"{len(failures)} run(s) failed: {failures}")
     return out
+
+
+def _payload(args: argparse.Namespace, rows_per_s: float | None) -> dict[str, object]:
+    """The profile's keys, bytes per token (routes as the gate stores them: one call gated
+    and packed) and the client mode's GB/s."""
+    from tasks.gate import CaptureGate
+    from tasks.packed import pack_rows
+
+    d = make_deltas(argparse.Namespace(**{**vars(args), "rollouts": 1, "calls": 1, "tokens": 2}))[0][0]
+    gate = CaptureGate("probe", vocab_size=VOCAB, num_experts=profile_from_args(args).experts)
+    id_bytes = route_id_bytes(pack_rows([gate.stage_call("c0", None, **d)]))
+    rate = None if rows_per_s is None else rows_per_s * args.tokens
+    out = payload_figures(profile_from_args(args), route_id_bytes=id_bytes, tokens_per_s=rate)
+    if "gb_s" in out:
+        out["gb_s"] = float(f"{out['gb_s']:.4g}")
+    return {**out, "route_id_bytes": id_bytes}
 
 
 def exit_status(result: Mapping[str, object]) -> int:
