@@ -96,7 +96,7 @@ STORE_FLAGS = ("--batch-size", "2", "--rows-1024", "2", "--rows-16384", "2", "--
 
 
 def test_store_bench_healthy(address):
-    result = bench_store.run(parse(bench_store, address, *STORE_FLAGS, "--repeats", "3"))
+    result = bench_store.run(parse(bench_store, address, *STORE_FLAGS, "--repeats", "3", "--steady"))
     assert_healthy(bench_store, result)
     r = result["1024"]
     assert r["put_ratio"] > 0 and len(r["put_rows_per_s_bs2_runs"]) == 3
@@ -104,6 +104,26 @@ def test_store_bench_healthy(address):
     # Dask's own ceiling for the same calls, measured in the same run.
     assert r["dask_put_mb_per_s"] > 0 and len(r["dask_get_mb_per_s_runs"]) == 3
     assert r["put_vs_dask"] > 0 and r["dask_get_vs_loopback"] > 0
+    # The steady mode beside it, same runs: rates, ratios, the units' pool counters per run.
+    steady = result["16384"]["steady"]
+    assert len(steady["get_rows_per_s_runs"]) == 3 and steady["put_vs_loopback"] > 0
+    assert len(steady["pool_growth_runs"]) == 3 and "meets_loopback_target" in steady
+    assert result["profile"] == "toy" and result["bytes_per_token"] > 0 and r["get_gb_s_bs2"] > 0
+
+
+def test_store_bench_refused_steady_delete_fails(address, monkeypatch):
+    real = StagingStore.delete
+
+    def delete(self, keys, *a, **kw):
+        res = real(self, keys, *a, **kw)
+        if any(k.startswith("d") for k in keys):  # the steady mode's keys
+            res.failed[keys[0]] = ("refused", "made to fail by the test")
+        return res
+
+    monkeypatch.setattr(StagingStore, "delete", delete)
+    result = bench_store.run(parse(bench_store, address, *STORE_FLAGS, "--steady"))
+    assert_failed(bench_store, result, "steady delete", "refused")
+    assert "put_vs_loopback" not in result["1024"].get("steady", {})
 
 
 def test_store_bench_failed_bare_actor_run_fails(address, monkeypatch):

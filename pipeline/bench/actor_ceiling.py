@@ -72,7 +72,8 @@ def measure(client: Any, batch: PackedBatch, calls: int, max_call_bytes: int, si
     Returns ``put_bytes_per_s`` and ``get_bytes_per_s``; raises ``RuntimeError`` when an
     answer (the warm-up's, the last timed one's) differs from what was put."""
     workers = list(client.scheduler_info(n_workers=-1)["workers"])
-    sinks = [client.submit(sink, actor=True, workers=[w], pure=False).result() for w in workers]
+    futures = [client.submit(sink, actor=True, workers=[w], pure=False) for w in workers]
+    sinks = [f.result() for f in futures]
     plan = row_chunks(batch, len(sinks), max_call_bytes)
     frames = [[frames_of(batch, lo, hi) for lo, hi in chunks] for chunks in plan]
     nbytes = sum(f.nbytes for part in frames for call in part for f in call)
@@ -86,9 +87,12 @@ def measure(client: Any, batch: PackedBatch, calls: int, max_call_bytes: int, si
         return [f.result() for f in futures]
 
     try:
-        # Plain Dask: frames into fresh buffers, whatever the store client installed.
+        # Plain Dask: frames into fresh buffers, whatever the store client (and the units
+        # hosted on the workers) installed.
         stack = contextlib.ExitStack()
         stack.enter_context(receive_pool.suspended())
+        client.run(_suspend_receive_pool, 1, workers=workers)
+        stack.callback(client.run, _suspend_receive_pool, -1, workers=workers)
         warm = put_all()
         _check(frames, get_all(warm))
         numbers = []
@@ -104,7 +108,16 @@ def measure(client: Any, batch: PackedBatch, calls: int, max_call_bytes: int, si
     finally:
         stack.close()
         del sinks
+        client.cancel(futures, force=True)  # the sinks and what they kept go now
     return {"put_bytes_per_s": nbytes * calls / put_s, "get_bytes_per_s": nbytes * calls / get_s}
+
+
+def _suspend_receive_pool(by: int) -> None:
+    """On a worker: open (``by=1``) or close (``by=-1``) a :func:`receive_pool.suspended` block."""
+    from pipeline.process_state import process_state
+    from pipeline.store.receive_pool import ReceivePool
+
+    process_state().get(ReceivePool).suspend(by)
 
 
 def _check(sent: list[list[tuple]], got: list[list[tuple]]) -> None:

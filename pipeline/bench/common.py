@@ -87,6 +87,12 @@ def main(module: ModuleType, argv: Sequence[str] | None = None) -> int:
     return run_command(go, args)
 
 
+def refused(what: str, failed: Any) -> str:
+    """One failure line for keys a store call refused (``{key: (reason, detail)}``)."""
+    key, why = next(iter(failed.items()))
+    return f"{what}: {len(failed)} key(s) failed, e.g. {key}: {why}"
+
+
 def compare_rows(want: PackedBatch, got: PackedBatch, fields: Any = None, what: str = "") -> list[str]:
     """Bit-exact check of rows read back: row ``i`` of ``got`` against row ``i`` of ``want``
     (same key, and for every field of ``want``, or ``fields``: same presence, dtype and

@@ -1,5 +1,9 @@
 """``bench store --memory``: stage gigabytes into memory-limited storage units (they spill),
-sample each storage worker's peak RSS while doing so, and read every row back."""
+sample each storage worker's peak RSS while doing so, and read every row back; and what a
+staged row costs a unit against its raw bytes (the packed fields it was put as):
+``unit_bytes_per_row`` (the unit's own accounting: row weights, keys, bookkeeping and the
+received buffers' bytes it pins), ``resident_bytes_per_row`` (of the rows in memory) and
+``disk_bytes_per_row`` (of the spilled ones), target raw + :data:`OVERHEAD_TARGET`."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +15,10 @@ import numpy as np
 
 from .. import config
 from ..progress import Progress
+from .profile_args import profile_from_args
 from .store_rows import template_batch, with_keys
+
+OVERHEAD_TARGET = 0.05  # a staged row costs a unit at most its raw bytes plus this share
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -43,6 +50,12 @@ class MemoryFigures(TypedDict):
     rss_under_1gb: bool
     rows_read_back: int
     all_rows_read_back: bool
+    raw_bytes_per_row: float
+    unit_bytes_per_row: float
+    resident_bytes_per_row: float | None
+    disk_bytes_per_row: float | None
+    unit_overhead: float
+    meets_overhead_target: bool
 
 
 _SAMPLER: _Sampler = {}
@@ -91,7 +104,9 @@ def memory_mode(client: Client, args: argparse.Namespace) -> MemoryFigures:
     bs = args.batch_size
     tokens = args.memory_row_tokens
     # Rows per batch bounded so one call moves at most ~64 MB.
-    template = template_batch(bs, tokens, layers=args.layers, top_k=args.top_k, routes=not args.no_routes, seed=1)
+    prof = profile_from_args(args)
+    template = template_batch(bs, tokens, layers=prof.layers, top_k=prof.top_k, experts=prof.experts,
+                              routes=not args.no_routes, seed=1)
     row_bytes = template.nbytes / len(template)
     per_call = max(1, min(bs, int(64e6 // row_bytes)))
     target = int(args.memory_gb * 1e9)
@@ -133,7 +148,7 @@ def memory_mode(client: Client, args: argparse.Namespace) -> MemoryFigures:
         peaks = client.run(_stop_rss_sampler, workers=hosts)
         store.close()
     peak = {addr: int(v) for addr, v in peaks.items()}
-    return {
+    return {**_row_costs(stats_after_put, row_bytes, n_rows),  # type: ignore[typeddict-item]
         "rows": n_rows,
         "tokens_per_row": tokens,
         "staged_bytes": int(n_rows * row_bytes),
@@ -151,4 +166,23 @@ def memory_mode(client: Client, args: argparse.Namespace) -> MemoryFigures:
         "rss_under_1gb": max(peak.values()) < 2**30,
         "rows_read_back": ok_rows,
         "all_rows_read_back": ok_rows == n_rows,
+    }
+
+
+def _row_costs(stats: list[dict], raw: float, rows: int) -> dict[str, object]:
+    """Bytes a staged row costs the units (their stats right after the puts) against
+    ``raw``, its packed bytes: by their accounting (row weights with keys and bookkeeping,
+    plus the pinned bytes of received buffers), of the rows in memory, of the spilled."""
+    used = sum(s["used_bytes"] + s["pinned_bytes"] for s in stats)
+    in_memory = sum(s["rows"] - s["spilled_rows"] for s in stats)
+    spilled = sum(s["spilled_rows"] for s in stats)
+    resident = sum(s["resident_bytes"] for s in stats)
+    unit = used / rows
+    return {
+        "raw_bytes_per_row": round(raw, 1),
+        "unit_bytes_per_row": round(unit, 1),
+        "resident_bytes_per_row": round(resident / in_memory, 1) if in_memory else None,
+        "disk_bytes_per_row": round(sum(s["spilled_bytes"] for s in stats) / spilled, 1) if spilled else None,
+        "unit_overhead": round(unit / raw - 1, 4),
+        "meets_overhead_target": bool(unit <= raw * (1 + OVERHEAD_TARGET)),
     }

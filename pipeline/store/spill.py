@@ -209,8 +209,11 @@ class SpillMapping(zict.Buffer):
         return iter(list(self.fast.d) + list(self.slow))
 
     def close(self) -> None:
-        """Drop every row and remove the spill directory."""
+        """Drop every row and remove the spill directory. The rows in memory go now (zict's
+        own close keeps them for as long as this object lives): their memory, a pooled
+        slab they are views of, serves what comes next."""
         try:
+            self.fast.clear()
             super().close()
         finally:
             shutil.rmtree(self.directory, ignore_errors=True)
