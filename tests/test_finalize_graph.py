@@ -137,6 +137,8 @@ def test_step_with_routes_one_union_fetch_plus_routes(cluster_client, store):
 
     step_events = events_of(cluster_client, "routed", "step", 1)
     assert len(step_events) == 1 and step_events[0]["fetch_calls"] == 2 * n_sites
+    # Logged by the scheduler's plugin with its measure of the step's cross-host bytes.
+    assert step_events[0]["cross_host_measured"] is True and sm["cross_host_measured"] is True
     group_events = events_of(cluster_client, "routed", "group", 3)
     assert sorted(e["group_id"] for e in group_events) == ["g0", "g1", "g2"]
     assert all(not any(k.startswith("_") for k in e) for e in group_events + step_events)

@@ -241,7 +241,6 @@ class StepHandle:
             with timing.Stopwatch() as gathered:
                 by_id, group_events, collected_bytes = self._collect(client, timeout)
             collected_s = timing.wall_s()
-            measured = transfers.read(client, self.graph.token) if self._finalizer.measures_transfers else None
             metrics = timing.step_metrics(
                 step_id=self.step_id,
                 group_metrics={gid: g.metrics for gid, g in by_id.items()},
@@ -250,12 +249,18 @@ class StepHandle:
                 queue_depth=self.graph.queue_depth,
                 queue_depth_after=self._finalizer.queue_depth,
                 crossing_tasks=self.graph.layout.crossing_tasks() if self.graph.layout is not None and on_cluster else (),
-                cross_host_bytes=measured["bytes"] if measured is not None else -1,
                 collect_ms=gathered.ms,
                 collected_bytes=collected_bytes,
                 assembled_on="cluster" if on_cluster else "controller",
             )
-            collect.publish(client, events.FINALIZE, group_events + [metrics])
+            # One round trip: the scheduler's measure of the bytes that crossed hosts, and
+            # the step's events logged there (the step's with that measure filled in).
+            measured = transfers.collected(client, self.graph.token, events.FINALIZE, group_events + [metrics]) \
+                if self._finalizer.measures_transfers else None
+            if measured is None:
+                collect.publish(client, events.FINALIZE, group_events + [metrics])
+            else:
+                metrics = timing.with_cross_host(metrics, measured["bytes"])  # type: ignore[assignment]
             self._result = StepResult(self.step_id, by_id, metrics)
             # Delivered: now (and only now) the step's rows may go.
             self._clear_delivered()

@@ -34,7 +34,7 @@ from ..store.protocol import PlacedStoreLike
 from . import serializers  # noqa: F401  registers how Dask weighs and ships the step's objects
 from . import timing
 from .settings import FinalizeSettings
-from .task_outputs import Piece, VerifyOut
+from .task_outputs import Piece, ShippedPlans, VerifyOut
 from .worker_tasks import assemble_piece, fetch_pieces, verify_piece
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ class _Emitter:
                     "workers": [site.verify_worker], "allow_other_workers": True}
             self.add(
                 verify_layer, self.verify_keys[t],
-                verify_piece, t, [(r, self.plan.rollouts[r]) for r in task.rollouts],
+                verify_piece, t, ShippedPlans.pack([(r, self.plan.rollouts[r]) for r in task.rollouts]),
                 self.piece(layer, staging, t, j, len(site.tasks), "staging"),
                 self.piece(layer, routes, t, j, len(site.tasks), "routes") if has_routes else None,
                 a.vocab_size, a.num_experts,

@@ -4,16 +4,38 @@ Their weights as Dask sees them are registered in :mod:`pipeline.finalize.serial
 """
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from tasks.finalize.plan import RolloutPlan
 from tasks.finalize.verify import RolloutResult
 from tasks.packed import PackedBatch
 
 if TYPE_CHECKING:
     from .timing import FetchTiming, VerifyTiming
+
+
+@dataclass(frozen=True)
+class ShippedPlans:
+    """A verify task's ``(rollout index, plan)`` pairs, pickled once by the controller.
+
+    Task arguments are unpickled and pickled again by the scheduler on their way to a
+    worker; a step's plans (every receipt's call records: ~1,000 objects a step) cost it
+    more than the rest of the graph. As bytes they pass through untouched and are read
+    once, in the verify task (:meth:`load`).
+    """
+
+    blob: bytes
+
+    @classmethod
+    def pack(cls, plans: Sequence[tuple[int, RolloutPlan]]) -> ShippedPlans:
+        return cls(pickle.dumps(list(plans), protocol=pickle.HIGHEST_PROTOCOL))
+
+    def load(self) -> list[tuple[int, RolloutPlan]]:
+        return pickle.loads(self.blob)
 
 
 @dataclass

@@ -291,6 +291,12 @@ def step_metrics(
     }
 
 
+def with_cross_host(metrics: Mapping[str, object], measured_bytes: int) -> dict[str, object]:
+    """A step's metrics with the scheduler's measure of its cross-host bytes filled in
+    (``measured_bytes`` < 0: not measured)."""
+    return {**metrics, "cross_host_bytes": max(0, int(measured_bytes)), "cross_host_measured": measured_bytes >= 0}
+
+
 def public(metrics: Mapping[str, object]) -> dict[str, object]:
     """``metrics`` without the private ``_``-prefixed bookkeeping keys (what events carry)."""
     return {k: v for k, v in metrics.items() if not k.startswith("_")}

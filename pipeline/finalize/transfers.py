@@ -9,7 +9,9 @@ worker was fetched into it: the fetch crosses hosts when no worker holding the
 dependency is on the same host (a worker fetches from a holder on its own host when it
 can). Its bytes (the dependency's ``nbytes``, what Dask weighs it at) are charged to the
 step whose token is in the finishing task's key. The controller reads (and forgets) a
-step's figure through the ``token_capture_cross_host`` handler once the step is collected.
+step's figure through the ``token_capture_cross_host`` handler once the step is collected,
+or through ``token_capture_step_collected``, which also logs the step's finalize events
+(its groups' and, with the figure filled in, its own) in the same round trip.
 
 What it counts: worker-to-worker transfers of the step's own tasks. Not counted: the
 store calls the fetch tasks make (a site's fetch runs on the worker hosting its units) and
@@ -18,9 +20,11 @@ the controller's gather of the groups (the controller is not a worker).
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Sequence, TypedDict
 
 from distributed.diagnostics.plugin import SchedulerPlugin
+
+from .timing import with_cross_host
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -28,6 +32,7 @@ if TYPE_CHECKING:
 
 PLUGIN_NAME = "token-capture-cross-host"
 HANDLER = "token_capture_cross_host"
+COLLECTED_HANDLER = "token_capture_step_collected"
 # Steps whose figure nobody read are forgotten past this many (bounded memory).
 KEEP_STEPS = 256
 
@@ -69,6 +74,7 @@ class CrossHostTransfers(SchedulerPlugin):
     async def start(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
         scheduler.handlers[HANDLER] = self._handle
+        scheduler.handlers[COLLECTED_HANDLER] = self._collected
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
         token = step_token(key)
@@ -109,6 +115,17 @@ class CrossHostTransfers(SchedulerPlugin):
         """The step's figures, forgotten once read (zeros: nothing crossed workers)."""
         return self.steps.pop(token, None) or {"bytes": 0, "transfers": 0, "local_bytes": 0}
 
+    def _collected(self, token: str, topic: str, events: Sequence[dict[str, Any]]) -> CrossHost:
+        """:meth:`_handle`, and ``events`` logged under ``topic`` in order, the last (the
+        step's) with the figure filled in (:func:`~pipeline.finalize.timing.with_cross_host`)."""
+        figures = self._handle(token)
+        events = list(events)  # a tuple, as msgpack hands it
+        if events and self.scheduler is not None:
+            events[-1] = with_cross_host(events[-1], figures["bytes"])
+            for msg in events:
+                self.scheduler.log_event(topic, msg)
+        return figures
+
 
 def install(client: Client) -> bool:
     """Register the plugin on ``client``'s scheduler (idempotent); False when the
@@ -118,6 +135,15 @@ def install(client: Client) -> bool:
         return True
     except Exception:  # noqa: BLE001 - a figure never stops the work it describes
         return False
+
+
+def collected(client: Client, token: str, topic: str, events: list[dict[str, Any]]) -> CrossHost | None:
+    """Step ``token``'s figures (forgotten on the scheduler) and its ``events`` logged
+    there under ``topic``, in one round trip; None when that failed (nothing logged)."""
+    try:
+        return client.sync(getattr(client.scheduler, COLLECTED_HANDLER), token=token, topic=topic, events=events)
+    except Exception:  # noqa: BLE001 - metrics never fail the work they describe
+        return None
 
 
 def read(client: Client, token: str) -> CrossHost | None:

@@ -26,7 +26,7 @@ from ..store.protocol import ABSENT_FIELD, LOST_KEY, StoreLike
 from . import serializers  # registers how Dask weighs and ships these tasks' outputs
 from . import timing
 from .serializers import verify_out_bytes
-from .task_outputs import Piece, VerifyOut
+from .task_outputs import Piece, ShippedPlans, VerifyOut
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def _rollout_bytes(piece: Piece | None, r: int) -> int:
 
 def verify_piece(
     task: int,
-    plans: list[tuple[int, RolloutPlan]],
+    plans: ShippedPlans | list[tuple[int, RolloutPlan]],
     staging: Piece | None,
     routes: Piece | None,
     vocab_size: int,
@@ -118,7 +118,10 @@ def verify_piece(
 
     One ``verify_many`` call: the piece is indexed and pre-scanned once for all its
     rollouts. Per-rollout ``verify_ms`` is the task's time apportioned by tokens.
+    ``plans``: ``(rollout index, plan)`` pairs, or the controller's pickle of them.
     """
+    if isinstance(plans, ShippedPlans):
+        plans = plans.load()
     out = VerifyOut(task, {}, {}, {}, {})
     rows = staging.batch if staging is not None else PackedBatch([], {})
     with timing.Stopwatch() as sw, timing.meter(timing.METER_VERIFY):
