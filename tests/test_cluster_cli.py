@@ -70,22 +70,36 @@ def test_cluster_command_prints_the_address_and_stops_every_process_on_ctrl_c(tm
     assert not alive(pids), "processes outlived the cluster command"
 
 
-def test_a_port_in_use_is_one_line_naming_the_scheduler_and_the_fix():
+# The refusals run through pipeline.cli.main in the test's process (the same code path as
+# ``python -m pipeline cluster``, without another interpreter's imports); the command's
+# own process is the Ctrl-C test's above.
+
+
+def cluster_in_process(capsys, *args: str, settings: dict | None = None) -> tuple[int, str]:
+    """``python -m pipeline cluster ARGS`` run in this process: (exit status, stderr)."""
+    import dask
+
+    from pipeline.cli import main as cli_main
+
+    with dask.config.set(settings or {}):
+        code = cli_main(["cluster", *args])
+    return code, capsys.readouterr().err
+
+
+def test_a_port_in_use_is_one_line_naming_the_scheduler_and_the_fix(capsys):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
-        proc = cluster_command("--hosts", "1", "--port", str(port), "--dashboard-address", "127.0.0.1:0")
-        _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 1 and "Traceback" not in err, err
+        code, err = cluster_in_process(capsys, "--hosts", "1", "--port", str(port), "--dashboard-address", "127.0.0.1:0")
+    assert code == 1 and "Traceback" not in err, err
     last = err.strip().splitlines()[-1]
     assert last.startswith(f"error: the scheduler could not listen on 127.0.0.1:{port}: the port is in use") and "--port" in last, err
 
 
-def test_an_address_outside_loopback_is_refused_before_anything_starts():
-    proc = cluster_command("--hosts", "1", env={"DASK_TOKEN_CAPTURE__HOSTS__FIRST_ADDRESS": "10.1.2.3"})
-    _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and err.strip().splitlines() == [
+def test_an_address_outside_loopback_is_refused_before_anything_starts(capsys):
+    code, err = cluster_in_process(capsys, "--hosts", "1", settings={"token-capture.hosts.first-address": "10.1.2.3"})
+    assert code == 1 and err.strip().splitlines() == [
         "error: token-capture.hosts.first-address '10.1.2.3' is not a loopback host address; local hosts bind only "
         "127.0.0.1-127.255.255.254 (set token-capture.hosts.first-address to e.g. 127.0.0.2)"], err
     settings = HostSettings.from_config()
