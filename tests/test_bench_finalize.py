@@ -53,9 +53,16 @@ def test_repeats_flag_is_validated():
 # ---- run() on an embedded cluster ------------------------------------------------------
 
 
+def _quick_in_flight(monkeypatch):
+    """Sustained runs of 3 steps, and a made-up loopback rate (the probe spawns a process)."""
+    monkeypatch.setattr(bench, "IN_FLIGHT_STEPS", 3)
+    monkeypatch.setattr(bench, "loopback_recv_bytes_per_s", lambda: 2e9)
+
+
 def test_run_reports_every_mode(monkeypatch):
     monkeypatch.setattr(bench, "WORKLOADS", TINY)
-    result = bench.run(_args("--repeats", "3"))
+    _quick_in_flight(monkeypatch)
+    result = bench.run(_args("--repeats", "3", "--in-flight", "2"))
     assert result["ok"] is True, result["failures"]
     assert result["failures"] == []
     assert bench.exit_status(result) == 0
@@ -76,6 +83,15 @@ def test_run_reports_every_mode(monkeypatch):
         assert w["modes"]["baseline"]["fetch_calls_per_group"] == rollouts  # one get per rollout
         assert w["modes"]["rollout_fetch_vec"]["fetch_calls_per_group"] == rollouts
         assert w["modes"]["union_fetch_token"]["fetch_calls_per_group"] == 1  # one step of one group
+        # What a token weighs, beside the rates: the toy profile, its ids stored one byte each.
+        assert w["profile"] == "toy" and w["route_id_bytes"] == (1 if TINY[name][3] else 0)
+        assert w["bytes_per_token"] == (24 if TINY[name][3] else 16) and w["gb_s"] > 0
+    sustained = result["agentic"]["in_flight"]
+    assert sustained["in_flight"] == 2 and sustained["steps"] == 3 and len(sustained["tokens_per_s_runs"]) == 3
+    assert sustained["cores"] >= 1 and sustained["loopback_gb_s"] == 2.0
+    assert 0 < sustained["vs_hashing_floor"] and 0 < sustained["vs_transfer_floor"]
+    assert sustained["hashing_floor_tokens_per_s"] > 0 and sustained["hashed_bytes_per_token"] > 16
+    assert "in_flight" not in result["short"]
 
 
 def test_run_with_a_corrupt_row_fails(monkeypatch):
@@ -90,11 +106,48 @@ def test_run_with_a_corrupt_row_fails(monkeypatch):
         return rows, receipt
 
     monkeypatch.setattr(bench, "make_rollout", corrupt_first)
-    result = bench.run(_args("--repeats", "3"))
+    _quick_in_flight(monkeypatch)
+    result = bench.run(_args("--repeats", "3", "--in-flight", "2"))
     assert result["ok"] is False
     assert bench.exit_status(result) == 1
     assert any("baseline" in f and "rejected" in f and R.CORRUPT_DIGEST in f for f in result["failures"])
     assert any("graph" in f and "rejected" in f for f in result["failures"])
+    assert any("in-flight" in f and "rejected" in f for f in result["failures"])
     for name in ("short", "agentic"):
         w = result[name]
         assert not [k for k in w if k.startswith("speedup") or k.endswith("vs_hash")]
+    assert not [k for k in result["agentic"]["in_flight"] if k.startswith("vs_")]
+
+
+# ---- profiles and floors (no cluster) ---------------------------------------------------
+
+
+def test_a_profile_sets_the_routed_workloads_routes_and_scales_their_default_groups():
+    from pipeline.bench.finalize_profile import default_groups, workload_shape
+    from tasks.profiles import profile
+
+    qwen, toy = profile("qwen3-moe"), profile("toy")
+    assert workload_shape(bench.WORKLOADS["agentic"], qwen) == (8, 16, 1024, (48, 8))
+    assert workload_shape(bench.WORKLOADS["short"], qwen) == bench.WORKLOADS["short"]  # unrouted stays so
+    assert bench.WORKLOADS["long"][1] * bench.WORKLOADS["long"][2] == 32768  # 8 turns, 32,768 tokens a rollout
+    assert default_groups(None, 8, bench.WORKLOADS["agentic"], toy) == 8
+    assert default_groups(None, 8, bench.WORKLOADS["agentic"], qwen) == 1  # about toy's bytes, at least one
+    assert default_groups(None, 32, bench.WORKLOADS["short"], qwen) == 32
+    assert default_groups(3, 8, bench.WORKLOADS["agentic"], qwen) == 3  # given: kept
+    args = _args("--profile", "qwen3-moe", "--in-flight", "0")
+    assert args.profile == "qwen3-moe" and args.in_flight == 0 and args.agentic_groups == 1 and args.long_groups is None
+
+
+def test_the_floors_are_cores_times_the_hash_rate_and_the_wire_over_bytes_per_token():
+    from pipeline.bench.finalize_inflight import floors, in_flight_figures
+
+    # 1e8 bytes hashed in 20 ms (5 GB/s) for 1e6 tokens: 100 + 16 (ids twice) bytes a token.
+    vh = {"bytes": 100_000_000, "hash_ms": 20.0}
+    f = floors(vh, 1_000_000, 32.0, 2e9, 2)
+    assert f["hash_gb_s"] == 5.0 and f["hashed_bytes_per_token"] == 116.0
+    assert abs(f["hashing_floor_tokens_per_s"] - 2 * 5e9 / 116) < 1e-3
+    assert f["transfer_floor_tokens_per_s"] == 2e9 / 32
+    run = {"wall_s": 1.0, "steps": 4, "in_flight": 2, "tokens": 4_000_000, "tokens_per_s": 43_103_448.0, "accepted": 8,
+           "rollouts": 8, "step_wall_ms_median": 500.0, "collect_ms_median": 10.0, "collected_bytes_per_token": 32.0}
+    out = in_flight_figures([run, {**run, "tokens_per_s": 1.0}, run], f, 0.5)
+    assert out["tokens_per_s_median"] == 43_103_448 and out["vs_hashing_floor"] == 0.5 and out["target_vs_hashing_floor"] == 0.5

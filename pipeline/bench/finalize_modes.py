@@ -185,12 +185,12 @@ def _key(mode: str, i: int) -> str:
 
 
 def run_per_rollout(client: Client, store: StagingStore, groups: list[list[Receipt]], vectorized: bool,
-                    keep: Sequence[int] = ()) -> ModeRun:
+                    keep: Sequence[int] = (), experts: int = EXPERTS) -> ModeRun:
     """``baseline`` (per-token verify) or ``rollout_fetch_vec`` (``vectorized``): one task
     per group, each fetching rollout by rollout. ``keep``: indexes of the groups sampled."""
     mode = "rollout-fetch-vec" if vectorized else "baseline"
     t0 = time.perf_counter()
-    futures = [client.submit(per_rollout_group, store, g, VOCAB, EXPERTS, vectorized, i in keep, pure=False, key=_key(mode, i)) for i, g in enumerate(groups)]
+    futures = [client.submit(per_rollout_group, store, g, VOCAB, experts, vectorized, i in keep, pure=False, key=_key(mode, i)) for i, g in enumerate(groups)]
     outs = client.gather(futures)
     wall = time.perf_counter() - t0
     return _summ(outs, wall, keep, groups)
@@ -202,7 +202,7 @@ def run_baseline(client: Client, store: StagingStore, groups: list[list[Receipt]
 
 
 def run_union_per_token(client: Client, store: StagingStore, groups: list[list[Receipt]], groups_per_step: int,
-                        keep: Sequence[int] = ()) -> ModeRun:
+                        keep: Sequence[int] = (), experts: int = EXPERTS) -> ModeRun:
     """``union_fetch_token``: per step of ``groups_per_step`` groups (0: all), one fetch
     task, then one per-token verify task per group on its answer."""
     per = groups_per_step or len(groups)
@@ -211,7 +211,7 @@ def run_union_per_token(client: Client, store: StagingStore, groups: list[list[R
     for s0 in range(0, len(groups), per):
         step = groups[s0 : s0 + per]
         batch = client.submit(union_fetch, store, [r for g in step for r in g], pure=False, key=_key("union-fetch", s0))
-        futures += [client.submit(union_group, batch, g, VOCAB, EXPERTS, s0 + i in keep, pure=False, key=_key("union-verify", s0 + i)) for i, g in enumerate(step)]
+        futures += [client.submit(union_group, batch, g, VOCAB, experts, s0 + i in keep, pure=False, key=_key("union-verify", s0 + i)) for i, g in enumerate(step)]
     outs = client.gather(futures)
     wall = time.perf_counter() - t0
     out = _summ(outs, wall, keep, groups)
@@ -220,12 +220,12 @@ def run_union_per_token(client: Client, store: StagingStore, groups: list[list[R
 
 
 def run_graph(client: Client, store: StagingStore, groups: list[list[Receipt]], groups_per_step: int,
-              keep: Sequence[int] = ()) -> GraphRun:
+              keep: Sequence[int] = (), experts: int = EXPERTS) -> GraphRun:
     """``graph``: :class:`pipeline.finalize.Finalizer` steps of ``groups_per_step`` groups
     (0: all), submitted together and drained."""
     from pipeline.finalize import Finalizer
 
-    fin = Finalizer(client, store, vocab_size=VOCAB, num_experts=EXPERTS)
+    fin = Finalizer(client, store, vocab_size=VOCAB, num_experts=experts)
     per = groups_per_step or len(groups)
     t0 = time.perf_counter()
     for s in range(0, len(groups), per):
@@ -269,14 +269,15 @@ def _site_of(store: StagingStore, rollout_id: str) -> str:
 
 
 def run_mode(mode: str, client: Client, store: StagingStore, groups: list[list[Receipt]], groups_per_step: int,
-             keep: Sequence[int] = ()) -> ModeRun:
-    """One timed run of ``mode`` (one of :data:`MODES`) over ``groups``."""
+             keep: Sequence[int] = (), experts: int = EXPERTS) -> ModeRun:
+    """One timed run of ``mode`` (one of :data:`MODES`) over ``groups`` (expert ids in
+    ``[0, experts)``: the bound every mode verifies them against)."""
     if mode == "baseline":
-        return run_per_rollout(client, store, groups, False, keep)
+        return run_per_rollout(client, store, groups, False, keep, experts)
     if mode == "rollout_fetch_vec":
-        return run_per_rollout(client, store, groups, True, keep)
+        return run_per_rollout(client, store, groups, True, keep, experts)
     if mode == "union_fetch_token":
-        return run_union_per_token(client, store, groups, groups_per_step, keep)
+        return run_union_per_token(client, store, groups, groups_per_step, keep, experts)
     if mode in ("graph", "graph_sha256"):  # the store given holds the mode's copy
-        return run_graph(client, store, groups, groups_per_step, keep)
+        return run_graph(client, store, groups, groups_per_step, keep, experts)
     raise ValueError(f"unknown mode {mode!r}")

@@ -34,7 +34,8 @@ class VerifyVsHash(TypedDict):
     algorithm: str  # of hash_ms: the digest the rows were hashed with
 
 
-def verify_vs_hash(store: StagingStore, groups: list[list[Receipt]], repeats: int = 3, algorithm: str = BLAKE3) -> VerifyVsHash:
+def verify_vs_hash(store: StagingStore, groups: list[list[Receipt]], repeats: int = 3, algorithm: str = BLAKE3,
+                   num_experts: int = EXPERTS) -> VerifyVsHash:
     """Vectorized verify of every rollout vs ONE pass of ``algorithm`` (the digest the rows
     were hashed with; single-threaded, as the pipeline hashes) and one SHA-256 pass over
     the same fetched bytes.
@@ -67,7 +68,7 @@ def verify_vs_hash(store: StagingStore, groups: list[list[Receipt]], repeats: in
             h.digest()
 
     for _ in range(repeats):
-        results = timed("verify", lambda: verify_many(plan.rollouts, rows, routes, vocab_size=VOCAB, num_experts=EXPERTS))
+        results = timed("verify", lambda: verify_many(plan.rollouts, rows, routes, vocab_size=VOCAB, num_experts=num_experts))
         timed("hash", lambda: hash_all(algorithm))
         timed("hash_sha256", lambda: hash_all(SHA256))
     if not all(r.ok for r in results):

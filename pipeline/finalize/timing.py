@@ -204,6 +204,18 @@ def sizing_hint(fetch_ms: float, verify_ms: float) -> str:
     return "fetch" if fetch_ms >= verify_ms else "verify"
 
 
+def _sums(group_metrics: Mapping[str, GroupMetrics]) -> tuple[int, int, int, Counter[str], int, int, int, float, int]:
+    """The groups' rollouts, accepted, tokens, rejected (by reason), internal errors, chain
+    calls, planned rollouts, assemble ms and bytes fetched, each summed."""
+    rejected: Counter[str] = Counter()
+    for m in group_metrics.values():
+        rejected.update(m["rejected"])
+    ms = list(group_metrics.values())
+    return (sum(m["rollouts"] for m in ms), sum(m["accepted"] for m in ms), sum(m["tokens"] for m in ms), rejected,
+            sum(m.get("internal_errors", 0) for m in ms), sum(m["_calls"] for m in ms), sum(m["_planned"] for m in ms),
+            sum(m["assemble_ms"] for m in ms), sum(m["bytes_fetched"] for m in ms))
+
+
 def step_metrics(
     *,
     step_id: str,
@@ -227,30 +239,17 @@ def step_metrics(
     bytes into ``cross_host_bytes_planned``; ``cross_host_bytes``: the scheduler's
     measure (:mod:`pipeline.finalize.transfers`; -1: not measured). ``collect_ms``: how
     long the caller's ``result()`` took to hold the groups, ``collected_bytes`` what it
-    gathered; ``assembled_on``: where they were assembled. The tail (``tail_ms``) runs from the last verify task's end (its
-    worker's clock) to ``collected_s``.
+    gathered; ``assembled_on``: where they were assembled. The tail (``tail_ms``) runs
+    from the last verify task's end (its worker's clock) to ``collected_s``.
     """
     fetch_by_id: dict[str, FetchTiming] = {}
     verify_tasks: dict[int, VerifyTiming] = {}
-    rollouts = accepted = tokens = internal_errors = 0
-    rejected: Counter[str] = Counter()
-    calls = planned = 0
-    assemble_ms = 0.0
-    bytes_fetched = 0
     for m in group_metrics.values():
         for t in m.get("_verify_tasks", ()):
             verify_tasks[t["task"]] = t
         for t in m.get("_fetch_timings", ()):
             fetch_by_id[t.get("id", t["kind"])] = t
-        rollouts += m["rollouts"]
-        accepted += m["accepted"]
-        tokens += m["tokens"]
-        rejected.update(m["rejected"])
-        internal_errors += m.get("internal_errors", 0)
-        calls += m["_calls"]
-        planned += m["_planned"]
-        assemble_ms += m["assemble_ms"]
-        bytes_fetched += m["bytes_fetched"]
+    rollouts, accepted, tokens, rejected, internal_errors, calls, planned, assemble_ms, bytes_fetched = _sums(group_metrics)
     fetch_timings = list(fetch_by_id.values())
     fetch_ms = sum(t["fetch_ms"] for t in fetch_timings)
     verify_ms = sum(t["ms"] for t in verify_tasks.values())

@@ -1,0 +1,148 @@
+"""``bench finalize --in-flight N``: sustained throughput with ``N`` steps in flight,
+against the floors measured in the same run.
+
+:func:`sustained_run` keeps ``N`` steps of one workload submitted to one
+:class:`~pipeline.finalize.Finalizer` (each step: every group of the workload), collects
+the oldest, submits the next, until ``steps`` were collected: what a training loop that
+pipelines finalization does. Its rate is the tokens of every collected step over the wall
+seconds from the first submit to the last result.
+
+The floors (tokens/s):
+
+- ``hashing_floor``: ``cores x hash GB/s / hashed bytes per token``. Verification hashes
+  every fetched byte once (the row digests) and the token ids twice more (the chain and
+  cumulative hashes); the hash rate is one core's pass of the digest in use over the same
+  fetched bytes (:func:`~pipeline.bench.finalize_verify_vs_hash.verify_vs_hash`).
+- ``transfer_floor``: the bytes the controller gathers per token (``collected_bytes``
+  of the step metrics) at the loopback rate measured here (a raw TCP receive,
+  :mod:`pipeline.bench.loopback`): the step's rows must reach the controller.
+
+Units: ``_s`` seconds, ``_ms`` milliseconds, rates in tokens/s, ``gb_s`` 1e9 bytes/s.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections import deque
+from typing import TYPE_CHECKING, Mapping, Sequence, TypedDict
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from tasks.receipts import Receipt
+
+    from ..store import StagingStore
+    from .finalize_verify_vs_hash import VerifyVsHash
+
+TOKEN_ID_BYTES = 8  # int64 token ids: what the chain and cumulative hashes read per token
+LOOPBACK_MESSAGE_BYTES = 16 << 20  # one loopback message: a site's share of a toy agentic step
+LOOPBACK_MESSAGES = 8
+
+
+class SustainedRun(TypedDict):
+    """One ``--in-flight`` run: ``steps`` steps with ``in_flight`` submitted at a time."""
+
+    wall_s: float  # first submit to last result
+    steps: int
+    in_flight: int
+    tokens: int  # accepted tokens of every step
+    tokens_per_s: float
+    accepted: int  # rollouts, every step
+    rollouts: int
+    step_wall_ms_median: float  # each step's own submit -> collected (in flight: queueing included)
+    collect_ms_median: float  # each step's result() call
+    collected_bytes_per_token: float  # what the controller gathered per accepted token
+
+
+def cores() -> int:
+    """CPUs this process may run on (the machine's, for the hashing floor)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def sustained_run(client: Client, store: StagingStore, groups: Sequence[Sequence[Receipt]], *, in_flight: int,
+                  steps: int, vocab_size: int, num_experts: int | None) -> SustainedRun:
+    """``steps`` steps of ``groups`` (each step: every group, under its receipts' own
+    group ids), ``in_flight`` of them submitted at a time, oldest collected first."""
+    from pipeline.finalize import Finalizer
+
+    fin = Finalizer(client, store, vocab_size=vocab_size, num_experts=num_experts)
+    named = {(g[0].group_id or f"g{i}"): list(g) for i, g in enumerate(groups)}
+    pending: deque = deque()
+    metrics = []
+    t0 = time.perf_counter()
+    submitted = 0
+    while len(metrics) < steps:
+        while submitted < steps and len(pending) < in_flight:
+            pending.append(fin.submit_step(named, step_id=f"in-flight-{submitted}"))
+            submitted += 1
+        metrics.append(pending.popleft().result().metrics)
+    wall = time.perf_counter() - t0
+    tokens = sum(m["tokens"] for m in metrics)
+    return {
+        "wall_s": wall,
+        "steps": steps,
+        "in_flight": in_flight,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall if wall > 0 else 0.0,
+        "accepted": sum(m["accepted"] for m in metrics),
+        "rollouts": sum(m["rollouts"] for m in metrics),
+        "step_wall_ms_median": statistics.median(m["wall_ms"] for m in metrics),
+        "collect_ms_median": statistics.median(m.get("collect_ms", 0.0) for m in metrics),
+        "collected_bytes_per_token": sum(m.get("collected_bytes", 0) for m in metrics) / max(tokens, 1),
+    }
+
+
+def loopback_recv_bytes_per_s() -> float:
+    """Raw TCP receive rate over loopback here, now (bytes/s; :mod:`pipeline.bench.loopback`)."""
+    from .loopback import measure
+
+    return float(measure(LOOPBACK_MESSAGE_BYTES, LOOPBACK_MESSAGES)["recv_bytes_per_s"])
+
+
+def floors(vh: VerifyVsHash, tokens_per_step: int, collected_bytes_per_token: float,
+           loopback_bytes_per_s: float, n_cores: int) -> dict[str, float]:
+    """The hashing and transfer floors (tokens/s) and what they are made of."""
+    hash_bytes_per_s = vh["bytes"] / (vh["hash_ms"] / 1e3)
+    hashed_per_token = (vh["bytes"] + 2 * TOKEN_ID_BYTES * tokens_per_step) / max(tokens_per_step, 1)
+    return {
+        "cores": n_cores,
+        "hash_gb_s": hash_bytes_per_s / 1e9,
+        "hashed_bytes_per_token": hashed_per_token,
+        "hashing_floor_tokens_per_s": n_cores * hash_bytes_per_s / hashed_per_token,
+        "loopback_gb_s": loopback_bytes_per_s / 1e9,
+        "transfer_floor_tokens_per_s": loopback_bytes_per_s / collected_bytes_per_token if collected_bytes_per_token else 0.0,
+    }
+
+
+def _sig(x: float) -> float:
+    """``x`` to 3 significant digits."""
+    return float(f"{x:.3g}")
+
+
+def in_flight_figures(runs: Sequence[SustainedRun], floor: Mapping[str, float], target: float | None) -> dict[str, object]:
+    """Medians over ``runs`` and the median rate over each floor (``vs_hashing_floor``:
+    the target's figure, ``target`` the fraction asked for)."""
+    rate = statistics.median(r["tokens_per_s"] for r in runs)
+    out: dict[str, object] = {
+        "in_flight": runs[0]["in_flight"],
+        "steps": runs[0]["steps"],
+        "runs": len(runs),
+        "tokens_per_step": runs[0]["tokens"] // max(runs[0]["steps"], 1),
+        "tokens_per_s_runs": [round(r["tokens_per_s"]) for r in runs],
+        "tokens_per_s_median": round(rate),
+        "wall_s_runs": [round(r["wall_s"], 4) for r in runs],
+        "step_wall_ms_median": round(statistics.median(r["step_wall_ms_median"] for r in runs), 1),
+        "collect_ms_median": round(statistics.median(r["collect_ms_median"] for r in runs), 1),
+        "collected_bytes_per_token": round(runs[0]["collected_bytes_per_token"], 2),
+        **{k: _sig(v) if isinstance(v, float) else v for k, v in floor.items()},
+    }
+    hashing, transfer = floor["hashing_floor_tokens_per_s"], floor["transfer_floor_tokens_per_s"]
+    out["vs_hashing_floor"] = _sig(rate / hashing) if hashing else 0.0
+    out["vs_transfer_floor"] = _sig(rate / transfer) if transfer else 0.0
+    if target is not None:
+        out["target_vs_hashing_floor"] = target
+    return out
