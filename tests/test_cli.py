@@ -102,8 +102,8 @@ def test_a_bad_value_is_one_usage_line(argv, flag, expected, capsys):
     assert proc.stdout == ""  # the demo prints its run id first: it never started
 
 
-def test_embedded_cluster_flags_are_refused_with_scheduler():
-    proc = cli("demo", "--scheduler", "tcp://127.0.0.1:8786", "--n-workers", "2", "--dashboard-address", "127.0.0.1:0")
+def test_embedded_cluster_flags_are_refused_with_scheduler(capsys):
+    proc = in_process(capsys, "demo", "--scheduler", "tcp://127.0.0.1:8786", "--n-workers", "2", "--dashboard-address", "127.0.0.1:0")
     assert_one_line(proc, 2, "--dashboard-address and --n-workers", "--scheduler")
     assert proc.stdout == ""
 
@@ -120,9 +120,11 @@ def test_a_malformed_scheduler_address_is_one_line(address, capsys):
 
 
 @pytest.mark.parametrize("command", [["demo"], ["bench", "store"]])
-def test_a_scheduler_that_is_down_is_one_line(command):
+def test_a_scheduler_that_is_down_is_one_line(command, capsys):
+    # The demo as a real process (exit status, nothing else on stderr), the bench in this one.
     address = f"tcp://127.0.0.1:{free_port()}"
-    proc = cli(*command, "--scheduler", address, "--connect-timeout", "2", "--quiet")
+    argv = [*command, "--scheduler", address, "--connect-timeout", "2", "--quiet"]
+    proc = cli(*argv) if command == ["demo"] else in_process(capsys, *argv)
     line = assert_one_line(proc, 1, "error: ", address, "dask scheduler", "--connect-timeout")
     assert "within 2 s" in line
 
@@ -153,31 +155,28 @@ def shared_cluster():
         yield cluster.scheduler_address, client
 
 
-def test_two_runs_on_one_cluster_have_their_own_step_ids(shared_cluster):
+def test_two_runs_on_one_cluster_have_their_own_step_ids_and_the_summary_counts_the_resume(shared_cluster):
+    # The second run also goes through the resume phase: its summary counts those rollouts.
     address, client = shared_cluster
-    ids = []
-    for _ in range(2):
-        proc = cli("demo", "--scheduler", address, "--steps", "2", "--in-flight", "1", "--no-resume", *SMALL)
+    ids, outs = [], []
+    for resume in ([], ["--no-resume"]):
+        proc = cli("demo", "--scheduler", address, "--steps", "2", "--in-flight", "1", *resume, *SMALL)
         assert proc.returncode == 0, proc.stderr[-3000:]
         run_id = re.search(r"^run: ([0-9a-f]+)", proc.stdout, re.M).group(1)
-        assert re.findall(r"^(\S+): 2/2 rollouts accepted", proc.stdout, re.M) == [f"{run_id}-step-0", f"{run_id}-step-1"], proc.stdout
+        steps = [f"{run_id}-step-0", f"{run_id}-step-1"]
+        assert re.findall(r"^(\S+): 2/2 rollouts accepted", proc.stdout, re.M)[:2] == steps, proc.stdout
         ids.append(run_id)
+        outs.append(proc.stdout)
     assert ids[0] != ids[1]
     finalized = {s["step_id"] for s in client.sync(client.scheduler.token_capture_state)["steps"]}
     assert {f"{r}-step-{n}" for r in ids for n in (0, 1)} <= finalized, finalized
-
-
-def test_the_summary_counts_the_resume_rollouts_too(shared_cluster):
-    address, _ = shared_cluster
-    proc = cli("demo", "--scheduler", address, "--steps", "2", *SMALL)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_id = re.search(r"^run: ([0-9a-f]+)", proc.stdout, re.M).group(1)
+    out = outs[0]  # the run with the resume phase
     # 2 steps x 1 group x 2 rollouts, then the resume phase's step of 1 x 2.
-    assert "summary: 6 rollouts finalized (4 in 2 steps + 2 in the resume step), 6 accepted" in proc.stdout, proc.stdout
-    assert re.search(rf"^{run_id}-step-1: 2/2 rollouts accepted", proc.stdout, re.M), proc.stdout
+    assert "summary: 6 rollouts finalized (4 in 2 steps + 2 in the resume step), 6 accepted" in out, out
+    assert "summary: 4 rollouts finalized" in outs[1], outs[1]
     # Throughput says what it divides.
-    assert re.search(r"training tokens in accepted rows / [0-9.]+ s from submit to last group assembled", proc.stdout), proc.stdout
-    assert re.search(r"training tokens in accepted rows / [0-9.]+ s run wall time", proc.stdout), proc.stdout
+    assert re.search(r"training tokens in accepted rows / [0-9.]+ s from submit to last group assembled", out), out
+    assert re.search(r"training tokens in accepted rows / [0-9.]+ s run wall time", out), out
 
 
 def test_ctrl_c_during_generation_exits_cleanly():
