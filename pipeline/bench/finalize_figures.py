@@ -87,10 +87,11 @@ def graph_figures(g: Sequence[GraphRun]) -> dict[str, float | int]:
 
 
 def hash_figures(vh: VerifyVsHash, graph: Mapping[str, float | int] | None,
-                 graph_sha256_verify_ms: float | None = None) -> dict[str, float | int | str]:
+                 graph_sha256: tuple[float, float] | None = None) -> dict[str, float | int | str]:
     """The in-process verify and hash passes (ms: the digest in use, ``hash_algorithm``,
     and SHA-256) and their ratio; with the ``graph``'s figures also its verify tasks' wall
-    and CPU time over the hash pass's, and ``graph_sha256``'s over the SHA-256 pass's."""
+    and CPU time over the hash pass's, and ``graph_sha256``'s (its verify tasks' ms, wall
+    and CPU) over the SHA-256 pass's."""
     out: dict[str, float | int | str] = {
         "verify_ms_in_process": round(vh["verify_ms"], 3),
         "hash_algorithm": vh["algorithm"],
@@ -100,9 +101,12 @@ def hash_figures(vh: VerifyVsHash, graph: Mapping[str, float | int] | None,
         "hash_bytes": vh["bytes"],
         "verify_vs_hash": round(vh["verify_ms"] / vh["hash_ms"], 2),
     }
-    if graph_sha256_verify_ms is not None:
-        out["graph_sha256_verify_ms"] = round(graph_sha256_verify_ms, 2)
-        out["graph_sha256_verify_vs_hash"] = round(graph_sha256_verify_ms / vh["hash_sha256_ms"], 2)
+    if graph_sha256 is not None:
+        wall, cpu = graph_sha256
+        out["graph_sha256_verify_ms"] = round(wall, 2)
+        out["graph_sha256_verify_cpu_ms"] = round(cpu, 2)
+        out["graph_sha256_verify_vs_hash"] = round(wall / vh["hash_sha256_ms"], 2)
+        out["graph_sha256_verify_cpu_vs_hash"] = round(cpu / vh["hash_sha256_cpu_ms"], 2)
     if graph is not None:
         # The same ratio with the graph's own verify tasks (2 busy workers; median run): their
         # wall time (waits for a CPU and the GIL included), and their threads' CPU time
@@ -133,7 +137,10 @@ def workload_figures(shape: WorkloadShape, targets: dict[str, float], n_groups: 
         res.update(graph)
     if vh is not None:
         g256 = runs.get("graph_sha256")
-        res.update(hash_figures(vh, graph, statistics.median(r["verify_ms"] for r in g256) if g256 else None))
+        sha256 = None
+        if g256:  # the SHA-256 graph's verify tasks (ms): medians over its runs, wall and CPU
+            sha256 = (statistics.median(r["verify_ms"] for r in g256), statistics.median(r["verify_cpu_ms"] for r in g256))
+        res.update(hash_figures(vh, graph, sha256))
     res["targets"] = targets
     return res
 
