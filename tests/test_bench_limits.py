@@ -12,6 +12,8 @@ def test_limits_reports_every_figure_from_real_runs():
         assert out[f"{name}_gb_per_s"] > 0
         assert len(out[f"{name}_gb_per_s_runs"]) == 1
     assert out["blake3_vs_sha256"] > 0
+    for prof in ("toy", "qwen3-moe"):
+        assert out[f"row_digest_{prof}_sha256_gb_per_s"] > 0 and out[f"row_digest_{prof}_blake3_gb_per_s"] > 0
 
 
 def test_loopback_moves_every_byte_both_ways():

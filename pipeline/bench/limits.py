@@ -8,7 +8,10 @@
 - ``sha256`` / ``blake3``: the two digest algorithms (``capture.digest``) over one 64 MiB
   buffer on one core, bytes/s; ``sha256_4k`` / ``blake3_4k``: the same 64 MiB as 4 KiB
   messages, each hashed on its own (a short row's cost); ``blake3_vs_sha256``: the ratio
-  of the large-buffer medians.
+  of the large-buffer medians;
+- ``row_digest_<profile>_<algorithm>``: :func:`tasks.hashing.digest` (the layout the
+  gate, the cut and the verifier hash, field by field) of 1,024-token rows with the
+  ``toy`` and ``qwen3-moe`` profiles' one-byte routes, bytes/s of row payload.
 
 Each figure is the median of ``--repeats`` runs (default 3).
 
@@ -26,12 +29,19 @@ from typing import Any, Callable
 import blake3
 import numpy as np
 
+from tasks import hashing
+from tasks.digests import DIGEST_BLAKE3, DIGEST_SHA256
+from tasks.profiles import profile
+
 from . import loopback
 from .common import main, notes
 
 CHUNK = 64 << 20  # bytes per measured operation
 MESSAGE = 4 << 10  # bytes per small message (the *_4k figures)
 HASHES = {"sha256": hashlib.sha256, "blake3": blake3.blake3}  # single-threaded, as the pipeline hashes
+ROW_TOKENS = 1024  # tokens per row of the row_digest figures
+ROW_PROFILES = ("toy", "qwen3-moe")
+ROW_VERSIONS = {"sha256": DIGEST_SHA256, "blake3": DIGEST_BLAKE3}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,7 +65,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     src = np.ones(CHUNK, np.uint8)
     dst = np.empty_like(src)
     dst[:] = 0  # touched once: the copies below measure memcpy, not page faults
-    names = ("loopback_send", "loopback_recv", "memcpy", "first_touch", "sha256", "blake3", "sha256_4k", "blake3_4k")
+    names = ["loopback_send", "loopback_recv", "memcpy", "first_touch", "sha256", "blake3", "sha256_4k", "blake3_4k"]
+    names += [f"row_digest_{p}_{a}" for p in ROW_PROFILES for a in ROW_VERSIONS]
+    rows = {p: _row(p) for p in ROW_PROFILES}
     runs: dict[str, list[float]] = {k: [] for k in names}
     for rep in range(args.repeats):
         wire = loopback.measure(CHUNK, args.messages)
@@ -75,6 +87,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, new in HASHES.items():
             runs[name].append(_rate(lambda: new(memoryview(src)).digest(), CHUNK))
             runs[f"{name}_4k"].append(_rate(lambda: _messages(new, src), CHUNK))
+        for prof, (kw, nbytes) in rows.items():
+            n = max(1, CHUNK // nbytes)  # rows per measurement: about 64 MiB of payload
+            for name, version in ROW_VERSIONS.items():
+                runs[f"row_digest_{prof}_{name}"].append(_rate(lambda: _digests(kw, version, n), n * nbytes))
         say(f"run {rep + 1}/{args.repeats}: " + ", ".join(f"{k} {v[-1] / 1e9:.2f} GB/s" for k, v in runs.items()))
     out: dict[str, Any] = {"benchmark": "limits", "repeats": args.repeats, "chunk_bytes": CHUNK}
     for name, values in runs.items():
@@ -82,6 +98,28 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         out[f"{name}_gb_per_s_runs"] = [round(v / 1e9, 3) for v in values]
     out["blake3_vs_sha256"] = round(statistics.median(runs["blake3"]) / statistics.median(runs["sha256"]), 2)
     return out
+
+
+def _row(name: str) -> tuple[dict[str, Any], int]:
+    """The :func:`tasks.hashing.digest` arguments of one :data:`ROW_TOKENS`-token row with
+    profile ``name``'s routes (one byte per id), and its payload bytes."""
+    p = profile(name)
+    rng = np.random.default_rng(0)
+    n = ROW_TOKENS
+    kw: dict[str, Any] = dict(
+        rollout_id="bench-r0", model_call_id="c1", parent_call_id="c0", prev_len=n, delta_len=n, cum_len=2 * n,
+        weight_version=0, token_ids=rng.integers(0, 512, n), token_mask=np.ones(n, np.float32),
+        logprobs=-rng.random(n, dtype=np.float32), routes_encoding=2,
+        routed_experts=rng.integers(0, p.experts, (n, p.layers, p.top_k), dtype=np.uint8),
+        chain_hash=bytes(32), cumulative_hash=bytes(32),
+    )
+    return kw, n * p.bytes_per_token(1)
+
+
+def _digests(kw: dict[str, Any], version: int, n: int) -> None:
+    """``n`` digests of one row (each a fresh hash of every field, as a verifier does)."""
+    for _ in range(n):
+        hashing.digest(**kw, digest_version=version)
 
 
 def _messages(new: Callable[..., Any], buf: np.ndarray) -> None:
