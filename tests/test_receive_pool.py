@@ -150,3 +150,30 @@ def test_a_units_puts_land_in_pooled_memory_its_deletes_give_back(store_factory,
         assert again["receive_buffers_reused"] >= reused + (n + 1) * frames
     got = store.get_many(batch.keys)
     assert np.array_equal(got.batch.fields["token_ids"].values, template.fields["token_ids"].values)
+
+
+def test_a_puts_gathered_buffers_are_free_once_it_returns(store_factory, template):
+    """A put gathers each unit's rows into the client's pooled memory; once the put has
+    returned nothing of it holds them any more, even while Dask's call objects wait for a
+    garbage collection: the next put reuses them."""
+    import gc
+
+    from pipeline.store.client import client_buffers
+    from tasks.packed import PackedBatch
+
+    store = store_factory(n_units=2)  # rows interleave over two units: gathered per unit
+    pool = client_buffers()
+    gc.collect()  # what earlier tests left in cycles
+    gc.disable()
+    try:
+        for n in range(3):
+            # The same rollouts each time (so the same rows per unit), new calls (new keys).
+            batch = PackedBatch([f"gp{i}/c{n}" for i in range(len(template))], template.fields)
+            assert not store.put_many(batch).failed
+            in_use = [pool._refs(group, i) > pool._free_refs for group in pool._classes.values() for i in range(len(group))]
+            assert in_use and not any(in_use)
+            if n == 0:
+                allocated = pool.allocated
+        assert pool.allocated == allocated, "later puts reused the first put's buffers"
+    finally:
+        gc.enable()

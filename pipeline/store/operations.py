@@ -45,9 +45,10 @@ def _packed(names: list[str] | None) -> bytes | None:
 def cut_rows(batch: PackedBatch, chunk: np.ndarray, allocator: Callable) -> PackedBatch:
     """Rows ``chunk`` (ascending) of ``batch``: a new batch object over the same buffers,
     a view of a run, or a gather into ``allocator``'s (pooled) memory. Never ``batch``
-    itself, so a batch the caller received is not forwarded still marked ``received``."""
+    itself nor its fields' dict, so a batch the caller received is not forwarded still
+    marked ``received``, and the cut may be emptied once sent (:func:`_put_once`)."""
     if len(chunk) == len(batch):
-        return PackedBatch(batch.keys, batch.fields)
+        return PackedBatch(batch.keys, dict(batch.fields))
     if chunk[-1] - chunk[0] + 1 == len(chunk):
         return slice_rows(batch, int(chunk[0]), int(chunk[-1]) + 1)
     return take_rows([batch], np.zeros(len(chunk), np.int64), chunk, out=allocator(gathered_nbytes(batch, chunk)))
@@ -83,12 +84,24 @@ def _put_once(store: Driven, batch: PackedBatch, partition: str, adopt: bool, cl
     plan = plan_put(placement, batch, cap) if moving is None else plan_put_moving(moving, batch, cap)
     allocator = store.buffers().allocator
     calls = []
+    sent: list[PackedBatch] = []
+
+    def cut(chunk: np.ndarray) -> PackedBatch:
+        part = cut_rows(batch, chunk, allocator)
+        sent.append(part)
+        return part
+
     for u, chunk in plan.parts:
         # The first call to a unit also carries the names it witnesses.
         wit = _packed(plan.witness.pop(u, None))
-        args = lambda chunk=chunk, wit=wit: (partition, cut_rows(batch, chunk, allocator), adopt, claim, wit, False, version)  # noqa: E731
+        args = lambda chunk=chunk, wit=wit: (partition, cut(chunk), adopt, claim, wit, False, version)  # noqa: E731
         calls.append(Call(u, "put_many", args, [batch.keys[i] for i in chunk]))
     answers = yield calls + _witness_calls(partition, plan.witness, drop=False)
+    for part in sent:
+        # Answered: the call's arguments may outlive it in a reference cycle of Dask's
+        # (until a garbage collection); the gathered buffers must not, the client's pool
+        # hands them out again as soon as nothing refers to them.
+        part.fields.clear()
     return merge_puts(batch, answers[: len(calls)], plan.failed, placement.replicas == 2 or moving is not None)
 
 

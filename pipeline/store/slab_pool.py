@@ -51,6 +51,8 @@ class SlabPool:
         # to account for, see :func:`root_nbytes`).
         self.classes_per_octave = int(classes_per_octave)
         self.larger_classes = int(larger_classes)
+        self._tick = 0  # hand-outs so far; a slab's stamp is the tick it was last handed out at
+        self._stamps: dict[int, int] = {}  # id(slab) -> stamp: idle slabs go least recently used first
         self._classes: dict[int, list[np.ndarray]] = {}  # size -> slabs, least recently handed out first
         self.held_bytes = 0  # bytes of every slab the pool keeps (in use or idle)
         self.reused = 0  # answers packed into a reused slab
@@ -86,8 +88,13 @@ class SlabPool:
                 slab = slabs.pop(i)
                 slabs.append(slab)
                 self.reused += 1
+                self._stamp(slab)
                 return slab
         return None
+
+    def _stamp(self, slab: np.ndarray) -> None:
+        self._tick += 1
+        self._stamps[id(slab)] = self._tick
 
     def _free_slab(self, cap: int) -> np.ndarray | None:
         """A free slab of class ``cap``, else of one of the ``larger_classes`` above it."""
@@ -126,6 +133,7 @@ class SlabPool:
             slabs.append(slab)
             self.held_bytes += cap
             self.allocated += 1
+            self._stamp(slab)
         else:
             slab = np.empty(max(1, int(nbytes)), dtype=np.uint8)
             self.unpooled += 1  # kept by nobody but its answer: freed with it
@@ -138,23 +146,25 @@ class SlabPool:
                 self._release_idle(self.held_bytes - self.max_bytes, but=-1)
 
     def _release_idle(self, need: int, but: int) -> None:
-        """Drop idle slabs of classes other than ``but`` (largest first) until ``need``
-        bytes are freed or none is idle."""
+        """Drop idle slabs of classes other than ``but``, least recently handed out first,
+        until ``need`` bytes are freed or none is idle."""
         idle = []
         for cap, slabs in self._classes.items():
             if cap == but:
                 continue  # just scanned: none of them is free
             for i in range(len(slabs)):
                 if self._refs(slabs, i) <= self._free_refs:
-                    idle.append((cap, i))
+                    idle.append((self._stamps.get(id(slabs[i]), 0), cap, i))
         freed = 0
         gone: dict[int, set] = {}
-        for cap, i in sorted(idle, reverse=True):
+        for _, cap, i in sorted(idle):
             if freed >= need:
                 break
             gone.setdefault(cap, set()).add(i)
             freed += cap
         for cap, ix in gone.items():
+            for i in ix:
+                self._stamps.pop(id(self._classes[cap][i]), None)
             self._classes[cap] = [s for i, s in enumerate(self._classes[cap]) if i not in ix]
         self.held_bytes -= freed
 
@@ -197,6 +207,7 @@ class SlabPool:
         with self._lock:
             self.max_bytes = 0
             self._classes = {}
+            self._stamps = {}
             self.held_bytes = 0
 
 
@@ -205,8 +216,12 @@ class ConfiguredPool(SlabPool):
     when the pool is made and again at :meth:`reconfigure` (the owner's
     :meth:`~pipeline.process_state.ProcessState.reconfigure`), never per call."""
 
+    # Its buffers live for one call: a free slab up to twice the size serves a request
+    # rather than a fresh allocation (which page-faults).
+    LARGER_CLASSES = 8
+
     def __init__(self, config_key: str) -> None:
-        super().__init__(config.get_bytes(config_key))
+        super().__init__(config.get_bytes(config_key), larger_classes=self.LARGER_CLASSES)
         self.config_key = config_key
 
     def reconfigure(self) -> None:
