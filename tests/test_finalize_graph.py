@@ -421,7 +421,7 @@ def test_groups_are_gathered_straight_from_the_workers_unless_the_client_says_ot
         assert client.calls == [want]
 
 
-def test_packing_ends_a_full_enough_task_where_a_group_ends():
+def test_packing_is_greedy_up_to_the_budget_in_submission_order():
     from tasks.finalize.plan import pack_verify_tasks
 
     class P:
@@ -429,9 +429,7 @@ def test_packing_ends_a_full_enough_task_where_a_group_ends():
             self.n_tokens = n
 
     plans = [P(10) for _ in range(6)]
-    # Without groups: greedy up to the budget.
+    # Greedy up to the budget, in submission order; a rollout over the budget alone.
     assert [len(t) for t in pack_verify_tasks(plans, 40)] == [4, 2]
-    # With groups: a task holding half the budget or more ends where a new group starts.
-    assert [len(t) for t in pack_verify_tasks(plans, 40, ["a", "a", "b", "b", "b", "c"])] == [2, 3, 1]
-    assert [len(t) for t in pack_verify_tasks(plans, 40, ["a", "b", "c", "d", "e", "f"])] == [2, 2, 2]
-    assert [len(t) for t in pack_verify_tasks(plans, 1000, ["a"] * 3 + ["b"] * 3)] == [6]
+    assert [len(t) for t in pack_verify_tasks(plans, 1000)] == [6]
+    assert [len(t) for t in pack_verify_tasks(plans[:2] + [P(50)] + plans[2:], 40)] == [2, 1, 4]

@@ -74,12 +74,11 @@ def test_every_rollout_is_verified_exactly_once_on_its_site(case):
                 assert worker is None and len(layout.sites) == 1
     # Per site: its rollouts in plan order (every site walks the groups in submission
     # order), cut into runs of the sizes pack_verify_tasks gives them.
-    group_of = {s.index: g for g, group in enumerate(layout.groups) for s in group.slots if s.index is not None}
     for site in layout.sites:
         tasks = [layout.tasks[t] for t in site.tasks]
         rollouts = sorted(r for task in tasks for r in task.rollouts)
         assert [r for task in tasks for r in task.rollouts] == rollouts
-        sizes = [len(t) for t in pack_verify_tasks([plan.rollouts[r] for r in rollouts], budget, [group_of[r] for r in rollouts])]
+        sizes = [len(t) for t in pack_verify_tasks([plan.rollouts[r] for r in rollouts], budget)]
         assert [len(task.rollouts) for task in tasks] == sizes
     # A site's tasks are numbered consecutively, site after site.
     assert [t for site in layout.sites for t in site.tasks] == list(range(len(layout.tasks)))
@@ -156,7 +155,7 @@ def test_equal_inputs_give_equal_layouts(case):
 def test_one_site_packs_like_pack_verify_tasks():
     plan = plan_step({"g0": [receipt(f"p{i}", [10 * (i + 1)], [False], False) for i in range(5)]})
     layout = step_layout(plan, [5], [], 35)
-    packed = pack_verify_tasks(plan.rollouts, 35, [0] * 5)
+    packed = pack_verify_tasks(plan.rollouts, 35)
     assert [len(t.rollouts) for t in layout.tasks] == [len(t) for t in packed]
     assert layout.sites[0].worker is None and layout.groups[0].assembler is None
 

@@ -148,7 +148,9 @@ def test_pack_verify_tasks_budget(rng):
         assert len(t) == 1 or total <= 25
         if any(p.n_tokens >= 25 for p in t):
             assert len(t) == 1
-    assert [[p.n_tokens for p in t] for t in tasks] == [[31], [10, 10], [101], [10, 6, 3]]
+    # Consecutive runs in submission order (the layout cuts a site's rollouts by these sizes).
+    assert flat == [p.rollout_id for p in plans]
+    assert [[p.n_tokens for p in t] for t in tasks] == [[10, 10], [31], [10, 6], [101], [3]]
     assert pack_verify_tasks([], 25) == []
     with pytest.raises(ValueError):
         pack_verify_tasks(plans, 0)

@@ -225,19 +225,16 @@ def group_assemblers(held: Sequence[Sequence[int]], site_hosts: Sequence[str | N
 # ---- verify tasks and fetches of one site -------------------------------------------------
 
 
-def site_tasks(
-    site: int, rollouts: Sequence[int], plans: Sequence[RolloutPlan], group_of: Sequence[int], token_budget: int
-) -> list[VerifyTask]:
-    """The verify tasks of one site (``rollouts``: its rollout indices, plan order;
-    ``group_of[r]``: rollout ``r``'s group): ``rollouts`` cut, in plan order, into
-    consecutive runs whose lengths are the task sizes
-    :func:`~tasks.finalize.plan.pack_verify_tasks` gives them (group-aligned). Every site
-    walks the groups in the same (submission) order, so the first groups' rows are
-    verified first everywhere and can be collected while the later ones are verified.
+def site_tasks(site: int, rollouts: Sequence[int], plans: Sequence[RolloutPlan], token_budget: int) -> list[VerifyTask]:
+    """The verify tasks of one site (``rollouts``: its rollout indices, plan order):
+    ``rollouts`` cut, in plan order, into consecutive runs whose lengths are the task sizes
+    :func:`~tasks.finalize.plan.pack_verify_tasks` gives them. Every site walks the groups
+    in the same (submission) order, so the first groups' rows are verified first
+    everywhere and can be collected while the later ones are verified.
     """
     tasks: list[VerifyTask] = []
     at = 0
-    for packed in pack_verify_tasks([plans[r] for r in rollouts], token_budget, [group_of[r] for r in rollouts]):
+    for packed in pack_verify_tasks([plans[r] for r in rollouts], token_budget):
         tasks.append(VerifyTask(site, tuple(rollouts[at : at + len(packed)])))
         at += len(packed)
     return tasks
@@ -313,7 +310,7 @@ def step_layout(
     site_list: list[Site] = []
     for s, (worker, rs) in enumerate(by_site):
         # Numbered on from the tasks of the sites before: a site's tasks are consecutive.
-        numbered = list(enumerate(site_tasks(s, rs, plans, group_of, token_budget), start=len(tasks)))
+        numbered = list(enumerate(site_tasks(s, rs, plans, token_budget), start=len(tasks)))
         staging, routes = site_fetch(numbered, _staging_keys, plans), site_fetch(numbered, _routes_keys, plans)
         pinned = host_worker(worker, hosts) if hosts is not None and worker is not None else None
         site_list.append(Site(worker, tuple(t for t, _ in numbered), staging, routes, site_hosts[s], pinned))

@@ -437,36 +437,32 @@ def plan_group(receipts: Sequence[ReceiptLike], group_id: str | None = None) -> 
     return plan_step(receipts if group_id is None else {group_id: receipts})
 
 
-def pack_verify_tasks(
-    plans: Sequence[RolloutPlan], token_budget: int, groups: Sequence[object] | None = None
-) -> list[list[RolloutPlan]]:
+def pack_verify_tasks(plans: Sequence[RolloutPlan], token_budget: int) -> list[list[RolloutPlan]]:
     """Pack rollouts into verify tasks of at most ``token_budget`` tokens each.
 
     A rollout of ``token_budget`` tokens or more gets a task alone; shorter ones are
     packed greedily in submission order (a task of many short rollouts amortizes the
     ~1 ms per-task scheduling overhead). Every rollout is still verified on its own.
-    With ``groups`` (each plan's group label), a task holding at least half the budget
-    also ends where a new group starts, so a group's assemble task depends on (and
-    receives) few rows of other groups.
+    Groups do not cut tasks: the controller assembles every group from all of them.
     """
     if token_budget <= 0:
         raise ValueError(f"token_budget must be positive, got {token_budget}")
     tasks: list[list[RolloutPlan]] = []
     current: list[RolloutPlan] = []
     used = 0
-    last: object = None
-    for k, p in enumerate(plans):
+    for p in plans:
         n = p.n_tokens
-        g = None if groups is None else groups[k]
         if n >= token_budget:
+            if current:  # tasks stay in submission order: each a run of consecutive rollouts
+                tasks.append(current)
+                current, used = [], 0
             tasks.append([p])
             continue
-        if current and (used + n > token_budget or (groups is not None and g != last and 2 * used >= token_budget)):
+        if current and used + n > token_budget:
             tasks.append(current)
             current, used = [], 0
         current.append(p)
         used += n
-        last = g
     if current:
         tasks.append(current)
     return tasks
