@@ -89,7 +89,8 @@ def test_run_reports_every_mode(monkeypatch):
     sustained = result["agentic"]["in_flight"]
     assert sustained["in_flight"] == 2 and sustained["steps"] == 3 and len(sustained["tokens_per_s_runs"]) == 3
     assert sustained["cores"] >= 1 and sustained["loopback_gb_s"] == 2.0
-    assert 0 < sustained["vs_hashing_floor"] and 0 < sustained["vs_transfer_floor"]
+    assert 0 < sustained["vs_hashing_floor"] and 0 < sustained["vs_transfer_floor"] and 0 < sustained["vs_cpu_floor"]
+    assert set(sustained["cpu_ms_per_step"]) == {"controller", "worker-0", "worker-1"}
     assert sustained["hashing_floor_tokens_per_s"] > 0 and sustained["hashed_bytes_per_token"] > 16
     assert "in_flight" not in result["short"]
 
@@ -148,6 +149,10 @@ def test_the_floors_are_cores_times_the_hash_rate_and_the_wire_over_bytes_per_to
     assert abs(f["hashing_floor_tokens_per_s"] - 2 * 5e9 / 116) < 1e-3
     assert f["transfer_floor_tokens_per_s"] == 2e9 / 32
     run = {"wall_s": 1.0, "steps": 4, "in_flight": 2, "tokens": 4_000_000, "tokens_per_s": 43_103_448.0, "accepted": 8,
-           "rollouts": 8, "step_wall_ms_median": 500.0, "collect_ms_median": 10.0, "collected_bytes_per_token": 32.0}
+           "rollouts": 8, "step_wall_ms_median": 500.0, "collect_ms_median": 10.0, "collected_bytes_per_token": 32.0,
+           "cpu_ms_per_step": {"controller": 20.0, "worker-0": 15.0, "worker-1": 15.0}}
     out = in_flight_figures([run, {**run, "tokens_per_s": 1.0}, run], f, 0.5)
     assert out["tokens_per_s_median"] == 43_103_448 and out["vs_hashing_floor"] == 0.5 and out["target_vs_hashing_floor"] == 0.5
+    # 50 ms of CPU a step of 1e6 tokens on 2 cores: 4e7 tokens/s if the cores did only this.
+    assert out["cpu_ms_per_step"] == {"controller": 20.0, "worker-0": 15.0, "worker-1": 15.0}
+    assert out["cpu_floor_tokens_per_s"] == 4e7 and out["vs_cpu_floor"] == round(43_103_448 / 4e7, 2)

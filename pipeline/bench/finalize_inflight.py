@@ -16,6 +16,9 @@ The floors (tokens/s):
 - ``transfer_floor``: the bytes the controller gathers per token (``collected_bytes``
   of the step metrics) at the loopback rate measured here (a raw TCP receive,
   :mod:`pipeline.bench.loopback`): the step's rows must reach the controller.
+- ``cpu_floor``: ``cores x tokens per step / CPU seconds per step`` of the run's own
+  processes (the controller's, with an embedded cluster's scheduler, and every
+  worker's): the rate if every core did nothing but this pipeline's work.
 
 Units: ``_s`` seconds, ``_ms`` milliseconds, rates in tokens/s, ``gb_s`` 1e9 bytes/s.
 """
@@ -53,6 +56,7 @@ class SustainedRun(TypedDict):
     step_wall_ms_median: float  # each step's own submit -> collected (in flight: queueing included)
     collect_ms_median: float  # each step's result() call
     collected_bytes_per_token: float  # what the controller gathered per accepted token
+    cpu_ms_per_step: dict[str, float]  # CPU ms per step: "controller" (its process) and each worker
 
 
 def cores() -> int:
@@ -73,6 +77,7 @@ def sustained_run(client: Client, store: StagingStore, groups: Sequence[Sequence
     named = {(g[0].group_id or f"g{i}"): list(g) for i, g in enumerate(groups)}
     pending: deque = deque()
     metrics = []
+    cpu0 = _cpu_s(client)
     t0 = time.perf_counter()
     submitted = 0
     while len(metrics) < steps:
@@ -81,6 +86,7 @@ def sustained_run(client: Client, store: StagingStore, groups: Sequence[Sequence
             submitted += 1
         metrics.append(pending.popleft().result().metrics)
     wall = time.perf_counter() - t0
+    cpu = {k: (v - cpu0.get(k, 0.0)) / steps * 1e3 for k, v in _cpu_s(client).items()}
     tokens = sum(m["tokens"] for m in metrics)
     return {
         "wall_s": wall,
@@ -93,7 +99,18 @@ def sustained_run(client: Client, store: StagingStore, groups: Sequence[Sequence
         "step_wall_ms_median": statistics.median(m["wall_ms"] for m in metrics),
         "collect_ms_median": statistics.median(m.get("collect_ms", 0.0) for m in metrics),
         "collected_bytes_per_token": sum(m.get("collected_bytes", 0) for m in metrics) / max(tokens, 1),
+        "cpu_ms_per_step": cpu,
     }
+
+
+def _cpu_s(client: Client) -> dict[str, float]:
+    """CPU seconds so far of this process (``"controller"``) and of each worker."""
+    out = {"controller": time.process_time()}
+    try:
+        out.update({f"worker-{i}": float(s) for i, s in enumerate(client.run(time.process_time).values())})
+    except Exception:  # noqa: BLE001 - a figure never fails the run
+        pass
+    return out
 
 
 def loopback_recv_bytes_per_s() -> float:
@@ -123,6 +140,17 @@ def _sig(x: float) -> float:
     return float(f"{x:.3g}")
 
 
+def cpu_floor(runs: Sequence[SustainedRun], n_cores: int) -> dict[str, object]:
+    """CPU ms per step of each process (medians over ``runs``) and the rate every core
+    busy with them would sustain (tokens/s)."""
+    keys = sorted({k for r in runs for k in r["cpu_ms_per_step"]})
+    per = {k: statistics.median(r["cpu_ms_per_step"].get(k, 0.0) for r in runs) for k in keys}
+    total_s = sum(per.values()) / 1e3
+    tokens_per_step = runs[0]["tokens"] / max(runs[0]["steps"], 1)
+    return {"cpu_ms_per_step": {k: round(v, 1) for k, v in per.items()},
+            "cpu_floor_tokens_per_s": n_cores * tokens_per_step / total_s if total_s > 0 else 0.0}
+
+
 def in_flight_figures(runs: Sequence[SustainedRun], floor: Mapping[str, float], target: float | None) -> dict[str, object]:
     """Medians over ``runs`` and the median rate over each floor (``vs_hashing_floor``:
     the target's figure, ``target`` the fraction asked for)."""
@@ -140,9 +168,13 @@ def in_flight_figures(runs: Sequence[SustainedRun], floor: Mapping[str, float], 
         "collected_bytes_per_token": round(runs[0]["collected_bytes_per_token"], 2),
         **{k: _sig(v) if isinstance(v, float) else v for k, v in floor.items()},
     }
+    cpu = cpu_floor(runs, int(floor.get("cores", 1)))
+    out["cpu_ms_per_step"] = cpu["cpu_ms_per_step"]
+    out["cpu_floor_tokens_per_s"] = _sig(float(cpu["cpu_floor_tokens_per_s"]))
     hashing, transfer = floor["hashing_floor_tokens_per_s"], floor["transfer_floor_tokens_per_s"]
     out["vs_hashing_floor"] = _sig(rate / hashing) if hashing else 0.0
     out["vs_transfer_floor"] = _sig(rate / transfer) if transfer else 0.0
+    out["vs_cpu_floor"] = _sig(rate / out["cpu_floor_tokens_per_s"]) if out["cpu_floor_tokens_per_s"] else 0.0
     if target is not None:
         out["target_vs_hashing_floor"] = target
     return out
