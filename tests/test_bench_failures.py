@@ -262,3 +262,20 @@ def test_restore_bench_corrupt_read_back_fails(address, monkeypatch):
     patch_staging(monkeypatch, "w0r0/", corrupt)  # restore 0 is always in the checked sample
     result = bench_restore.run(parse(bench_restore, address, *RESTORE_FLAGS))
     assert_failed(bench_restore, result, "read back", "logprobs", "differs")
+
+
+# ---- soak at a MoE profile -------------------------------------------------------------
+
+
+def test_soak_at_a_moe_profile_stages_and_accepts_its_routes(address):
+    """The toy engine runs at deepseek-v3's shape: its rows carry 58 x 8 one-byte expert
+    ids of 256 experts, and the finalizer verifies them against that range (at the
+    policy's default range of 8 experts every rollout would be rejected)."""
+    from pipeline.bench import soak
+
+    flags = ("--steps", "2", "--first-step", "1", "--in-flight", "1", "--groups", "1", "--rollouts", "2", "--turns", "1",
+             "--tokens-per-turn", "4", "--profile", "deepseek-v3", "--max-rss-growth", "1000")  # 2 steps: RSS is still warming up
+    result = soak.run(parse(soak, address, *flags))
+    assert result["ok"] and result["rejected_rollouts"] == 0 and not result["failed_steps"], result["missed"]
+    assert (result["layers"], result["top_k"], result["experts"], result["route_id_bytes"]) == (58, 8, 256, 1)
+    assert result["bytes_per_token"] == 16 + 58 * 8 and result["tokens"] > 0 and result["gb_s"] > 0

@@ -193,7 +193,8 @@ def run(args: argparse.Namespace) -> SoakResult:
     with bench_client(args) as client:
         store = StagingStore.start(client)
         try:
-            fin = Finalizer(client, store)
+            # The verifier's expert range is the profile's (its default is policy.experts).
+            fin = Finalizer(client, store, num_experts=policy_overrides(args)["experts"])
             say(f"{args.steps} steps of {args.groups} x {args.rollouts} rollouts ({args.turns} calls of "
                 f"{args.tokens_per_turn} tokens, {profile_from_args(args).name} routes), {args.in_flight} in flight; "
                 f"clear-staged={config.get('finalize.clear-staged')}")
