@@ -19,6 +19,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Sequence
 
+from tasks.digests import BLAKE3
 from tasks.errors import InvalidStoreRequest, StoreBusy, StoreUnavailable
 from tasks.packed import PackedBatch
 
@@ -425,7 +426,8 @@ class StorageUnit:
     # ---- checkpoint -------------------------------------------------------------
 
     def checkpoint_write(
-        self, directory: str | Location, chunk_bytes: int, primary_of_units: int | Sequence[str] | None = None, index: int | None = None
+        self, directory: str | Location, chunk_bytes: int, primary_of_units: int | Sequence[str] | None = None, index: int | None = None,
+        digest: str = BLAKE3,
     ) -> list[dict]:
         """Write every partition's rows as packed batch files (about ``chunk_bytes`` each)
         into ``directory`` (a local directory: atomically per file; or a generation at an
@@ -434,10 +436,11 @@ class StorageUnit:
 
         ``primary_of_units`` (a replicated store's unit ids, or count: default ids): write only
         the keys this unit is the primary of, so a checkpoint holds each key once, not twice.
-        ``index``: this unit's position in the caller's table (default ``unit_index``)."""
+        ``index``: this unit's position in the caller's table (default ``unit_index``).
+        ``digest``: the files' algorithm, ``"blake3"`` or ``"sha256"`` (the saver's ``capture.digest``)."""
         self._check_open()
         me = self.unit_index if index is None else int(index)
-        return write_unit_files(directory, me, self.held, self.registry, chunk_bytes, primary_of_units)
+        return write_unit_files(directory, me, self.held, self.registry, chunk_bytes, primary_of_units, digest)
 
     # ---- lifecycle --------------------------------------------------------------
 
