@@ -23,8 +23,10 @@ def result():
 def test_store_calls_grow_with_hosts_not_with_rollouts(result):
     """Per unit and step: one staging get, one routes get, one clear delete; one unit per host."""
     assert result["failures"] == [] and scale.exit_status(result) == 0
+    assert result["profile"] == "toy" and result["bytes_per_token"] == 16 + 4 * 2  # one byte per expert id
     for hosts, m in result["weak"].items():
         assert m["store_calls"] == 3 * int(hosts), (hosts, m)
+        assert m["gb_s"] > 0
         assert m["accepted"] == m["rollouts"] == 8 * int(hosts)
     growth = result["growth"]
     assert [growth[k]["store_calls"] for k in ("1x", "4x")] == [12, 12]

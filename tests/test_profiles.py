@@ -4,6 +4,7 @@ import argparse
 import pytest
 
 from pipeline.bench.profile_args import add_profile_argument, payload_figures, profile_from_args
+from pipeline.store.protocol import StoreResult
 from tasks.profiles import PROFILES, UnknownProfileError, profile
 
 
@@ -111,3 +112,24 @@ def test_capture_bench_deltas_carry_the_profile_routes_and_keep_the_layer_overri
     args = bench_args(capture, "--profile", "deepseek-v3", "--layers", "3", "--rollouts", "1", "--calls", "1", "--tokens", "4")
     assert capture.make_deltas(args)[0][0]["routed_experts"].shape == (4, 3, 8)
     assert capture._payload(args, rows_per_s=None)["bytes_per_token"] == 16 + 3 * 8  # one byte per id: the gate's choice
+
+
+def test_scale_bench_stages_the_profile_routes():
+    import numpy as np
+
+    from pipeline.bench import scale
+    from tasks.packed import unpack_rows
+
+    class Recorder:
+        def __init__(self):
+            self.batches = []
+
+        def put_many(self, batch, *a, **kw):
+            self.batches.append(batch)
+            return StoreResult(ok=list(batch.keys))
+
+    store = Recorder()
+    scale._stage(store, "p", 3, np.random.default_rng(0), profile("qwen3-moe"))
+    rows = [r for b in store.batches for r in unpack_rows(b)]
+    assert len(rows) == 3 * scale.CALLS
+    assert all(r.routed_experts.shape[1:] == (48, 8) and int(r.routed_experts.max()) < 128 for r in rows)

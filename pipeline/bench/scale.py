@@ -28,17 +28,20 @@ import numpy as np
 from tasks.finalize.layout import StepLayout
 
 from .common import main, notes
+from .profile_args import add_profile_argument, payload_figures, profile_from_args
 from .finalize import stage_group
 
 if TYPE_CHECKING:
     from distributed import Client
+
+    from tasks.profiles import MoeProfile
 
     from ..finalize import Finalizer
 
 __all__ = ["add_arguments", "exit_status", "run", "step_tasks"]
 
 ROLLOUTS_PER_GROUP = 8
-CALLS, DELTA, ROUTES = 2, 256, (4, 2)  # calls per rollout, tokens per call, routed experts (layers, top-k)
+CALLS, DELTA = 2, 256  # calls per rollout, tokens per call (routed experts: --profile's layers x top-k)
 WEAK_HOSTS = (1, 2, 4)
 GROWTH_HOSTS = 4
 GROWTH = (1, 4, 16)
@@ -52,6 +55,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rollouts-per-host", type=positive_int, default=16, help="rollouts per host per step (default 16)")
     p.add_argument("--runs", type=positive_int, default=3, help="steps per mode, medians reported (default 3)")
     p.add_argument("--quick", action="store_true", help="tiny sizes (8 rollouts per host, growth 1x and 4x): for tests")
+    add_profile_argument(p)
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
 
 
@@ -69,10 +73,10 @@ def step_tasks(layout: StepLayout) -> int:
     return n
 
 
-def _stage(store: Any, prefix: str, rollouts: int, rng: np.random.Generator) -> list[list[Any]]:
+def _stage(store: Any, prefix: str, rollouts: int, rng: np.random.Generator, prof: MoeProfile) -> list[list[Any]]:
     n = -(-rollouts // ROLLOUTS_PER_GROUP)
     return [stage_group(store, f"{prefix}-g{g}", min(ROLLOUTS_PER_GROUP, rollouts - g * ROLLOUTS_PER_GROUP),
-                        (CALLS, DELTA, ROUTES), rng) for g in range(n)]
+                        (CALLS, DELTA, (prof.layers, prof.top_k)), rng, experts=prof.experts) for g in range(n)]
 
 
 def _store_calls(store: Any) -> int:
@@ -85,9 +89,10 @@ def _received(client: Client) -> int:
     return int(client.run_on_scheduler(lambda dask_scheduler: dask_scheduler.client_comms[cid].message_count))
 
 
-def _one_step(client: Client, store: Any, fin: Finalizer, prefix: str, rollouts: int, rng: np.random.Generator) -> dict[str, Any]:
-    """Stage, then finalize one step of ``rollouts`` and count what it cost."""
-    groups = _stage(store, prefix, rollouts, rng)
+def _one_step(client: Client, store: Any, fin: Finalizer, prefix: str, rollouts: int, rng: np.random.Generator,
+              prof: MoeProfile) -> dict[str, Any]:
+    """Stage, then finalize one step of ``rollouts`` (routes of ``prof``) and count what it cost."""
+    groups = _stage(store, prefix, rollouts, rng, prof)
     calls0, recv0, sent0 = _store_calls(store), _received(client), client.scheduler_comm.message_count
     cpu0, t0 = time.process_time(), time.perf_counter()
     handle = fin.submit_step(groups)
@@ -109,6 +114,7 @@ def _one_step(client: Client, store: Any, fin: Finalizer, prefix: str, rollouts:
         "cross_host_bytes_planned_per_rollout": m["cross_host_bytes_planned"] / rollouts,
         "collected_bytes_per_rollout": m["collected_bytes"] / rollouts,
         "wall_s": wall,
+        "gb_s": rollouts * CALLS * DELTA * _bytes_per_token(prof) / wall / 1e9,  # staged payload finalized
         "accepted": m["accepted"],
         "rollouts": rollouts,
     }
@@ -132,7 +138,7 @@ def _grow(cluster: Any, hosts: int) -> None:
 
 
 def _mode(client: Any, cluster: Any, hosts: int, sizes: Mapping[str, int], runs: int, say: Callable[[str], None],
-          failures: list[str]) -> dict[str, dict[str, Any]]:
+          failures: list[str], prof: MoeProfile) -> dict[str, dict[str, Any]]:
     """Every size (label -> rollouts) on the cluster as grown to ``hosts`` hosts, on a store
     of one unit per host made for this mode: medians of ``runs``."""
     from ..finalize import Finalizer
@@ -142,13 +148,13 @@ def _mode(client: Any, cluster: Any, hosts: int, sizes: Mapping[str, int], runs:
     name = f"{STORE_NAME}-{hosts}"
     store = start_hosted(client, name, n_units=hosts, workers=cluster.role_workers("storage"))
     try:
-        fin = Finalizer(client, store)
+        fin = Finalizer(client, store, num_experts=prof.experts)  # the verifier's range: the profile's experts
         rng = np.random.default_rng(hosts)
-        _one_step(client, store, fin, f"warm{hosts}", hosts, rng)  # imports, plugin, first graph
+        _one_step(client, store, fin, f"warm{hosts}", hosts, rng, prof)  # imports, plugin, first graph
         for label, rollouts in sizes.items():
             samples = []
             for k in range(runs):
-                s = _one_step(client, store, fin, f"h{hosts}-{label}-{k}", rollouts, rng)
+                s = _one_step(client, store, fin, f"h{hosts}-{label}-{k}", rollouts, rng, prof)
                 if s["accepted"] != rollouts:
                     failures.append(f"{hosts} hosts, {label}, run {k}: {s['accepted']} of {rollouts} accepted")
                 samples.append(s)
@@ -162,7 +168,7 @@ def _mode(client: Any, cluster: Any, hosts: int, sizes: Mapping[str, int], runs:
 
 
 def _modes(per_host: int, growth: tuple[int, ...], runs: int, say: Callable[[str], None],
-           failures: list[str]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+           failures: list[str], prof: MoeProfile) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
     """(weak, growth at 4 hosts): ONE cluster grown 1 -> 2 -> 4 hosts (a cluster per host
     count would start a scheduler and every host again), a fresh store per mode."""
     import dask
@@ -178,10 +184,10 @@ def _modes(per_host: int, growth: tuple[int, ...], runs: int, say: Callable[[str
                 for hosts in WEAK_HOSTS:
                     _grow(cluster, hosts)
                     if hosts == GROWTH_HOSTS:
-                        at4 = _mode(client, cluster, hosts, {f"{g}x": per_host * hosts * g for g in growth}, runs, say, failures)
+                        at4 = _mode(client, cluster, hosts, {f"{g}x": per_host * hosts * g for g in growth}, runs, say, failures, prof)
                         weak[f"{hosts}"] = at4["1x"]
                     else:
-                        weak[f"{hosts}"] = _mode(client, cluster, hosts, {"1x": per_host * hosts}, runs, say, failures)["1x"]
+                        weak[f"{hosts}"] = _mode(client, cluster, hosts, {"1x": per_host * hosts}, runs, say, failures, prof)["1x"]
         finally:
             cluster.close(graceful=False)
     return weak, at4
@@ -192,10 +198,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_host = 8 if args.quick else args.rollouts_per_host
     growth = QUICK_GROWTH if args.quick else GROWTH
     failures: list[str] = []
-    weak, at4 = _modes(per_host, growth, args.runs, say, failures)
+    prof = profile_from_args(args)
+    weak, at4 = _modes(per_host, growth, args.runs, say, failures, prof)
     result: dict[str, Any] = {
         "rollouts_per_host": per_host, "runs": args.runs,
-        "shape": {"rollouts_per_group": ROLLOUTS_PER_GROUP, "calls": CALLS, "tokens_per_call": DELTA, "routes": list(ROUTES)},
+        "shape": {"rollouts_per_group": ROLLOUTS_PER_GROUP, "calls": CALLS, "tokens_per_call": DELTA,
+                  "routes": [prof.layers, prof.top_k]},
+        **payload_figures(prof, route_id_bytes=_route_id_bytes(prof)),
         "weak": weak, "growth": at4, "failures": failures,
     }
     if not failures:
@@ -208,6 +217,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             f"growth_wall_{top}_vs_1x": at4[top]["wall_s"] / at4["1x"]["wall_s"],
         }
     return result
+
+
+def _route_id_bytes(prof: MoeProfile) -> int:
+    """Bytes per expert id as the capture gate stages the profile's routes."""
+    from tasks.schema import routes_dtype_for
+
+    return int(routes_dtype_for(prof.experts).itemsize)
+
+
+def _bytes_per_token(prof: MoeProfile) -> int:
+    """Bytes of one staged token at ``prof`` (ids, mask, logprob and its expert ids)."""
+    return prof.bytes_per_token(_route_id_bytes(prof))
 
 
 def exit_status(result: Mapping[str, object]) -> int:
