@@ -80,6 +80,10 @@ class UnsupportedDigest(InvalidInput):
     """A digest version or algorithm name this build cannot compute (``tasks.digests``)."""
 
 
+class UnknownProfileError(InvalidInput):
+    """A MoE profile name that is not one of ``tasks.profiles.PROFILES``."""
+
+
 class InvalidPolicyConfig(InvalidInput):
     """A policy configuration value is missing, unknown or out of range."""
 

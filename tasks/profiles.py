@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import UnknownProfileError
+
 # Bytes per token of the fields every row has: token id (int64), loss mask and
 # sampling log-probability (float32 each).
 BASE_BYTES_PER_TOKEN = 8 + 4 + 4
@@ -45,10 +47,6 @@ PROFILES: dict[str, MoeProfile] = {
     )
 }
 DEFAULT_PROFILE = "toy"
-
-
-class UnknownProfileError(ValueError):
-    """A profile name that is not one of :data:`PROFILES`."""
 
 
 def profile(name: str) -> MoeProfile:
