@@ -81,7 +81,7 @@ def test_a_key_missing_everywhere_stays_missing():
 
 def test_a_get_over_the_answer_budget_is_split_into_calls_in_flight_and_merged_in_order():
     """Each unit answers at most the call's byte budget and leaves the rest in ``more``;
-    the get asks for the rest in budget-sized calls, at most ``answers_in_flight`` per unit
+    the get asks for the rest in budget-sized calls, at most ``calls_in_flight`` per unit
     at a time, and merges every part into one batch in request order."""
     import numpy as np
 
@@ -130,7 +130,7 @@ def test_a_get_over_the_answer_budget_is_split_into_calls_in_flight_and_merged_i
     waves, result = drive(wanted)
     assert [len(w) for w in waves] == [2, sum(-(-(n - 3) // 3) for n in per_unit)], "one call per unit, then the rest"
     assert all(w.per_unit == 2 for w in waves), "answers in flight per unit"
-    assert [c.unit for c in waves[1][:2]] == [0, 1], "the units' calls interleaved"
+    assert [waves[1][i].unit for i in waves[1].order()[:2]] == [0, 1], "sent round-robin over the units"
     assert result.batch.keys == wanted and not result.failed
     got = result.batch.fields["token_ids"]
     assert [int(got.values[got.offsets[i]]) for i in range(len(wanted))] == [value[k] for k in wanted]
@@ -171,6 +171,8 @@ def test_a_window_keeps_at_most_per_unit_calls_in_flight():
 
     store = SimpleNamespace(units=[Unit(0), Unit(1)], settings=SimpleNamespace(local_reads=False),
                             placement=SimpleNamespace(workers=WORKERS[:2]))
-    calls = [Call(i % 2, "get_many", lambda i=i: (i,)) for i in range(10)]
-    assert _send_sync(Window(calls, 2), store, None) == list(range(10))
+    calls = [Call(0 if i < 6 else 1, "get_many", lambda i=i: (i,)) for i in range(10)]  # one unit's, then the other's
+    window = Window(calls, 2)
+    assert [calls[i].unit for i in window.order()] == [0, 1, 0, 1, 0, 1, 0, 1, 0, 0]
+    assert _send_sync(window, store, None) == list(range(10))
     assert peak == {0: 2, 1: 2}

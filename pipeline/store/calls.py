@@ -57,12 +57,20 @@ class Call:
 
 class Window(list):
     """Calls (a ``list[Call]`` request) sent at most ``per_unit`` at a time to each unit:
-    the next call to a unit leaves as one of its unit's is answered. Answers in call order
-    (interleave the units' calls, as the drivers wait for them in that order)."""
+    the next call to a unit leaves as one of its unit's is answered. Answers in call order.
+    The drivers take the units' calls round-robin (:meth:`order`), each unit's in order."""
 
     def __init__(self, calls: Sequence[Call], per_unit: int):
         super().__init__(calls)
         self.per_unit = max(1, int(per_unit))
+
+    def order(self) -> list[int]:
+        """Indices of the calls round-robin over their units (each unit's in order)."""
+        by_unit: dict[int, list[int]] = {}
+        for i, c in enumerate(self):
+            by_unit.setdefault(c.unit, []).append(i)
+        lanes = list(by_unit.values())
+        return [lane[k] for k in range(max(map(len, lanes), default=0)) for lane in lanes if k < len(lane)]
 
 
 @dataclass(frozen=True)
@@ -141,10 +149,11 @@ def run_sync(op: Operation[T], store: Driven, end: float | None) -> T:
 
 
 def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answer]:
-    per_unit = getattr(calls, "per_unit", None)
+    per_unit = calls.per_unit if isinstance(calls, Window) else None
+    order = calls.order() if isinstance(calls, Window) else range(len(calls))
     queued: dict[int, deque[int]] = {}
-    for i, c in enumerate(calls):
-        queued.setdefault(c.unit if per_unit else -1, deque()).append(i)
+    for i in order:
+        queued.setdefault(calls[i].unit if per_unit else -1, deque()).append(i)
     futures: list[Pending | None] = [None] * len(calls)
 
     def launch(u: int, n: int) -> None:
@@ -155,13 +164,14 @@ def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answ
 
     for u in queued:
         launch(u, per_unit or len(calls))
-    out = []
-    for i, c in enumerate(calls):
+    out: list[Answer] = [None] * len(calls)
+    for i in order:  # waited in the order sent: each unit's next call leaves as one returns
+        c = calls[i]
         try:
             outcome: object = waiter(futures[i], end)()
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
             outcome = e
-        out.append(settle(c, outcome, store.placement.workers))
+        out[i] = settle(c, outcome, store.placement.workers)
         if per_unit:
             launch(c.unit, 1)  # its unit has one call fewer in flight
     return out
@@ -201,9 +211,8 @@ async def _send_async(calls: list[Call], store: Driven, end: float | None) -> li
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
             outcome = e
         return [settle(c, outcome, workers)]
-    per_unit = getattr(calls, "per_unit", None)
-    if per_unit:
-        gates = {c.unit: asyncio.Semaphore(per_unit) for c in calls}
+    if isinstance(calls, Window):
+        gates = {c.unit: asyncio.Semaphore(calls.per_unit) for c in calls}
 
         async def one(c: Call) -> object:
             async with gates[c.unit]:  # FIFO: a unit's calls leave in order

@@ -96,7 +96,9 @@ def _put_once(store: Driven, batch: PackedBatch, partition: str, adopt: bool, cl
         wit = _packed(plan.witness.pop(u, None))
         args = lambda chunk=chunk, wit=wit: (partition, cut(chunk), adopt, claim, wit, False, version)  # noqa: E731
         calls.append(Call(u, "put_many", args, [batch.keys[i] for i in chunk]))
-    answers = yield calls + _witness_calls(partition, plan.witness, drop=False)
+    # At most calls-in-flight per unit, each cut as it leaves: the gathered rows in memory
+    # at once stay a few calls' worth, whatever the size of the put.
+    answers = yield Window(calls + _witness_calls(partition, plan.witness, drop=False), store.settings.calls_in_flight)
     for part in sent:
         # Answered: the call's arguments may outlive it in a reference cycle of Dask's
         # (until a garbage collection); the gathered buffers must not, the client's pool
@@ -155,7 +157,7 @@ ESTIMATE_MARGIN = 1.1  # a call planned from the last answers' bytes per row ask
 def _fetch(store: Driven, what: tuple, parts: list, call: Callable[[int, list[str], bool], Call], local: bool
            ) -> Operation[list[GetResult]]:
     """Every answer to ``parts`` (unit, keys), in calls of at most one answer budget
-    (``store.max-answer-bytes``) each, ``answers_in_flight`` per unit at a time, so no
+    (``store.max-answer-bytes``) each, ``calls_in_flight`` per unit at a time, so no
     answer (nor buffer holding one) grows with the size of the get. Calls are planned from
     the bytes per row the last answers for ``what`` (partition, fields) had; a unit whose
     answer reached the budget all the same leaves the rest in ``more``, asked for next."""
@@ -166,8 +168,8 @@ def _fetch(store: Driven, what: tuple, parts: list, call: Callable[[int, list[st
     queued = [(u, ks[i : i + per_call]) for u, ks in parts for i in range(0, len(ks), per_call)] if per_call else list(parts)
     results: list[GetResult] = []
     while queued:
-        wave = _interleave(queued)
-        answers = yield Window([call(u, ks, local) for u, ks in wave], settings.answers_in_flight)
+        wave = queued
+        answers = yield Window([call(u, ks, local) for u, ks in wave], settings.calls_in_flight)
         queued = []
         for (u, asked), r in zip(wave, answers):
             if r.more:
@@ -179,18 +181,6 @@ def _fetch(store: Driven, what: tuple, parts: list, call: Callable[[int, list[st
     if rows:
         sizes[what] = sum(r.batch.nbytes for r in results) / rows
     return results
-
-
-def _interleave(calls: list[tuple[int, list[str]]]) -> list[tuple[int, list[str]]]:
-    """``calls`` round-robin over their units (each unit's in order): the order a window
-    of calls per unit is answered in."""
-    by_unit: dict[int, list] = {}
-    for u, ks in calls:
-        by_unit.setdefault(u, []).append((u, ks))
-    out = []
-    for i in range(max((len(v) for v in by_unit.values()), default=0)):
-        out += [v[i] for v in by_unit.values() if i < len(v)]
-    return out
 
 
 def _read_moving(moving: MovingTable, keys: list[str], fetch: Callable[[list, bool], Operation[list[GetResult]]]) -> Operation[list[GetResult]]:

@@ -17,12 +17,12 @@ class StoreSettings:
     ``local_reads``: a get on a unit's own worker runs in-process (``store.local-reads``);
     ``max_answer_bytes``: row bytes a unit answers per get call, a bigger get is split
     (``store.max-answer-bytes``; 0: one call per unit, whatever its size);
-    ``answers_in_flight``: a split get's calls in flight per unit (``store.answers-in-flight``)."""
+    ``calls_in_flight``: a put's or a split get's calls in flight per unit (``store.calls-in-flight``)."""
 
     max_call_bytes: int
     local_reads: bool
     max_answer_bytes: int = 0
-    answers_in_flight: int = 2
+    calls_in_flight: int = 4
 
     @classmethod
     def from_config(cls) -> "StoreSettings":
@@ -30,7 +30,7 @@ class StoreSettings:
             config.get_bytes("store.max-call-bytes"),
             bool(config.get("store.local-reads")),
             config.get_bytes("store.max-answer-bytes"),
-            max(1, int(config.get("store.answers-in-flight"))),
+            max(1, int(config.get("store.calls-in-flight"))),
         )
 
 
