@@ -53,6 +53,7 @@ from .finalize_modes import (
     union_fetch,
     union_group,
 )
+from .finalize_hash_streams import hash_streams
 from .finalize_inflight import cores, floors, in_flight_figures, loopback_recv_bytes_per_s, sustained_run
 from .finalize_profile import default_groups, payload, route_id_bytes, workload_shape
 from .finalize_verify_vs_hash import VerifyVsHash, verify_vs_hash
@@ -261,6 +262,10 @@ def _workload_out(s: _Session, name: str, groups: list[list[Receipt]], runs: dic
         vh = None
     shape = workload_shape(WORKLOADS[name], prof)
     out = workload_figures(shape, TARGETS.get(name, {}), len(groups), runs, vh)
+    try:  # the verifier's three hash streams alone, against one pass (CPU): a floor under verify_vs_hash
+        out.update(hash_streams(s.store, groups, algorithm))
+    except Exception as e:  # noqa: BLE001
+        s.failures.append(f"{name} hash_streams: {type(e).__name__}: {e}")
     out.update(payload(prof, shape[3] is not None, route_id_bytes([r for g in groups for r in g]), out))
     if name == "agentic" and in_flight:
         out["in_flight"] = _in_flight(s, groups, vh, in_flight, repeats)

@@ -1,0 +1,97 @@
+"""``hash_streams_vs_hash``: what the verifier's hashing alone costs, in its own pattern,
+next to one pass of the same algorithm over the same fetched bytes.
+
+The verifier hashes every call's row in three streams with different prefixes, so no
+pass can be shared: the row digest (its ids, mask, logprobs and routes, a few kilobytes
+each), the chain hash (the ids again) and, once per rollout, the cumulative hash (the
+rollout's ids again, its whole row). Here each stream is fed the same buffers, call by
+call, timed on the controller (best of ``repeats``, this thread), without the small
+headers and none of the verifier's checks: a floor under ``verify_vs_hash``. Small
+updates cost a hash more per byte than one large pass (BLAKE3 most: its tree runs wide
+only over large inputs), so this floor sits above 1.0 by the stream count and by the
+update size.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+from tasks.digests import file_hash
+from tasks.schema import ROUTES_FIELDS, STAGING_FIELDS
+
+if TYPE_CHECKING:
+    from tasks.packed import PackedBatch
+    from tasks.receipts import Receipt
+
+    from ..store import StagingStore
+
+
+def _row_views(batch: PackedBatch, name: str) -> list[memoryview]:
+    field = batch.fields[name]
+    flat = memoryview(np.ascontiguousarray(field.values)).cast("B")
+    per = field.values.dtype.itemsize * int(np.prod(field.values.shape[1:], dtype=np.int64))
+    off = field.offsets
+    return [flat[int(off[i]) * per : int(off[i + 1]) * per] for i in range(len(off) - 1)]
+
+
+def stream_buffers(rows: PackedBatch, routes: PackedBatch | None, rollouts: Sequence[Sequence[int]]
+                   ) -> tuple[list[list[memoryview]], list[memoryview], list[memoryview]]:
+    """Per call the digest stream's buffers, per call the chain stream's (the ids), per
+    rollout the cumulative stream's (its calls' ids back to back, one buffer when they
+    are). ``rollouts[r]``: rollout ``r``'s row indices in ``rows``, chain order."""
+    ids, mask, lps = (_row_views(rows, n) for n in ("token_ids", "token_mask", "logprobs"))
+    routed = {}
+    if routes is not None:
+        name = next((f for f in ROUTES_FIELDS if f in routes.fields), None)
+        if name is not None:
+            routed = dict(zip(routes.keys, _row_views(routes, name)))
+    digest = [[ids[i], mask[i], lps[i]] + ([routed[rows.keys[i]]] if rows.keys[i] in routed else []) for i in range(len(ids))]
+    ids_all = np.ascontiguousarray(rows.fields["token_ids"].values)
+    off = rows.fields["token_ids"].offsets
+    cumulative = [memoryview(ids_all[int(off[rs[0]]) : int(off[rs[-1] + 1])]).cast("B") for rs in rollouts if rs]
+    return digest, ids, cumulative
+
+
+def hash_streams(store: StagingStore, groups: Sequence[Sequence[Receipt]], algorithm: str, repeats: int = 3) -> dict[str, float]:
+    """``hash_streams_ms`` (the three streams, best of ``repeats``), ``hash_pass_ms`` (one
+    pass over the same fetched field buffers) and their ratio ``hash_streams_vs_hash``."""
+    from tasks.finalize.plan import plan_step
+
+    plan = plan_step([r for g in groups for r in g])
+    rows = store.get_many(plan.staging_keys, list(STAGING_FIELDS)).batch
+    routes = store.get_many(plan.routes_keys, list(ROUTES_FIELDS)).batch if plan.routes_keys else None
+    at = {k: i for i, k in enumerate(rows.keys)}
+    digest, chain, cumulative = stream_buffers(rows, routes, [[at[k] for k in p.keys if k in at] for p in plan.rollouts])
+    whole = [np.ascontiguousarray(f.values) for b in (rows, routes) if b is not None for f in b.fields.values()]
+
+    def streams() -> None:
+        for bufs in digest:
+            h = file_hash(algorithm)
+            for b in bufs:
+                h.update(b)
+            h.digest()
+        for b in chain:
+            h = file_hash(algorithm)
+            h.update(b)
+            h.digest()
+        for b in cumulative:
+            h = file_hash(algorithm)
+            h.update(b)
+            h.digest()
+
+    def one_pass() -> None:
+        for b in whole:
+            h = file_hash(algorithm)
+            h.update(memoryview(b).cast("B"))
+            h.digest()
+
+    best = {"streams": float("inf"), "pass": float("inf")}
+    for _ in range(repeats):
+        for name, fn in (("streams", streams), ("pass", one_pass)):
+            t0 = time.thread_time()
+            fn()
+            best[name] = min(best[name], (time.thread_time() - t0) * 1e3)
+    return {"hash_streams_ms": round(best["streams"], 3), "hash_pass_cpu_ms": round(best["pass"], 3),
+            "hash_streams_vs_hash": round(best["streams"] / best["pass"], 2) if best["pass"] > 0 else 0.0}
