@@ -1,25 +1,17 @@
 """``bench finalize --in-flight N``: sustained throughput with ``N`` steps in flight,
-against the floors measured in the same run.
+against floors measured in the same run.
 
-:func:`sustained_run` keeps ``N`` steps of one workload submitted to one
-:class:`~pipeline.finalize.Finalizer` (each step: every group of the workload), collects
-the oldest, submits the next, until ``steps`` were collected: what a training loop that
-pipelines finalization does. Its rate is the tokens of every collected step over the wall
-seconds from the first submit to the last result.
-
-The floors (tokens/s):
-
-- ``hashing_floor``: ``cores x hash GB/s / hashed bytes per token``. Verification hashes
-  every fetched byte once (the row digests) and the token ids twice more (the chain and
-  cumulative hashes); the hash rate is one core's pass of the digest in use over the same
-  fetched bytes (:func:`~pipeline.bench.finalize_verify_vs_hash.verify_vs_hash`).
-- ``transfer_floor``: the bytes the controller gathers per token (``collected_bytes``
-  of the step metrics) at the loopback rate measured here (a raw TCP receive,
-  :mod:`pipeline.bench.loopback`): the step's rows must reach the controller.
-- ``cpu_floor``: ``cores x tokens per step / CPU seconds per step`` of the run's own
-  processes (the controller's, with an embedded cluster's scheduler, and every
-  worker's): the rate if every core did nothing but this pipeline's work.
-
+:func:`sustained_run` keeps ``N`` steps of one workload (each: every group) submitted to
+one :class:`~pipeline.finalize.Finalizer`, collects the oldest, submits the next, until
+``steps`` were collected, as a training loop pipelining finalization does; its rate is
+every collected step's tokens over the wall seconds from the first submit to the last
+result. The floors (tokens/s): ``hashing_floor`` = cores x one core's hash rate of the
+digest in use over the fetched bytes / hashed bytes per token (every fetched byte once,
+the ids twice more: chain and cumulative hashes); ``transfer_floor`` = a raw loopback
+receive rate here (:mod:`pipeline.bench.loopback`) / the bytes the controller gathers
+per token (the rows must reach it); ``cpu_floor`` = cores x tokens per step / the CPU
+seconds per step of the run's own processes (the controller's, with an embedded
+cluster's scheduler, and every worker's): the rate if every core did only this work.
 Units: ``_s`` seconds, ``_ms`` milliseconds, rates in tokens/s, ``gb_s`` 1e9 bytes/s.
 """
 from __future__ import annotations
