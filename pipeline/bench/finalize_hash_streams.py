@@ -44,7 +44,9 @@ def stream_buffers(rows: PackedBatch, routes: PackedBatch | None, rollouts: Sequ
     ids, mask, lps = (_row_views(rows, n) for n in ("token_ids", "token_mask", "logprobs"))
     routed = {}
     if routes is not None:
-        name = next((f for f in ROUTES_FIELDS if f in routes.fields), None)
+        # The routes field the rows were stored in (a get asking for every encoding's
+        # field answers the others empty).
+        name = max((f for f in ROUTES_FIELDS if f in routes.fields), key=lambda f: routes.fields[f].values.nbytes, default=None)
         if name is not None:
             routed = dict(zip(routes.keys, _row_views(routes, name)))
     digest = [[ids[i], mask[i], lps[i]] + ([routed[rows.keys[i]]] if rows.keys[i] in routed else []) for i in range(len(ids))]
