@@ -34,12 +34,12 @@ from tasks.schema import ROUTES_UINT8, row_fields
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 WRITERS = 32
-ROLLOUTS_PER_WRITER = 16
+ROLLOUTS_PER_WRITER = 8
 # Half the counts the load was first specified at (8,192 each): every check below is an
 # exact accounting that holds at any count, and 32 concurrent writers through spilling
 # units is what loads the store; 8,192 took ~14 s per test on 2 cores.
-CALLS_PER_ROLLOUT = 8  # 32 x 16 x 8 = 4,096 staged calls
-ROWS_PER_PUT = 32  # a writer flushes two turns of its 16 rollouts per put: 4 puts per writer
+CALLS_PER_ROLLOUT = 16  # 32 x 8 x 16 = 4,096 staged calls
+ROWS_PER_PUT = 32  # a writer flushes four turns of its 8 rollouts per put: 4 puts per writer
 RESTORES_PER_WRITER = 128  # 32 x 128 = 4,096 restores
 VOCAB, E, L, K = 512, 8, 2, 2
 UNIT_MEMORY = "64KiB"  # tiny: nearly every row goes through zict to disk
@@ -98,7 +98,7 @@ def test_4096_calls_from_32_writers_all_accounted_for(cluster_client, tmp_path):
     store = StagingStore.start(client, n_units=2, memory_limit=UNIT_MEMORY, spill_directory=str(tmp_path / "spill"))
 
     def writer(w: int) -> dict:
-        """A writer gating its 16 rollouts turn by turn, staging 32 rows per put."""
+        """A writer gating its 8 rollouts turn by turn, staging 32 rows per put."""
         rng = np.random.default_rng(1000 + w)
         gates = [CaptureGate(f"ld-w{w:02d}-r{r:02d}", vocab_size=VOCAB, num_experts=E, group_id=f"ld-g{w:02d}")
                  for r in range(ROLLOUTS_PER_WRITER)]
@@ -150,7 +150,7 @@ def test_4096_calls_from_32_writers_all_accounted_for(cluster_client, tmp_path):
     print(f"[load] read back and re-hashed {got_n} rows from disk in {time.perf_counter() - t0:.2f} s")
     assert got_n == total
 
-    # End to end: one finalization step over all 512 rollouts (32 groups of 16) accepts every one.
+    # End to end: one finalization step over all 256 rollouts (32 groups of 8) accepts every one.
     receipts = {f"ld-g{w:02d}": results[w]["receipts"] for w in range(WRITERS)}
     t0 = time.perf_counter()
     step = Finalizer(client, store).submit_step(receipts).result()
