@@ -157,3 +157,23 @@ def test_the_floors_are_cores_times_the_hash_rate_and_the_wire_over_bytes_per_to
     # 50 ms of CPU a step of 1e6 tokens on 2 cores: 4e7 tokens/s if the cores did only this.
     assert out["cpu_ms_per_step"] == {"controller": 20.0, "worker-0": 15.0, "worker-1": 15.0}
     assert out["cpu_floor_tokens_per_s"] == 4e7 and out["vs_cpu_floor"] == round(43_103_448 / 4e7, 2)
+
+
+def test_sampled_groups_are_compared_by_their_prints_bit_for_bit():
+    import torch
+
+    from pipeline.bench.finalize_checks import fingerprint, group_diff
+    from tasks.finalize.assemble import FinalizedGroup
+
+    def group(flip: bool = False):
+        ids = torch.arange(12, dtype=torch.int64).reshape(2, 6)
+        if flip:
+            ids[1, 5] ^= 1
+        lps = torch.zeros(2, 6)
+        return FinalizedGroup(["a", "b"], ids, torch.tensor([6, 6]), torch.tensor([1, 1]), lps, torch.ones(2, 6),
+                              torch.ones(2), torch.tensor([0.5, 1.0]), None, torch.tensor([False, False]), ["ok", "ok"])
+
+    a = fingerprint(group())
+    assert group_diff(a, group()) is None and group_diff(a, fingerprint(group())) is None
+    assert group_diff(a, group(flip=True)) == "input_ids differs"
+    assert group_diff(a, None) == "group missing"

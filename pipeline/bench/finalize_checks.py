@@ -1,9 +1,16 @@
 """The output checks of ``bench finalize``: every run accepts every rollout, and every mode
 of a round finalizes the same tokens, its sampled groups bit-identical to the graph's. A
-check that fails adds one line to ``failures`` (the run then reports ``ok: false``)."""
+check that fails adds one line to ``failures`` (the run then reports ``ok: false``).
+A sampled group is kept as its :class:`GroupPrint` (every tensor's dtype, shape and a
+digest of its bytes), not its tensors: a round of five modes would otherwise hold five
+copies of a group (hundreds of MB at the qwen3-moe profile) and crowd the controller's
+receive pool while the next mode runs."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
+
+import blake3
 
 if TYPE_CHECKING:
     from tasks.finalize.assemble import FinalizedGroup
@@ -14,19 +21,45 @@ if TYPE_CHECKING:
 TENSORS = ("input_ids", "input_lengths", "prompt_lengths", "logprobs", "token_mask", "sample_mask", "rewards", "routed_experts", "has_routes")
 
 
-def group_diff(a: FinalizedGroup | None, b: FinalizedGroup | None) -> str | None:
-    """``None`` when two FinalizedGroups hold bit-identical training rows, else what differs."""
+@dataclass(frozen=True)
+class GroupPrint:
+    """What :func:`group_diff` compares of a FinalizedGroup: its rows' ids and statuses and,
+    per tensor of :data:`TENSORS`, ``(dtype, shape, BLAKE3 of its bytes)`` (None: absent)."""
+
+    rollout_ids: tuple[str, ...]
+    status: tuple[str, ...]
+    tensors: tuple[tuple[str, tuple[int, ...], bytes] | None, ...]
+
+
+def fingerprint(group: FinalizedGroup | GroupPrint | None) -> GroupPrint | None:
+    """``group``'s :class:`GroupPrint` (a print or None as it is)."""
+    if group is None or isinstance(group, GroupPrint):
+        return group
+    tensors = []
+    for name in TENSORS:
+        t = getattr(group, name)
+        if t is None:
+            tensors.append(None)
+            continue
+        a = t.contiguous().numpy()
+        tensors.append((str(t.dtype), tuple(t.shape), blake3.blake3(memoryview(a).cast("B")).digest()))
+    return GroupPrint(tuple(group.rollout_ids), tuple(group.status), tuple(tensors))
+
+
+def group_diff(a: FinalizedGroup | GroupPrint | None, b: FinalizedGroup | GroupPrint | None) -> str | None:
+    """``None`` when two FinalizedGroups (or their prints) hold bit-identical training rows,
+    else what differs."""
+    a, b = fingerprint(a), fingerprint(b)
     if a is None or b is None:
         return "group missing"
-    if list(a.rollout_ids) != list(b.rollout_ids):
+    if a.rollout_ids != b.rollout_ids:
         return "rollout_ids differ"
-    if list(a.status) != list(b.status):
-        return f"status {a.status} vs {b.status}"
-    for name in TENSORS:
-        x, y = getattr(a, name), getattr(b, name)
+    if a.status != b.status:
+        return f"status {list(a.status)} vs {list(b.status)}"
+    for name, x, y in zip(TENSORS, a.tensors, b.tensors):
         if (x is None) != (y is None):
             return f"{name}: present in one only"
-        if x is not None and (x.dtype != y.dtype or tuple(x.shape) != tuple(y.shape) or x.numpy().tobytes() != y.numpy().tobytes()):
+        if x != y:
             return f"{name} differs"
     return None
 

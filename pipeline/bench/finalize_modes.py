@@ -72,7 +72,7 @@ class ModeRun(TypedDict):
     rollouts: int
     rejected: dict[str, int]  # rollouts per rejection reason
     fetch_calls_per_group: float  # store gets per group (mean)
-    sample: dict[str, FinalizedGroup | None]  # group id -> the sampled groups' output
+    sample: dict[str, FinalizedGroup | None]  # group id -> the sampled groups' output (bench finalize keeps their prints)
 
 
 class GraphRun(ModeRun):
