@@ -53,7 +53,7 @@ LOOPBACK_TARGET = {1024: 0.25, 16384: 0.7}
 # profile; toy-profile rows at 16,384 tokens (at 1,024 they carry too few bytes to say).
 STEADY_TARGET_NO_ROUTES = 0.3
 STEADY_TARGET = 0.5
-ROWS_BYTES = 1e9  # default rows moved per timed loop: at most this many bytes' worth ...
+ROWS_BYTES = 5e8  # default rows moved per timed loop: at most this many bytes' worth ...
 MIN_CALLS = 4  # ... in at least this many calls
 CEILING_BYTES = 2e9  # bytes moved by each ceiling (loopback, bare actors) per run, at most
 # One row size's figures (:func:`_throughput`): rates, ratios and counts, verdicts, and
@@ -67,9 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--batch-size", type=positive_int, default=256, help="rows per call in the batched runs (default 256)")
     p.add_argument("--rows-1024", type=positive_int, default=None,
-                   help="rows moved by batched calls at 1,024 tokens (default: 4096, at most 1 GB's worth, at least 4 calls)")
+                   help="rows moved by batched calls at 1,024 tokens (default: 4096, at most 0.5 GB's worth, at least 4 calls)")
     p.add_argument("--rows-16384", type=positive_int, default=None,
-                   help="rows moved by batched calls at 16,384 tokens (default: 2048, at most 1 GB's worth, at least 4 calls)")
+                   help="rows moved by batched calls at 16,384 tokens (default: 2048, at most 0.5 GB's worth, at least 4 calls)")
     p.add_argument("--single-rows-1024", type=positive_int, default=400, help="rows moved one per call at 1,024 tokens")
     p.add_argument("--single-rows-16384", type=positive_int, default=100, help="rows moved one per call at 16,384 tokens")
     add_profile_argument(p)

@@ -70,9 +70,10 @@ def view_stored_rows(keys: list[str], rows: Sequence[Row], names: Sequence[str])
     wire only (an in-process caller must get :func:`pack_stored_rows`' copies). ``None``
     (copy instead) for light rows, a row without one of ``names``, or no rows."""
     n = len(rows)
-    if not n or any(len(r) < len(names) or any(name not in r for name in names) for r in rows):
+    sample = rows[: min(n, 8)]  # light rows are told by a few (the copy serves them either way)
+    if not n or sum(a.nbytes for r in sample for a in r.values()) < len(sample) * VIEW_MIN_ROW_BYTES:
         return None
-    if sum(a.nbytes for r in rows for a in r.values()) < n * VIEW_MIN_ROW_BYTES:
+    if any(len(r) < len(names) or any(name not in r for name in names) for r in rows):
         return None
     runs: list[PackedBatch] = []
     start = 0
