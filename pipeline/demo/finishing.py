@@ -26,10 +26,11 @@ def wall_s() -> float:
 
 
 class FinishWatch:
-    """Records (:func:`wall_s`) when a submitted step's last group is assembled."""
+    """Records (:func:`wall_s`) when a submitted step's last task on the cluster is done
+    (its verify tasks': the groups are assembled when the step is collected)."""
 
     def __init__(self, handle: StepHandle, submitted_s: float) -> None:
-        """Watch ``handle``'s groups, submitted at ``submitted_s`` (:func:`wall_s`)."""
+        """Watch ``handle``'s futures, submitted at ``submitted_s`` (:func:`wall_s`)."""
         self.handle = handle
         self.submitted_s = submitted_s
         self.n = 0
@@ -39,19 +40,22 @@ class FinishWatch:
             f.add_done_callback(self._one)
 
     def _one(self, _fut: Future) -> None:
-        """Done callback of one group: count it, note when."""
+        """Done callback of one future: count it, note when."""
         with self._lock:
             self.n += 1
             self.last_s = max(self.last_s, wall_s())
 
     def finalize_s(self, step: StepResult) -> float:
-        """Seconds from submit to the last group assembled (the step's own wall time if no
-        group callback ran)."""
-        return max(0.0, self.last_s - self.submitted_s) if self.n else step.metrics["wall_ms"] / 1e3
+        """Seconds from submit to the last task done, plus the step's collection (gathering
+        and assembling its groups: ``collect_ms``, all of it once every task is done); the
+        step's own wall time if no callback ran."""
+        if not self.n:
+            return step.metrics["wall_ms"] / 1e3
+        return max(0.0, self.last_s - self.submitted_s) + float(step.metrics.get("collect_ms", 0.0)) / 1e3
 
 
 def wait_step(handle: StepHandle, cancel: Sequence[StepHandle] | None = None) -> None:
-    """Wait for every group of ``handle``; on Ctrl-C cancel ``cancel`` (default: ``handle``
+    """Wait for every task of ``handle``; on Ctrl-C cancel ``cancel`` (default: ``handle``
     alone) and re-raise."""
     try:
         for _ in as_finished(handle.futures):
@@ -65,7 +69,7 @@ def wait_step(handle: StepHandle, cancel: Sequence[StepHandle] | None = None) ->
 def report_step(run: DemoRun, step: StepResult, finalize_s: float | None = None, note: str = "") -> Row:
     """Print the step's line; its summary row. Throughput: the training tokens of the
     step's accepted rows (``metrics["tokens"]``) over ``finalize_s``, the seconds from
-    submitting the step's graph to its last group assembled (the demo's generation of the
+    submitting the step's graph to its groups assembled (the demo's generation of the
     next step overlaps it)."""
     m = step.metrics
     finalize_s = m["wall_ms"] / 1e3 if finalize_s is None else finalize_s
