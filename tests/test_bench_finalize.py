@@ -138,6 +138,7 @@ def test_a_profile_sets_the_routed_workloads_routes_and_scales_their_default_gro
     assert default_groups(3, 8, bench.WORKLOADS["agentic"], qwen) == 3  # given: kept
     args = _args("--profile", "qwen3-moe", "--in-flight", "0")
     assert args.profile == "qwen3-moe" and args.in_flight == 0 and args.agentic_groups == 1 and args.long_groups is None
+    assert args.graph_assembly == "controller" and _args("--graph-assembly", "cluster").graph_assembly == "cluster"
 
 
 def test_the_floors_are_cores_times_the_hash_rate_and_the_wire_over_bytes_per_token():

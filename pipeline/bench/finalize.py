@@ -104,6 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=positive_int, default=2, help="LocalCluster workers (default 2, one thread each)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="random seed of the staged data")
     p.add_argument("--repeats", type=positive_int, default=3, help="timed runs per mode and workload, interleaved (default 3; min and median reported)")
+    p.add_argument("--graph-assembly", choices=("controller", "cluster"), default="controller",
+                   help="where the graph modes assemble the groups: the controller (default) or the cluster "
+                   "(StepHandle.group_futures: one assemble task per group, the layout before the controller did it)")
     add_profile_argument(p)
     add_cluster_arguments(p)
 
@@ -179,6 +182,7 @@ class _Session:
     sha256_store: StagingStore  # the SHA-256 copy of every workload (same tokens, own units)
     sha256_groups: dict[str, list[list[Receipt]]]  # workload -> its SHA-256 copy's receipts
     experts: int = EXPERTS  # routed expert ids lie in [0, experts) (the profile's)
+    on_cluster: bool = False  # the graph modes assemble the groups on the cluster (--graph-assembly cluster)
 
     def data(self, mode: str, name: str, groups: list[list[Receipt]]) -> tuple[StagingStore, list[list[Receipt]]]:
         """The store and groups ``mode`` finalizes: the SHA-256 copy for :data:`SHA256_MODES`."""
@@ -209,7 +213,8 @@ def _round(s: _Session, k: int, name: str, groups: list[list[Receipt]]) -> dict[
     this: dict[str, ModeRun] = {}
     for mode in order:
         try:
-            r = run_mode(mode, s.client, *s.data(mode, name, groups), s.groups_per_step, keep, experts=s.experts)
+            r = run_mode(mode, s.client, *s.data(mode, name, groups), s.groups_per_step, keep, experts=s.experts,
+                         on_cluster=s.on_cluster)
         except Exception as e:  # noqa: BLE001 - a failed run is reported, then fails the command
             s.failures.append(f"{name} {mode} run {k}: {type(e).__name__}: {e}")
             s.say(f"{name}: {mode} run {k} FAILED: {type(e).__name__}: {e}")
@@ -240,7 +245,7 @@ def _in_flight(s: _Session, groups: list[list[Receipt]], vh: VerifyVsHash | None
     runs = []
     for k in range(repeats):
         r = sustained_run(s.client, s.store, groups, in_flight=in_flight, steps=IN_FLIGHT_STEPS,
-                          vocab_size=VOCAB, num_experts=s.experts)
+                          vocab_size=VOCAB, num_experts=s.experts, on_cluster=s.on_cluster)
         s.say(f"agentic in flight {in_flight} run {k}: {r['tokens_per_s'] / 1e6:.2f} M tokens/s")
         if r["accepted"] != r["rollouts"] or r["rollouts"] != IN_FLIGHT_STEPS * sum(len(g) for g in groups):
             s.failures.append(f"agentic in-flight run {k}: {r['rollouts'] - r['accepted']} of {r['rollouts']} rollouts rejected")
@@ -290,7 +295,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     counts = {name: default_groups(getattr(args, f"{name}_groups", None), DEFAULT_GROUPS.get(name, 1), shape, prof)
               for name, shape in WORKLOADS.items()}
     failures: list[str] = []
-    out: dict[str, object] = {"benchmark": "finalize", "repeats": repeats, "modes": list(MODES), "profile": prof.name}
+    out: dict[str, object] = {"benchmark": "finalize", "repeats": repeats, "modes": list(MODES), "profile": prof.name,
+                              "graph_assembly": getattr(args, "graph_assembly", "controller")}
     figures: dict[str, dict[str, object]] = {}
     # Every mode reads the same staged rows, run after run: the graph must not delete them.
     with dask.config.set({"token-capture.finalize.clear-staged": False}), bench_client(args, n_workers=args.workers) as client:
@@ -301,7 +307,8 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             staged = {name: stage_workload(store, name, n, rng, say, version, prof) for name, n in counts.items() if n > 0}
             rng = np.random.default_rng(args.seed)  # the same draws again: the same tokens, hashed with SHA-256
             copy = {name: stage_workload(sha256_store, name, n, rng, say, DIGEST_SHA256, prof) for name, n in counts.items() if n > 0}
-            session = _Session(client, store, args.groups_per_step, say, failures, sha256_store, copy, prof.experts)
+            session = _Session(client, store, args.groups_per_step, say, failures, sha256_store, copy, prof.experts,
+                               getattr(args, "graph_assembly", "controller") == "cluster")
             _warm_up(session, staged)
             say("warm-up done")
             runs = _timed_rounds(session, staged, repeats)

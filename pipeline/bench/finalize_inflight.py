@@ -60,9 +60,10 @@ def cores() -> int:
 
 
 def sustained_run(client: Client, store: StagingStore, groups: Sequence[Sequence[Receipt]], *, in_flight: int,
-                  steps: int, vocab_size: int, num_experts: int | None) -> SustainedRun:
+                  steps: int, vocab_size: int, num_experts: int | None, on_cluster: bool = False) -> SustainedRun:
     """``steps`` steps of ``groups`` (each step: every group, under its receipts' own
-    group ids), ``in_flight`` of them submitted at a time, oldest collected first."""
+    group ids), ``in_flight`` of them submitted at a time, oldest collected first;
+    ``on_cluster``: each step's groups assembled on the cluster (``group_futures``)."""
     from pipeline.finalize import Finalizer
 
     fin = Finalizer(client, store, vocab_size=vocab_size, num_experts=num_experts)
@@ -74,7 +75,10 @@ def sustained_run(client: Client, store: StagingStore, groups: Sequence[Sequence
     submitted = 0
     while len(metrics) < steps:
         while submitted < steps and len(pending) < in_flight:
-            pending.append(fin.submit_step(named, step_id=f"in-flight-{submitted}"))
+            handle = fin.submit_step(named, step_id=f"in-flight-{submitted}")
+            if on_cluster:
+                handle.group_futures  # one assemble task per group, on the cluster
+            pending.append(handle)
             submitted += 1
         metrics.append(pending.popleft().result().metrics)
     wall = time.perf_counter() - t0

@@ -220,9 +220,10 @@ def run_union_per_token(client: Client, store: StagingStore, groups: list[list[R
 
 
 def run_graph(client: Client, store: StagingStore, groups: list[list[Receipt]], groups_per_step: int,
-              keep: Sequence[int] = (), experts: int = EXPERTS) -> GraphRun:
+              keep: Sequence[int] = (), experts: int = EXPERTS, on_cluster: bool = False) -> GraphRun:
     """``graph``: :class:`pipeline.finalize.Finalizer` steps of ``groups_per_step`` groups
-    (0: all), submitted together and drained."""
+    (0: all), submitted together and drained; ``on_cluster``: each step's groups assembled
+    on the cluster (``StepHandle.group_futures``) instead of by the controller."""
     from pipeline.finalize import Finalizer
 
     fin = Finalizer(client, store, vocab_size=VOCAB, num_experts=experts)
@@ -230,7 +231,9 @@ def run_graph(client: Client, store: StagingStore, groups: list[list[Receipt]], 
     t0 = time.perf_counter()
     for s in range(0, len(groups), per):
         # Each group under its receipts' own group id (a receipt under another is wrong_group).
-        fin.submit_step({(g[0].group_id or f"g{s + i}"): g for i, g in enumerate(groups[s : s + per])})
+        handle = fin.submit_step({(g[0].group_id or f"g{s + i}"): g for i, g in enumerate(groups[s : s + per])})
+        if on_cluster:
+            handle.group_futures  # one assemble task per group, on the site holding most of its rows
     steps = fin.drain()
     wall = time.perf_counter() - t0
     all_groups = {gid: g for st in steps for gid, g in st.groups.items()}
@@ -269,9 +272,10 @@ def _site_of(store: StagingStore, rollout_id: str) -> str:
 
 
 def run_mode(mode: str, client: Client, store: StagingStore, groups: list[list[Receipt]], groups_per_step: int,
-             keep: Sequence[int] = (), experts: int = EXPERTS) -> ModeRun:
+             keep: Sequence[int] = (), experts: int = EXPERTS, on_cluster: bool = False) -> ModeRun:
     """One timed run of ``mode`` (one of :data:`MODES`) over ``groups`` (expert ids in
-    ``[0, experts)``: the bound every mode verifies them against)."""
+    ``[0, experts)``: the bound every mode verifies them against; ``on_cluster``: the
+    graph modes assemble the groups on the cluster)."""
     if mode == "baseline":
         return run_per_rollout(client, store, groups, False, keep, experts)
     if mode == "rollout_fetch_vec":
@@ -279,5 +283,5 @@ def run_mode(mode: str, client: Client, store: StagingStore, groups: list[list[R
     if mode == "union_fetch_token":
         return run_union_per_token(client, store, groups, groups_per_step, keep, experts)
     if mode in ("graph", "graph_sha256"):  # the store given holds the mode's copy
-        return run_graph(client, store, groups, groups_per_step, keep, experts)
+        return run_graph(client, store, groups, groups_per_step, keep, experts, on_cluster)
     raise ValueError(f"unknown mode {mode!r}")
