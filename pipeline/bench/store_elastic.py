@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from . import loopback
 from .common import main, notes
+from .profile_args import profile_from_args
 from .limits import CHUNK as LIMITS_CHUNK
 from .store_elastic_cluster import KINDS, ElasticCluster, elastic_cluster, hosted_store
 from .store_elastic_loop import Call, Failures, Loop, Rows, fill, read_all, window_rates
@@ -87,8 +88,9 @@ class ElasticSizes:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ElasticSizes:
+        prof = profile_from_args(args)  # --profile, with --layers / --top-k as overrides
         return cls(
-            args.elastic_tokens, getattr(args, "layers", 4), getattr(args, "top_k", 2), not getattr(args, "no_routes", False),
+            args.elastic_tokens, prof.layers, prof.top_k, not getattr(args, "no_routes", False),
             args.elastic_rows_per_call, int(args.elastic_fill_mb * 1e6), int(args.elastic_live_mb * 1e6),
             float(args.elastic_seconds), args.elastic_alternations, tuple(args.elastic_replicas),
             int(args.elastic_gb * 1e9), bool(getattr(args, "quiet", False)), getattr(args, "elastic_cluster", "hosts"),
