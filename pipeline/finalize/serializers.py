@@ -90,7 +90,7 @@ def _root(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def _address(a: np.ndarray) -> int:
+def _data_address(a: np.ndarray) -> int:
     return int(a.__array_interface__["data"][0])
 
 
@@ -102,15 +102,15 @@ def span(arrays: Sequence[np.ndarray]) -> np.ndarray | None:
     root = _root(arrays[0])
     if not root.flags.c_contiguous:
         return None
-    at = _address(arrays[0])
+    at = _data_address(arrays[0])
     for a in arrays:
-        if _address(a) != at or _root(a) is not root:
+        if _data_address(a) != at or _root(a) is not root:
             return None
         at += a.nbytes
-    start = _address(arrays[0]) - _address(root)
-    if start < 0 or at - _address(root) > root.nbytes:
+    start = _data_address(arrays[0]) - _data_address(root)
+    if start < 0 or at - _data_address(root) > root.nbytes:
         return None
-    return root.reshape(-1).view(np.uint8)[start : at - _address(root)]
+    return root.reshape(-1).view(np.uint8)[start : at - _data_address(root)]
 
 
 def field_buffer(arrays: Sequence[np.ndarray]) -> np.ndarray:
