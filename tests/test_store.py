@@ -388,11 +388,16 @@ def test_whole_adopted_group_deleted_unpins_everything(store_factory):
     assert_rows_exact(store, rows[3:])
 
 
+
+def row_weight(store_factory, row) -> int:
+    """Bytes a unit counts for ``row`` alone (put into a fresh one-unit store)."""
+    probe = store_factory(n_units=1)
+    probe.put_many(pack_rows([row]))
+    return unit_stats(probe)["used_bytes"]
+
 def test_adopted_rows_bit_exact_through_spill(store_factory, tmp_path):
     rows = make_rows(8, calls=1, tokens=TOKENS, seed=24)
-    probe = store_factory(n_units=1)
-    probe.put_many(pack_rows(rows[:1]))
-    weight = unit_stats(probe)["used_bytes"]
+    weight = row_weight(store_factory, rows[0])
 
     # Room for 5 rows in memory: the first 3 spill during the put. The 5 left would keep
     # the buffers, spilled rows' bytes included, past the memory limit: they are copied
@@ -431,9 +436,7 @@ def test_pinned_bytes_count_against_the_memory_limit(store_factory):
     """Rows in memory and the bytes their buffers pin fit the memory limit together after
     every call: a group with deleted members is compacted before any row is spilled."""
     rows = make_rows(10, calls=1, tokens=TOKENS, seed=33)
-    probe = store_factory(n_units=1)
-    probe.put_many(pack_rows(rows[:1]))
-    weight = unit_stats(probe)["used_bytes"]
+    weight = row_weight(store_factory, rows[0])
     limit = int(8.5 * weight)
     store = store_factory(n_units=1, memory_limit=limit)
     assert not store.put_many(pack_rows(rows[:8]), adopt=True).failed
@@ -476,9 +479,7 @@ def test_adopted_reput_is_idempotent_and_different_content_conflicts(store_facto
 def test_capacity_counts_pinned_bytes_nothing_lost(store_factory):
     rows = make_rows(8, calls=1, tokens=TOKENS, seed=27)
     fresh = make_rows(4, calls=1, tokens=TOKENS, seed=28, prefix="f")
-    probe = store_factory(n_units=1)
-    probe.put_many(pack_rows(rows[:1]))
-    weight = unit_stats(probe)["used_bytes"]
+    weight = row_weight(store_factory, rows[0])
     capacity = 8 * weight + weight // 4
     store = store_factory(n_units=1, capacity=capacity)
     assert not store.put_many(pack_rows(rows), adopt=True).failed
@@ -507,9 +508,7 @@ def test_partly_refused_adopted_put_never_holds_the_unit_past_capacity(store_fac
     """Rows refused from an adopted put (store_full, key_conflict, idempotent) still sit in
     its buffers; the unit must not keep those dead bytes beyond its capacity."""
     rows = make_rows(8, calls=1, tokens=TOKENS, seed=29)
-    probe = store_factory(n_units=1)
-    probe.put_many(pack_rows(rows[:1]))
-    weight = unit_stats(probe)["used_bytes"]
+    weight = row_weight(store_factory, rows[0])
     capacity = int(4.5 * weight)
     store = store_factory(n_units=1, capacity=capacity)
     res = store.put_many(pack_rows(rows), adopt=True)
