@@ -47,6 +47,7 @@ import struct
 import numpy as np
 
 from .digests import DEFAULT_VERSION, DIGEST_SHA256, SCHEMES, Hasher, scheme
+from .schema import ROUTES_ENCODINGS
 
 # The version writers use unless told otherwise (the ``capture.digest`` default, BLAKE3).
 DIGEST_VERSION = DEFAULT_VERSION
@@ -58,10 +59,6 @@ ROOT_MARKER = b"\x00"
 
 _I64 = np.dtype("<i8")
 _F32 = np.dtype("<f4")
-_I16 = np.dtype("<i2")
-_U8 = np.dtype("u1")
-# routes_encoding -> the dtype its ids are hashed as (tasks.schema.ROUTES_ENCODINGS).
-_ROUTES_DTYPES = {1: _I16, 2: _U8}
 
 
 def _buf(a: np.ndarray, dtype: np.dtype) -> memoryview:
@@ -239,8 +236,9 @@ def digest(
         routes_encoding,
     )
     routes = None
-    dtype = _ROUTES_DTYPES.get(routes_encoding)
-    if dtype is not None:
+    spec = ROUTES_ENCODINGS.get(routes_encoding)  # (field, the dtype its ids are hashed as)
+    if spec is not None:
+        dtype = spec[1]
         if routed_experts is None or routed_experts.ndim != 3:
             raise ValueError(f"routes_encoding {routes_encoding} needs routed_experts of shape [delta_len, L, K]")
         if routed_experts.dtype.newbyteorder("<") != dtype:  # no value casts: only byte order is canonicalized
