@@ -29,8 +29,7 @@ from tasks.cut.receipt import (
     prefix_state,
 )
 from tasks.errors import InvalidCall
-from tasks.keys import CUT_PREFIX, check_id, primary_unit
-from tasks.placement_hash import default_unit_ids
+from tasks.keys import CUT_PREFIX, check_id
 from tasks.schema import ROUTES_DTYPE, StagedRow, routes_encoding_of
 
 # A call's lifecycle state: plain strings (they appear as such in ``info()``/``output()``).
@@ -50,7 +49,7 @@ class FrozenChunk:
     """
 
     __slots__ = ("buffer", "seq", "key", "parts", "chunk", "prefix_tokens", "prefix_digest", "_chain_state",
-                 "frozen_at", "tokens", "nbytes", "signature", "unit", "_row")
+                 "frozen_at", "tokens", "nbytes", "signature", "_row")
 
     def __init__(self, buffer: CallBuffer, seq: int, parts: list[Part], chain_state: digests.Hasher,
                  tokens: int = 0, prefix_tokens: int = 0, prefix_digest: bytes = b""):
@@ -66,7 +65,6 @@ class FrozenChunk:
         self.tokens = tokens  # tokens in this chunk
         self.nbytes = 0  # packed row size (bytes), for batch limits
         self.signature: Signature = None
-        self.unit = 0  # storage unit of the row (orders a batch so the store splits it without copies)
         self._row: StagedRow | None = None
 
     @property
@@ -162,7 +160,6 @@ class CallBuffer:
         self._key_stem = f"{self.rollout_id}/{self.model_call_id}/"  # cut key after the checkpoint root
         self._signature = chunk_signature(self.routes_shape, self.routes_dtype)
         self._token_nbytes = token_nbytes(self.routes_shape, self.routes_dtype.itemsize)  # bytes per token of a packed row
-        self._unit: tuple[int | tuple[str, ...], int] = (0, 0)  # (units asked, the rows' unit): unit() caches it
 
     def _routes(self, routes: np.ndarray) -> np.ndarray:
         """``routes`` as a contiguous array of ``routes_dtype``; ids that do not fit it
@@ -184,14 +181,6 @@ class CallBuffer:
     def call(self) -> CallId:
         """``(rollout_id, model_call_id)``: made once (a cut keys its acks by it per row)."""
         return self._call
-
-    def unit(self, units: int | tuple[str, ...]) -> int:
-        """The storage unit (index) of the call's rows: its rollout's primary among
-        ``units``, a placement's unit ids or a unit count (the default ids); cached."""
-        if self._unit[0] != units:
-            ids = default_unit_ids(units) if isinstance(units, int) else units
-            self._unit = (units, primary_unit(self.rollout_id, ids))
-        return self._unit[1]
 
     # ---- decoding side ----
 

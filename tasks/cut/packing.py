@@ -24,6 +24,7 @@ from ..errors import InvalidChunk
 from ..packed import Allocator, PackedBatch, PackedField
 from ..schema import (
     HASH_BYTES,
+    ROUTES_DTYPE,
     ROUTES_NONE,
     SCALAR_FIELDS,
     SCHEMA_VERSION,
@@ -167,7 +168,7 @@ def _shared_routes(chunks: Sequence[PackableChunk]) -> tuple[tuple[int, int] | N
     dtypes = {np.dtype(c.routes_dtype) for c in chunks} if shape is not None else set()
     if len(dtypes) > 1:
         raise InvalidChunk(f"chunks of one batch must share a routes dtype, got {sorted(d.str for d in dtypes)}")
-    return shape, (dtypes.pop() if dtypes else np.dtype("<i2"))
+    return shape, (dtypes.pop() if dtypes else ROUTES_DTYPE)
 
 
 def _read_columns(chunks: Sequence[PackableChunk]) -> _Columns:

@@ -15,7 +15,7 @@ from ..digests import SUPPORTED_VERSIONS, described
 from ..errors import InvalidKey
 from ..keys import CUT_PREFIX, MAX_ID_BYTES, check_id, staging_key
 from ..receipts import RECEIPT_VERSION, CallRecord, Receipt
-from ..schema import HASH_BYTES, HASH_FIELDS, ROUTES_INT16, ROUTES_NONE, ROUTES_UINT8
+from ..schema import HASH_BYTES, HASH_FIELDS, ROUTES_ENCODINGS, ROUTES_NONE
 
 ReceiptLike = Receipt | Mapping[str, object]
 Rejection = tuple[str, str]
@@ -190,7 +190,7 @@ def _plain_record(raw: CallRecord) -> CallRecord | None:
     if not (
         type(p) is int and type(d) is int and type(c) is int and type(w) is int and type(e) is int
         and 0 <= p <= _I64_MAX and 0 < d <= _I64_MAX and c == p + d and c <= _I64_MAX and _I64_MIN <= w <= _I64_MAX
-        and (e == ROUTES_NONE or e == ROUTES_INT16 or e == ROUTES_UINT8)
+        and (e == ROUTES_NONE or e in ROUTES_ENCODINGS)
         and type(r.digest) is bytes and len(r.digest) == HASH_BYTES
         and type(r.chain_hash) is bytes and len(r.chain_hash) == HASH_BYTES
         and type(r.cumulative_hash) is bytes and len(r.cumulative_hash) == HASH_BYTES
@@ -234,8 +234,8 @@ def _record(raw: object, i: int) -> CallRecord:
     if ints["cum_len"] != ints["prev_len"] + ints["delta_len"]:
         raise _Bad(R.INVALID_RECEIPT, f"{where}.cum_len {ints['cum_len']} != prev_len + delta_len")
     enc = get("routes_encoding")
-    if not _is_int(enc) or enc not in (ROUTES_NONE, ROUTES_INT16, ROUTES_UINT8):
-        raise _Bad(R.INVALID_RECEIPT, f"{where}.routes_encoding = {enc!r}, expected 0, 1 or 2")
+    if not _is_int(enc) or not (enc == ROUTES_NONE or enc in ROUTES_ENCODINGS):
+        raise _Bad(R.INVALID_RECEIPT, f"{where}.routes_encoding = {enc!r}, expected one of {[ROUTES_NONE, *ROUTES_ENCODINGS]}")
     key = get("staging_key")
     if not isinstance(key, str):
         raise _Bad(R.INVALID_RECEIPT, f"{where}.staging_key is {type(key).__name__}, expected str")
