@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
@@ -13,7 +13,7 @@ import numpy as np
 
 from tasks.packed import PackedBatch
 
-from .common import compare_rows
+from .common import compare_rows, refused
 from .store_rows import template_batch, with_keys
 
 if TYPE_CHECKING:
@@ -93,12 +93,7 @@ def fill(store: PlacedStoreLike, rows: Rows, prefix: str, batches: int, failures
     for j in range(batches):
         res = store.put_many(rows.batch(prefix, j))
         if res.failed:
-            failures.add(_refused("fill put", res.failed))
-
-
-def _refused(what: str, failed: Mapping[str, tuple[str, str]]) -> str:
-    key, why = next(iter(failed.items()))
-    return f"{what}: {len(failed)} key(s) failed, e.g. {key}: {why}"
+            failures.add(refused("fill put", res.failed))
 
 
 def read_all(store: PlacedStoreLike, rows: Rows, batches: Sequence[tuple[str, int]], failures: Failures) -> int:
@@ -108,7 +103,7 @@ def read_all(store: PlacedStoreLike, rows: Rows, batches: Sequence[tuple[str, in
         want = rows.batch(prefix, j)
         got = store.get_many(want.keys)
         if got.failed:
-            failures.add(_refused(f"read-back of batch {prefix}{j}", got.failed))
+            failures.add(refused(f"read-back of batch {prefix}{j}", got.failed))
         for problem in read_back_problems(want, got.batch)[:2]:
             failures.add(f"read-back of batch {prefix}{j}: {problem}")
         n += len(got.batch)
@@ -162,7 +157,7 @@ class Loop(threading.Thread):
         batch = self.rows.batch("L", j)
         res = self._timed("put", len(batch), lambda: self.store.put_many(batch))
         if res.failed:
-            self.failures.add(_refused(f"put of batch L{j}", res.failed))
+            self.failures.add(refused(f"put of batch L{j}", res.failed))
         else:
             self._kept.append(j)
         self.get_one()
@@ -171,7 +166,7 @@ class Loop(threading.Thread):
             keys = self.rows.batch("L", old).keys
             res = self._timed("delete", len(keys), lambda: self.store.delete(keys))
             if res.failed:
-                self.failures.add(_refused(f"delete of batch L{old}", res.failed))
+                self.failures.add(refused(f"delete of batch L{old}", res.failed))
 
     def get_one(self) -> None:
         """One get of a random batch already put (pre-filled or the loop's), compared."""
@@ -180,7 +175,7 @@ class Loop(threading.Thread):
         want = self.rows.batch(prefix, j)
         got = self._timed("get", len(want), lambda: self.store.get_many(want.keys))
         if got.failed:
-            self.failures.add(_refused(f"get of batch {prefix}{j}", got.failed))
+            self.failures.add(refused(f"get of batch {prefix}{j}", got.failed))
         for problem in read_back_problems(want, got.batch)[:2]:
             self.failures.add(f"get of batch {prefix}{j}: {problem}")
         self.read_back_rows += len(got.batch)
