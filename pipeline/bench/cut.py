@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypedDict, TypeVar
 import numpy as np
 
 from .common import add_cluster_arguments, bench_client, main, notes
-from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes, routes_profile
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -141,16 +141,11 @@ def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str, prof: Mo
     return calls
 
 
-def _routes_profile(args: argparse.Namespace) -> MoeProfile | None:
-    """The profile whose routes the rows carry, None with ``--no-routes``."""
-    return None if args.no_routes else profile_from_args(args)
-
-
 def _all_client_calls(rows: int, tokens: int, args: argparse.Namespace, tag: str) -> list[list[CallBuffer]]:
     """Every client's calls: ``rows`` spread over ``min(clients, rows)`` clients."""
     n_clients = min(args.clients, rows)
     shares = [rows // n_clients + (1 if c < rows % n_clients else 0) for c in range(n_clients)]
-    prof = _routes_profile(args)
+    prof = routes_profile(args)
     return [_client_calls(c, shares[c], tokens, tag, prof) for c in range(n_clients)]
 
 
@@ -227,7 +222,7 @@ def _one_config(store: StagingStore, tokens: int, rows: int, rows_per_put: int, 
     if not problems and durable != rows:
         problems.append(f"{durable} durable acks for {rows} rows")
     if not isinstance(results[0], BaseException):
-        problems += _check_cut_content(store, results[0][0], tokens, tag, _routes_profile(args))
+        problems += _check_cut_content(store, results[0][0], tokens, tag, routes_profile(args))
     return {
         **_row(ONE_ROW if rows_per_put == 1 else BATCHED, tokens, rows_per_put, rows, len(per_client), wall, cpu),
         "put_calls": sum(r.put_calls for r in receipts),
@@ -285,7 +280,7 @@ def _raw_put_config(store: StagingStore, tokens: int, rows: int, rows_per_put: i
     if not problems and written != rows:
         problems.append(f"{written} rows acknowledged for {rows} rows")
     if batches and batches[0]:
-        problems += _check_content(store, list(batches[0][0].keys)[:SAMPLE_ROWS], tokens, tag, _routes_profile(args))
+        problems += _check_content(store, list(batches[0][0].keys)[:SAMPLE_ROWS], tokens, tag, routes_profile(args))
     return {
         **_row(RAW_PUT, tokens, rows_per_put, rows, len(batches), wall, cpu),
         "put_calls": sum(len(bs) for bs in batches),
@@ -358,7 +353,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     token_sizes = _token_sizes(args)
     prof = profile_from_args(args)
     rows_for = row_counts(args, prof)
-    id_bytes = _route_id_bytes(_routes_profile(args))
+    id_bytes = _route_id_bytes(routes_profile(args))
     say = notes("cut", args.quiet)
     table: list[CutRow] = []  # the cut's rows: one row per put, then batched, per token size
     raw_put: list[CutRow] = []  # the store's bare put of the batched cut's batches, per token size

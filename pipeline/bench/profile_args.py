@@ -41,6 +41,12 @@ def route_id_bytes(batch: PackedBatch) -> int:
     return int(batch.fields[extra[0]].values.dtype.itemsize) if extra else 0
 
 
+
+def routes_profile(args: argparse.Namespace) -> MoeProfile | None:
+    """The profile whose routes a benchmark's rows carry: None with ``--no-routes``."""
+    return None if getattr(args, "no_routes", False) else profile_from_args(args)
+
+
 def payload_figures(prof: MoeProfile, *, route_id_bytes: int, tokens_per_s: float | None = None) -> dict:
     """The JSON keys every benchmark reports beside rows/s: the profile, bytes per staged
     token and, given a token rate, the payload's GB/s (1e9 bytes/s)."""

@@ -31,7 +31,7 @@ from tasks.keys import CUT_PARTITION
 from tasks.packed import PackedBatch
 
 from .common import add_cluster_arguments, bench_client, compare_rows, main, notes
-from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes, routes_profile
 from .restore_stage import (
     CONTEXT_TOKENS,
     GAPS_MS,
@@ -40,7 +40,6 @@ from .restore_stage import (
     restore_fields,
     restore_keys,
     restore_tokens,
-    routes_profile,
     scenario_names,
     scenarios,
     stage,

@@ -20,7 +20,7 @@ from tasks.packed import PackedBatch, pack_rows
 from tasks.schema import ALL_FIELDS
 
 from .common import notes
-from .profile_args import profile_from_args
+from .profile_args import routes_profile
 
 if TYPE_CHECKING:
     from tasks.profiles import MoeProfile
@@ -37,11 +37,6 @@ def restore_fields(tmpl: PackedBatch) -> list[str]:
     """Every field verify_prefix checks that rows like ``tmpl`` hold: the staging fields,
     and their routes field when they carry routes (whichever encoding the cut chose)."""
     return [f for f in ALL_FIELDS if f in tmpl.fields]
-
-
-def routes_profile(args: argparse.Namespace) -> MoeProfile | None:
-    """The profile whose routes the staged rows carry, None with ``--no-routes``."""
-    return None if args.no_routes else profile_from_args(args)
 
 
 def restore_tokens(args: argparse.Namespace) -> int:
