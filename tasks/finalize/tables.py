@@ -39,8 +39,19 @@ _SCAN_CHUNK = 1 << 15
 
 
 def routes_tables(batch: PackedBatch | None, num_experts: int | None) -> dict[int, "RoutesTable"]:
-    """One :class:`RoutesTable` per routes encoding over the same fetched batch."""
-    return {enc: RoutesTable(batch, num_experts, enc) for enc in ROUTES_ENCODINGS}
+    """One :class:`RoutesTable` per routes encoding over the same fetched batch (sharing
+    one key index: the batch's keys are walked once, not once per encoding)."""
+    index = None if batch is None else key_index(batch.keys)
+    return {enc: RoutesTable(batch, num_experts, enc, index) for enc in ROUTES_ENCODINGS}
+
+
+def key_index(keys: Sequence[str]) -> dict[str, int]:
+    """``key -> position`` of its first occurrence in ``keys`` (a duplicate key's later
+    rows are never read: the per-token reference agrees)."""
+    index: dict[str, int] = {}
+    for i, k in enumerate(keys):
+        index.setdefault(k, i)
+    return index
 
 
 def _byte_view(a: np.ndarray) -> memoryview:
@@ -90,9 +101,7 @@ class RowTable:
     def __init__(self, batch: PackedBatch, vocab_size: int, needed: Sequence[str] | None = None) -> None:
         self.batch = batch
         n = len(batch.keys)
-        self.index: dict[str, int] = {}
-        for i, k in enumerate(batch.keys):
-            self.index.setdefault(k, i)  # first occurrence wins (the reference agrees)
+        self.index = key_index(batch.keys)  # first occurrence wins (the reference agrees)
         specs = {**{k: _U8 for k in ID_FIELDS + HASH_FIELDS}, **SCALAR_FIELDS, **TOKEN_FIELDS}
         problems = (_field_problem(name, batch.fields.get(name), n, dt) for name, dt in specs.items())
         # A field unusable batch-wide (absent, wrong dtype) makes every row invalid.
@@ -283,7 +292,8 @@ class RoutesTable:
       scanned).
     """
 
-    def __init__(self, batch: PackedBatch | None, num_experts: int | None, encoding: int = ROUTES_INT16) -> None:
+    def __init__(self, batch: PackedBatch | None, num_experts: int | None, encoding: int = ROUTES_INT16,
+                 index: dict[str, int] | None = None) -> None:
         self.encoding = encoding
         name, dtype = ROUTES_ENCODINGS[encoding]
         self.index: dict[str, int] = {}
@@ -298,8 +308,7 @@ class RoutesTable:
         self.present: list[bool] = []
         if batch is None:
             return
-        for i, k in enumerate(batch.keys):
-            self.index.setdefault(k, i)
+        self.index = key_index(batch.keys) if index is None else index  # shared, read only
         f = batch.fields.get(name)
         if f is None or not isinstance(f.values, np.ndarray) or f.offsets.shape != (len(batch.keys) + 1,):
             return
