@@ -163,6 +163,12 @@ class HostStartFailed(ClusterUnavailable):
     The message names the host (or the scheduler), its log file and the fix."""
 
 
+class PartitionUnavailable(TokenCaptureError, RuntimeError):
+    """A network partition (``pipeline.testing.partition``) cannot be made on this machine:
+    no ``iptables``, no privilege to change the firewall or mount a cgroup, or no net_cls
+    controller. The message names what is missing and the fix."""
+
+
 class ClusterMisconfigured(InvalidInput):
     """Workers of the cluster lack what the pipeline needs of them: the worker preload
     (``pipeline.deploy.worker_preload``), a role resource (``generation``, ``storage``,
