@@ -19,7 +19,7 @@ import inspect
 import math
 import threading
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -255,6 +255,7 @@ def generate_rollouts(
     env: ToolEnvironment | None = None,
     weight_version: int = 0,
     digest_version: int = DIGEST_VERSION,
+    reward: Callable[[np.ndarray], float] = toy_reward,
 ) -> list[GeneratedRollout]:
     """Generate every rollout (KV-cached decoding), each call staged through a CaptureGate
     hashing with ``digest_version`` (:mod:`tasks.digests`).
@@ -266,6 +267,8 @@ def generate_rollouts(
     delta the gate refuses poisons that rollout only. An empty prompt or one with ids
     outside the vocabulary poisons its rollout (``invalid_token``).
     env: defaults to ``ToolEnvironment(engine seed, vocab)``.
+    reward: a rollout's generated tokens (int64, every turn's, in order) -> its receipt's
+    reward (e.g. :class:`tasks.toy.rewards.TargetTokensReward`).
     """
     ids = [s.rollout_id for s in specs]
     if len(set(ids)) != len(ids):
@@ -290,7 +293,7 @@ def generate_rollouts(
     for idx in buckets.values():
         _generate_batch(engine, env, specs, idx, gates, rows, tokens, generated, weight_version)
     return [
-        GeneratedRollout(spec=s, rows=rows[i], receipt=gates[i].receipt(toy_reward(generated[i])), tokens=tokens[i])
+        GeneratedRollout(spec=s, rows=rows[i], receipt=gates[i].receipt(reward(generated[i])), tokens=tokens[i])
         for i, s in enumerate(specs)
     ]
 

@@ -1,0 +1,93 @@
+"""The HF MoE engine at the trainer's weights, as Dask work: the trainer publishes a
+:class:`tasks.engines.weights.WeightSnapshot` per version (scattered to every worker), and
+generation tasks sample and stage with the engine holding it, each call tagged with the
+snapshot's ``weight_version``. A worker builds the engine of a version once (a small
+per-process cache keyed by config and fingerprint), so a step's groups share it.
+
+Ranges and architecture as :mod:`pipeline.engines.hf` (``token-capture.policy`` plus
+overrides). Needs the ``hf`` extra. ``examples/grpo_tiny_moe.py`` drives it.
+"""
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+import numpy as np
+
+from tasks.engines.hf_moe import HFMoEConfig, HFMoEEngine, generate_rollouts
+from tasks.engines.weights import WeightSnapshot, load_engine
+from tasks.receipts import Receipt
+from tasks.toy.rollouts import RolloutSpec, toy_reward
+
+from .. import config
+from ..capture import stage_rollouts
+from ..store.protocol import StoreLike
+from .hf import engine_config
+
+if TYPE_CHECKING:
+    from distributed import Client, Future
+
+# Engines kept per process: the version generating now and the one before (a step's
+# groups may still run on the previous version while the next one arrives).
+CACHED_VERSIONS = 2
+_LOCK = threading.Lock()
+_ENGINES: OrderedDict[tuple[HFMoEConfig, str], HFMoEEngine] = OrderedDict()
+
+
+def publish(client: Client, snapshot: WeightSnapshot) -> Future:
+    """Scatter ``snapshot`` to every worker once; pass the future to :func:`submit_generation`
+    (tasks then read the worker's local copy instead of shipping the weights per task)."""
+    return client.scatter(snapshot, broadcast=True, hash=False)
+
+
+def engine_at(snapshot: WeightSnapshot, overrides: Mapping[str, object] | None = None) -> HFMoEEngine:
+    """The engine of :func:`pipeline.engines.hf.engine_config` holding ``snapshot``'s
+    weights, built once per process and version (its fingerprint is the snapshot's)."""
+    cfg = engine_config(overrides)
+    key = (cfg, snapshot.fingerprint)
+    with _LOCK:
+        engine = _ENGINES.get(key)
+        if engine is None:
+            engine = _ENGINES[key] = load_engine(cfg, snapshot)
+            while len(_ENGINES) > CACHED_VERSIONS:
+                _ENGINES.popitem(last=False)
+        else:
+            _ENGINES.move_to_end(key)
+        return engine
+
+
+def generate_and_stage(
+    store: StoreLike,
+    specs: Sequence[RolloutSpec],
+    snapshot: WeightSnapshot,
+    overrides: Mapping[str, object] | None = None,
+    reward: Callable[[np.ndarray], float] = toy_reward,
+    digest_version: int | None = None,
+) -> list[Receipt]:
+    """Task body: generate ``specs`` with the engine at ``snapshot`` (calls staged with
+    ``weight_version = snapshot.version``, receipts rewarded by ``reward``), stage their
+    rows in ONE put, return the receipts."""
+    version = config.digest_version() if digest_version is None else digest_version
+    rollouts = generate_rollouts(
+        engine_at(snapshot, overrides), specs, weight_version=snapshot.version, digest_version=version, reward=reward
+    )
+    return stage_rollouts(store, rollouts)
+
+
+def submit_generation(
+    client: Client,
+    store: StoreLike,
+    groups: Sequence[Sequence[RolloutSpec]],
+    weights: Future | WeightSnapshot,
+    **kwargs: object,
+) -> list[Future]:
+    """One generation task per group at ``weights`` (a :func:`publish` future, or a
+    snapshot shipped with each task); futures of each group's receipts. ``kwargs``:
+    ``overrides``, ``reward``, ``digest_version`` (default: the caller's ``capture.digest``)."""
+    kwargs.setdefault("digest_version", config.digest_version())
+    return [
+        client.submit(generate_and_stage, store, list(specs), weights, pure=False, **kwargs)
+        for specs in groups
+        if specs
+    ]
