@@ -26,7 +26,11 @@ scheduler; 0 with cross_host_measured false when it could not be read) and cross
 ships between hosts), and the step's tail: verified_ms (submission to its last verify
 task's end), tail_ms (from there to the groups in the controller), collect_ms (the
 controller's result() call), collected_bytes (what it gathered), assembled_on
-("controller" or "cluster")."""
+("controller" or "cluster"), and (optional) staleness: the step's verified rollouts by
+weight-version lag (:class:`tasks.finalize.staleness.StalenessFigures`: trainer_version
+(or None), reference_version, max_staleness (or None), rollouts, stale, mean_lag,
+max_lag (versions), buckets: a list of {bucket ("<1k", "1-4k", "4-16k", ">=16k" tokens),
+rollouts, stale, lag_sum, mean_lag})."""
 
 FINALIZE_OPTIONAL: Mapping[str, object] = {"internal_errors": 0, "rejected_details": {}}
 """Finalize event keys an event may lack (older producers), with the value to read then."""
@@ -60,7 +64,16 @@ store's). Finalize decisions add verify_ms, fetch_ms, queue_depth; storage ones 
 codes ``storage-*``) add store_used_bytes, store_capacity_bytes, store_units (the live
 units the decision read) and store_fill (used / capacity, a fraction)."""
 
-TOPICS = (FINALIZE, CUT, RESTORE, STORE, SCALE)
+MISMATCH = "token-capture-mismatch"
+"""One per ``StepResult.report_mismatch`` call (the trainer's logprobs against the
+sampler's over the step batch's loss-mask tokens). Keys: kind ("mismatch"), step_id,
+weight_version (the trainer's), tokens, mean_abs_delta, max_abs_delta (|trainer -
+sampler| logprob, nats), k3_mean (nats), frac_outside (dict str(eps) -> fraction of
+tokens whose ratio exp(delta) lies outside [1 - eps, 1 + eps]), route_pairs; optional
+route_agreement (fraction of (token, layer) pairs whose expert set matches) and by_lag
+(dict str(lag) -> the same figures for the rows lagging that many versions)."""
+
+TOPICS = (FINALIZE, CUT, RESTORE, STORE, SCALE, MISMATCH)
 
 
 def host_name(default: str = "local") -> str:

@@ -29,6 +29,9 @@ from __future__ import annotations
 #     (invalid_mask_order / empty_generation / invalid_token / invalid_logprob, as
 #     tasks.validation.check_delta orders them) -> invalid_routes (expert id range);
 #     then once per rollout: cumulative_hash_mismatch -> empty_training_row.
+# assembly (tasks.finalize.assemble), per verified rollout: invalid_routes ([L, K] differs
+#     from the group's) -> stale (its oldest weight_version lags the trainer's version by
+#     more than finalize.max-staleness; only when both are set).
 
 OK = "ok"
 
@@ -96,6 +99,12 @@ EMPTY_TRAINING_ROW = "empty_training_row"
 MISSING_ROUTES = "missing_routes"
 INVALID_ROUTES = "invalid_routes"
 
+# policy
+# A verified rollout whose oldest weight_version lags the trainer's version (given at
+# submit time) by more than ``finalize.max-staleness``: kept out of the training batch
+# like any rejection, its rows cleared with the step's (never earlier).
+STALE = "stale"
+
 RECEIPT_REASONS = frozenset(
     {
         INVALID_RECEIPT,
@@ -129,7 +138,8 @@ CONTENT_REASONS = frozenset(
         INVALID_ROUTES,
     }
 )
-ALL_REASONS = RECEIPT_REASONS | ROW_REASONS | LINEAGE_REASONS | CONTENT_REASONS
+POLICY_REASONS = frozenset({STALE})
+ALL_REASONS = RECEIPT_REASONS | ROW_REASONS | LINEAGE_REASONS | CONTENT_REASONS | POLICY_REASONS
 
 
 # Not a rejection: the verifier itself failed on the rollout (a bug, logged), so nothing

@@ -68,7 +68,7 @@ def make_rollout(
     vocab_size: int = VOCAB,
     group_id: Optional[str] = None,
     reward: Optional[float] = None,
-    weight_version: int = 0,
+    weight_version: int | Sequence[int] = 0,
     routes_encoding: Optional[int] = None,
     digest_version: int = hashing.DIGEST_VERSION,
 ) -> Built:
@@ -77,8 +77,11 @@ def make_rollout(
     Lengths are inclusive ranges in tokens; ``routes=(L, K, E)`` adds routed experts,
     staged in ``routes_encoding`` (None: the gate's choice from ``E``, uint8 up to 256
     experts; 1: int16, as rows staged before uint8 existed), hashed with
-    ``digest_version`` (1: SHA-256, 2: BLAKE3, the default).
+    ``digest_version`` (1: SHA-256, 2: BLAKE3, the default). ``weight_version``: one for
+    every call, or one per chain call (off-chain calls take the first).
     """
+    versions = [weight_version] * n_calls if isinstance(weight_version, (int, np.integer)) else list(weight_version)
+    assert len(versions) == n_calls, "one weight_version per chain call"
     gate = CaptureGate(rollout_id, vocab_size=vocab_size, num_experts=None if routes is None else routes[2], group_id=group_id,
                        routes_encoding=routes_encoding, digest_version=digest_version)
     rows: list[StagedRow] = []
@@ -90,19 +93,19 @@ def make_rollout(
         while b < len(branch_at) and branch_at[b] == c and rows:
             parent = rows[int(rng.integers(0, len(rows)))]
             d = _delta(rng, int(rng.integers(ctx_len[0], ctx_len[1] + 1)), int(rng.integers(gen_len[0], gen_len[1] + 1)), vocab_size, routes)
-            rows.append(gate.stage_call(f"b{b}", parent.model_call_id, *d[:3], routed_experts=d[3], weight_version=weight_version))
+            rows.append(gate.stage_call(f"b{b}", parent.model_call_id, *d[:3], routed_experts=d[3], weight_version=versions[0]))
             b += 1
         n_ctx = int(rng.integers(prompt_len[0], prompt_len[1] + 1)) if c == 0 else int(rng.integers(ctx_len[0], ctx_len[1] + 1))
         d = _delta(rng, n_ctx, int(rng.integers(gen_len[0], gen_len[1] + 1)), vocab_size, routes)
         cid = f"c{c}"
-        rows.append(gate.stage_call(cid, chain[-1] if chain else None, *d[:3], routed_experts=d[3], weight_version=weight_version))
+        rows.append(gate.stage_call(cid, chain[-1] if chain else None, *d[:3], routed_experts=d[3], weight_version=versions[c]))
         chain.append(cid)
     while b < len(branch_at):  # branches after the terminal call
         parent_id = rows[int(rng.integers(0, len(rows)))].model_call_id
         if parent_id == chain[-1]:  # the terminal stays a leaf: branch off its parent (or a new root)
             parent_id = chain[-2] if len(chain) > 1 else None
         d = _delta(rng, 1, 2, vocab_size, routes)
-        rows.append(gate.stage_call(f"b{b}", parent_id, *d[:3], routed_experts=d[3], weight_version=weight_version))
+        rows.append(gate.stage_call(f"b{b}", parent_id, *d[:3], routed_experts=d[3], weight_version=versions[0]))
         b += 1
     r = float(rng.normal()) if reward is None else reward
     receipt = gate.receipt(r, chain[-1])

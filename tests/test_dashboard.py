@@ -23,7 +23,7 @@ from distributed import Client, LocalCluster
 from browser import Browser, chromium_path, image_stats, ink_fraction
 from pipeline.dashboard import install
 from pipeline.dashboard.preload import PRELOAD
-from pipeline.events import CUT, FINALIZE, RESTORE, SCALE, STORE
+from pipeline.events import CUT, FINALIZE, MISMATCH, RESTORE, SCALE, STORE
 from support import dashboard_base as base_url, http_get as get, wait_until
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "artifacts"
@@ -385,7 +385,9 @@ def publish_full_run(client: Client, run_id: str = RUN_ID, steps: int = 6, pace_
             accepted += 8 - sum(rejected.values())
         client.log_event(FINALIZE, dict(
             kind="step", step_id=step_id, groups=4, rollouts=32, accepted=accepted, fetch_ms=20.0 + s,
-            verify_ms=220.0 + 20 * s, assemble_ms=22.0, wall_ms=420.0 + 25 * s, dominant="verify", queue_depth_after=depth))
+            verify_ms=220.0 + 20 * s, assemble_ms=22.0, wall_ms=420.0 + 25 * s, dominant="verify", queue_depth_after=depth,
+            staleness=staleness_figures(s)))
+        client.log_event(MISMATCH, mismatch_figures(step_id, s))
         if s < len(decisions):
             client.log_event(SCALE, decisions[s])
         time.sleep(pace_s)
@@ -401,6 +403,21 @@ def publish_full_run(client: Client, run_id: str = RUN_ID, steps: int = 6, pace_
                                  reason="idle: no finalize event for 31.0s and no tasks; 2 worker(s) host actors and stay"))
 
 
+def staleness_figures(s: int) -> dict[str, Any]:
+    """A step's staleness: long rollouts lag more and are dropped stale more often."""
+    buckets = [dict(bucket=b, rollouts=n, stale=k, lag_sum=lag * n, mean_lag=float(lag))
+               for b, n, k, lag in (("<1k", 14, 0, 1), ("1-4k", 10, 1, 2), ("4-16k", 6, 2 + s % 2, 3), (">=16k", 2, 2, 5))]
+    return dict(trainer_version=10 + s, reference_version=10 + s, max_staleness=3, rollouts=32, stale=5 + s % 2,
+                mean_lag=2.0, max_lag=5, buckets=buckets)
+
+
+def mismatch_figures(step_id: str, s: int) -> dict[str, Any]:
+    """A mismatch report of step ``s``: the trainer drifts away from the sampler."""
+    return dict(kind="mismatch", step_id=step_id, weight_version=10 + s, tokens=4096, mean_abs_delta=0.02 + 0.01 * s,
+                max_abs_delta=0.4 + 0.1 * s, k3_mean=0.001 * (s + 1), frac_outside={"0.1": 0.05 + 0.02 * s, "0.2": 0.01 * (s + 1)},
+                route_pairs=4096 * 4, route_agreement=0.97 - 0.01 * s, by_lag={"0": dict(tokens=2048, mean_abs_delta=0.01)})
+
+
 def _page_cluster() -> LocalCluster:
     return LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
                         worker_dashboard_address="127.0.0.1:0", scheduler_kwargs={"preload": [PRELOAD]})
@@ -409,7 +426,8 @@ def _page_cluster() -> LocalCluster:
 def _full_run_in(client: Client) -> dict[str, Any]:
     def done() -> dict[str, Any] | None:
         s = state(client)
-        full = len(s["decisions"]) == 4 and len(s["store_units"]) == 4 and len(s["cuts"]) == 2 and len(s["restore_latest"]) == 2
+        full = len(s["decisions"]) == 4 and len(s["store_units"]) == 4 and len(s["cuts"]) == 2 and len(s["restore_latest"]) == 2 \
+            and s["mismatch"]["reports"] == 6
         return s if full else None
 
     return wait_until(done, what="the full run aggregated")
@@ -422,7 +440,7 @@ JS_NOTES = """(() => { const out = {};
 JS_TILES = "Object.fromEntries(%s.map((k) => [k, Number(document.getElementById('tc-' + k).textContent)]))" % list(TILE_KEYS)
 JS_READY = "window.Bokeh && Bokeh.documents.length > 0 && Bokeh.documents[0].get_model_by_name('tc-header').text.length > 0"
 PANELS = {"split", "outcome", "rejections", "depth", "wait", "calls", "scale", "decisions", "cut", "cuts", "restore",
-          "restores", "store", "units", "cross-host"}
+          "restores", "store", "units", "cross-host", "staleness", "mismatch"}
 
 
 def _tiles_of(snap: dict[str, Any]) -> dict[str, int]:
@@ -452,7 +470,7 @@ def test_no_data_notes_show_on_a_fresh_scheduler_and_go_once_events_arrive():
         # the notes are drawn: the canvases carry ink (axes, the note), the page is not blank
         shot = browser.full_page_screenshot(ARTIFACTS / "dashboard-empty.png", settle_s=0.5)
         plots = browser.layout()["plots"]
-        assert len(plots) == 10 and all(ink_fraction(shot, (p["left"], p["top"], p["width"], p["height"])) > 0.002
+        assert len(plots) == 12 and all(ink_fraction(shot, (p["left"], p["top"], p["width"], p["height"])) > 0.002
                                        for p in plots), plots
         browser.evaluate("window.__tc_same_page = true")
 
@@ -513,7 +531,7 @@ def test_page_is_readable_at_a_glance(full_run, width):
         layout = browser.layout()
         assert layout["page_width"] <= layout["viewport_width"], layout  # no horizontal scrolling
         plots = layout["plots"]
-        assert len(plots) == 10, plots
+        assert len(plots) == 12, plots
         assert all(p["height"] >= 220 for p in plots), plots
         assert all(0.4 * width <= p["width"] <= 0.5 * width for p in plots), plots  # two columns
         assert layout["cells"] >= 40 and not layout["truncated"], layout["truncated"]

@@ -285,13 +285,16 @@ COUNTERS = {
     "fetch_calls", "fetched_bytes", "finalized_tokens", "cuts", "cut_rows", "cut_puts", "cut_durable",
     "cut_failures", "restore_requests", "restore_gets", "restore_keys", "restore_failures",
     "scaling_decisions", "malformed_events", "cross_host_bytes", "cross_host_planned_bytes",
+    "staleness_rollouts", "staleness_dropped", "staleness_lag_versions", "mismatch_reports",
 }
 LATENCY_HISTOGRAMS = {
     "finalize_phase_seconds", "step_wall_seconds", "queue_wait_seconds", "cut_wall_seconds", "restore_latency_seconds",
 }
-COUNT_HISTOGRAMS = {"calls_per_rollout"}  # unitless: model calls
+COUNT_HISTOGRAMS = {"calls_per_rollout", "mismatch_k3", "mismatch_abs_delta"}  # not seconds: model calls, nats
 BYTE_GAUGES = {"store_memory_bytes", "store_spilled_bytes"}
-UNITLESS_GAUGES = {"queue_depth", "restore_keys_per_get", "store_rows", "store_lost_keys"}  # counts, not units
+UNITLESS_GAUGES = {"queue_depth", "restore_keys_per_get", "store_rows", "store_lost_keys",  # counts, not units
+                   "mismatch_tokens", "mismatch_mean_abs_delta", "mismatch_max_abs_delta", "mismatch_k3_mean",  # nats
+                   "mismatch_frac_outside", "mismatch_route_agreement"}  # fractions
 
 
 def check_conventions(text: str, fams: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from .header import PAGE_TEMPLATE, TILES, PageHeader, summary, summary_of  # noqa: F401  (summary, summary_of: re-exported)
 from .labels import short_worker, shorten, step_factor  # noqa: F401  (re-exported)
-from .panels import CutPanels, FinalizePanels, Panel, QueuePanels, RestorePanels, ScalingPanels, StorePanels
+from .panels import CutPanels, FinalizePanels, Panel, QueuePanels, RestorePanels, ScalingPanels, StorePanels, TrainerPanels
 from .settings import PageSettings
 from .widgets import PanelKit, section
 
@@ -54,7 +54,8 @@ class TokenCapturePage:
     """The Bokeh models of one browser session, and how they are refreshed from the state.
 
     ``heading`` and the panel builders (``finalize_panels``, ``queue_panels``,
-    ``scaling_panels``, ``cut_panels``, ``restore_panels``, ``store_panels``) own the
+    ``scaling_panels``, ``cut_panels``, ``restore_panels``, ``store_panels``,
+    ``trainer_panels``) own the
     models; ``root`` lays them out. ``header`` / ``summary`` / ``header_js`` (the header's
     models) and ``rejections`` / ``rejection_table`` are kept here as shortcuts.
     """
@@ -73,12 +74,13 @@ class TokenCapturePage:
         self.cut_panels = CutPanels(self.kit)
         self.restore_panels = RestorePanels(self.kit)
         self.store_panels = StorePanels(self.kit)
+        self.trainer_panels = TrainerPanels(self.kit)
         self.rejections = self.finalize_panels.rejections
         self.rejection_table = self.finalize_panels.rejection_table
         # redrawn in this order on every change of the state
         self.panels: tuple[Panel, ...] = (
             self.finalize_panels, self.queue_panels, self.store_panels,
-            self.scaling_panels, self.cut_panels, self.restore_panels,
+            self.scaling_panels, self.cut_panels, self.restore_panels, self.trainer_panels,
         )
         self.root = self._layout()
 
@@ -105,6 +107,8 @@ class TokenCapturePage:
             section("Staging store"),
             row(store.fig_store, fin.fig_cross_host, **grid),  # the store's fill; the rows crossing hosts per step
             store.units_block,
+            section("Trainer: staleness and mismatch"),
+            row(self.trainer_panels.fig_staleness, self.trainer_panels.fig_mismatch, **grid),
             **grid,
         )
 

@@ -2,7 +2,8 @@
 
 :func:`parse_event` checks an event of any topic and returns it normalized, as the typed
 record of its topic (:class:`FinalizeEvent`, :class:`CutEvent`, :class:`RestoreEvent`,
-:class:`StoreEvent`, :class:`ScaleEvent`); a bad field raises :class:`InvalidEvent`
+:class:`StoreEvent`, :class:`ScaleEvent`, and the trainer-side
+:class:`~.trainer_events.MismatchEvent`); a bad field raises :class:`InvalidEvent`
 naming it. Units are the schema's: ``*_ms`` milliseconds, ``*_s`` seconds, ``*_bytes``
 bytes, counts otherwise; every number comes back as a finite ``float`` >= 0.
 """
@@ -14,7 +15,8 @@ from typing import Literal, TypedDict, Union, cast
 
 from tasks.errors import InvalidEvent
 
-from ..events import CUT, FINALIZE, RESTORE, RESTORE_OPTIONAL, SCALE, STORE, TOPICS
+from ..events import CUT, FINALIZE, MISMATCH, RESTORE, RESTORE_OPTIONAL, SCALE, STORE, TOPICS
+from .trainer_events import MismatchEvent, StalenessRecord, parse_mismatch, parse_staleness
 
 SCALE_ACTIONS = ("up", "down", "hold")
 SCALE_KINDS = ("finalize", "storage")  # which side of the adaptive policy decided
@@ -33,6 +35,7 @@ class _Stamped(TypedDict, total=False):
 
 class _FinalizeOptional(_Stamped, total=False):
     dominant: object  # step events: the side that dominated (``"verify"``, ...), passed through unchecked
+    staleness: StalenessRecord  # step events: lags of the step's verified rollouts by length
 
 
 class FinalizeEvent(_FinalizeOptional):
@@ -125,7 +128,7 @@ class ScaleEvent(_Stamped):
     reason_code: str
 
 
-ParsedEvent = Union[FinalizeEvent, CutEvent, RestoreEvent, StoreEvent, ScaleEvent]
+ParsedEvent = Union[FinalizeEvent, CutEvent, RestoreEvent, StoreEvent, ScaleEvent, MismatchEvent]
 
 # the numeric fields of each topic, ``name: required``
 _FINALIZE_NUMBERS = {
@@ -243,6 +246,10 @@ def _finalize(topic: str, msg: Message, out: dict[str, object]) -> None:
         numbers["accepted"] = out["accepted"] = max(0.0, numbers["rollouts"] - sum(rejected.values()))
     if "rollouts" not in msg:
         out["rollouts"] = numbers["accepted"] + sum(rejected.values())
+    if msg.get("staleness") is not None:
+        out["staleness"] = parse_staleness(topic, msg["staleness"])
+    else:
+        out.pop("staleness", None)
 
 
 def _cut(topic: str, msg: Message, out: dict[str, object]) -> None:
@@ -321,6 +328,7 @@ _TOPIC_FIELDS: dict[str, Callable[[str, Message, dict[str, object]], None]] = {
     RESTORE: _restore,
     STORE: _store,
     SCALE: _scale,
+    MISMATCH: parse_mismatch,
 }
 """topic -> what fills its record's fields (into a copy of the message)."""
 

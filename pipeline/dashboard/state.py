@@ -19,7 +19,7 @@ from typing import cast
 from tasks.errors import InvalidEvent
 
 from .. import config
-from ..events import CUT, FINALIZE, RESTORE, SCALE, STORE, TOPICS
+from ..events import CUT, FINALIZE, MISMATCH, RESTORE, SCALE, STORE, TOPICS
 from .histogram import Histogram
 from .parsing import (
     DETAIL_CHARS,
@@ -36,6 +36,8 @@ from .parsing import (
 )
 from .settings import StateSettings
 from .snapshot import StateSnapshot, StepRecord
+from .trainer_events import MismatchEvent
+from .trainer_state import TrainerState
 
 __all__ = [
     "DETAIL_CHARS", "DETAIL_REASONS", "FINALIZE_KINDS", "MS_PER_S", "RESTORE_COUNTERS", "SCALE_ACTIONS",
@@ -129,6 +131,8 @@ class TokenCaptureState:
         self.decision_counts: Counter[tuple[str, str]] = Counter()
         # workers over time, sampled on scaling events and by the page (bounded ring)
         self.worker_counts: deque[tuple[float, int]] = deque(maxlen=self.history)  # (t (s), workers)
+        # the trainer side: staleness by rollout length, the mismatch monitor's reports
+        self.trainer = TrainerState(self.history)
         # bad input
         self.malformed: Counter[tuple[str, str]] = Counter()
         self.last_error: str = ""
@@ -166,6 +170,8 @@ class TokenCaptureState:
             self._store(cast(StoreEvent, ev))
         elif topic == SCALE:
             self._scale(cast(ScaleEvent, ev))
+        elif topic == MISMATCH:
+            self.trainer.fold_mismatch(cast(MismatchEvent, ev))
         else:
             raise KeyError(topic)
 
@@ -241,6 +247,8 @@ class TokenCaptureState:
             self.totals[f"{phase}_ms"] += ms
             self.hist[f"{phase}_seconds"].observe(ms / MS_PER_S)
         self.hist["step_wall_seconds"].observe(ev["wall_ms"] / MS_PER_S)
+        if "staleness" in ev:
+            self.trainer.fold_staleness(step["step_id"], ev["t"], ev["staleness"])
         depth = ev["queue_depth_after"] if "queue_depth_after" in ev else ev["queue_depth"]
         self.queue_depth = depth
         self.depths.append((ev["t"], depth))
@@ -384,7 +392,7 @@ class TokenCaptureState:
         no data yet, which a view shows as such rather than as figures of zero.
         ``histograms`` hold seconds (``*_seconds``) or counts (``calls_per_rollout``).
         """
-        hists = dict(self.hist, restore_latency_seconds=self.restore_latency())
+        hists = dict(self.hist, restore_latency_seconds=self.restore_latency(), **self.trainer.hist)
         return {
             "version": self.version,
             "events": {topic: self.events.get(topic, 0) for topic in TOPICS},
@@ -406,6 +414,7 @@ class TokenCaptureState:
             "decision_counts": {f"{a}:{r}": n for (a, r), n in self.decision_counts.items()},
             "malformed": {f"{t}:{f}": n for (t, f), n in self.malformed.items()},
             "last_error": self.last_error,
+            **self.trainer.snapshot(),  # type: ignore[typeddict-item]
             "histograms": {
                 k: {"buckets": h.cumulative(), "sum": h.total, "count": h.n} for k, h in hists.items()
             },

@@ -82,7 +82,8 @@ def assemble_step(graph: StepGraph, outs: Sequence[VerifyOut], buffers: BufferSo
     groups: dict[str, FinalizedGroup] = {}
     for gid, group in zip(graph.group_ids, layout.groups):
         mine = [outs[t] for t in group.tasks]
-        groups[gid] = assemble_outs(graph.step_id, gid, graph.slots[gid], graph.submitted_s, graph.queue_depth, mine, buffers)
+        groups[gid] = assemble_outs(graph.step_id, gid, graph.slots[gid], graph.submitted_s, graph.queue_depth, mine, buffers,
+                                    staleness=graph.staleness)
     return groups
 
 

@@ -17,14 +17,15 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Mapping, Sequence, TypedDict
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypedDict
 
 from tasks import reasons as R
 from tasks.errors import MissingFinalizeResource
 from tasks.finalize.layout import HostMap
 from tasks.finalize.plan import ReceiptLike
-from tasks.finalize.step_batch import step_batch
+from tasks.finalize.staleness import step_staleness
+from tasks.finalize.step_batch import check_version, step_batch
 from tasks.keys import STAGING_PARTITION, staging_key
 
 from .. import config, events
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from tensordict import TensorDict
 
     from tasks.finalize.assemble import FinalizedGroup
+    from tasks.mismatch import MismatchReport
 
 Groups = Mapping[str, Sequence[ReceiptLike]] | Sequence[Sequence[ReceiptLike]]
 
@@ -46,11 +48,16 @@ Groups = Mapping[str, Sequence[ReceiptLike]] | Sequence[Sequence[ReceiptLike]]
 @dataclass
 class StepResult:
     """A finalized step: ``groups`` (group id -> FinalizedGroup, submission order) and the
-    step's ``metrics`` (the ``kind: "step"`` event of :mod:`pipeline.finalize.timing`)."""
+    step's ``metrics`` (the ``kind: "step"`` event of :mod:`pipeline.finalize.timing`).
+    ``client`` (where :meth:`report_mismatch` publishes; None: the default client) and
+    ``mismatch_eps`` (its default bounds; None: ``monitor.mismatch-eps`` read then) are
+    the finalizer's."""
 
     step_id: str
     groups: dict[str, FinalizedGroup]
     metrics: timing.StepMetrics
+    client: Client | None = field(default=None, repr=False, compare=False)
+    mismatch_eps: tuple[float, ...] | None = field(default=None, repr=False, compare=False)
 
     @property
     def rejected(self) -> dict[str, int]:
@@ -65,7 +72,8 @@ class StepResult:
     def to_batch(self, *, as_tensordict: bool = False, **kwargs: float | int | bool | torch.dtype | None) -> dict[str, torch.Tensor] | TensorDict:
         """The step as ONE training batch: :func:`tasks.finalize.step_batch.step_batch` over
         the groups in submission order (``kwargs``: ``eps``, ``pad_id``, ``normalize_std``,
-        ``routes_dtype``: e.g. ``torch.int64``; default as stored).
+        ``routes_dtype``: e.g. ``torch.int64``, default as stored; ``trainer_version``: adds
+        ``weight_lag`` = trainer_version - weight_version_oldest per row).
 
         A ``dict[str, torch.Tensor]``, or with ``as_tensordict`` a ``tensordict.TensorDict``
         of ``batch_size=[B]`` (needs the ``tensordict`` extra).
@@ -82,6 +90,16 @@ class StepResult:
                 name="tensordict",
             ) from e
         return TensorDict(batch, batch_size=[int(batch["input_ids"].shape[0])])
+
+    def report_mismatch(self, trainer_logprobs: Any, *, weight_version: int, trainer_routes: Any = None,
+                        eps: Any = None) -> MismatchReport:
+        """The trainer's logprobs ([B, T] over :meth:`to_batch`'s rows) against the
+        sampler's: publishes ONE ``token-capture-mismatch`` event and returns the
+        :class:`tasks.mismatch.MismatchReport` (lag per row: ``weight_version -
+        weight_version_oldest``); see :func:`pipeline.finalize.monitor.report_mismatch`."""
+        from .monitor import report_mismatch
+
+        return report_mismatch(self, trainer_logprobs, weight_version=weight_version, trainer_routes=trainer_routes, eps=eps)
 
 
 class ClearCounts(TypedDict):
@@ -241,6 +259,10 @@ class StepHandle:
             with timing.Stopwatch() as gathered:
                 by_id, group_events, collected_bytes = self._collect(client, timeout)
             collected_s = timing.wall_s()
+            graph = self.graph
+            staleness = step_staleness(
+                list(by_id.values()), trainer_version=graph.trainer_version,
+                max_staleness=graph.staleness.max_staleness if graph.staleness is not None else None)
             metrics = timing.step_metrics(
                 step_id=self.step_id,
                 group_metrics={gid: g.metrics for gid, g in by_id.items()},
@@ -252,6 +274,7 @@ class StepHandle:
                 collect_ms=gathered.ms,
                 collected_bytes=collected_bytes,
                 assembled_on="cluster" if on_cluster else "controller",
+                staleness=staleness,
             )
             # One round trip: the scheduler's measure of the bytes that crossed hosts, and
             # the step's events logged there (the step's with that measure filled in).
@@ -261,7 +284,7 @@ class StepHandle:
                 collect.publish(client, events.FINALIZE, group_events + [metrics])
             else:
                 metrics = timing.with_cross_host(metrics, measured["bytes"])  # type: ignore[assignment]
-            self._result = StepResult(self.step_id, by_id, metrics)
+            self._result = StepResult(self.step_id, by_id, metrics, client, self._finalizer.settings.mismatch_eps)
             # Delivered: now (and only now) the step's rows may go.
             self._clear_delivered()
             # Free the cluster side: the groups are here now.
@@ -402,13 +425,21 @@ class Finalizer:
         with self._lock:
             return list(self._in_flight)
 
-    def submit_step(self, groups: Groups, *, step_id: str | None = None) -> StepHandle:
+    def submit_step(self, groups: Groups, *, step_id: str | None = None, trainer_version: int | None = None) -> StepHandle:
         """Plan and submit one training step (one or many groups); returns immediately.
 
         ``groups``: group id -> receipts, or a list of receipt lists (ids ``"g0"``, ...).
         Receipts are :class:`tasks.receipts.Receipt` or their dicts; a malformed one becomes
         its row's ``invalid_receipt``, never an exception.
+
+        ``trainer_version``: the weight version the trainer is at (int). The step event's
+        staleness figures measure lags from it; with ``finalize.max-staleness`` set,
+        verified rollouts whose oldest ``weight_version`` lags it by more are rejected
+        ``stale`` (kept out of the batch; their rows cleared with the step's, at
+        :meth:`StepHandle.result`, never earlier).
         """
+        if trainer_version is not None:
+            check_version(trainer_version, "submit_step: trainer_version", FinalizeError)
         if isinstance(groups, Mapping):
             named = {str(k): v for k, v in groups.items()}
             if len(named) != len(groups):
@@ -431,6 +462,7 @@ class Finalizer:
             keep_intermediates=self.keep_intermediates,
             check_groups=isinstance(groups, Mapping),  # list-form ids are made up: nothing to compare
             hosts=self.host_map(),
+            trainer_version=trainer_version,
         )
         clear = self.settings.clear_staged
         handle = StepHandle(self, graph, clear=clear, rejected_keys=rejected_receipt_keys(named, graph.plan.rejected) if clear else ())

@@ -24,6 +24,7 @@ from dask.task_spec import Task, TaskRef
 from distributed import span
 
 from tasks.errors import FinalizeError
+from tasks.finalize.assemble import Staleness
 from tasks.finalize.layout import HostMap, SiteFetch, Slot, StepLayout, step_layout
 from tasks.finalize.plan import ReceiptLike, StepPlan, plan_step
 from tasks.keys import STAGING_PARTITION, primary_units
@@ -98,6 +99,8 @@ class StepGraph:
     layout: StepLayout | None = None
     priority: int = 0  # the step's task priority (older steps higher)
     retries: int = 0  # Dask retries of its tasks
+    trainer_version: int | None = None  # the trainer's weight version given at submission
+    staleness: Staleness | None = None  # which verified rollouts are dropped stale (None: none)
 
     @property
     def futures(self) -> list[Future]:
@@ -263,6 +266,7 @@ def submit_graph(
     keep_intermediates: bool = False,
     check_groups: bool = True,
     hosts: HostMap | None = None,
+    trainer_version: int | None = None,
 ) -> StepGraph:
     """Plan ``groups`` (group id -> receipts) and submit the step's graph; returns futures.
 
@@ -284,6 +288,9 @@ def submit_graph(
     workers are): verify tasks (and the groups' assemble tasks, when
     :func:`submit_assembly` asks for them) on a finalize worker of their rows' host
     (:func:`tasks.finalize.layout.step_layout`).
+
+    ``trainer_version`` (the trainer's weight version) with ``settings.max_staleness``:
+    verified rollouts lagging it by more than that are rejected ``stale`` at assembly.
     """
     group_ids = _check_groups(groups)
     token_budget, retries = settings.verify_token_budget, settings.retries
@@ -321,6 +328,9 @@ def submit_graph(
         layout=layout,
         priority=priority,
         retries=retries,
+        trainer_version=trainer_version,
+        staleness=None if trainer_version is None or settings.max_staleness is None
+        else Staleness(trainer_version, settings.max_staleness),
     )
 
 
@@ -340,6 +350,6 @@ def submit_assembly(client: Client, graph: StepGraph) -> dict[str, Future]:
                 assemble_piece, graph.step_id, gid, graph.slots[gid], graph.submitted_s, graph.queue_depth, *deps,
                 key=task_key(ASSEMBLE, graph.token, g), pure=False, priority=graph.priority,
                 workers=[group.worker] if group.worker else None, allow_other_workers=True,
-                retries=graph.retries or None,
+                retries=graph.retries or None, staleness=graph.staleness,
             )
     return futures

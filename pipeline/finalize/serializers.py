@@ -29,7 +29,8 @@ from tasks.finalize.verify import RolloutResult
 from .task_outputs import Piece, VerifyOut
 
 _GROUP_TENSORS = ("input_ids", "input_lengths", "prompt_lengths", "logprobs", "token_mask",
-                  "sample_mask", "rewards", "routed_experts", "has_routes")
+                  "sample_mask", "rewards", "routed_experts", "has_routes",
+                  "weight_version_oldest", "weight_version_newest")
 
 
 def linearized_bytes(result: RolloutResult) -> int:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tasks.errors import InvalidInput
+
 from .. import config
 
 
@@ -25,6 +27,12 @@ class FinalizeSettings:
     gather_direct: bool  # collect groups straight from workers (``finalize.gather-direct``)
     clear_staged: bool  # delete a step's staged rows once result() delivered it (``finalize.clear-staged``)
     slots_per_worker: float  # the ``finalize`` resource a worker should advertise (error messages)
+    # A step submitted with a trainer_version drops verified rollouts whose oldest
+    # weight_version lags it by more than this many versions (``finalize.max-staleness``;
+    # None: never).
+    max_staleness: int | None = None
+    # The ratio bounds 1 +- eps of StepResult.report_mismatch (``monitor.mismatch-eps``).
+    mismatch_eps: tuple[float, ...] = (0.1, 0.2)
 
     @classmethod
     def from_config(cls, *, vocab_size: int | None = None, num_experts: int | None = None) -> FinalizeSettings:
@@ -40,4 +48,22 @@ class FinalizeSettings:
             gather_direct=bool(config.get("finalize.gather-direct")),
             clear_staged=bool(config.get("finalize.clear-staged")),
             slots_per_worker=float(config.get("finalize.slots-per-worker")),
+            max_staleness=max_staleness_setting(config.get("finalize.max-staleness")),
+            mismatch_eps=mismatch_eps_setting(config.get("monitor.mismatch-eps")),
         )
+
+
+def max_staleness_setting(value: object) -> int | None:
+    """``finalize.max-staleness`` checked: None (off) or an int >= 0 (versions)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput(f"token-capture.finalize.max-staleness is {value!r}; set null (off) or an int >= 0 (weight versions)")
+    return value
+
+
+def mismatch_eps_setting(value: object) -> tuple[float, ...]:
+    """``monitor.mismatch-eps`` checked: a non-empty list of numbers in (0, 1)."""
+    from tasks.mismatch import check_eps
+
+    return check_eps(value, "token-capture.monitor.mismatch-eps")

@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Iterable, Iterator, Mapping, Sequence, TypedDict
 
 from tasks import reasons
+from tasks.finalize.staleness import StalenessFigures
 
 EVENT_KIND_GROUP = "group"
 EVENT_KIND_STEP = "step"
@@ -87,8 +88,8 @@ class GroupMetrics(RowCounts):
     _planned: int
 
 
-class StepMetrics(TypedDict):
-    """A step's ``kind: "step"`` finalize event: the groups' figures summed (:func:`step_metrics`)."""
+class _StepFigures(TypedDict):
+    """The figures every step event carries."""
 
     kind: str
     step_id: str
@@ -121,6 +122,12 @@ class StepMetrics(TypedDict):
     collect_ms: float  # the caller's result(): waiting for, gathering and assembling the groups
     collected_bytes: int  # bytes gathered into the caller's process (verified rows, or the groups' tensors)
     assembled_on: str  # "controller" (the caller's process) or "cluster" (assemble tasks on workers)
+
+
+class StepMetrics(_StepFigures, total=False):
+    """A step's ``kind: "step"`` finalize event: the groups' figures summed (:func:`step_metrics`)."""
+
+    staleness: StalenessFigures  # lags of its verified rollouts by length (tasks.finalize.staleness)
 
 
 def wall_s() -> float:
@@ -229,6 +236,7 @@ def step_metrics(
     collect_ms: float = 0.0,
     collected_bytes: int = 0,
     assembled_on: str = "controller",
+    staleness: StalenessFigures | None = None,
 ) -> StepMetrics:
     """Step-level figures from the per-group metrics and the fetch tasks' timings.
 
@@ -239,8 +247,9 @@ def step_metrics(
     bytes into ``cross_host_bytes_planned``; ``cross_host_bytes``: the scheduler's
     measure (:mod:`pipeline.finalize.transfers`; -1: not measured). ``collect_ms``: how
     long the caller's ``result()`` took to hold the groups, ``collected_bytes`` what it
-    gathered; ``assembled_on``: where they were assembled. The tail (``tail_ms``) runs
-    from the last verify task's end (its worker's clock) to ``collected_s``.
+    gathered; ``assembled_on``: where they were assembled; ``staleness``: the step's
+    staleness figures (left out when None). The tail (``tail_ms``) runs from the last
+    verify task's end (its worker's clock) to ``collected_s``.
     """
     fetch_by_id: dict[str, FetchTiming] = {}
     verify_tasks: dict[int, VerifyTiming] = {}
@@ -255,7 +264,7 @@ def step_metrics(
     verify_ms = sum(t["ms"] for t in verify_tasks.values())
     wall_ms = max(0.0, (collected_s - submitted_s) * 1e3)
     verified_s = max((t["start_s"] + t["ms"] / 1e3 for t in verify_tasks.values()), default=submitted_s)
-    return {
+    out: StepMetrics = {
         "kind": EVENT_KIND_STEP,
         "step_id": step_id,
         "groups": len(group_metrics),
@@ -288,6 +297,9 @@ def step_metrics(
         "collected_bytes": int(collected_bytes),
         "assembled_on": assembled_on,
     }
+    if staleness is not None:
+        out["staleness"] = staleness
+    return out
 
 
 def with_cross_host(metrics: Mapping[str, object], measured_bytes: int) -> dict[str, object]:

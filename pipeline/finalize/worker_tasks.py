@@ -13,7 +13,7 @@ from typing import Mapping, Sequence
 import numpy as np
 
 from tasks import reasons
-from tasks.finalize.assemble import BufferSource, FinalizedGroup, assemble_group
+from tasks.finalize.assemble import BufferSource, FinalizedGroup, Staleness, assemble_group
 from tasks.finalize.layout import Slot
 from tasks.finalize.plan import RolloutPlan
 from tasks.finalize.verify import RolloutResult, internal_error_result, rejected_result, verify_many
@@ -171,11 +171,12 @@ def assemble_piece(
     submitted_s: float,
     queue_depth: int,
     *verify_outs: VerifyOut,
+    staleness: Staleness | None = None,
 ) -> FinalizedGroup:
     """The task body of a group assembled on the cluster (a
     :attr:`~pipeline.finalize.controller.StepHandle.group_futures` future):
     :func:`assemble_outs`, then the group's finalize event published from the worker."""
-    group = assemble_outs(step_id, group_id, slots, submitted_s, queue_depth, verify_outs)
+    group = assemble_outs(step_id, group_id, slots, submitted_s, queue_depth, verify_outs, staleness=staleness)
     events.publish(events.FINALIZE, timing.public(group.metrics))
     return group
 
@@ -188,11 +189,14 @@ def assemble_outs(
     queue_depth: int,
     verify_outs: Sequence[VerifyOut],
     buffers: BufferSource | None = None,
+    *,
+    staleness: Staleness | None = None,
 ) -> FinalizedGroup:
     """Assemble one group from the verify outputs holding its rows (keeps its shape:
     rejected rows get ``sample_mask`` 0) and attach the group's split timing as its
     ``metrics`` (the group event, not published here). ``buffers``: where the padded
-    tensors' memory comes from (:func:`tasks.finalize.assemble.assemble_group`)."""
+    tensors' memory comes from, ``staleness``: which verified rows are too stale
+    (:func:`tasks.finalize.assemble.assemble_group`)."""
     results: dict[int, RolloutResult] = {}
     verify_ms: dict[int, float] = {}
     bytes_fetched: dict[int, int] = {}
@@ -213,7 +217,7 @@ def assemble_outs(
                 rows.append(results[s.index])
             else:
                 rows.append(rejected_result(s.rollout_id, s.reason, s.detail))
-        group = assemble_group(rows, [s.reward for s in slots], buffers=buffers)
+        group = assemble_group(rows, [s.reward for s in slots], buffers=buffers, staleness=staleness)
     mine = [s.index for s in slots if s.index is not None]
     tasks_used = {task_of[r]["task"]: task_of[r] for r in mine}
     calls = sum(s.calls for s in slots if s.index is not None)
@@ -221,7 +225,7 @@ def assemble_outs(
         "kind": timing.EVENT_KIND_GROUP,
         "step_id": step_id,
         "group_id": group_id,
-        **_row_counts(slots, rows),
+        **_row_counts(slots, group),
         "fetch_ms": sum(t["fetch_ms"] for t in fetch_timings.values()),
         "verify_ms": sum(verify_ms[r] for r in mine),
         "assemble_ms": sw.ms,
@@ -245,9 +249,10 @@ def assemble_outs(
     return group
 
 
-def _row_counts(slots: Sequence[Slot], rows: Sequence[RolloutResult]) -> timing.RowCounts:
-    """A group's ``rollouts``, ``accepted``, ``rejected`` (by reason), ``internal_errors``
-    and ``tokens`` (of its accepted training rows)."""
-    accepted, rejected, internal_errors = timing.status_counts([r.status for r in rows])
-    tokens = int(sum(int(r.linearized.input_ids.shape[0]) for r in rows if r.status == reasons.OK and r.linearized is not None))
+def _row_counts(slots: Sequence[Slot], group: FinalizedGroup) -> timing.RowCounts:
+    """A group's ``rollouts``, ``accepted``, ``rejected`` (by reason, as assembled: rows
+    dropped there included), ``internal_errors`` and ``tokens`` (of its accepted training
+    rows: a rejected row has length 0)."""
+    accepted, rejected, internal_errors = timing.status_counts(group.status)
+    tokens = int(group.input_lengths.sum())
     return {"rollouts": len(slots), "accepted": accepted, "rejected": rejected, "internal_errors": internal_errors, "tokens": tokens}

@@ -2,7 +2,7 @@
 
 :func:`metric_families` formats a :class:`~pipeline.dashboard.state.TokenCaptureState`
 (it computes nothing itself) in a fixed order: finalization, cuts, restores, the staging
-store, scaling decisions, dropped events. Units are in the names (``_seconds``, ``_bytes``;
+store, scaling decisions, staleness, the mismatch monitor, dropped events. Units are in the names (``_seconds``, ``_bytes``;
 counters end in ``_total`` on the wire); histograms are in seconds except
 ``calls_per_rollout`` (calls). Labels of a fixed vocabulary (rejection and cut failure
 reasons) are served at 0 before the first event.
@@ -35,6 +35,8 @@ def metric_families(agg: TokenCaptureState) -> Iterator[Metric]:
     yield from restore_families(agg)
     yield from store_families(agg)
     yield from scaling_families(agg)
+    yield from staleness_families(agg)
+    yield from mismatch_families(agg)
     yield from dropped_event_families(agg)
 
 
@@ -170,6 +172,51 @@ def scaling_families(agg: TokenCaptureState) -> Iterator[Metric]:
     for (action, reason), n in sorted(agg.decision_counts.items()):
         fam.add_metric([action, reason], n)
     yield fam
+
+
+def staleness_families(agg: TokenCaptureState) -> Iterator[Metric]:
+    """Per rollout-length bucket (every step seen): verified rollouts, those dropped
+    ``stale``, and their weight-version lags summed (versions: rate(sum) / rate(count)
+    is the mean lag). Every bucket is served at 0 from the start."""
+    buckets = agg.trainer.buckets.values()
+    fams = (
+        (CounterMetricFamily(f"{PREFIX}_staleness_rollouts", "Verified rollouts by token-length bucket", labels=["bucket"]), "rollouts"),
+        (CounterMetricFamily(f"{PREFIX}_staleness_dropped", "Rollouts dropped stale (finalize.max-staleness) by token-length bucket",
+                             labels=["bucket"]), "stale"),
+        (CounterMetricFamily(f"{PREFIX}_staleness_lag_versions",
+                             "Weight-version lags of verified rollouts summed, by token-length bucket (versions)", labels=["bucket"]),
+         "lag_sum"),
+    )
+    for fam, key in fams:
+        for b in buckets:
+            fam.add_metric([b["bucket"]], b[key])
+        yield fam
+
+
+def mismatch_families(agg: TokenCaptureState) -> Iterator[Metric]:
+    """The mismatch monitor: reports, the latest report's figures as gauges (nats, or
+    fractions), and per-report histograms of k3 and of mean |delta logprob| (nats)."""
+    tr = agg.trainer
+    yield _counter("mismatch_reports", "Mismatch reports (StepResult.report_mismatch calls)", tr.mismatch_reports)
+    last = tr.latest or {}
+    for key, doc in (("tokens", "Loss-mask tokens compared in the latest mismatch report"),
+                     ("mean_abs_delta", "Mean |trainer - sampler| logprob over the latest report's tokens (nats)"),
+                     ("max_abs_delta", "Max |trainer - sampler| logprob over the latest report's tokens (nats)"),
+                     ("k3_mean", "Mean k3 estimate of KL(sampler || trainer) in the latest report (nats)")):
+        yield GaugeMetricFamily(f"{PREFIX}_mismatch_{key}", doc, value=float(last.get(key, 0.0) or 0.0))
+    frac = GaugeMetricFamily(f"{PREFIX}_mismatch_frac_outside",
+                             "Fraction of the latest report's tokens whose ratio exp(delta) lies outside [1 - eps, 1 + eps]",
+                             labels=["eps"])
+    for eps, f in sorted((last.get("frac_outside") or {}).items()):
+        frac.add_metric([eps], f)
+    yield frac
+    route = GaugeMetricFamily(f"{PREFIX}_mismatch_route_agreement",
+                              "Fraction of (token, layer) pairs whose expert set matches, latest report with routes")
+    if last.get("route_agreement") is not None:
+        route.add_metric([], last["route_agreement"])
+    yield route
+    yield _hist("mismatch_k3", "Mean k3 KL estimate per mismatch report (nats)", [([], tr.hist["mismatch_k3"])], [])
+    yield _hist("mismatch_abs_delta", "Mean |delta logprob| per mismatch report (nats)", [([], tr.hist["mismatch_abs_delta"])], [])
 
 
 def dropped_event_families(agg: TokenCaptureState) -> Iterator[Metric]:

@@ -2,7 +2,8 @@
 
 The group keeps its shape however many rows are rejected: a rejected row is all zeros
 with length 0 and ``sample_mask`` 0, its ``status`` names the reason and its ``details``
-entry says what failed (field, call, the store's reason). Rows are
+entry says what failed (field, call, the store's reason). A verified row too stale for
+the trainer (``stale``) is dropped the same way but keeps its weight versions. Rows are
 filled with one slice assignment each into preallocated numpy buffers (per-row Python,
 never per-token), then handed to torch without a copy.
 """
@@ -32,6 +33,10 @@ class FinalizedGroup:
     staged as uint8, else int16 (the same values either way).
     ``details[i]`` is row ``i``'s rejection detail (which field, which call, the store's
     reason; ``""`` for an accepted row).
+    ``weight_version_oldest`` / ``weight_version_newest`` (int64 [n]): the oldest and
+    newest ``weight_version`` over the row's verified calls; 0 for a row rejected before
+    its calls were verified (its other fields are zeros too). A group built without them
+    (an older pickle, a hand-made group) gets zeros.
     """
 
     rollout_ids: list[str]
@@ -47,6 +52,15 @@ class FinalizedGroup:
     status: list[str]
     details: list[str] = field(default_factory=list)
     metrics: dict[str, Any] = field(default_factory=dict)
+    weight_version_oldest: torch.Tensor | None = None  # int64 [n]
+    weight_version_newest: torch.Tensor | None = None  # int64 [n]
+
+    def __post_init__(self) -> None:
+        ids = self.input_ids
+        n = int(ids.shape[0]) if isinstance(ids, torch.Tensor) and ids.dim() else len(getattr(self, "status", None) or ())
+        for name in VERSION_FIELDS:
+            if getattr(self, name) is None:
+                setattr(self, name, torch.zeros(n, dtype=torch.int64))
 
     def __len__(self) -> int:
         return len(self.status)
@@ -58,9 +72,10 @@ class FinalizedGroup:
         return rebuild_group, (self.rollout_ids, state, self.status, self.details, self.metrics)
 
 
+VERSION_FIELDS = ("weight_version_oldest", "weight_version_newest")
 _TENSOR_FIELDS = (
     "input_ids", "input_lengths", "prompt_lengths", "logprobs", "token_mask",
-    "sample_mask", "rewards", "routed_experts", "has_routes",
+    "sample_mask", "rewards", "routed_experts", "has_routes", *VERSION_FIELDS,
 )
 
 
@@ -85,18 +100,47 @@ def rebuild_group(
     details: list[str],
     metrics: dict[str, Any],
 ) -> FinalizedGroup:
-    """A :class:`FinalizedGroup` from its pickled parts (numpy arrays as tensors' buffers)."""
+    """A :class:`FinalizedGroup` from its pickled parts (numpy arrays as tensors' buffers;
+    a pickle without the weight versions gets zeros)."""
     return FinalizedGroup(rollout_ids, **{n: _from_numpy(a) for n, a in tensors.items()}, status=status, details=details, metrics=metrics)
 
 
+@dataclass(frozen=True)
+class Staleness:
+    """Drop verified rows whose oldest ``weight_version`` lags ``trainer_version`` by more
+    than ``max_staleness`` versions (``finalize.max-staleness``)."""
+
+    trainer_version: int
+    max_staleness: int
+
+    def lag(self, oldest: int) -> int:
+        """Versions the row's oldest call is behind the trainer."""
+        return self.trainer_version - oldest
+
+
+def _drop_stale(results: Sequence[RolloutResult], status: list[str], details: list[str],
+                lins: list[Linearized | None], staleness: Staleness) -> None:
+    """Turn each accepted row that is too stale into a ``stale`` rejection (in place)."""
+    for i, r in enumerate(results):
+        if lins[i] is None or r.weight_versions is None:
+            continue
+        lag = staleness.lag(r.weight_versions[0])
+        if lag > staleness.max_staleness:
+            status[i] = R.STALE
+            details[i] = (f"oldest weight_version {r.weight_versions[0]} is {lag} versions behind trainer_version "
+                          f"{staleness.trainer_version} (finalize.max-staleness {staleness.max_staleness})")
+            lins[i] = None
+
+
 def _training_rows(
-    results: Sequence[RolloutResult],
+    results: Sequence[RolloutResult], staleness: Staleness | None = None,
 ) -> tuple[list[str], list[str], list[Linearized | None], tuple[int, ...] | None]:
     """Each row's status, detail and training row (None: rejected), and the group's routes
     ``[L, K]`` (that of its first routed row; None: no routes).
 
-    An accepted result without a training row becomes empty_training_row; an accepted row
-    whose routes' ``[L, K]`` differs from the group's becomes invalid_routes.
+    An accepted result without a training row becomes empty_training_row; one too stale
+    for ``staleness`` becomes stale; an accepted row whose routes' ``[L, K]`` differs from
+    the group's becomes invalid_routes.
     """
     status = [r.status for r in results]
     details = ["" if r.status == R.OK else str(r.detail) for r in results]
@@ -105,6 +149,8 @@ def _training_rows(
         if status[i] == R.OK and lin is None:
             status[i] = R.EMPTY_TRAINING_ROW
             details[i] = "accepted without a training row"
+    if staleness is not None:
+        _drop_stale(results, status, details, lins, staleness)
     route_shape = next((lin.routed_experts.shape[1:] for lin in lins if lin is not None and lin.routed_experts is not None), None)
     for i, lin in enumerate(lins):
         if lin is not None and lin.routed_experts is not None and lin.routed_experts.shape[1:] != route_shape:
@@ -192,12 +238,25 @@ def _group_metrics(
     }
 
 
+def _versions(results: Sequence[RolloutResult], status: list[str]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each row's oldest and newest weight version and verified tokens (rows kept or
+    dropped stale; 0 for every other row)."""
+    n = len(results)
+    oldest, newest, tokens = np.zeros(n, np.int64), np.zeros(n, np.int64), np.zeros(n, np.int64)
+    for i, r in enumerate(results):
+        if status[i] in (R.OK, R.STALE) and r.weight_versions is not None and r.linearized is not None:
+            oldest[i], newest[i] = r.weight_versions
+            tokens[i] = r.linearized.length
+    return oldest, newest, tokens
+
+
 def assemble_group(
     results: Sequence[RolloutResult],
     rewards: Sequence[float],
     *,
     pad_id: int = 0,
     buffers: BufferSource | None = None,
+    staleness: Staleness | None = None,
 ) -> FinalizedGroup:
     """Pad and stack one group's results (submission order) into a :class:`FinalizedGroup`.
 
@@ -207,12 +266,16 @@ def assemble_group(
     internal_errors (rows the verifier failed on: counted apart, never a reason), tokens
     (accepted tokens), calls_per_rollout (mean chain calls over accepted rows), max_len.
     ``buffers``: where the padded tensors' memory comes from (e.g. a pool of memory the
-    process already touched); ``np.empty`` without it.
+    process already touched); ``np.empty`` without it. ``staleness``: rows too stale for
+    the trainer are rejected ``stale`` (None: none is). ``metrics["_verified_tokens"]``
+    (private: the step's staleness figures read it) lists each row's verified tokens,
+    stale rows' included.
     """
     n = len(results)
     if len(rewards) != n:
         raise ValueError(f"{n} results but {len(rewards)} rewards")
-    status, details, lins, route_shape = _training_rows(results)
+    status, details, lins, route_shape = _training_rows(results, staleness)
+    oldest, newest, verified_tokens = _versions(results, status)
     accepted = [i for i, lin in enumerate(lins) if lin is not None]
     lengths = np.zeros(n, dtype=np.int64)
     prompts = np.zeros(n, dtype=np.int64)
@@ -235,5 +298,7 @@ def assemble_group(
         has_routes=torch.from_numpy(buf.has_routes),
         status=status,
         details=details,
-        metrics=_group_metrics(results, status, accepted, lengths),
+        metrics={**_group_metrics(results, status, accepted, lengths), "_verified_tokens": verified_tokens.tolist()},
+        weight_version_oldest=torch.from_numpy(oldest),
+        weight_version_newest=torch.from_numpy(newest),
     )

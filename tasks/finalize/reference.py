@@ -421,4 +421,5 @@ def reference_verify_rollout(
         lin = _verify(plan, rows, routes, vocab_size, num_experts)
     except _Reject as e:
         return RolloutResult(plan.rollout_id, e.reason, "", None, len(plan.chain))
-    return RolloutResult(plan.rollout_id, "ok", "", lin, len(plan.chain))
+    versions = [int(rec.weight_version) for rec in plan.chain]
+    return RolloutResult(plan.rollout_id, "ok", "", lin, len(plan.chain), (min(versions), max(versions)))

@@ -6,17 +6,18 @@ to the step's longest row ``T`` (tokens). Keys and dtypes: ``input_ids`` int64 [
 ``position_ids`` int64 [B, T] (0..len-1, 0 on padding), ``loss_mask`` float32 [B, T]
 (generated tokens of accepted rows), ``old_logprobs`` float32 [B, T] (0 off ``loss_mask``),
 ``rewards``, ``advantages``, ``sample_mask`` float32 [B], ``token_advantages`` float32
-[B, T], ``group_index``, ``input_lengths``, ``prompt_lengths`` int64 [B], ``has_routes``
-bool [B], and ``routed_experts`` [B, T, L, K] only when some row has routes: in the
-``routes_dtype`` the trainer asks for (e.g. ``torch.int64`` to index embeddings), by
-default as stored (uint8 when every group's routes were staged as one-byte ids, int16
-otherwise). The values are the same whichever encoding staged them.
+[B, T], ``group_index``, ``input_lengths``, ``prompt_lengths``, ``weight_version_oldest``,
+``weight_version_newest`` int64 [B] (0 on rows rejected before verification),
+``weight_lag`` int64 [B] (with a ``trainer_version``: trainer_version -
+weight_version_oldest on every row), ``has_routes`` bool [B], and ``routed_experts``
+[B, T, L, K] only when some row has routes: in the ``routes_dtype`` the trainer asks for
+(e.g. ``torch.int64``), by default as stored (uint8 or int16; the same values).
 
 Advantages are GRPO's outcome advantages over each group's ACCEPTED rows only (mean and
 unbiased ``torch.std``, as verl's ``compute_grpo_outcome_advantage``), computed in float64
 and never NaN or inf; rejected rows and groups with fewer than two accepted rows get 0.
 Vectorized over the whole step (a Python loop over groups, never over rows or tokens).
-docs/design.md section 4 says why each convention was chosen.
+docs/design.md sections 4 and 14 say why each convention was chosen.
 """
 from __future__ import annotations
 
@@ -44,7 +45,10 @@ _FIELDS: tuple[tuple[str, torch.dtype, str], ...] = (
     ("sample_mask", torch.float32, "n"),
     ("rewards", torch.float32, "n"),
     ("has_routes", torch.bool, "n"),
+    ("weight_version_oldest", torch.int64, "n"),
+    ("weight_version_newest", torch.int64, "n"),
 )
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 def _bad(gi: int, what: str) -> InvalidInput:
@@ -80,6 +84,14 @@ def _check_group(gi: int, g: Any) -> tuple[int, int]:
     if n * t and not bool(torch.isfinite(g.logprobs).all()):
         raise _bad(gi, "logprobs hold NaN or inf")
     return n, t
+
+
+def check_version(version: object, what: str, error: type[Exception] = InvalidInput) -> int:
+    """``version`` as a weight version: an int (not a bool) in int64, else ``error``
+    naming ``what``."""
+    if isinstance(version, bool) or not isinstance(version, int) or not _I64_MIN <= version <= _I64_MAX:
+        raise error(f"{what} must be an int64 weight version, got {version!r}")
+    return version
 
 
 def _check_options(eps: float, pad_id: int, routes_dtype: torch.dtype | None) -> None:
@@ -162,6 +174,16 @@ def _padded(
     return input_ids, token_mask, logprobs, routes
 
 
+def _lag(trainer_version: int, oldest: torch.Tensor) -> torch.Tensor:
+    """``trainer_version - oldest`` (int64 [B]); :class:`InvalidInput` when a lag would
+    leave int64 (checked on the extremes in Python ints, never wrapped)."""
+    if oldest.numel():
+        lo, hi = trainer_version - int(oldest.max()), trainer_version - int(oldest.min())
+        if lo < _I64_MIN or hi > _I64_MAX:
+            raise InvalidInput(f"step_batch: trainer_version {trainer_version} minus weight_version_oldest leaves int64")
+    return trainer_version - oldest
+
+
 def step_batch(
     groups: Sequence[FinalizedGroup],
     *,
@@ -169,20 +191,25 @@ def step_batch(
     pad_id: int = 0,
     normalize_std: bool = True,
     routes_dtype: torch.dtype | None = None,
+    trainer_version: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Stack a step's groups (step order) into one padded batch; see the module docstring.
+
+    ``trainer_version``: the trainer's weight version; adds ``weight_lag`` (int64 [B]).
 
     ``routes_dtype``: the dtype of ``routed_experts`` (one of :data:`ROUTES_DTYPES`);
     ``None`` keeps them as stored (the widest of the groups'). Raises
     :class:`tasks.errors.InvalidInput` naming the group and field for a group that is not
     a well-formed FinalizedGroup, a non-finite reward or logprob, routes whose ``[L, K]``
     differ between groups, a negative or non-finite ``eps``, a bad ``pad_id`` or
-    ``routes_dtype``.
+    ``routes_dtype``, a ``trainer_version`` that is not an int64, or a lag past int64.
     """
     if isinstance(groups, (FinalizedGroup, Mapping, str, bytes)) or not isinstance(groups, Sequence):
         hint = " (pass list(step.groups.values()))" if isinstance(groups, Mapping) else ""
         raise InvalidInput(f"step_batch: groups must be a sequence of FinalizedGroup, got {type(groups).__name__}{hint}")
     _check_options(eps, pad_id, routes_dtype)
+    if trainer_version is not None:
+        check_version(trainer_version, "step_batch: trainer_version")
     shapes = [_check_group(gi, g) for gi, g in enumerate(groups)]
     route_shapes = {tuple(g.routed_experts.shape[2:]) for g in groups if g.routed_experts is not None}
     if len(route_shapes) > 1:
@@ -228,7 +255,11 @@ def step_batch(
         "input_lengths": input_lengths,
         "prompt_lengths": prompt_lengths,
         "has_routes": has_routes,
+        "weight_version_oldest": cat("weight_version_oldest", torch.int64),
+        "weight_version_newest": cat("weight_version_newest", torch.int64),
     }
+    if trainer_version is not None:
+        batch["weight_lag"] = _lag(trainer_version, batch["weight_version_oldest"])
     if routes is not None:
         batch["routed_experts"] = routes
     return batch

@@ -34,6 +34,8 @@ class RolloutResult:
     detail: str = ""
     linearized: Linearized | None = None
     n_calls: int = 0  # calls on the root -> terminal chain (0 if rejected before planning)
+    # (oldest, newest) ``weight_version`` over the verified chain's calls; None unless ok.
+    weight_versions: tuple[int, int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -57,6 +59,13 @@ def internal_error_result(rollout_id: str, exc: BaseException, n_calls: int = 0)
 
 
 # ---- one rollout, step by step ---------------------------------------------------------
+
+
+def chain_versions(plan: RolloutPlan) -> tuple[int, int]:
+    """(oldest, newest) ``weight_version`` of the chain's calls (each verified equal to its
+    row's by the ``wrong_weight_version`` rule)."""
+    versions = [int(rec.weight_version) for rec in plan.chain]
+    return min(versions), max(versions)
 
 
 def linearize_chain(walk: ChainCheck, rows: RowTable, routes: RoutesTable, alloc: Alloc | None) -> Linearized:
@@ -102,7 +111,7 @@ def _verify(plan: RolloutPlan, rules: CallRules, alloc: Alloc | None) -> Rollout
     walk.run(rules)
     lin = linearize_chain(walk, rules.rows, rules.routes_for(walk.root_enc), alloc)
     check_training_row(lin, rules.rows, walk.rows_i[-1], walk.scheme.version)
-    return RolloutResult(plan.rollout_id, R.OK, "", lin, len(plan.chain))
+    return RolloutResult(plan.rollout_id, R.OK, "", lin, len(plan.chain), chain_versions(plan))
 
 
 def _verdict(plan: RolloutPlan, rules: CallRules, alloc: Alloc | None = None) -> RolloutResult:

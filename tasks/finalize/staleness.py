@@ -1,0 +1,112 @@
+"""A step's staleness figures: how far behind the trainer its rollouts' weights were, by
+rollout length, so a bias toward short rollouts (long ones sample longer, under older
+weights, and are dropped ``stale`` more often) shows.
+
+A row's lag is ``reference - weight_version_oldest`` (versions): ``reference`` is the
+trainer version the step was submitted with, or, without one, the newest weight version
+among the step's verified rows. Rows counted: every verified row, those dropped ``stale``
+included; rows rejected for their data are not. Lengths are the rows' verified tokens.
+Vectorized over rows (numpy); one Python pass over the step's groups to gather them.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypedDict
+
+import numpy as np
+
+from .. import reasons as R
+
+if TYPE_CHECKING:  # the scheduler's state reads the buckets: no torch import there
+    from .assemble import FinalizedGroup
+
+# (label, exclusive upper bound in tokens); the last bucket is open.
+LENGTH_BUCKETS: tuple[tuple[str, float], ...] = (("<1k", 1024), ("1-4k", 4096), ("4-16k", 16384), (">=16k", float("inf")))
+BUCKET_LABELS: tuple[str, ...] = tuple(label for label, _ in LENGTH_BUCKETS)
+
+
+class BucketFigures(TypedDict):
+    """One length bucket: verified rollouts, those dropped ``stale``, the lag summed over
+    them (versions) and its mean (0.0 without rollouts)."""
+
+    bucket: str
+    rollouts: int
+    stale: int
+    lag_sum: int
+    mean_lag: float
+
+
+class StalenessFigures(TypedDict):
+    """A step's figures (the ``staleness`` key of its step event)."""
+
+    trainer_version: int | None  # as submitted (None: not given)
+    reference_version: int  # what lags are measured from
+    max_staleness: int | None  # finalize.max-staleness in force (None: off, or no trainer_version)
+    rollouts: int
+    stale: int
+    mean_lag: float
+    max_lag: int
+    buckets: list[BucketFigures]
+
+
+def bucket_index(tokens: np.ndarray) -> np.ndarray:
+    """Each length's bucket in :data:`LENGTH_BUCKETS` (int64, vectorized)."""
+    bounds = np.array([b for _, b in LENGTH_BUCKETS[:-1]], dtype=np.float64)
+    return np.searchsorted(bounds, np.asarray(tokens, dtype=np.float64), side="right").astype(np.int64)
+
+
+def staleness_figures(
+    tokens: np.ndarray, oldest: np.ndarray, stale: np.ndarray, *,
+    reference: int, trainer_version: int | None, max_staleness: int | None,
+) -> StalenessFigures:
+    """Figures over verified rows: ``tokens`` (int [n]), ``oldest`` weight versions (int
+    [n]) and whether each was dropped ``stale`` (bool [n]); lags from ``reference``."""
+    tokens, oldest, stale = np.asarray(tokens, np.int64), np.asarray(oldest, np.int64), np.asarray(stale, bool)
+    ref = int(reference)
+    lag = ref - oldest
+    which = bucket_index(tokens)
+    n_b = len(LENGTH_BUCKETS)
+    counts = np.bincount(which, minlength=n_b)
+    stales = np.bincount(which, weights=stale.astype(np.float64), minlength=n_b)
+    lag_sums = np.bincount(which, weights=lag.astype(np.float64), minlength=n_b)
+    buckets: list[BucketFigures] = [
+        {"bucket": label, "rollouts": int(counts[b]), "stale": int(stales[b]), "lag_sum": int(lag_sums[b]),
+         "mean_lag": float(lag_sums[b] / counts[b]) if counts[b] else 0.0}
+        for b, (label, _) in enumerate(LENGTH_BUCKETS)
+    ]
+    return {
+        "trainer_version": None if trainer_version is None else int(trainer_version),
+        "reference_version": ref,
+        "max_staleness": max_staleness if trainer_version is not None else None,
+        "rollouts": int(tokens.size),
+        "stale": int(stale.sum()),
+        "mean_lag": float(lag.mean()) if lag.size else 0.0,
+        "max_lag": int(lag.max()) if lag.size else 0,
+        "buckets": buckets,
+    }
+
+
+def step_staleness(
+    groups: Sequence[FinalizedGroup], *, trainer_version: int | None, max_staleness: int | None,
+) -> StalenessFigures:
+    """:func:`staleness_figures` over a step's groups: their verified rows (accepted or
+    dropped ``stale``), each with its verified tokens (the group's private
+    ``metrics["_verified_tokens"]``, else its ``input_lengths``)."""
+    tokens, oldest, newest, stale = [], [], [], []
+    for g in groups:
+        status = np.array(g.status, dtype=object)
+        keep = (status == R.OK) | (status == R.STALE)
+        lengths = g.metrics.get("_verified_tokens") if isinstance(g.metrics, dict) else None
+        lengths = np.asarray(lengths if lengths is not None and len(lengths) == len(status) else g.input_lengths.numpy(), np.int64)
+        tokens.append(lengths[keep])
+        oldest.append(g.weight_version_oldest.numpy()[keep])
+        newest.append(g.weight_version_newest.numpy()[keep])
+        stale.append(status[keep] == R.STALE)
+
+    def cat(parts: list[np.ndarray], dtype: type) -> np.ndarray:
+        return np.concatenate(parts).astype(dtype) if parts else np.zeros(0, dtype)
+
+    newest_all = cat(newest, np.int64)
+    reference = trainer_version if trainer_version is not None else int(newest_all.max()) if newest_all.size else 0
+    return staleness_figures(cat(tokens, np.int64), cat(oldest, np.int64), cat(stale, bool), reference=reference,
+                             trainer_version=trainer_version, max_staleness=max_staleness)
