@@ -318,7 +318,7 @@ class Browser:
                     self.call("Browser.close", timeout_s=10)
                 except Exception:
                     pass
-                self._ws.close()
+                self._loop.run_until_complete(_close(self._ws))  # tornado's close needs its loop current
         finally:
             if self._proc.poll() is None:
                 self._proc.terminate()
@@ -335,3 +335,9 @@ class Browser:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+async def _close(ws: Any) -> None:
+    """Close a tornado websocket inside its event loop (under pytest-xdist the main
+    thread has no default loop to fall back on)."""
+    ws.close()

@@ -1,10 +1,29 @@
 """Shared fixtures: small real Dask clusters on loopback (2 cores: keep them small)."""
 from __future__ import annotations
 
+import os
+
+import dask
 import pytest
 from distributed import Client
 
 from pipeline.cluster import local_cluster
+
+
+def _own_host_addresses() -> None:
+    """Under pytest-xdist (``-n 2``) each test process gets its own block of loopback host
+    addresses: gw0 127.0.1.2, 127.0.1.3, ...; gw1 127.0.2.2, ... (a serial run keeps
+    127.0.0.2, ...). Concurrent multi-host clusters, and a partition test's firewall rules,
+    then never touch another test process's hosts. Set in this process's Dask config and
+    in the environment (the cluster CLI runs in subprocesses)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and worker[2:].isdigit():
+        first = f"127.0.{int(worker[2:]) + 1}.2"
+        os.environ["DASK_TOKEN_CAPTURE__HOSTS__FIRST_ADDRESS"] = first
+        dask.config.set({"token-capture.hosts.first-address": first})
+
+
+_own_host_addresses()
 
 
 @pytest.fixture(scope="module")

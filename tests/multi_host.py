@@ -62,6 +62,14 @@ def multi_host_cluster(hosts: int = 4, workers_per_host: int = 2, storage_hosts:
         cluster.close(graceful=False)  # nothing to keep: SIGKILL, no graceful close to wait for
 
 
+def host_address(k: int) -> str:
+    """The loopback address host ``k`` (1-based: ``host1``) of a LocalHosts gets under this
+    process's ``hosts.first-address`` (127.0.0.2, ... in a serial run)."""
+    from pipeline.deploy.settings import HostSettings
+
+    return HostSettings.from_config().host_address(k - 1)
+
+
 def host_of(address: str) -> str:
     """``tcp://127.0.0.3:4000`` -> ``127.0.0.3``."""
     return address.split("://", 1)[-1].rsplit(":", 1)[0]

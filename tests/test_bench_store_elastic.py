@@ -78,8 +78,12 @@ def test_bench_store_elastic_tiny_run_is_ok(capsys):
     for r in (1, 2):
         part = block[f"replicas_{r}"]
         for kind in ("baseline", "during_add", "during_drain"):
-            assert part[kind]["put_rows_per_s"] > 0 and part[kind]["get_rows_per_s"] > 0, (r, kind, part[kind])
-            assert len(part[kind]["put_rows_per_s_runs"]) == 1
+            w = part[kind]
+            assert w["put_calls_runs"][0] + w["get_calls_runs"][0] > 0, (r, kind, w)  # the loop went on in every window
+            for op in ("put", "get"):  # a short drain may overlap one call only (under load: a put, no get)
+                assert (w[f"{op}_rows_per_s"] > 0) == (w[f"{op}_calls_runs"][0] > 0), (r, kind, w)
+            assert len(w["put_rows_per_s_runs"]) == 1
+        assert part["baseline"]["put_rows_per_s"] > 0 and part["baseline"]["get_rows_per_s"] > 0, part["baseline"]
         move = part["during_move"]  # the change's own interval (its record's wall-clock bounds)
         assert 0 < move["seconds_runs"][0] <= part["during_add"]["seconds_runs"][0] + 0.05, (move, part["during_add"])
         for op in ("put", "get"):  # a tiny move may fall between two calls of the loop

@@ -23,6 +23,8 @@ from pipeline.deploy.cli import host_roles
 from pipeline.deploy.settings import HostSettings
 from tasks.errors import ClusterMisconfigured, HostStartFailed
 
+from multi_host import host_address
+
 pytestmark = pytest.mark.timeout(180)
 
 
@@ -53,7 +55,7 @@ def test_cluster_command_prints_the_address_and_stops_every_process_on_ctrl_c(tm
         with Client(address, timeout=30) as client:
             workers = client.scheduler_info(n_workers=-1)["workers"].values()
             got = {w["name"]: (w["host"], tuple(sorted(w["resources"]))) for w in workers}
-            assert got == {"host1": ("127.0.0.2", ("finalize", "generation")), "host2": ("127.0.0.3", ("finalize", "storage"))}
+            assert got == {"host1": (host_address(1), ("finalize", "generation")), "host2": (host_address(2), ("finalize", "storage"))}
             assert check_cluster(client).ok
         assert (tmp_path / "host1" / "workers.log").exists() and (tmp_path / "host2" / "workers.log").exists()
         proc.send_signal(signal.SIGINT)
@@ -64,7 +66,7 @@ def test_cluster_command_prints_the_address_and_stops_every_process_on_ctrl_c(tm
     assert proc.returncode == 0, err[-3000:]
     lines = err.splitlines()
     # The command lines a deployment would run, then progress; no traceback.
-    assert any("host1: dask worker tcp://" in ln and "--host 127.0.0.2" in ln and "--preload pipeline.deploy.worker_preload" in ln
+    assert any("host1: dask worker tcp://" in ln and f"--host {host_address(1)}" in ln and "--preload pipeline.deploy.worker_preload" in ln
                and "--resources generation=1,finalize=2" in ln for ln in lines), err
     assert "[cluster] stopped" in lines[-1] and "Traceback" not in err, err
     assert not alive(pids), "processes outlived the cluster command"
@@ -125,7 +127,7 @@ def test_a_worker_that_exits_before_registering_names_its_host_and_log(scheduler
     with pytest.raises(HostStartFailed) as e:
         scheduler.add_host(["finalize"], 1, name="broken", extra_args=["--preload", "no_such_module_for_this_test"])
     message = str(e.value)
-    assert message.startswith("broken (127.0.0.2): a worker process exited with code 1 before broken registered: "
+    assert message.startswith(f"broken ({host_address(1)}): a worker process exited with code 1 before broken registered: "
                               "ModuleNotFoundError: No module named 'no_such_module_for_this_test'"), message
     assert os.path.join(scheduler.directory, "broken", "worker-0.log") in message and "start the host again" in message
     assert not alive(p.pid for p in scheduler.hosts["broken"].processes)
@@ -133,7 +135,7 @@ def test_a_worker_that_exits_before_registering_names_its_host_and_log(scheduler
 
 def test_a_worker_that_does_not_register_in_time_names_its_host_and_the_fix(scheduler):
     scheduler.settings = dataclasses.replace(scheduler.settings, start_timeout_s=0.2)  # a worker takes seconds to start
-    with pytest.raises(HostStartFailed, match=r"slow \(127\.0\.0\.\d+\): worker\(s\) slow did not register within 0.2 s "
+    with pytest.raises(HostStartFailed, match=r"slow \(127\.0\.\d+\.\d+\): worker\(s\) slow did not register within 0.2 s "
                        r"\(logs .*\); read the logs, or raise token-capture.hosts.start-timeout-s"):
         scheduler.add_host(["finalize"], 1, name="slow")
     assert not alive(p.pid for p in scheduler.hosts["slow"].processes), "a failed host's processes are killed"

@@ -21,7 +21,7 @@ from contextlib import redirect_stderr
 import dask
 import psutil
 import pytest
-from multi_host import S3_CREDENTIALS, STORAGE, capture_group, host_of, moto_s3, multi_host_cluster
+from multi_host import S3_CREDENTIALS, STORAGE, capture_group, host_address, host_of, moto_s3, multi_host_cluster
 from support import assert_rows_read_back, wait_for_names, wait_until
 
 from pipeline.capture import policy_from_config
@@ -89,14 +89,14 @@ def test_each_host_binds_its_own_address_and_directory(cluster):
     assert len(check.workers) == 8 and all(w.preloaded for w in check.workers)
     dirs = client.run(lambda dask_worker: dask_worker.local_directory)
     for k, (name, host) in enumerate(hosts.hosts.items()):
-        assert host.address == f"127.0.0.{k + 2}"
+        assert host.address == host_address(k + 1)
         workers = hosts.workers(name)
         assert len(workers) == 2 and {host_of(w) for w in workers} == {host.address}
         assert all(dirs[w].startswith(host.spec.local_directory + os.sep) for w in workers), (dirs, host.spec.local_directory)
         # Every socket a host's processes listen on is on its own address.
         assert listening_ips(host.pids()) == {host.address}
     assert workers_with_role(client, "generation") == hosts.role_workers("generation") and len(hosts.role_workers("generation")) == 4
-    assert {host_of(w) for w in workers_with_role(client, "storage")} == {"127.0.0.4", "127.0.0.5"}
+    assert {host_of(w) for w in workers_with_role(client, "storage")} == {host_address(3), host_address(4)}
 
 
 def test_bytes_crossing_hosts_are_counted_per_step(cluster):
@@ -165,7 +165,7 @@ def test_stage_finalize_then_lose_a_whole_storage_host(cluster):
         # A whole storage host lost: every process SIGKILLed.
         pids = hosts.kill_host("host3")
         assert pids and not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        assert not [w for w in client.scheduler_info(n_workers=-1)["workers"] if host_of(w) == "127.0.0.4"]
+        assert not [w for w in client.scheduler_info(n_workers=-1)["workers"] if host_of(w) == host_address(3)]
         rows = [row for ro in reference for row in ro.rows]
         assert_rows_read_back(lookup_store(client, NAME), rows)
 
@@ -173,7 +173,7 @@ def test_stage_finalize_then_lose_a_whole_storage_host(cluster):
         # units (until then a put of a key with a copy there is refused, its receipt poisoned).
         def repaired():
             info = next(i for i in hosted_stores(client) if i["name"] == NAME)
-            return not [w for w in info["workers"] if host_of(w) == "127.0.0.4"] and len(info["repaired"]) >= 2
+            return not [w for w in info["workers"] if host_of(w) == host_address(3)] and len(info["repaired"]) >= 2
 
         wait_until(repaired, 120, "the lost units re-replicated")
         groups2 = specs("mh-b-", groups=1)
