@@ -40,6 +40,15 @@ CONFIGS = {
 SHAPE = dict(tokens_per_turn=6, tool_tokens=3, prompt_tokens=6, vocab_size=512)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread, as the engine runs (tiny matmuls: threads only contend)."""
+    from tasks.engines.threads import torch_threads
+
+    with torch_threads(1):
+        yield
+
+
 def _finalized(engine: HFMoEEngine, rollouts) -> FinalizedGroup:
     """One group through the real plan, verify and assemble (no cluster)."""
     step = plan_group([r.receipt for r in rollouts])
