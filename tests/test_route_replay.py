@@ -294,3 +294,14 @@ def test_replay_refuses_gradient_checkpointing_outside_a_context(captured):
     with torch.no_grad():  # nothing to recompute without a backward
         out = batch_logprobs(model, batch, replay=True)
     assert torch.equal(out.routes[batch["loss_mask"] > 0], batch["routed_experts"].long()[batch["loss_mask"] > 0])
+
+
+def test_a_tensordict_batch_replays_like_the_dict(captured):
+    # StepResult.to_batch(as_tensordict=True) hands the same keys as a TensorDict.
+    tensordict = pytest.importorskip("tensordict")
+    engine, batch = captured
+    model = _model(engine, "eval")
+    td = tensordict.TensorDict(batch, batch_size=[int(batch["input_ids"].shape[0])])
+    with torch.no_grad():
+        a, b = batch_logprobs(model, batch, replay=True), batch_logprobs(model, td, replay=True)
+    assert torch.equal(a.token_logprobs, b.token_logprobs) and torch.equal(a.routes, b.routes)
