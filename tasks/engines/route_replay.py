@@ -1,28 +1,19 @@
 """Route replay ("R3"): recompute a step batch's logprobs with every token's experts
 FORCED to the routes captured at sampling time, differentiably.
 
-The routing WEIGHTS still come from the router's own logits, taken at the forced experts
-and normalized as the architecture does (Mixtral: float32 softmax over all experts, the
-selected probabilities renormalized to sum 1; Qwen2-MoE: softmax over all experts, the
-selected probabilities, renormalized only with ``norm_topk_prob``), so the loss is
-differentiable through the router and the experts. Without replay the model's own top-k
-is used (and recorded).
+Only the selection is forced: the weights come from the router's own logits at the forced
+experts, normalized as the architecture does (Mixtral: renormalized softmax; Qwen2-MoE:
+softmax over all experts, renormalized only with ``norm_topk_prob``). Without replay the
+model's own top-k is used (and recorded). Mechanism: a forward hook on each router module
+(:func:`forced_routes`), removed on exit even on error; the transformers names it relies
+on live in :data:`_ROUTERS` only.
 
-Mechanism: a forward hook on each router module (transformers 5's ``*TopKRouter``, which
-returns ``(logits, weights, indices)``) swaps the indices and weights of the routed
-positions; the hooks are removed on exit, even on error. The transformers names this
-relies on live in :data:`_ROUTERS` only (``tests/test_route_replay.py`` checks them).
-
-Alignment (the step batch's and :func:`tasks.engines.hf_moe.teacher_forced`'s):
-``token_logprobs[b, t]`` is the logprob of token ``t`` under the logits of position
-``t - 1``; 0 at ``t = 0`` and on padding. ``routed_experts[b, t]`` are the experts of the
-pass over position ``t - 1`` (``[0]`` repeats the pass over 0 and is never replayed), so
-the pass over position ``q`` is forced to ``routed_experts[b, q + 1]`` for
-``q < length - 1``; the pass over the last real token (no logprob depends on it) and
-padding keep the model's own top-k. Every real position carries meaningful routes in
-captured rows (prompt and tool tokens get the prefill's), and all of them are replayed:
-a context token's routing changes the hidden states later tokens attend to. Rows must be
-right-padded (a prefix of ones in ``attention_mask``). docs/design.md, "Route replay".
+Alignment (the step batch's): ``token_logprobs[b, t]`` is the logprob of token ``t``
+under the logits of position ``t - 1`` (0 at ``t = 0`` and on padding), and
+``routed_experts[b, t]`` are the experts of the pass over ``t - 1``, so the pass over
+position ``q`` is forced to ``routed_experts[b, q + 1]`` for ``q < length - 1``; the last
+real position and padding keep the model's own top-k. Rows must be right-padded.
+docs/design.md, "Route replay".
 """
 from __future__ import annotations
 
