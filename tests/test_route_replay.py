@@ -22,6 +22,7 @@ from tasks.engines.route_replay import (  # noqa: E402
     RoutedForward,
     batch_logprobs,
     forced_routes,
+    input_routes,
     replay_logprobs,
     route_shape,
     routers,
@@ -294,6 +295,27 @@ def test_replay_refuses_gradient_checkpointing_outside_a_context(captured):
     with torch.no_grad():  # nothing to recompute without a backward
         out = batch_logprobs(model, batch, replay=True)
     assert torch.equal(out.routes[batch["loss_mask"] > 0], batch["routed_experts"].long()[batch["loss_mask"] > 0])
+
+
+def test_with_gradient_checkpointing_forward_and_backward_run_inside_forced_routes(captured):
+    # The recipe the refusal points to: input_routes shifts the batch's routes to input
+    # positions; the recomputed forward in backward is forced too, so the gradients are
+    # replay's (the moved router would pick other experts on its own).
+    engine, batch = captured
+    lm = batch["loss_mask"]
+    ref = _moved(engine)
+    (-(batch_logprobs(ref, batch, replay=True).token_logprobs * lm).sum()).backward()
+    model = _moved(engine)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    experts, where = input_routes(batch["routed_experts"], mask, batch["has_routes"])
+    assert torch.equal(experts[:, :-1], batch["routed_experts"][:, 1:].long()) and torch.equal(where[:, -1], torch.zeros_like(where[:, -1]))
+    with forced_routes(model, experts, where):
+        logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+        lp = torch.log_softmax(logits.float(), dim=-1)[:, :-1].gather(-1, ids[:, 1:, None])[..., 0]
+        (-(lp * lm[:, 1:]).sum()).backward()
+    for a, b in zip(routers(ref), routers(model)):
+        assert b.weight.grad is not None and torch.allclose(a.weight.grad, b.weight.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_a_tensordict_batch_replays_like_the_dict(captured):

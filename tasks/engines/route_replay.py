@@ -231,6 +231,25 @@ def _shifted(used: torch.Tensor) -> torch.Tensor:
     return torch.cat([used[:, :1], used[:, :-1]], dim=1)
 
 
+def input_routes(routed_experts: torch.Tensor, attention_mask: torch.Tensor, has_routes: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The capture convention -> :func:`forced_routes`' arguments: int64 ``[B, T, L, K]``
+    experts per INPUT position (position ``q`` gets ``routed_experts[:, q + 1]``) and bool
+    ``[B, T]`` where to force them (``q + 1`` a real token of a row with routes). For a
+    trainer that runs its own forward (and backward, with gradient checkpointing)::
+
+        with forced_routes(model, *input_routes(batch["routed_experts"], batch["attention_mask"], batch["has_routes"])):
+            loss(model(input_ids=..., attention_mask=...)).backward()
+    """
+    r = _int_tensor(routed_experts, "routed_experts").to(torch.int64)
+    real = _int_tensor(attention_mask, "attention_mask", bool_ok=True).to(device=r.device, dtype=torch.bool)
+    if r.dim() != 4 or tuple(r.shape[:2]) != tuple(real.shape):
+        raise InvalidInput(f"routed_experts must be [B, T, L, K] over attention_mask's [B, T] = {list(real.shape)}, got {list(r.shape)}")
+    where = torch.cat([real[:, 1:], torch.zeros_like(real[:, :1])], dim=1)
+    if has_routes is not None:
+        where = where & torch.as_tensor(has_routes, device=r.device).to(torch.bool).reshape(-1, 1)
+    return torch.cat([r[:, 1:], r[:, :1]], dim=1), where
+
+
 def _forward(model: nn.Module, ids: torch.Tensor, real: torch.Tensor, routes: torch.Tensor | None, routed_rows: torch.Tensor) -> RoutedForward:
     """Forward over the rows with a real token (right-padded ``ids``), on the model's
     device; see :func:`replay_logprobs`."""
@@ -249,12 +268,9 @@ def _forward(model: nn.Module, ids: torch.Tensor, real: torch.Tensor, routes: to
     ids_l = ids[live, :n].masked_fill(~real_l, 0)
     forced = where = None
     if routes is not None:
-        # The pass over position q replays routes[q + 1] when token q + 1 is real.
-        r = routes.to(device)
-        forced = torch.cat([r[live, 1:n], r[live, :1]], dim=1)
-        where = torch.cat([real_l[:, 1:], torch.zeros_like(real_l[:, :1])], dim=1) & routed_rows[live][:, None]
+        forced, where = input_routes(routes.to(device)[live, :n], real_l, routed_rows[live])
         if _checkpointing(model) and torch.is_grad_enabled():
-            raise InvalidInput("model: gradient checkpointing recomputes the forward during backward; wrap forward and backward in forced_routes(...) instead")
+            raise InvalidInput("model: gradient checkpointing recomputes the forward during backward; run forward and backward inside forced_routes(model, *input_routes(...)) instead")
     with forced_routes(model, forced, where) as rec:
         out = model(input_ids=ids_l, attention_mask=real_l.to(torch.int64), use_cache=False)
         used = rec.routes(len(live), n)
