@@ -128,10 +128,11 @@ def forced_routes(model: nn.Module, experts: torch.Tensor | None = None, where: 
     top-k elsewhere, and everywhere with ``experts=None``); yields a :class:`RouteRecorder`
     of the experts used by the last forward.
 
-    ``experts``: int64 ``[B, S, L, K]`` per INPUT position (not the capture convention:
-    :func:`replay_logprobs` shifts), valid ids, checked by the caller. ``where``: bool
-    ``[B, S]`` (default all). With gradient checkpointing, run backward inside too (the
-    recomputed forward must be forced the same way). Not reentrant per model.
+    ``experts``: integer ``[B, S, L, K]`` per INPUT position (not the capture convention:
+    :func:`input_routes` converts), ids in ``[0, E)`` where forced (else
+    :class:`InvalidInput`). ``where``: bool ``[B, S]`` (default all). With gradient
+    checkpointing, run backward inside too (the recomputed forward must be forced the same
+    way). One context per model at a time.
     """
     rs = routers(model)
     flat = None
