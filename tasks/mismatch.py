@@ -110,18 +110,58 @@ def _checked(old: Any, new: Any, mask: Any, weight_lag: Any) -> tuple[np.ndarray
     return old_a, new_a, where, lag
 
 
-def _route_match(sampler: Any, trainer: Any, batch: tuple[int, ...]) -> np.ndarray:
-    """Per (token, layer) whether the two expert sets match: bool [B, T, L]."""
+def _route_match(sampler: Any, trainer: Any, batch: tuple[int, ...], rows: np.ndarray, toks: np.ndarray) -> np.ndarray:
+    """Whether the two expert sets match at each selected token (``rows``, ``toks``) and
+    layer: bool [N, L]. Only the selected tokens are sorted (along K)."""
     if (sampler is None) != (trainer is None):
         missing = "trainer_routes" if trainer is None else "sampler_routes"
         raise InvalidInput(f"{missing} is missing: route agreement needs both sampler_routes and trainer_routes")
     s, t = _array(sampler, "sampler_routes"), _array(trainer, "trainer_routes")
     for name, a in (("sampler_routes", s), ("trainer_routes", t)):
-        if a.ndim != 4 or a.shape[:2] != batch or not np.issubdtype(a.dtype, np.integer):
+        if a.ndim != 4 or a.shape[:2] != batch or a.shape[3] < 1 or not np.issubdtype(a.dtype, np.integer):
             raise InvalidInput(f"{name} must be integer expert ids [B, T, L, K] with [B, T] = {list(batch)}, got {a.dtype} {list(a.shape)}")
     if s.shape != t.shape:
         raise InvalidInput(f"trainer_routes must match sampler_routes' shape {list(s.shape)}, got {list(t.shape)}")
-    return (np.sort(s, axis=-1) == np.sort(t, axis=-1)).all(axis=-1)
+    s_sel, t_sel = s[rows, toks], t[rows, toks]  # [N, L, K], C-contiguous
+    if s_sel.dtype != t_sel.dtype:  # e.g. uint8 as stored against the trainer's int64: the same values
+        s_sel, t_sel = s_sel.astype(np.int64), t_sel.astype(np.int64)
+    match = _rows_equal(s_sel, t_sel)  # the same order: the same set
+    odd = ~match  # the order differs: compare the sets, each sorted along K
+    if odd.any():
+        a, b = _sorted_columns(s_sel[odd]), _sorted_columns(t_sel[odd])
+        same = np.ones(a[0].shape, dtype=bool)
+        for x, y in zip(a, b):
+            same &= x == y
+        match[odd] = same
+    return match
+
+
+def _rows_equal(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """``(a == b).all(axis=-1)`` for C-contiguous [..., K] arrays of one dtype, comparing
+    each pair's K ids as a few machine words (numpy reduces a short last axis slowly)."""
+    nbytes = a.shape[-1] * a.dtype.itemsize
+    word = next(w for w in (8, 4, 2, 1) if nbytes % w == 0)
+    wa, wb = a.view(f"u{word}"), b.view(f"u{word}")
+    out = wa[..., 0] == wb[..., 0]
+    for j in range(1, wa.shape[-1]):
+        out &= wa[..., j] == wb[..., j]
+    return out
+
+
+def _sorted_columns(ids: np.ndarray) -> list[np.ndarray]:
+    """``ids`` [M, K] sorted along K, as K contiguous [M] columns: an odd-even
+    transposition network (K rounds of vectorized min/max) for small K, where ``np.sort``
+    pays its per-row overhead on every pair."""
+    k = ids.shape[-1]
+    if k > 16:
+        return list(np.sort(ids, axis=-1).T)
+    cols = [np.ascontiguousarray(ids[..., j]) for j in range(k)]
+    for r in range(k):
+        for j in range(r % 2, k - 1, 2):
+            lo = np.minimum(cols[j], cols[j + 1])
+            np.maximum(cols[j], cols[j + 1], out=cols[j + 1])
+            cols[j] = lo
+    return cols
 
 
 def _stats(delta: np.ndarray, eps: tuple[float, ...], agree: np.ndarray | None) -> MismatchReport:
@@ -166,12 +206,12 @@ def mismatch_stats(
     delta = new[rows, toks].astype(np.float64) - old[rows, toks].astype(np.float64)
     agree, agree_rows = None, rows
     if sampler_routes is not None or trainer_routes is not None:
-        match = _route_match(sampler_routes, trainer_routes, old.shape)
         keep = np.ones(old.shape[0], bool) if route_rows is None else _array(route_rows, "route_rows").astype(bool)
         if keep.shape != old.shape[:1]:
             raise InvalidInput(f"route_rows must be bool [B] = [{old.shape[0]}], got shape {list(keep.shape)}")
-        agree = match[rows, toks][keep[rows]]
-        agree_rows = rows[keep[rows]]
+        routed = keep[rows]
+        agree_rows = rows[routed]
+        agree = _route_match(sampler_routes, trainer_routes, old.shape, agree_rows, toks[routed])
     report = _stats(delta, eps, agree)
     if lag is None:
         return report

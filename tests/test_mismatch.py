@@ -89,6 +89,26 @@ def test_route_agreement_compares_expert_sets_per_token_and_layer():
     assert mismatch_stats(lp, lp, mask).route_agreement is None
 
 
+@pytest.mark.parametrize("k", [1, 3, 8, 20])
+def test_route_agreement_matches_a_sorted_set_oracle(k):
+    """Random top-k sets, some reordered and some changed, stored narrower than the
+    trainer's ids (uint8 against int64): agreement as a per-pair ``np.sort`` says."""
+    rng = np.random.default_rng(k)
+    B, T, L = 3, 40, 4
+    sampler = np.argsort(rng.random((B, T, L, 64)), axis=-1)[..., :k].astype(np.uint8)  # k distinct experts
+    trainer = sampler.astype(np.int64)
+    swap = rng.random((B, T, L)) < 0.5
+    trainer[swap] = trainer[swap][:, ::-1]
+    change = rng.random((B, T, L)) < 0.1
+    trainer[change, 0] = 64 + rng.integers(0, 8, int(change.sum()))  # an expert the sampler never picked
+    mask = (rng.random((B, T)) < 0.8).astype(np.float32)
+    lp = np.zeros((B, T), np.float32)
+    rep = mismatch_stats(lp, lp, mask, sampler_routes=sampler, trainer_routes=trainer)
+    want = (np.sort(sampler.astype(np.int64), -1) == np.sort(trainer, -1)).all(-1)[mask > 0]
+    assert rep.route_agreement == pytest.approx(float(want.mean())) and rep.route_pairs == want.size
+    assert rep.route_agreement < 1.0
+
+
 @pytest.mark.parametrize("change, field", [
     (dict(trainer_logprobs=np.zeros((2, 4))), "trainer_logprobs"),
     (dict(loss_mask=np.ones((3, 5))), "loss_mask"),
