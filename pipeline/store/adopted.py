@@ -149,10 +149,13 @@ class AdoptedGroups:
         while self._pending:
             self._maybe_compact(self._pending.pop(), used_bytes, capacity)
 
-    def relieve(self, excess: int) -> int:
+    def relieve(self, excess: int, pending_only: bool = False) -> int:
         """Compact groups with dead members, most dead bytes first, until ``excess`` bytes
-        of memory are freed or none is left; the excess still to free."""
-        for gid in sorted((gid for gid, g in self.groups.items() if g.dead > 0), key=lambda gid: -self.groups[gid].dead):
+        of memory are freed or none is left; the excess still to free. ``pending_only``:
+        look only at the groups that lost members since :meth:`compact_pending` (after a
+        full relieve left excess, the only ones that can have dead members)."""
+        gids = self._pending if pending_only else self.groups
+        for gid in sorted((gid for gid in gids if self.groups[gid].dead > 0), key=lambda gid: -self.groups[gid].dead):
             if excess <= 0:
                 break
             g = self.groups[gid]

@@ -94,7 +94,11 @@ class HeldRows:
         """At the end of each unit call: free adopted groups that now pin too much, then
         fit the memory limit with the pinned bytes counted: groups with dead members
         freed first (:meth:`AdoptedGroups.relieve`), then the least recently used rows
-        spilled, each with the rest of its group."""
+        spilled, each with the rest of its group.
+
+        One pass over the groups: once the full relieve leaves excess, every group with
+        dead members is compacted, so after each eviction only the evicted row's group
+        (pending since then) can have dead members and only it is looked at."""
         self.adopted.compact_pending(self.used_bytes, self.capacity)
         excess = self.adopted.relieve(self.resident_bytes - self.memory_limit)
         lru = self.rows.fast
@@ -104,7 +108,7 @@ class HeldRows:
             except OSError:  # a failed spill keeps the row in memory (spill.py): stop here
                 self.rows.spill_errors += 1
                 break
-            excess = self.adopted.relieve(self.resident_bytes - self.memory_limit)
+            excess = self.adopted.relieve(self.resident_bytes - self.memory_limit, pending_only=True)
         self.adopted.compact_pending(self.used_bytes, self.capacity)
 
     def remove(self, partition: str, key: str) -> bool:

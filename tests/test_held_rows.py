@@ -1,0 +1,50 @@
+"""A unit's held rows (pipeline.store.held_rows) fitting their memory limit with the bytes
+adopted buffers pin: which rows spill and which groups are compacted at the end of a call."""
+from __future__ import annotations
+
+import numpy as np
+
+from pipeline.store.held_rows import HeldRows
+from pipeline.store.spill import row_nbytes
+
+N = 1024  # float64 elements per row: 8 KiB of payload
+
+
+def _store(held: HeldRows, rows: list[dict], prefix: str) -> list[str]:
+    slots = []
+    for i, row in enumerate(rows):
+        failure, slot = held.store("p", f"{prefix}{i}", row, row_nbytes(row), None)
+        assert failure is None and slot is not None
+        slots.append(slot)
+    return slots
+
+
+def test_an_eviction_that_leaves_a_group_dead_compacts_it_instead_of_spilling_more(tmp_path):
+    """Rows fit the limit by their own weights, the slack their adopted buffer pins takes
+    the unit past it. Spilling the least recently used row (one of the group's) gives the
+    group dead bytes: it is compacted then and there, and nothing else spills."""
+    row_bytes = N * 8
+    weight = row_bytes + row_nbytes({"t": np.zeros(0)})
+    held = HeldRows(str(tmp_path / "spill"), memory_limit=20 * weight, capacity=1 << 30, unit_index=0)
+    buf = np.arange(16 * N, dtype=np.float64)  # 16 rows' worth: 8 covered by rows, 8 slack
+    adopted = [{"t": buf[i * N : (i + 1) * N]} for i in range(8)]
+    slots = _store(held, adopted, "a")
+    held.adopt(["t"], slots, covered=8 * row_bytes, held=buf.nbytes)
+    copied = [{"t": np.full(N, float(i))} for i in range(8)]
+    _store(held, copied, "c")
+    assert held.adopted.pinned_bytes == 8 * row_bytes
+    assert held.resident_bytes > held.memory_limit  # 16 rows + 8 pinned > 20 rows
+
+    held.compact()
+
+    assert held.rows.spilled_rows == 1, "one eviction, then the group's compaction fits"
+    assert (len(held.adopted), held.adopted.pinned_bytes, held.adopted.compacted_groups) == (0, 0, 1)
+    assert held.resident_bytes <= held.memory_limit
+    found, rows, absent, failed = held.find("p", [f"a{i}" for i in range(8)] + [f"c{i}" for i in range(8)])
+    assert not absent and not failed and len(found) == 16
+    for i, row in enumerate(rows[:8]):
+        assert np.array_equal(row["t"], np.arange(i * N, (i + 1) * N, dtype=np.float64))
+        assert not np.shares_memory(row["t"], buf), "compacted rows are copies"
+    for i, row in enumerate(rows[8:]):
+        assert np.array_equal(row["t"], np.full(N, float(i)))
+    held.clear()
