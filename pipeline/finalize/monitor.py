@@ -41,7 +41,8 @@ def report_mismatch(
     eps: Any = None,
 ) -> MismatchReport:
     """Compare ``trainer_logprobs`` ([B, T], the trainer's logprobs of the step batch's
-    tokens) with the sampler's, publish the event and return the report.
+    tokens, aligned as ``old_logprobs``: ``[b, t]`` is the logprob of ``input_ids[b, t]``,
+    not of the next token) with the sampler's, publish the event and return the report.
 
     ``weight_version``: the trainer's weight version (lags are measured from it);
     ``trainer_routes``: the trainer's routed experts [B, T, L, K] (route agreement over
