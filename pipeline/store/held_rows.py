@@ -23,7 +23,6 @@ class HeldRows:
 
     def __init__(self, directory: str, memory_limit: int, capacity: int, unit_index: int):
         self.rows = SpillMapping(directory, memory_limit)
-        self.memory_limit = int(memory_limit)
         # Rows of adopted puts keep views of the put's buffers: their groups, pinned bytes.
         self.adopted = AdoptedGroups(self.rows)
         self.rows.fast_to_slow_callbacks.append(self.adopted.on_spill)
@@ -84,6 +83,11 @@ class HeldRows:
         """The new rows ``slots`` keep views of the buffers of fields ``shared`` (``held``
         bytes, ``covered`` bytes of them by the rows)."""
         self.adopted.adopt(shared, slots, covered, held, self.used_bytes, self.capacity)
+
+    @property
+    def memory_limit(self) -> int:
+        """Bytes of rows and pinned bytes kept in memory: the spill buffer's own limit."""
+        return int(self.rows.n)
 
     @property
     def resident_bytes(self) -> int:
