@@ -16,7 +16,8 @@ from rollout_factory import VOCAB, fetch, make_rollout
 from pipeline.dashboard.state import TokenCaptureState
 from pipeline.events import FINALIZE
 from pipeline.finalize import Finalizer
-from pipeline.finalize.serializers import dump_group, load_group
+from pipeline.finalize.serializers import dump_group, dump_verify_out, load_group, load_verify_out
+from pipeline.finalize.task_outputs import VerifyOut
 from pipeline.finalize.settings import FinalizeSettings
 from pipeline.finalize.timing import public
 from support import store_maker
@@ -89,6 +90,10 @@ def test_groups_without_versions_read_as_zeros_and_versions_survive_the_wire():
     for copy in (pickle.loads(pickle.dumps(g)), load_group(*dump_group(g))):
         assert torch.equal(copy.weight_version_oldest, g.weight_version_oldest)
         assert torch.equal(copy.weight_version_newest, g.weight_version_newest)
+    # a verify task's output carries each verdict's versions to wherever the group is assembled
+    res = results(2)
+    out = load_verify_out(*dump_verify_out(VerifyOut(0, dict(enumerate(res)), {}, {}, {})))
+    assert [out.results[i].weight_versions for i in range(4)] == [(3, 5), (5, 5), (1, 2), (6, 7)]
 
 
 def test_figures_by_length_bucket():
