@@ -4,6 +4,7 @@ its lag behind the trainer, ``finalize.max-staleness`` drops exactly the stale r
 figures by rollout length."""
 from __future__ import annotations
 
+import dataclasses
 import pickle
 
 import dask
@@ -130,6 +131,11 @@ def test_max_staleness_setting_is_checked():
         with dask.config.set({"token-capture.finalize.max-staleness": bad}):
             with pytest.raises(InvalidInput, match="finalize.max-staleness"):
                 FinalizeSettings.from_config()
+        with pytest.raises(InvalidInput, match="finalize.max-staleness"):  # Finalizer.with_settings replaces
+            dataclasses.replace(FinalizeSettings.from_config(), max_staleness=bad)
+    with dask.config.set({"token-capture.monitor.mismatch-eps": [0.1, 0]}):
+        with pytest.raises(InvalidInput, match="monitor.mismatch-eps"):
+            FinalizeSettings.from_config()
 
 
 @pytest.mark.timeout(120)

@@ -34,6 +34,11 @@ class FinalizeSettings:
     # The ratio bounds 1 +- eps of StepResult.report_mismatch (``monitor.mismatch-eps``).
     mismatch_eps: tuple[float, ...] = (0.1, 0.2)
 
+    def __post_init__(self) -> None:
+        # Checked however the settings were made (from_config, Finalizer.with_settings).
+        max_staleness_setting(self.max_staleness)
+        object.__setattr__(self, "mismatch_eps", mismatch_eps_setting(self.mismatch_eps))
+
     @classmethod
     def from_config(cls, *, vocab_size: int | None = None, num_experts: int | None = None) -> FinalizeSettings:
         """The current ``dask.config`` values; ``vocab_size`` / ``num_experts`` override
