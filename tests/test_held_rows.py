@@ -48,3 +48,31 @@ def test_an_eviction_that_leaves_a_group_dead_compacts_it_instead_of_spilling_mo
     for i, row in enumerate(rows[8:]):
         assert np.array_equal(row["t"], np.full(N, float(i)))
     held.clear()
+
+
+def test_shared_bytes_sum_the_adopted_fields_of_the_rows_that_have_them():
+    """Columns.shared_bytes: the adopted fields' bytes over the given rows, rows without a
+    field (presence) and small (batch-copied) fields counted as nothing."""
+    from pipeline.store.put_columns import batch_columns
+    from pipeline.store.registry import FieldRegistry
+    from tasks.packed import PackedBatch, PackedField
+
+    lengths = np.array([100, 300, 0, 200, 150])
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    total = int(offsets[-1])
+    present = np.array([True, False, True, True, True])
+    batch = PackedBatch(
+        keys=[f"k{i}" for i in range(5)],
+        fields={
+            "tokens": PackedField(np.zeros(total, np.int32), offsets),
+            "routes": PackedField(np.zeros((total, 2, 3), np.uint8), offsets, present),
+            "ids": PackedField(np.zeros(5, np.int64), np.arange(6, dtype=np.int64)),  # small: copied
+        },
+    )
+    columns = batch_columns(batch, FieldRegistry(), adopt=True)
+    assert sorted(columns.shared) == ["routes", "tokens"]
+    rows = [0, 1, 3, 4]
+    expected = sum(a.nbytes for i in rows for name, a in columns.row(i).items() if name in columns.shared)
+    assert expected == 4 * 750 + 6 * 450
+    assert columns.shared_bytes(rows) == expected
+    assert columns.shared_bytes([1]) == 4 * 300, "row 1 has no routes"

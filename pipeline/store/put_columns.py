@@ -22,14 +22,21 @@ from .spill import Row
 
 @dataclass
 class Column:
-    """One field of the batch: values, offsets and presence as lists (indexed per row)."""
+    """One field of the batch: values, offsets (numpy for sums over rows, a list for
+    slicing one row) and presence (a bool array, None: every row has it)."""
 
     name: str
     values: np.ndarray
-    offsets: list[int]
-    present: list[bool] | None
+    offsets: np.ndarray
+    bounds: list[int]  # offsets.tolist(): Python ints slice a row faster than numpy scalars
+    present: np.ndarray | None
     spec: tuple
     copy: bool  # copy each row out (not adopted, not a small field's batch copy)
+
+    def elements(self, rows: np.ndarray) -> int:
+        """Elements (first-axis entries) of this field in batch rows ``rows`` that have it."""
+        sizes = self.offsets[rows + 1] - self.offsets[rows]
+        return int(sizes.sum() if self.present is None else sizes[self.present[rows]].sum())
 
 
 @dataclass
@@ -44,24 +51,26 @@ class Columns:
     def row(self, i: int) -> Row:
         """Row ``i`` as ``{field: array}`` (copies or views, see the module docstring)."""
         return {
-            c.name: c.values[c.offsets[i] : c.offsets[i + 1]].copy() if c.copy else c.values[c.offsets[i] : c.offsets[i + 1]]
+            c.name: c.values[c.bounds[i] : c.bounds[i + 1]].copy() if c.copy else c.values[c.bounds[i] : c.bounds[i + 1]]
             for c in self.cols
             if c.present is None or c.present[i]
         }
 
     def shared_bytes(self, rows: list[int]) -> int:
         """Bytes of the shared (adopted) fields in batch rows ``rows``."""
+        idx = np.asarray(rows, dtype=np.int64)
         total = 0
         for c in self.cols:
             if c.name in self.shared:
                 per = c.values.itemsize * int(np.prod(c.values.shape[1:], dtype=np.int64))
-                total += per * sum(c.offsets[i + 1] - c.offsets[i] for i in rows if c.present is None or c.present[i])
+                total += per * c.elements(idx)
         return total
 
     def pin(self, reg: FieldRegistry, stored_rows: list[int]) -> None:
         """Pin the dtype of every field some stored row has."""
+        idx = np.asarray(stored_rows, dtype=np.int64)
         for c in self.cols:
-            if c.present is None or any(c.present[i] for i in stored_rows):
+            if c.present is None or bool(c.present[idx].any()):
                 reg.pin(c.name, c.spec)
 
 
@@ -72,19 +81,19 @@ def batch_columns(batch: PackedBatch, reg: FieldRegistry, adopt: bool) -> Column
     shared: list[str] = []
     bad_field: list[str | None] = [None] * n
     for name, f in batch.fields.items():
-        present = None if f.present is None else f.present.astype(bool).tolist()
-        if present is not None and not any(present):
+        present = None if f.present is None else f.present.astype(bool)
+        if present is not None and not present.any():
             continue
         detail = reg.mismatch(name, f.spec)
         if detail is not None:
-            for i in range(n):
-                if present is None or present[i]:
-                    bad_field[i] = bad_field[i] or detail
+            for i in range(n) if present is None else np.flatnonzero(present).tolist():
+                bad_field[i] = bad_field[i] or detail
             continue
+        offsets = np.asarray(f.offsets, dtype=np.int64)
         if len(f.values) < SMALL_FIELD_ELEMENTS * max(n, 1):
-            cols.append(Column(name, f.values.copy(), f.offsets.tolist(), present, f.spec, False))
+            cols.append(Column(name, f.values.copy(), offsets, offsets.tolist(), present, f.spec, False))
         else:
-            cols.append(Column(name, f.values, f.offsets.tolist(), present, f.spec, not adopt))
+            cols.append(Column(name, f.values, offsets, offsets.tolist(), present, f.spec, not adopt))
             if adopt:
                 shared.append(name)
     return Columns(cols, shared, bad_field)
