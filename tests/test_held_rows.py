@@ -40,8 +40,8 @@ def test_an_eviction_that_leaves_a_group_dead_compacts_it_instead_of_spilling_mo
     assert held.rows.spilled_rows == 1, "one eviction, then the group's compaction fits"
     assert (len(held.adopted), held.adopted.pinned_bytes, held.adopted.compacted_groups) == (0, 0, 1)
     assert held.resident_bytes <= held.memory_limit
-    found, rows, absent, failed = held.find("p", [f"a{i}" for i in range(8)] + [f"c{i}" for i in range(8)])
-    assert not absent and not failed and len(found) == 16
+    found, rows, absent, failed, more = held.find("p", [f"a{i}" for i in range(8)] + [f"c{i}" for i in range(8)])
+    assert not absent and not failed and not more and len(found) == 16
     for i, row in enumerate(rows[:8]):
         assert np.array_equal(row["t"], np.arange(i * N, (i + 1) * N, dtype=np.float64))
         assert not np.shares_memory(row["t"], buf), "compacted rows are copies"
@@ -76,3 +76,18 @@ def test_shared_bytes_sum_the_adopted_fields_of_the_rows_that_have_them():
     assert expected == 4 * 750 + 6 * 450
     assert columns.shared_bytes(rows) == expected
     assert columns.shared_bytes([1]) == 4 * 300, "row 1 has no routes"
+
+
+def test_find_reads_the_keys_within_max_bytes_and_leaves_the_rest(tmp_path):
+    """One lookup per key: rows are read until their weights pass ``max_bytes`` (at least
+    one key answered; keys not held weigh nothing), the rest are left over in order."""
+    held = HeldRows(str(tmp_path / "spill"), memory_limit=1 << 30, capacity=1 << 30, unit_index=0)
+    _store(held, [{"t": np.full(N, float(i))} for i in range(4)], "k")
+    weight = held.weights[held.index["p"]["k0"]]
+    keys = ["k0", "nope", "k1", "k2", "k3"]
+    found, rows, absent, failed, more = held.find("p", keys, max_bytes=2 * weight)
+    assert (found, absent, failed, more) == (["k0", "k1"], ["nope"], {}, ["k2", "k3"])
+    assert [float(r["t"][0]) for r in rows] == [0.0, 1.0]
+    assert held.find("p", keys, max_bytes=1)[0] == ["k0"], "the first key is always answered"
+    assert held.find("p", keys)[4] == [] and len(held.find("p", keys)[0]) == 4
+    held.clear()

@@ -147,28 +147,26 @@ class HeldRows:
             del self.claims[slot]
         return len(slots)
 
-    def within(self, partition: str, keys: list, max_bytes: int) -> int:
-        """How many of ``keys`` (in order, at least one) weigh at most ``max_bytes`` together
-        (row weights; keys not held weigh nothing)."""
+    def find(
+        self, partition: str, keys: list, max_bytes: int | None = None,
+    ) -> tuple[list[str], list[Row], list, dict[str, Failure], list]:
+        """(found keys, their rows, keys not held, read failures, keys left over) for
+        ``keys`` in order, one lookup per key. ``max_bytes``: only the first keys whose
+        row weights total at most this (at least one; keys not held weigh nothing) are
+        read, the rest are left over."""
         index = self.index.get(partition, {})
         weights = self.weights
-        total = 0
-        for n, key in enumerate(keys):
-            slot = index.get(key) if isinstance(key, str) else None
-            total += weights.get(slot, 0) if slot is not None else 0
-            if total > max_bytes and n:
-                return n
-        return len(keys)
-
-    def find(self, partition: str, keys: list) -> tuple[list[str], list[Row], list, dict[str, Failure]]:
-        """(found keys, their rows, keys not held, read failures) for ``keys`` in order."""
-        index = self.index.get(partition, {})
         found: list[str] = []
         rows: list[Row] = []
         absent: list = []
         failed: dict[str, Failure] = {}
-        for key in keys:
+        total = 0
+        for n, key in enumerate(keys):
             slot = index.get(key) if isinstance(key, str) else None
+            if max_bytes is not None and slot is not None:
+                total += weights.get(slot, 0)
+                if total > max_bytes and n:
+                    return found, rows, absent, failed, keys[n:]
             if slot is None:
                 absent.append(key)
                 continue
@@ -178,7 +176,7 @@ class HeldRows:
                 failed[key] = (STORE_ERROR, f"{key!r}: read failed: {e!r}")
                 continue
             found.append(key)
-        return found, rows, absent, failed
+        return found, rows, absent, failed, []
 
     def clear(self) -> None:
         self.rows.close()

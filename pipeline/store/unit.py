@@ -193,14 +193,10 @@ class StorageUnit:
         if stale(self, version):
             return GetResult(PackedBatch([], {}), stale_answer(self, keys).failed)
         fields = None if fields is None else unpack_names(fields, "fields")
-        more: list = []
-        if max_bytes is not None and keys:
-            n = self.held.within(partition, keys, int(max_bytes))
-            keys, more = keys[:n], keys[n:]
+        found, rows, failed, more = self._find(partition, keys, None if max_bytes is None else int(max_bytes))
         self.counters["gets"] += 1
-        self.counters["get_keys"] += len(keys)
+        self.counters["get_keys"] += len(keys) - len(more)
         reg = self.registry.get(partition)
-        found, rows, failed = self._find(partition, keys)
         names = list(fields) if fields is not None else (list(reg.specs) if reg else [])
         if fields is not None:
             for key, row in zip(found, rows):
@@ -217,9 +213,12 @@ class StorageUnit:
         self.held.compact()  # reading spilled rows back may have evicted others
         return out
 
-    def _find(self, partition: str, keys: list) -> tuple[list[str], list[Row], dict[str, tuple[str, str]]]:
-        """(found keys, their rows, failures): ``missing_key``, ``lost_key`` or a read error."""
-        found, rows, absent, failed = self.held.find(partition, keys)
+    def _find(
+        self, partition: str, keys: list, max_bytes: int | None,
+    ) -> tuple[list[str], list[Row], dict[str, tuple[str, str]], list]:
+        """(found keys, their rows, failures: ``missing_key``, ``lost_key`` or a read error,
+        keys past ``max_bytes`` left for the next call; see :meth:`HeldRows.find`)."""
+        found, rows, absent, failed, more = self.held.find(partition, keys, max_bytes)
         elsewhere = set() if self.fence is None or not absent else set(self.fence.not_given(absent))
         for key in absent:
             how = self.losses.how(partition, key)
@@ -230,7 +229,7 @@ class StorageUnit:
             else:
                 failed[key] = (LOST_KEY, lost_detail(key, how))
                 self.counters["lost_reads"] += 1
-        return found, rows, failed
+        return found, rows, failed, more
 
     # ---- deletes ----------------------------------------------------------------
 
