@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generator, Protocol, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Awaitable, Callable, Generator, Protocol, Sequence, TypeVar, Union
 
 from tasks.errors import StoreError
 
@@ -202,25 +202,28 @@ async def run_async(op: Operation[T], store: Driven, end: float | None) -> T:
 
 async def _send_async(calls: list[Call], store: Driven, end: float | None) -> list[Answer]:
     workers = store.placement.workers
+
+    def send(c: Call) -> Awaitable[object]:
+        """The unit's call, bounded by the deadline (not awaited yet)."""
+        return bounded(getattr(store.units[c.unit], c.method)(*c.args()), end)
+
     if len(calls) == 1:
         # One unit (a restore's keys, a coalesced get): await its call directly, no gather
         # task per call. Failures settle exactly as gather's would.
         (c,) = calls
         try:
-            outcome: object = await bounded(getattr(store.units[c.unit], c.method)(*c.args()), end)
+            outcome: object = await send(c)
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
             outcome = e
         return [settle(c, outcome, workers)]
     if isinstance(calls, Window):
         gates = {c.unit: asyncio.Semaphore(calls.per_unit) for c in calls}
 
-        async def one(c: Call) -> object:
+        async def gated(c: Call) -> object:
             async with gates[c.unit]:  # FIFO: a unit's calls leave in order
-                return await bounded(getattr(store.units[c.unit], c.method)(*c.args()), end)
+                return await send(c)
 
-        outs = await asyncio.gather(*(one(c) for c in calls), return_exceptions=True)
+        outs = await asyncio.gather(*(gated(c) for c in calls), return_exceptions=True)
     else:
-        outs = await asyncio.gather(
-            *(bounded(getattr(store.units[c.unit], c.method)(*c.args()), end) for c in calls), return_exceptions=True
-        )
+        outs = await asyncio.gather(*(send(c) for c in calls), return_exceptions=True)
     return [settle(c, o, workers) for c, o in zip(calls, outs)]
