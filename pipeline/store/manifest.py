@@ -251,8 +251,8 @@ def _check_entries(loc: Location, mpath: str, manifest: dict) -> None:
     for i, entry in enumerate(files):
         what = f"{mpath}: files[{i}] {entry.get('file') if isinstance(entry, dict) else entry!r}"
         problem = _entry_problem(entry, generation)
-        if problem is None and entry_digest(entry)[0] != algorithm:
-            problem = f"digest {entry_digest(entry)[0]}, the manifest's file_digest is {algorithm}"
+        if problem is None and (named := entry_digest(entry)[0]) != algorithm:
+            problem = f"digest {named}, the manifest's file_digest is {algorithm}"
         if problem is None:
             if entry["file"] in seen:
                 problem = "named twice"
