@@ -224,16 +224,12 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _payload(args: argparse.Namespace, rows_per_s: float | None) -> dict[str, object]:
-    """The profile's keys, bytes per token (routes as the gate stores them: one call gated
-    and packed) and the client mode's GB/s."""
-    from tasks.gate import CaptureGate
-    from tasks.packed import pack_rows
-
-    d = make_deltas(argparse.Namespace(**{**vars(args), "rollouts": 1, "calls": 1, "tokens": 2}))[0][0]
-    gate = CaptureGate("probe", vocab_size=VOCAB, num_experts=profile_from_args(args).experts)
-    id_bytes = route_id_bytes(pack_rows([gate.stage_call("c0", None, **d)]))
+    """The profile's keys, bytes per token (routes as the gate stores them for the
+    profile's experts) and the client mode's GB/s."""
+    prof = profile_from_args(args)
+    id_bytes = route_id_bytes(prof)
     rate = None if rows_per_s is None else rows_per_s * args.tokens
-    out = payload_figures(profile_from_args(args), route_id_bytes=id_bytes, tokens_per_s=rate)
+    out = payload_figures(prof, route_id_bytes=id_bytes, tokens_per_s=rate)
     if "gb_s" in out:
         out["gb_s"] = float(f"{out['gb_s']:.4g}")
     return {**out, "route_id_bytes": id_bytes}

@@ -353,7 +353,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     token_sizes = _token_sizes(args)
     prof = profile_from_args(args)
     rows_for = row_counts(args, prof)
-    id_bytes = _route_id_bytes(routes_profile(args))
+    id_bytes = route_id_bytes(routes_profile(args))
     say = notes("cut", args.quiet)
     table: list[CutRow] = []  # the cut's rows: one row per put, then batched, per token size
     raw_put: list[CutRow] = []  # the store's bare put of the batched cut's batches, per token size
@@ -404,17 +404,6 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     out["failures"] = failures
     out["ok"] = not failures
     return out
-
-
-def _route_id_bytes(prof: MoeProfile | None) -> int:
-    """Bytes per expert id in the rows the cut writes (0 without routes), read off one
-    small call frozen and packed by the cut path itself."""
-    if prof is None:
-        return 0
-    from tasks.cut.batching import pack_chunks
-
-    frozen = _client_calls(0, 1, CONTEXT_TOKENS + 1, "probe", prof)[0].freeze("probe")
-    return route_id_bytes(pack_chunks([frozen.chunk]))
 
 
 def _ratios(table: list[CutRow], token_sizes: Sequence[int]) -> dict[str, float]:

@@ -55,7 +55,7 @@ from .finalize_modes import (
 )
 from .finalize_hash_streams import hash_streams
 from .finalize_inflight import cores, floors, in_flight_figures, loopback_recv_bytes_per_s, sustained_run
-from .finalize_profile import default_groups, payload, route_id_bytes, workload_shape
+from .finalize_profile import default_groups, payload, workload_shape
 from .finalize_verify_vs_hash import VerifyVsHash, verify_vs_hash
 from .profile_args import add_profile_argument, profile_from_args
 
@@ -272,7 +272,7 @@ def _workload_out(s: _Session, name: str, groups: list[list[Receipt]], runs: dic
         out.update(hash_streams(s.store, groups, algorithm))
     except Exception as e:  # noqa: BLE001
         s.failures.append(f"{name} hash_streams: {type(e).__name__}: {e}")
-    out.update(payload(prof, shape[3] is not None, route_id_bytes([r for g in groups for r in g]), out))
+    out.update(payload(prof, shape[3] is not None, out))
     if name == "agentic" and in_flight:
         out["in_flight"] = _in_flight(s, groups, vh, in_flight, repeats)
     return out

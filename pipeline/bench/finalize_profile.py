@@ -8,11 +8,11 @@ one group), so a default run stays short: the agentic workload at qwen3-moe is o
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from typing import Mapping
 
 from tasks.profiles import MoeProfile, profile
 
-from .profile_args import payload_figures
+from .profile_args import payload_figures, route_id_bytes
 
 # (rollouts per group, calls per rollout, tokens per delta, routes (L, K) or None)
 WorkloadShape = tuple[int, int, int, tuple[int, int] | None]
@@ -35,27 +35,17 @@ def default_groups(groups: int | None, toy_default: int, shape: WorkloadShape, p
     return max(1, round(toy_default * scale))
 
 
-def route_id_bytes(receipts: Sequence[object]) -> int:
-    """Bytes per routed-expert id as the capture gate stored them (0: no routed call)."""
-    from tasks.schema import ROUTES_ENCODINGS
-
-    for r in receipts:
-        for c in getattr(r, "calls", ()):
-            if c.routes_encoding in ROUTES_ENCODINGS:
-                return int(ROUTES_ENCODINGS[c.routes_encoding][1].itemsize)
-    return 0
-
-
-def payload(prof: MoeProfile, routed: bool, id_bytes: int, figures: Mapping[str, object]) -> dict[str, object]:
+def payload(prof: MoeProfile, routed: bool, figures: Mapping[str, object]) -> dict[str, object]:
     """The payload keys of a workload's figures: the profile and bytes per staged token
     (nominal, :func:`~pipeline.bench.profile_args.payload_figures`), GB/s of the graph at
     its median run, and what the graph fetched per token and per second (measured)."""
     graph = figures.get("modes", {}).get("graph", {}) if isinstance(figures.get("modes"), Mapping) else {}
     rate = graph.get("tokens_per_s_median") if isinstance(graph, Mapping) else None
-    out = payload_figures(prof, route_id_bytes=id_bytes if routed else 0, tokens_per_s=rate)
+    id_bytes = route_id_bytes(prof) if routed else 0
+    out = payload_figures(prof, route_id_bytes=id_bytes, tokens_per_s=rate)
     if not routed:
         out["ids_per_token"] = 0
-    out["route_id_bytes"] = id_bytes if routed else 0
+    out["route_id_bytes"] = id_bytes
     tokens, fetched = graph.get("tokens") if isinstance(graph, Mapping) else None, figures.get("graph_bytes_fetched")
     if tokens and fetched and rate:
         out["fetched_bytes_per_token"] = round(float(fetched) / float(tokens), 2)

@@ -3,17 +3,16 @@
 :func:`add_profile_argument` adds the flag (and keeps a benchmark's older ``--layers`` /
 ``--top-k`` as overrides); :func:`profile_from_args` resolves them into one
 :class:`~tasks.profiles.MoeProfile`; :func:`payload_figures` is what each JSON report
-puts next to rows/s (bytes per token, GB/s), from :func:`route_id_bytes` of rows packed
-the way the benchmark writes them.
+puts next to rows/s (bytes per token, GB/s), from :func:`route_id_bytes` (the id
+encoding the capture gate picks for the profile's experts).
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 
-from tasks.packed import PackedBatch
 from tasks.profiles import DEFAULT_PROFILE, PROFILES, MoeProfile, profile
-from tasks.schema import STAGING_FIELDS
+from tasks.schema import routes_dtype_for
 
 
 def add_profile_argument(p: argparse.ArgumentParser) -> None:
@@ -34,12 +33,10 @@ def profile_from_args(args: argparse.Namespace) -> MoeProfile:
     return chosen
 
 
-def route_id_bytes(batch: PackedBatch) -> int:
-    """Bytes per routed-expert id in ``batch`` as the pipeline packed it (0 without routes):
-    the itemsize of its routes field, whichever encoding the writer chose."""
-    extra = [f for f in batch.fields if f not in STAGING_FIELDS]
-    return int(batch.fields[extra[0]].values.dtype.itemsize) if extra else 0
-
+def route_id_bytes(prof: MoeProfile | None) -> int:
+    """Bytes per routed-expert id in rows staged at ``prof`` (0: no routes): the itemsize
+    of the encoding the capture gate picks for its experts."""
+    return 0 if prof is None else int(routes_dtype_for(prof.experts).itemsize)
 
 
 def routes_profile(args: argparse.Namespace) -> MoeProfile | None:

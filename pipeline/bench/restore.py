@@ -352,7 +352,7 @@ def _run_scenarios(client: Client, scs: list[Scenario], args: argparse.Namespace
     say = notes("restore", args.quiet)
     tokens, prof = restore_tokens(args), routes_profile(args)
     probe = templates(CONTEXT_TOKENS + 1, prof, n=1)  # one small row, packed as the staged ones
-    fields, id_bytes = restore_fields(probe), route_id_bytes(probe)
+    fields, id_bytes = restore_fields(probe), route_id_bytes(prof)
     payload = payload_figures(profile_from_args(args), route_id_bytes=id_bytes)
     result: dict[str, object] = {
         "benchmark": "restore",

@@ -28,7 +28,7 @@ import numpy as np
 from tasks.finalize.layout import StepLayout
 
 from .common import main, notes
-from .profile_args import add_profile_argument, payload_figures, profile_from_args
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes
 from .finalize import stage_group
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rollouts_per_host": per_host, "runs": args.runs,
         "shape": {"rollouts_per_group": ROLLOUTS_PER_GROUP, "calls": CALLS, "tokens_per_call": DELTA,
                   "routes": [prof.layers, prof.top_k]},
-        **payload_figures(prof, route_id_bytes=_route_id_bytes(prof)),
+        **payload_figures(prof, route_id_bytes=route_id_bytes(prof)),
         "weak": weak, "growth": at4, "failures": failures,
     }
     if not failures:
@@ -219,16 +219,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
-def _route_id_bytes(prof: MoeProfile) -> int:
-    """Bytes per expert id as the capture gate stages the profile's routes."""
-    from tasks.schema import routes_dtype_for
-
-    return int(routes_dtype_for(prof.experts).itemsize)
-
-
 def _bytes_per_token(prof: MoeProfile) -> int:
     """Bytes of one staged token at ``prof`` (ids, mask, logprob and its expert ids)."""
-    return prof.bytes_per_token(_route_id_bytes(prof))
+    return prof.bytes_per_token(route_id_bytes(prof))
 
 
 def exit_status(result: Mapping[str, object]) -> int:

@@ -128,20 +128,6 @@ def policy_overrides(args: argparse.Namespace) -> dict[str, int]:
     return out
 
 
-def probe_route_id_bytes(overrides: dict[str, int]) -> int:
-    """Task body: bytes per expert id of the rows the toy engine stages under
-    ``overrides`` (one one-token rollout generated and packed, not staged)."""
-    from tasks.packed import pack_rows
-    from tasks.toy.rollouts import generate_rollouts, make_group_specs
-
-    from ..capture import policy_from_config
-
-    policy = policy_from_config(overrides)
-    specs = make_group_specs("probe", 1, turns=1, tokens_per_turn=1, tool_tokens=0, prompt_tokens=2,
-                             vocab_size=policy.vocab_size)
-    return route_id_bytes(pack_rows(generate_rollouts(policy, specs)[0].rows))
-
-
 def _rss() -> int:
     """This process's resident set size (bytes)."""
     import psutil
@@ -201,7 +187,7 @@ def run(args: argparse.Namespace) -> SoakResult:
             t0 = time.perf_counter()
             result.update(_soak(client, store, fin, args, make_step_specs, submit_generation, say))
             result["wall_s"] = round(time.perf_counter() - t0, 2)
-            id_bytes = client.submit(probe_route_id_bytes, policy_overrides(args), pure=False).result()
+            id_bytes = route_id_bytes(profile_from_args(args))  # the policy's experts are the profile's
             result["route_id_bytes"] = id_bytes
             result["tokens_per_s"] = round(result["tokens"] / result["wall_s"], 1)
             result.update(payload_figures(profile_from_args(args), route_id_bytes=id_bytes, tokens_per_s=result["tokens_per_s"]))

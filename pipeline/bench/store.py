@@ -36,9 +36,9 @@ from .. import config
 from ..progress import Progress
 from . import actor_ceiling, loopback, store_elastic, store_steady
 from .common import add_cluster_arguments, bench_client, compare_rows, main, notes, refused
-from .profile_args import add_profile_argument, payload_figures, profile_from_args
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes
 from .store_memory import memory_mode
-from .store_rows import route_id_bytes, template_batch, with_keys
+from .store_rows import template_batch, with_keys
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -392,8 +392,7 @@ def _payload(args: argparse.Namespace) -> dict[str, object]:
     if args.no_routes:
         return {"profile": None, "routes": False}
     prof = profile_from_args(args)
-    probe = template_batch(1, 16, layers=prof.layers, top_k=prof.top_k, experts=prof.experts, routes=True)
-    return {**payload_figures(prof, route_id_bytes=route_id_bytes(probe)), "routes": True}
+    return {**payload_figures(prof, route_id_bytes=route_id_bytes(prof)), "routes": True}
 
 
 def _drop_ratios(result: dict[str, object]) -> None:

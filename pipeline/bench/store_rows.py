@@ -31,9 +31,3 @@ def with_keys(template: PackedBatch, tag: str, start: int, n: int) -> PackedBatc
     means every put needs new keys; the payload is what is being moved)."""
     base = template if n == len(template) else template.take(np.arange(n))
     return PackedBatch([f"{tag}{start + i}/c0" for i in range(n)], base.fields)
-
-
-def route_id_bytes(batch: PackedBatch) -> int:
-    """Bytes per routed-expert id in ``batch`` as the gate packed it (0 without routes)."""
-    extra = [f for f in batch.fields.values() if f.values.ndim == 3]  # [tokens, layers, top-k]
-    return int(extra[0].values.dtype.itemsize) if extra else 0
