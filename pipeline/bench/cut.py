@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypedDict, TypeVar
 import numpy as np
 
 from .common import add_cluster_arguments, bench_client, main, notes
-from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes, routes_profile
+from .profile_args import (add_profile_argument, payload_figures, profile_from_args, route_id_bytes, routes_profile,
+                           toy_bytes_scale)
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -102,9 +103,7 @@ def row_counts(args: argparse.Namespace, prof: MoeProfile) -> dict[int, int]:
     """Rows per token size: ``--rows`` (1,024 tokens, and any size but 16,384) and
     ``--rows-16384`` when given; else :data:`DEFAULT_ROWS` scaled by toy's bytes per token
     over the profile's (int16 ids), at least one per client."""
-    from tasks.profiles import profile
-
-    scale = 1.0 if args.no_routes else profile("toy").bytes_per_token(2) / prof.bytes_per_token(2)
+    scale = toy_bytes_scale(None if args.no_routes else prof)
     default = {t: max(args.clients, round(n * scale)) for t, n in DEFAULT_ROWS.items()}
     out = {1024: args.rows or default[1024], 16384: args.rows_16384 or default[16384]}
     return {t: out.get(t, args.rows or default[1024]) for t in _token_sizes(args)}

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from tasks.profiles import MoeProfile, profile
+from tasks.profiles import MoeProfile
 
-from .profile_args import payload_figures, route_id_bytes
+from .profile_args import payload_figures, route_id_bytes, toy_bytes_scale
 
 # (rollouts per group, calls per rollout, tokens per delta, routes (L, K) or None)
 WorkloadShape = tuple[int, int, int, tuple[int, int] | None]
@@ -29,10 +29,7 @@ def default_groups(groups: int | None, toy_default: int, shape: WorkloadShape, p
     profile's (int16 ids; unrouted workloads keep theirs), at least one."""
     if groups is not None:
         return groups
-    if shape[3] is None:
-        return toy_default
-    scale = profile("toy").bytes_per_token(2) / prof.bytes_per_token(2)
-    return max(1, round(toy_default * scale))
+    return max(1, round(toy_default * toy_bytes_scale(None if shape[3] is None else prof)))
 
 
 def payload(prof: MoeProfile, routed: bool, figures: Mapping[str, object]) -> dict[str, object]:

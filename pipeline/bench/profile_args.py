@@ -39,6 +39,13 @@ def route_id_bytes(prof: MoeProfile | None) -> int:
     return 0 if prof is None else int(routes_dtype_for(prof.experts).itemsize)
 
 
+def toy_bytes_scale(prof: MoeProfile | None) -> float:
+    """Toy's bytes per staged token over ``prof``'s (int16 ids; 1.0 for rows without
+    routes, None): the factor a count set at the toy profile (rows, groups, tokens) takes
+    to move about toy's bytes at ``prof``."""
+    return 1.0 if prof is None else profile("toy").bytes_per_token(2) / prof.bytes_per_token(2)
+
+
 def routes_profile(args: argparse.Namespace) -> MoeProfile | None:
     """The profile whose routes a benchmark's rows carry: None with ``--no-routes``."""
     return None if getattr(args, "no_routes", False) else profile_from_args(args)

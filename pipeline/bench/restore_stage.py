@@ -20,7 +20,7 @@ from tasks.packed import PackedBatch, pack_rows
 from tasks.schema import ALL_FIELDS
 
 from .common import notes
-from .profile_args import routes_profile
+from .profile_args import routes_profile, toy_bytes_scale
 
 if TYPE_CHECKING:
     from tasks.profiles import MoeProfile
@@ -41,15 +41,10 @@ def restore_fields(tmpl: PackedBatch) -> list[str]:
 
 def restore_tokens(args: argparse.Namespace) -> int:
     """Tokens per restore: ``--tokens``, else 16,384 scaled by toy's bytes per token over
-    the profile's (int16 ids; at least 64)."""
-    from tasks.profiles import profile
-
+    the profile's (int16 ids; at least 64, rounded down)."""
     if args.tokens:
         return int(args.tokens)
-    prof = routes_profile(args)
-    if prof is None:
-        return TOY_TOKENS
-    return max(64, TOY_TOKENS * profile("toy").bytes_per_token(2) // prof.bytes_per_token(2))
+    return max(64, int(TOY_TOKENS * toy_bytes_scale(routes_profile(args))))
 
 
 # ---- scenarios and staged rows --------------------------------------------------------
