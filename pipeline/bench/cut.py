@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypedDict, TypeVar
 
 import numpy as np
 
+from .call_buffers import call_buffers
 from .common import add_cluster_arguments, bench_client, main, notes
 from .profile_args import (add_profile_argument, payload_figures, profile_from_args, route_id_bytes, routes_profile,
                            toy_bytes_scale)
@@ -116,28 +117,9 @@ def _token_sizes(args: argparse.Namespace) -> list[int]:
 def _client_calls(client_idx: int, n_calls: int, tokens: int, tag: str, prof: MoeProfile | None) -> list[CallBuffer]:
     """One writer client's in-flight calls: ``tokens``-token prefixes (context + generated),
     with ``prof``'s routed experts (ids in ``[0, experts)``) unless it is None."""
-    from tasks.schema import routes_dtype_for
-
-    from .. import config
-    from ..generation.call_buffer import CallBuffer
-
-    rng = np.random.default_rng(client_idx)
-    gen_n = tokens - CONTEXT_TOKENS
-    version = config.digest_version()  # capture.digest, as a generation worker reads it
-    shape = None if prof is None else (prof.layers, prof.top_k)
-    routes_dtype = routes_dtype_for(None if prof is None else prof.experts)  # as the worker's engine picks it
-
-    def routes(n: int) -> np.ndarray | None:
-        return None if prof is None else rng.integers(0, prof.experts, (n, *shape), dtype=np.int16)
-
-    calls = []
-    for i in range(n_calls):
-        b = CallBuffer(f"{tag}c{client_idx}r{i}", "call-0", rng.integers(0, 512, CONTEXT_TOKENS),
-                       max_new_tokens=gen_n + 1, routes_shape=shape, context_routes=routes(CONTEXT_TOKENS),
-                       digest_version=version, routes_dtype=routes_dtype)
-        b.append(rng.integers(0, 512, gen_n), -rng.random(gen_n, dtype=np.float32), routes(gen_n))
-        calls.append(b)
-    return calls
+    rollouts = [f"{tag}c{client_idx}r{i}" for i in range(n_calls)]
+    return call_buffers(np.random.default_rng(client_idx), rollouts, "call-0", CONTEXT_TOKENS, tokens, prof,
+                        max_new_tokens=tokens - CONTEXT_TOKENS + 1)
 
 
 def _all_client_calls(rows: int, tokens: int, args: argparse.Namespace, tag: str) -> list[list[CallBuffer]]:

@@ -19,6 +19,7 @@ from tasks.keys import CUT_PARTITION
 from tasks.packed import PackedBatch, pack_rows
 from tasks.schema import ALL_FIELDS
 
+from .call_buffers import call_buffers
 from .common import notes
 from .profile_args import routes_profile, toy_bytes_scale
 
@@ -83,26 +84,9 @@ def scenarios(args: argparse.Namespace) -> list[Scenario]:
 def templates(tokens: int, prof: MoeProfile | None, seed: int = 0, n: int = TEMPLATES) -> PackedBatch:
     """``n`` real cut rows (CallBuffer freeze) of ``tokens`` tokens, with ``prof``'s routes
     unless None: the payload to replicate."""
-    from tasks.schema import routes_dtype_for
-
-    from .. import config
-    from ..generation.call_buffer import CallBuffer
-
-    rng = np.random.default_rng(seed)
     ctx = min(CONTEXT_TOKENS, tokens - 1)
-    shape = None if prof is None else (prof.layers, prof.top_k)
-    # As a generation worker builds them (digest of capture.digest, its engine's routes dtype).
-    kinds = {"digest_version": config.digest_version(), "routes_dtype": routes_dtype_for(None if prof is None else prof.experts)}
-
-    def routes(k: int) -> np.ndarray | None:
-        return None if prof is None else rng.integers(0, prof.experts, (k, *shape), dtype=np.int16)
-
-    rows = []
-    for i in range(n):
-        b = CallBuffer(f"tmpl{i}", "c0", rng.integers(0, 512, ctx), routes_shape=shape, context_routes=routes(ctx), **kinds)
-        b.append(rng.integers(0, 512, tokens - ctx), -rng.random(tokens - ctx, dtype=np.float32), routes(tokens - ctx))
-        rows.append(b.freeze("bench").row)
-    return pack_rows(rows)
+    calls = call_buffers(np.random.default_rng(seed), [f"tmpl{i}" for i in range(n)], "c0", ctx, tokens, prof)
+    return pack_rows([b.freeze("bench").row for b in calls])
 
 
 def restore_keys(sc: Scenario) -> list[list[str]]:

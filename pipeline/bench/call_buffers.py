@@ -1,0 +1,43 @@
+"""The generation calls the cut and restore benchmarks build: real :class:`CallBuffer`
+objects, as a generation worker fills them (digest of ``capture.digest``, routes in the
+dtype its engine picks for the profile's experts), with seeded random content."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from tasks.profiles import MoeProfile
+
+    from ..generation.call_buffer import CallBuffer
+
+VOCAB = 512  # token ids lie in [0, VOCAB)
+
+
+def call_buffers(rng: np.random.Generator, rollout_ids: Sequence[str], call_id: str, ctx: int, tokens: int,
+                 prof: MoeProfile | None, max_new_tokens: int | None = None) -> list[CallBuffer]:
+    """One call per rollout id: ``ctx`` context tokens, then ``tokens - ctx`` generated in
+    one append (ids, logprobs), with ``prof``'s routed experts (ids in ``[0, experts)``)
+    unless it is None. Drawn from ``rng`` call by call, in a fixed order: the same seed
+    builds the same calls again."""
+    from tasks.schema import routes_dtype_for
+
+    from .. import config
+    from ..generation.call_buffer import CallBuffer
+
+    gen_n = tokens - ctx
+    shape = None if prof is None else (prof.layers, prof.top_k)
+    # As a generation worker builds them (digest of capture.digest, its engine's routes dtype).
+    kinds = {"digest_version": config.digest_version(), "routes_dtype": routes_dtype_for(None if prof is None else prof.experts)}
+
+    def routes(n: int) -> np.ndarray | None:
+        return None if prof is None else rng.integers(0, prof.experts, (n, *shape), dtype=np.int16)
+
+    calls = []
+    for rollout in rollout_ids:
+        b = CallBuffer(rollout, call_id, rng.integers(0, VOCAB, ctx), max_new_tokens=max_new_tokens,
+                       routes_shape=shape, context_routes=routes(ctx), **kinds)
+        b.append(rng.integers(0, VOCAB, gen_n), -rng.random(gen_n, dtype=np.float32), routes(gen_n))
+        calls.append(b)
+    return calls
