@@ -41,6 +41,7 @@ from pipeline.store.client import StagingStore
 from tasks.engines.hf_moe import LOGPROB_TOLERANCE, HFMoEEngine
 from tasks.engines.route_replay import RoutedForward, batch_logprobs
 from tasks.engines.weights import WeightSnapshot
+from tasks.mismatch import mismatch_stats
 from tasks.toy.rewards import TargetTokensReward
 from tasks.toy.rollouts import make_step_specs
 
@@ -69,6 +70,11 @@ class StepFigures:
     frac_outside_0_1: float
     frac_outside_0_2: float
     route_agreement: float
+    # Paired, on this batch and these weights: |trainer - sampler| with the trainer's
+    # forward forced to the captured routes, and with its own routes (one of the two is
+    # the run's own forward, the other a no-grad forward in the other mode).
+    replay_mean_abs_delta: float
+    free_mean_abs_delta: float
     loss: float
     step_s: float  # wall time of the step (seconds), of which:
     wait_s: float  # waiting for the step's rollouts (generation not hidden behind training)
@@ -193,6 +199,10 @@ def train_run(client: Any, store: Any, args: argparse.Namespace, overrides: dict
         fwd = batch_logprobs(model, batch, replay=replay)
         # The monitor: this version's logprobs (and routes) of the batch against the sampler's.
         rep = result.report_mismatch(fwd.token_logprobs.detach(), weight_version=step, trainer_routes=fwd.routes)
+        with torch.no_grad():  # the other mode, for the paired figures
+            other = batch_logprobs(model, batch, replay=not replay)
+        paired = {mode: mismatch_stats(batch["old_logprobs"], f.token_logprobs.detach(), batch["loss_mask"]).mean_abs_delta
+                  for mode, f in ((replay, fwd), (not replay, other))}
         loss = train_step(model, opt, batch, fwd, args, replay)
         if step + 2 < args.steps:
             weights = hf_weights.publish(client, WeightSnapshot.of(model, step + 1))
@@ -219,6 +229,8 @@ def train_run(client: Any, store: Any, args: argparse.Namespace, overrides: dict
             frac_outside_0_1=rep.frac_outside[0.1],
             frac_outside_0_2=rep.frac_outside[0.2],
             route_agreement=rep.route_agreement,
+            replay_mean_abs_delta=paired[True],
+            free_mean_abs_delta=paired[False],
         )
         wait_s = next_wait_s if step + 1 < args.steps else 0.0
         figures.append(f)
@@ -251,6 +263,8 @@ def summary(figures: list[StepFigures]) -> dict[str, float]:
         "stale_frac_outside_0_2": mean([f.frac_outside_0_2 for f in stale]),
         "stale_route_agreement": mean([f.route_agreement for f in stale]),
         "stale_route_agreement_min": worst([f.route_agreement for f in stale], min),
+        "stale_paired_replay_mean_abs_delta": mean([f.replay_mean_abs_delta for f in stale]),
+        "stale_paired_free_mean_abs_delta": mean([f.free_mean_abs_delta for f in stale]),
     }
 
 
@@ -260,17 +274,19 @@ PANELS = (  # (StepFigures field, title, log scale)
     ("frac_outside_0_2", "tokens with ratio outside [0.8, 1.2]", False),
     ("route_agreement", "route agreement (token x layer expert sets)", False),
 )
+PAIRED = (("replay_mean_abs_delta", "forced to the captured routes"), ("free_mean_abs_delta", "own routes"))
 
 
 def plot(runs: dict[str, list[StepFigures]], path: str, title: str) -> None:
-    """:data:`PANELS` in a 2 x 2 grid, one line per run; writes a PNG to ``path``."""
+    """:data:`PANELS` in the left 2 x 2 grid, one line per run, and the first run's
+    :data:`PAIRED` figures on the right (log and linear); writes a PNG to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    for ax, (key, label, log) in zip(axes.flat, PANELS):
+    fig, axes = plt.subplots(2, 3, figsize=(15, 7))
+    for ax, (key, label, log) in zip(axes[:, :2].flat, PANELS):
         for name, figures in runs.items():
             ys = [max(getattr(f, key), 1e-9) if log else getattr(f, key) for f in figures]
             ax.plot([f.step for f in figures], ys, marker=".", label=name.replace("_", " "))
@@ -280,6 +296,20 @@ def plot(runs: dict[str, list[StepFigures]], path: str, title: str) -> None:
             ax.set_yscale("log")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
+    name, figures = next(iter(runs.items()))  # the same batches and weights (the first run's), both forwards
+    steps, run = [f.step for f in figures], name.replace("_", " ")
+    top, bottom = axes[0, 2], axes[1, 2]
+    for key, label in PAIRED:
+        top.plot(steps, [max(getattr(f, key), 1e-9) for f in figures], marker=".", label=label)
+    top.set_title("paired: mean |trainer - sampler logprob| (nats)", fontsize=10)
+    top.set_yscale("log")
+    top.legend(fontsize=8)
+    bottom.plot(steps, [f.free_mean_abs_delta - f.replay_mean_abs_delta for f in figures], marker=".", color="C2")
+    bottom.axhline(0.0, color="grey", lw=0.8)
+    bottom.set_title("paired: own routes minus forced (nats): what route flips add", fontsize=10)
+    for ax in (top, bottom):
+        ax.set_xlabel(f"step ({run} run)", fontsize=8)
+        ax.grid(alpha=0.3)
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -313,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{100 * s['on_policy_route_agreement']:.2f}%; stale: mean |dlp| {s['stale_mean_abs_delta']:.2e}, "
               f"max {s['stale_max_abs_delta']:.2e}, k3 {s['stale_k3_mean']:.2e}, ratio outside [0.8, 1.2] "
               f"{100 * s['stale_frac_outside_0_2']:.2f}%, routes {100 * s['stale_route_agreement']:.2f}% "
-              f"(min {100 * s['stale_route_agreement_min']:.2f}%)")
+              f"(min {100 * s['stale_route_agreement_min']:.2f}%); paired on the same batches: mean |dlp| "
+              f"{s['stale_paired_replay_mean_abs_delta']:.2e} forced to the captured routes, "
+              f"{s['stale_paired_free_mean_abs_delta']:.2e} with its own")
     print(f"wall {wall:.1f} s")
     if args.plot:
         plot(runs, args.plot, f"GRPO on a tiny {cfg.arch} ({cfg.layers} layers x {cfg.experts} experts, top-{cfg.top_k}), "
