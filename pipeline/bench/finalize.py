@@ -56,7 +56,7 @@ from .finalize_modes import (
 from .finalize_hash_streams import hash_streams
 from .finalize_inflight import cores, floors, in_flight_figures, loopback_recv_bytes_per_s, sustained_run
 from .finalize_profile import default_groups, payload, workload_shape
-from .finalize_verify_vs_hash import VerifyVsHash, verify_vs_hash
+from .finalize_verify_vs_hash import Fetched, VerifyVsHash, fetch_step, verify_vs_hash
 from .profile_args import add_profile_argument, profile_from_args
 
 if TYPE_CHECKING:
@@ -261,17 +261,24 @@ def _workload_out(s: _Session, name: str, groups: list[list[Receipt]], runs: dic
                   algorithm: str, in_flight: int, repeats: int) -> dict[str, object]:
     """One workload's figures: every mode's, verify vs hash, its payload per token and,
     for the agentic workload with ``in_flight``, the sustained mode's."""
-    try:
-        vh = verify_vs_hash(s.store, groups, algorithm=algorithm, num_experts=s.experts)
+    try:  # the rows both measurements below read, fetched once
+        fetched: Fetched | None = fetch_step(s.store, groups)
     except Exception as e:  # noqa: BLE001
-        s.failures.append(f"{name} verify_vs_hash: {type(e).__name__}: {e}")
-        vh = None
+        s.failures.append(f"{name} fetch for verify_vs_hash and hash_streams: {type(e).__name__}: {e}")
+        fetched = None
+    vh = None
+    if fetched is not None:
+        try:
+            vh = verify_vs_hash(fetched, algorithm=algorithm, num_experts=s.experts)
+        except Exception as e:  # noqa: BLE001
+            s.failures.append(f"{name} verify_vs_hash: {type(e).__name__}: {e}")
     shape = workload_shape(WORKLOADS[name], prof)
     out = workload_figures(shape, TARGETS.get(name, {}), len(groups), runs, vh)
-    try:  # the verifier's three hash streams alone, against one pass (CPU): a floor under verify_vs_hash
-        out.update(hash_streams(s.store, groups, algorithm))
-    except Exception as e:  # noqa: BLE001
-        s.failures.append(f"{name} hash_streams: {type(e).__name__}: {e}")
+    if fetched is not None:
+        try:  # the verifier's three hash streams alone, against one pass (CPU): a floor under verify_vs_hash
+            out.update(hash_streams(fetched, algorithm))
+        except Exception as e:  # noqa: BLE001
+            s.failures.append(f"{name} hash_streams: {type(e).__name__}: {e}")
     out.update(payload(prof, shape[3] is not None, out))
     if name == "agentic" and in_flight:
         out["in_flight"] = _in_flight(s, groups, vh, in_flight, repeats)

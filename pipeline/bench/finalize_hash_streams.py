@@ -19,13 +19,12 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from tasks.digests import file_hash
-from tasks.schema import ROUTES_FIELDS, STAGING_FIELDS
+from tasks.schema import ROUTES_FIELDS
 
 if TYPE_CHECKING:
     from tasks.packed import PackedBatch
-    from tasks.receipts import Receipt
 
-    from ..store import StagingStore
+    from .finalize_verify_vs_hash import Fetched
 
 
 def _row_views(batch: PackedBatch, name: str) -> list[memoryview]:
@@ -56,17 +55,14 @@ def stream_buffers(rows: PackedBatch, routes: PackedBatch | None, rollouts: Sequ
     return digest, ids, cumulative
 
 
-def hash_streams(store: StagingStore, groups: Sequence[Sequence[Receipt]], algorithm: str, repeats: int = 3) -> dict[str, float]:
+def hash_streams(fetched: Fetched, algorithm: str, repeats: int = 3) -> dict[str, float]:
     """``hash_streams_ms`` (the three streams, best of ``repeats``), ``hash_pass_ms`` (one
     pass over the same fetched field buffers) and their ratio ``hash_streams_vs_hash``."""
-    from tasks.finalize.plan import plan_step
-
-    plan = plan_step([r for g in groups for r in g])
-    rows = store.get_many(plan.staging_keys, list(STAGING_FIELDS)).batch
-    routes = store.get_many(plan.routes_keys, list(ROUTES_FIELDS)).batch if plan.routes_keys else None
+    rows = fetched.rows
     at = {k: i for i, k in enumerate(rows.keys)}
-    digest, chain, cumulative = stream_buffers(rows, routes, [[at[k] for k in p.keys if k in at] for p in plan.rollouts])
-    whole = [np.ascontiguousarray(f.values) for b in (rows, routes) if b is not None for f in b.fields.values()]
+    rollouts = [[at[k] for k in p.keys if k in at] for p in fetched.plan.rollouts]
+    digest, chain, cumulative = stream_buffers(rows, fetched.routes, rollouts)
+    whole = fetched.buffers()
 
     def streams() -> None:
         for bufs in digest:
