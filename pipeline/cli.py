@@ -17,6 +17,7 @@ BENCHMARKS = {
     "soak": "200+ steps in flight: store bytes/rows, scheduler tasks and RSS stay flat (exit 1 if not)",
     "limits": "this machine's physical limits: loopback TCP, memcpy, first touch of fresh memory, SHA-256 per core",
     "scale": "finalize step costs (tasks, messages, store calls, CPU, bytes across hosts) at 1/2/4 hosts and 1x-16x work",
+    "chaos": "steps flowing while workers, the controller and the network fail, beside a fault-free run (exit 1 on a loss)",
 }
 
 

@@ -1,0 +1,252 @@
+"""The chaos soak's cluster and its faults: hosts of ``dask worker`` processes
+(:class:`~pipeline.deploy.LocalHosts`, one worker per host, so a worker lost is a host
+lost), a store hosted by the scheduler (replicas 2), the controller process
+(:mod:`.chaos_controller`) and the faults of :mod:`.chaos_schedule` done to them.
+
+A killed worker's host is SIGKILLed and a replacement host of the same roles joins (the
+store host gives a new storage worker a unit, the repairer re-replicates the lost one);
+before the next storage kill the driver waits until no unit sits on a gone worker, so two
+kills never take both copies of a key. A killed controller is SIGKILLed and the next
+incarnation attaches by name. A cut storage host (:mod:`pipeline.testing.partition`) is
+healed after its duration; its workers, if they closed meanwhile (Dask workers close when
+their scheduler connection breaks), are replaced like a killed host's. Each fault is one
+timeline entry: what, where, when (s from the run's start), and what followed.
+"""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from typing import TYPE_CHECKING, Callable
+
+from .chaos_controller import ControllerConfig
+from .chaos_schedule import KILL_CONTROLLER, KILL_FINALIZE, KILL_STORAGE, PARTITION, Fault
+
+if TYPE_CHECKING:
+    from ..deploy import LocalHosts
+
+GENERATION = ("generation", "finalize")
+STORAGE = ("storage", "finalize")
+FINALIZE = ("finalize",)
+STORE_NAME = "chaos-store"
+REPAIR_WAIT_S = 90.0  # the longest the driver waits for a lost unit's repair (s)
+# What every process of the cluster runs with: dead or cut-off peers noticed in seconds
+# (a connection whose data goes unacknowledged for 11 s is dead, the least Dask takes; a
+# worker not heard from for 10 s is removed, so a cut-off host's tasks run elsewhere), the
+# store host looking for lost units often, no periodic unit reports.
+CHILD_ENV = {
+    "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "3s",
+    "DASK_DISTRIBUTED__COMM__TIMEOUTS__TCP": "11s",
+    "DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": "10s",
+    "DASK_TOKEN_CAPTURE__STORE__REPAIR_INTERVAL_S": "0.5",
+    "DASK_TOKEN_CAPTURE__STORE__REPORT_INTERVAL_S": "0",
+}
+
+
+class ChaosCluster:
+    """One run's cluster (a context manager): hosts, hosted store, controller process."""
+
+    def __init__(self, state_dir: str, cfg: ControllerConfig, *, storage_hosts: int = 3,
+                 say: Callable[[str], None] = lambda line: None) -> None:
+        self.state_dir, self.cfg, self.say = state_dir, cfg, say
+        self.storage_hosts = storage_hosts
+        self.hosts: LocalHosts | None = None
+        self.controller: subprocess.Popen | None = None
+        self.incarnation = 0
+        self.t0 = time.monotonic()
+        self.timeline: list[dict] = []
+
+    def __enter__(self) -> ChaosCluster:
+        import dask
+
+        from ..deploy import LocalHosts
+        from ..store.hosted import start_hosted
+
+        settings = {"token-capture.hosts.nanny": False, "token-capture.hosts.workers-per-host": 1,
+                    "token-capture.hosts.threads-per-worker": 1, "distributed.comm.timeouts.connect": "3s",
+                    "distributed.comm.timeouts.tcp": "11s",
+                    "token-capture.store.replicas": 2}
+        self._config = dask.config.set(settings)
+        self._config.__enter__()
+        self.hosts = LocalHosts(os.path.join(self.state_dir, "hosts"), env=CHILD_ENV)
+        try:
+            self.hosts.start(port=0, dashboard_address="127.0.0.1:0")
+            specs = [self.hosts.spec(GENERATION, workers=2), self.hosts.spec(FINALIZE)]
+            specs += [self.hosts.spec(STORAGE) for _ in range(self.storage_hosts)]
+            self.hosts.add_hosts(specs)
+            client = self.hosts.client()
+            start_hosted(client, STORE_NAME, n_units=self.storage_hosts, workers=self.hosts.role_workers("storage"))
+            client.run(warm)  # imports and the policy, once per worker, before anything is timed
+            cfg = ControllerConfig(**{**self.cfg.__dict__, "scheduler": str(self.hosts.address), "store": STORE_NAME})
+            cfg.save(self.state_dir)
+            self.start_controller()
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        self.t0 = time.monotonic()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            if self.controller is not None and self.controller.poll() is None:
+                self.controller.kill()
+                self.controller.wait()
+            if self.hosts is not None:
+                self.hosts.close(graceful=False)
+        finally:
+            self._config.__exit__(None, None, None)
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.t0, 2)
+
+    # ---- the controller ---------------------------------------------------------------
+
+    def start_controller(self) -> None:
+        self.incarnation += 1
+        log = open(os.path.join(self.state_dir, f"controller-{self.incarnation}.log"), "ab")
+        env = {**os.environ, **CHILD_ENV}
+        self.controller = subprocess.Popen([sys.executable, "-m", "pipeline.bench.chaos_controller", self.state_dir,
+                                            str(self.incarnation)], stdout=log, stderr=subprocess.STDOUT,
+                                           stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        log.close()
+
+    def stop_controller(self, timeout_s: float) -> bool:
+        """Ask the controller to finish (no new step, the ones in flight collected); True
+        if it exited 0 within ``timeout_s``."""
+        open(os.path.join(self.state_dir, "stop"), "w").close()
+        assert self.controller is not None
+        try:
+            return self.controller.wait(timeout=timeout_s) == 0
+        except subprocess.TimeoutExpired:
+            return False
+
+    def controller_log_tail(self, lines: int = 15) -> list[str]:
+        path = os.path.join(self.state_dir, f"controller-{self.incarnation}.log")
+        try:
+            with open(path, errors="replace") as f:
+                return f.read().splitlines()[-lines:]
+        except OSError:
+            return []
+
+    # ---- faults -------------------------------------------------------------------------
+
+    def do(self, fault: Fault, rng: random.Random) -> dict:
+        """Do ``fault``; its timeline entry."""
+        entry = {"at_s": self.now(), "planned_s": fault.at_s, "kind": fault.kind}
+        if fault.kind == KILL_CONTROLLER:
+            assert self.controller is not None
+            self.controller.send_signal(signal.SIGKILL)
+            self.controller.wait()
+            self.start_controller()
+            entry["incarnation"] = self.incarnation
+        elif fault.kind in (KILL_STORAGE, KILL_FINALIZE):
+            role = STORAGE if fault.kind == KILL_STORAGE else FINALIZE
+            # Any host may hold a unit (a repair puts one where none of its partners is).
+            entry["waited_for_repair_s"] = self.wait_repaired()
+            name = rng.choice(self.live(role))
+            entry.update(self.replace(name, role))
+        elif fault.kind == PARTITION:
+            from ..testing.partition import unavailable
+
+            why = unavailable()
+            if why is None:
+                entry.update(self.cut(rng.choice(self.live(STORAGE)), fault.duration_s))
+            else:  # said in the timeline and on stderr: the soak runs without its cut
+                entry["skipped"] = f"no network partition on this machine: {why}"
+                self.say(entry["skipped"])
+        self.timeline.append(entry)
+        self.say(f"fault at {entry['at_s']:.1f} s: {fault.kind} {entry.get('host', '')}".rstrip())
+        return entry
+
+    def live(self, roles: tuple[str, ...]) -> list[str]:
+        assert self.hosts is not None
+        return sorted(n for n, h in self.hosts.hosts.items() if not h.killed and h.spec.roles == roles)
+
+    def replace(self, name: str, roles: tuple[str, ...]) -> dict:
+        """SIGKILL host ``name``; a new host of ``roles`` joins."""
+        assert self.hosts is not None
+        address = self.hosts.hosts[name].address
+        self.hosts.kill_host(name)
+        new = self.hosts.add_host(roles)
+        return {"host": name, "address": address, "replacement": new.name, "joined_s": self.now()}
+
+    def cut(self, name: str, duration_s: float) -> dict:
+        """Cut storage host ``name`` off for ``duration_s``; heal; replace it if its workers
+        closed meanwhile."""
+        from ..testing.partition import partition_host
+
+        assert self.hosts is not None
+        host = self.hosts.hosts[name]
+        with partition_host(self.hosts, name) as p:
+            time.sleep(max(0.0, duration_s - p.duration_s()))
+        entry: dict = {"host": name, "address": host.address, "cut_s": round(p.duration_s(), 2),
+                       "connections_cut": p.connections, "healed_s": self.now()}
+        time.sleep(2.0)  # the host's workers: back, or closed (their scheduler connection broke)
+        names = set(host.spec.worker_names)
+        registered = names & set(self.hosts.registered(self.hosts.client()))
+        alive = [pid for pid in host.pids() if _alive(pid)]
+        entry["workers_after_heal"] = len(registered)
+        if not registered or not alive:
+            self.hosts.kill_host(name)
+            new = self.hosts.add_host(STORAGE)
+            entry.update({"replacement": new.name, "joined_s": self.now()})
+        return entry
+
+    def wait_repaired(self) -> float:
+        """Until no unit of the store sits on a worker the scheduler no longer has, every
+        storage worker has its unit and no change waits (at most :data:`REPAIR_WAIT_S`);
+        the seconds waited."""
+        from ..store.hosted import hosted_stores
+
+        assert self.hosts is not None
+        client = self.hosts.client()
+        t = time.monotonic()
+        while time.monotonic() - t < REPAIR_WAIT_S:
+            live = set(client.scheduler_info(n_workers=-1)["workers"])
+            info = next((i for i in hosted_stores(client) if i["name"] == STORE_NAME), None)
+            storage = {w for n in self.live(STORAGE) for w in self.hosts.workers(n)}
+            if (info is not None and set(info["workers"]) <= live and storage <= set(info["workers"])
+                    and info.get("interrupted") is None and not info.get("waiting")):
+                break
+            time.sleep(0.5)
+        return round(time.monotonic() - t, 2)
+
+    def store_figures(self) -> dict:
+        """The store's own counters at the end: rows and keys held, lost keys and reads."""
+        from ..client.discovery import lookup_store
+        from ..store.hosted import hosted_stores
+
+        assert self.hosts is not None
+        client = self.hosts.client()
+        self.wait_repaired()
+        with client.as_current():  # the handle's actors bind to the current client
+            stats = lookup_store(client, STORE_NAME).stats()
+        info = next(i for i in hosted_stores(client) if i["name"] == STORE_NAME)
+        return {"units": len(stats), "rows_left_staged": sum(s["rows"] for s in stats),
+                "lost_keys": sum(int(s.get("lost_keys", 0)) for s in stats),
+                "lost_reads": sum(int(s.get("lost_reads", 0)) for s in stats),
+                "repairs": len(info["repaired"]), "lost_units_replicas1": len(info["lost_units"])}
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def warm() -> None:
+    """Run on every worker once: import what generation, staging and finalization run (the
+    first task on a fresh worker otherwise holds its event loop for seconds)."""
+    import torch  # noqa: F401
+
+    import pipeline.finalize.worker_tasks  # noqa: F401
+    import pipeline.store.unit  # noqa: F401
+    from pipeline.capture import policy_from_config
+
+    policy_from_config()

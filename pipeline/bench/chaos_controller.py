@@ -1,0 +1,285 @@
+"""The chaos soak's controller, a process of its own (so it can be SIGKILLed and replaced).
+
+    python -m pipeline.bench.chaos_controller STATE_DIR INCARNATION
+
+Reads ``STATE_DIR/config.json`` (:class:`ControllerConfig`), attaches to the hosted store by
+name (``Finalizer.attach``) and keeps ``in_flight`` steps finalizing: each step's groups
+are generated on the generation workers (a group whose receipts come back poisoned, e.g. a
+unit lost mid-put, is generated again: same rows, write-once puts), its receipts are saved
+to ``steps/<id>.pkl`` BEFORE it is submitted, and once collected its verdict against the
+oracle (:mod:`pipeline.testing.oracle`) is appended to ``delivered.jsonl`` (fsync) BEFORE
+its rows are cleared. A replacement (the next incarnation) resubmits every saved step not
+delivered, then goes on with new ones. ``STATE_DIR/stop`` ends it: no new step, the ones in
+flight are collected, exit 0. Progress on stderr.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import sys
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from distributed import Client
+
+    from tasks.receipts import Receipt
+    from tasks.toy.rollouts import RolloutSpec
+
+    from ..finalize.controller import Finalizer, StepHandle, StepResult
+
+LOST_REASONS = ("missing_staging_row", "lost_staging_row")  # tasks.reasons: an acknowledged row not read back
+GENERATION_ATTEMPTS = 8  # a group poisoned this many times is submitted as it is (its rollouts unacknowledged)
+STEP_ATTEMPTS = 3  # a step whose graph fails (or times out) this many times is recorded failed
+
+
+@dataclass(frozen=True)
+class ControllerConfig:
+    """What every incarnation runs with (``config.json``)."""
+
+    scheduler: str
+    store: str
+    seed: int
+    groups: int
+    rollouts: int
+    turns: int
+    tokens_per_turn: int
+    in_flight: int
+    step_timeout_s: float  # one attempt at collecting a step (s)
+    experts: int | None = None
+
+    def save(self, state_dir: str) -> None:
+        write_atomically(os.path.join(state_dir, "config.json"), json.dumps(asdict(self)))
+
+    @classmethod
+    def load(cls, state_dir: str) -> ControllerConfig:
+        with open(os.path.join(state_dir, "config.json")) as f:
+            return cls(**json.load(f))
+
+
+def write_atomically(path: str, data: str | bytes) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def step_id(index: int) -> str:
+    return f"s{index:05d}"
+
+
+def step_specs(cfg: ControllerConfig, index: int) -> list[list[RolloutSpec]]:
+    """Step ``index``'s groups: the same in every run of the same seed (the oracle's too)."""
+    from tasks.toy.rollouts import make_step_specs
+
+    from .. import config
+
+    return make_step_specs(f"c{cfg.seed}-{step_id(index)}-", cfg.groups, cfg.rollouts, turns=cfg.turns,
+                           tokens_per_turn=cfg.tokens_per_turn, tool_tokens=config.get("demo.tool-tokens"),
+                           prompt_tokens=config.get("demo.prompt-tokens"), vocab_size=config.get("policy.vocab-size"),
+                           seed=config.get("policy.seed"))
+
+
+class Book:
+    """The controller's durable state in ``state_dir``: saved steps and delivered verdicts."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.dir = state_dir
+        self.steps_dir = os.path.join(state_dir, "steps")
+        os.makedirs(self.steps_dir, exist_ok=True)
+
+    def saved(self) -> dict[str, int]:
+        """Step id -> index of every saved step."""
+        out = {}
+        for name in os.listdir(self.steps_dir):
+            if name.endswith(".pkl"):
+                with open(os.path.join(self.steps_dir, name), "rb") as f:
+                    out[name[:-4]] = int(pickle.load(f)["index"])
+        return out
+
+    def save(self, index: int, receipts: dict[str, list[Receipt]]) -> None:
+        body = {"index": index, "receipts": {g: [r.to_dict() for r in rs] for g, rs in receipts.items()}}
+        write_atomically(os.path.join(self.steps_dir, f"{step_id(index)}.pkl"), pickle.dumps(body))
+
+    def receipts(self, sid: str) -> dict[str, list[Receipt]]:
+        from tasks.receipts import Receipt
+
+        with open(os.path.join(self.steps_dir, f"{sid}.pkl"), "rb") as f:
+            body = pickle.load(f)
+        return {g: [Receipt.from_dict(d) for d in rs] for g, rs in body["receipts"].items()}
+
+    def delivered(self) -> dict[str, dict]:
+        """Step id -> its verdict record (a torn last line, from a kill mid-write, is skipped)."""
+        return read_delivered(self.dir)
+
+    def deliver(self, record: dict) -> None:
+        with open(os.path.join(self.dir, "delivered.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def read_delivered(state_dir: str) -> dict[str, dict]:
+    out: dict[str, dict] = {}
+    try:
+        with open(os.path.join(state_dir, "delivered.jsonl")) as f:
+            for line in f:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                out.setdefault(record["step"], record)
+    except OSError:
+        pass
+    return out
+
+
+def rollout_digest(group: Any, i: int) -> str:
+    """SHA-256 of row ``i`` of a FinalizedGroup: its tokens, logprobs, mask, routes, reward."""
+    n = int(group.input_lengths[i])
+    h = hashlib.sha256()
+    for name in ("input_ids", "logprobs", "token_mask", "routed_experts"):
+        t = getattr(group, name)
+        if t is not None:
+            h.update(t[i][:n].contiguous().numpy().tobytes())
+    h.update(group.rewards[i].numpy().tobytes())
+    h.update(str(group.status[i]).encode())
+    return h.hexdigest()
+
+
+def verdict(cfg: ControllerConfig, sid: str, index: int, receipts: dict[str, list[Receipt]], step: StepResult,
+            incarnation: int, attempts: int) -> dict:
+    """A delivered step against the oracle: acknowledged rollouts (receipts not poisoned),
+    their rows, rows lost (a missing or lost staging row), rollouts whose tensors differ."""
+    from tasks.toy.rollouts import generate_rollouts
+
+    from ..capture import policy_from_config
+    from ..testing.oracle import reference_mismatches
+
+    acked = {r.rollout_id: r for rs in receipts.values() for r in rs if not r.poisoned}
+    reference = generate_rollouts(policy_from_config(), [s for g in step_specs(cfg, index) for s in g])
+    mismatched = {rid: v for rid, v in reference_mismatches(step.groups, reference).items() if rid in acked}
+    status = {rid: g.status[i] for g in step.groups.values() for i, rid in enumerate(g.rollout_ids)}
+    lost = sum(len(acked[rid].calls) for rid in acked if status.get(rid) in LOST_REASONS)
+    digests = {rid: rollout_digest(g, i) for g in step.groups.values() for i, rid in enumerate(g.rollout_ids) if rid in acked}
+    return {
+        "step": sid, "index": index, "incarnation": incarnation, "attempts": attempts, "t": time.time(),
+        "rollouts": sum(len(rs) for rs in receipts.values()), "acknowledged": len(acked),
+        "rows": sum(len(r.calls) for r in acked.values()), "tokens": int(step.metrics.get("tokens", 0)),
+        "rows_lost": lost, "mismatched": mismatched, "digests": digests,
+    }
+
+
+class Controller:
+    """One incarnation's loop (module docstring)."""
+
+    def __init__(self, client: Client, cfg: ControllerConfig, state_dir: str, incarnation: int) -> None:
+        from ..finalize.controller import Finalizer
+
+        self.client, self.cfg, self.dir, self.incarnation = client, cfg, state_dir, incarnation
+        self.book = Book(state_dir)
+        self.fin: Finalizer = Finalizer.attach(client, cfg.store, num_experts=cfg.experts)
+        self.fin.with_settings(clear_staged=False)  # cleared here, once the verdict is on disk
+        self.in_flight: deque[tuple[str, int, StepHandle, int]] = deque()  # (step id, index, handle, attempt)
+        self.resubmitted: set[str] = set()  # steps an earlier incarnation saved and did not deliver
+
+    def say(self, text: str) -> None:
+        print(f"[controller {self.incarnation}] {text}", file=sys.stderr, flush=True)
+
+    def run(self) -> None:
+        saved, delivered = self.book.saved(), self.book.delivered()
+        for sid, index in sorted(saved.items()):
+            if sid not in delivered:
+                self.submit(sid, index, 1)
+                self.resubmitted.add(sid)
+        if self.in_flight:
+            self.say(f"resubmitted {len(self.in_flight)} undelivered step(s): {[s for s, *_ in self.in_flight]}")
+        next_index = max(saved.values(), default=-1) + 1
+        while True:
+            stopping = os.path.exists(os.path.join(self.dir, "stop"))
+            if not stopping and len(self.in_flight) < self.cfg.in_flight:
+                self.book.save(next_index, self.generate(next_index))
+                self.submit(step_id(next_index), next_index, 1)
+                next_index += 1
+                continue
+            if not self.in_flight:
+                return
+            self.collect(*self.in_flight.popleft())
+
+    def submit(self, sid: str, index: int, attempt: int) -> None:
+        handle = self.fin.submit_step(self.book.receipts(sid), step_id=f"{sid}-i{self.incarnation}-a{attempt}")
+        self.in_flight.append((sid, index, handle, attempt))
+
+    def generate(self, index: int) -> dict[str, list[Receipt]]:
+        """Step ``index``'s receipts, each group generated again while any receipt of it comes
+        back poisoned (up to :data:`GENERATION_ATTEMPTS`)."""
+        from .. import config
+        from ..capture import generate_and_stage
+
+        out = {}
+        for specs in step_specs(self.cfg, index):
+            for attempt in range(1, GENERATION_ATTEMPTS + 1):
+                fut = self.client.submit(generate_and_stage, self.fin.store, list(specs), pure=False,
+                                         resources={"generation": 1}, digest_version=config.digest_version())
+                receipts = fut.result()
+                if not any(r.poisoned for r in receipts):
+                    break
+                why = next(r.failure_reason for r in receipts if r.poisoned)
+                self.say(f"{step_id(index)} group {specs[0].group_id}: poisoned ({why}), generating again ({attempt})")
+                time.sleep(min(0.5 * attempt, 3.0))
+                self.fin.store = _fresh_store(self.client, self.cfg.store, self.fin.store)
+            out[specs[0].group_id] = receipts
+        return out
+
+    def collect(self, sid: str, index: int, handle: StepHandle, attempt: int) -> None:
+        from ..finalize.controller import clear_rows
+
+        try:
+            step = handle.result(timeout=self.cfg.step_timeout_s)
+        except Exception as e:  # noqa: BLE001 - retried, then recorded
+            handle.cancel()
+            self.say(f"{sid} attempt {attempt} failed: {type(e).__name__}: {e}")
+            if attempt < STEP_ATTEMPTS:
+                self.submit(sid, index, attempt + 1)
+                self.in_flight.rotate(1)  # keep it first: steps are collected in order
+            else:
+                self.book.deliver({"step": sid, "index": index, "failed": f"{type(e).__name__}: {e}", "t": time.time()})
+            return
+        record = verdict(self.cfg, sid, index, self.book.receipts(sid), step, self.incarnation, attempt)
+        record["resubmitted"] = sid in self.resubmitted or attempt > 1
+        self.book.deliver(record)
+        self.say(f"{sid} delivered: {record['acknowledged']}/{record['rollouts']} acknowledged, "
+                 f"{len(record['mismatched'])} differ, {record['rows_lost']} rows lost")
+        cleared = clear_rows(self.fin.store, handle.clear_keys())
+        if cleared["failed"]:
+            self.say(f"{sid}: {len(cleared['failed'])} row(s) not cleared (left staged)")
+
+
+def _fresh_store(client: Client, name: str, current: Any) -> Any:
+    """The published handle (a repair republishes it), or ``current`` if none can be had."""
+    from ..client.discovery import lookup_store
+
+    try:
+        return lookup_store(client, name)
+    except Exception:  # noqa: BLE001 - keep the one we have
+        return current
+
+
+def main(argv: list[str]) -> int:
+    from distributed import Client
+
+    state_dir, incarnation = argv[0], int(argv[1])
+    cfg = ControllerConfig.load(state_dir)
+    with Client(cfg.scheduler, timeout=60, set_as_default=True) as client:
+        Controller(client, cfg, state_dir, incarnation).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,127 @@
+"""``python -m pipeline bench chaos``'s pure parts: the fault schedule and the verdict.
+
+The soak itself (minutes, a cluster of hosts) is its own CI step
+(``python -m pipeline bench chaos --short --json``, .ci/run); here, in milliseconds: a
+schedule kills a worker every 30-60 s (scaled in short mode), the controller once and cuts
+a host once, with no kill near the cut and nothing in the tail; a report with a lost row,
+a differing tensor, an unfinished step or a controller that died by itself fails, names
+what failed, exits 1 and carries no throughput ratio; a clean one has the ratio.
+"""
+from __future__ import annotations
+
+import pytest
+
+from pipeline.bench import chaos
+from pipeline.bench.chaos_report import digests_differing, exit_status, report, run_figures
+from pipeline.bench.chaos_schedule import (
+    KILL_CONTROLLER,
+    KILL_FINALIZE,
+    KILL_STORAGE,
+    PARTITION,
+    ScheduleSettings,
+    fault_schedule,
+    kill_times,
+)
+from pipeline.cli import build_parser
+
+FULL = ScheduleSettings(duration_s=210.0)
+SHORT = ScheduleSettings(duration_s=75.0, scale=0.4, partition_s=8.0, gap_s=4.0, tail_s=14.0)
+
+
+@pytest.mark.parametrize("settings", [FULL, SHORT], ids=["full", "short"])
+def test_a_schedule_kills_a_worker_every_interval_the_controller_once_and_cuts_a_host_once(settings):
+    import random
+
+    lo, hi = settings.kill_interval_s()
+    for seed in range(30):
+        times = kill_times(settings, random.Random(seed))
+        gaps = [b - a for a, b in zip([0.0, *times], times)]
+        assert times and all(lo - 0.01 <= g <= hi + 0.01 for g in gaps), (seed, gaps)
+        faults = fault_schedule(settings, seed)
+        assert [f.at_s for f in faults] == sorted(f.at_s for f in faults)
+        assert [f.kind for f in faults].count(KILL_CONTROLLER) == 1
+        [cut] = [f for f in faults if f.kind == PARTITION]
+        assert cut.duration_s == settings.partition_s
+        kills = [f for f in faults if f.kind in (KILL_STORAGE, KILL_FINALIZE)]
+        assert kills and {f.at_s for f in kills} <= set(times)
+        kinds = [f.kind for f in kills]
+        assert len(kills) < 2 or {KILL_STORAGE, KILL_FINALIZE} <= set(kinds), kinds  # both kinds
+        assert abs(kinds.count(KILL_STORAGE) - kinds.count(KILL_FINALIZE)) <= 1
+        assert not [f for f in kills if cut.at_s - settings.gap_s <= f.at_s <= cut.at_s + cut.duration_s + settings.gap_s]
+        end = settings.duration_s - settings.tail_s
+        assert all(0 < f.at_s and f.at_s + f.duration_s <= end for f in faults), faults
+
+
+def test_a_seed_gives_one_schedule_and_a_run_too_short_is_refused():
+    assert fault_schedule(FULL, 3) == fault_schedule(FULL, 3) != fault_schedule(FULL, 4)
+    assert {f.kind for s in range(10) for f in fault_schedule(FULL, s)} == {KILL_STORAGE, KILL_FINALIZE, KILL_CONTROLLER, PARTITION}
+    with pytest.raises(ValueError, match="too short"):
+        fault_schedule(ScheduleSettings(duration_s=50.0), 0)
+
+
+def test_short_mode_scales_the_run_down():
+    args = build_parser().parse_args(["bench", "chaos", "--short", "--json"])
+    settings, fault_free_s = chaos.plan(args)
+    assert settings.scale < 1 and settings.duration_s + fault_free_s <= 100 and settings.partition_s < 20
+    args = build_parser().parse_args(["bench", "chaos", "--json"])
+    settings, fault_free_s = chaos.plan(args)
+    assert settings.scale == 1 and settings.partition_s == 20 and settings.duration_s + fault_free_s <= 300
+
+
+def record(sid: str, *, rows_lost: int = 0, mismatched: dict | None = None, digest: str = "d", incarnation: int = 1) -> dict:
+    return {"step": sid, "index": int(sid[1:]), "incarnation": incarnation, "attempts": 1, "resubmitted": incarnation > 1, "t": float(sid[1:]), "rollouts": 8,
+            "acknowledged": 8, "rows": 16, "tokens": 400, "rows_lost": rows_lost, "mismatched": mismatched or {},
+            "digests": {f"{sid}-r0": digest}}
+
+
+def figures(records: list[dict], saved: list[str] | None = None, problems: list[str] | None = None, lost_keys: int = 0) -> dict:
+    delivered = {r["step"]: r for r in records}
+    return run_figures(delivered, {s: int(s[1:]) for s in (saved or list(delivered))}, 10.0, {"lost_keys": lost_keys}, problems)
+
+
+def test_a_clean_pair_of_runs_reports_its_throughput_ratio_and_exits_0():
+    base = figures([record("s1"), record("s2")])
+    faulty = figures([record("s1"), record("s2", incarnation=2)])
+    result = report(base, faulty, [], [{"kind": KILL_CONTROLLER}], {"mode": "short"})
+    assert result["ok"] and exit_status(result) == 0 and result["failures"] == []
+    assert result["throughput_ratio"] == 1.0 and result["steps_finalized"] == 2 and result["rows_acknowledged"] == 32
+    assert result["chaos"]["resubmitted_steps"] == 1 and result["rows_lost"] == 0
+
+
+@pytest.mark.parametrize("what", ["lost", "oracle", "fault-free", "unfinished", "given-up", "controller", "lost-key", "nothing"])
+def test_a_failed_run_names_what_failed_exits_1_and_has_no_ratio(what):
+    base = figures([record("s1"), record("s2")])
+    records = [record("s1"), record("s2")]
+    saved, problems, lost_keys, differing = None, None, 0, []
+    if what == "lost":
+        records[1] = record("s2", rows_lost=2)
+    elif what == "oracle":
+        records[1] = record("s2", mismatched={"s2-r0": ["input_ids"]})
+    elif what == "fault-free":
+        records[1] = record("s2", digest="other")
+        differing = digests_differing({r["step"]: r for r in base_records()}, {r["step"]: r for r in records})
+    elif what == "unfinished":
+        saved = ["s1", "s2", "s3"]
+    elif what == "given-up":
+        records.append({"step": "s3", "index": 3, "failed": "TimeoutError: ", "t": 0.0})
+    elif what == "controller":
+        problems = ["controller 1 exited by itself with code 1"]
+    elif what == "lost-key":
+        lost_keys = 1
+    elif what == "nothing":
+        records = []
+    result = report(base, figures(records, saved, problems, lost_keys), differing, [], {})
+    assert not result["ok"] and exit_status(result) == 1 and "throughput_ratio" not in result
+    expected = {"lost": "2 acknowledged row(s) lost", "oracle": "differ from the oracle", "fault-free": "differ from the fault-free run",
+                "unfinished": "never finished: ['s3']", "given-up": "failed every attempt: ['s3']",
+                "controller": "exited by itself", "lost-key": "1 lost key", "nothing": "no step was finalized"}[what]
+    assert any(expected in line for line in result["failures"]), result["failures"]
+
+
+def base_records() -> list[dict]:
+    return [record("s1"), record("s2")]
+
+
+def test_the_chaos_benchmark_is_on_the_command_line():
+    args = build_parser().parse_args(["bench", "chaos", "--short", "--json", "--seed", "2", "--in-flight", "4"])
+    assert args.short and args.json and args.seed == 2 and args.in_flight == 4
