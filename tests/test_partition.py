@@ -1,7 +1,7 @@
 """Network partitions (pipeline/testing/partition.py): one loopback host cut off from
 everything else, both ways, and healed.
 
-First on two bare processes (no Dask): while 127.0.0.5 is cut, this process cannot
+First on two bare processes (no Dask): while the child's address is cut, this process cannot
 connect to it, it cannot connect out (its outgoing connections leave from 127.0.0.1), and
 bytes sent either way on a connection opened before the cut do not arrive; after the heal
 all three work again (the stalled bytes arrive) and no rule is left behind.
@@ -28,7 +28,18 @@ from tasks.errors import InvalidInput
 pytestmark = pytest.mark.timeout(120)
 
 CUT_S = 20.0  # how long the storage host stays cut off (s)
-BARE = "127.0.0.5"  # the bare process's address
+
+
+def _bare_address() -> str:
+    """The bare process's address: .250 of this test process's block of host addresses
+    (127.0.0.250 in a serial run; conftest.py gives each xdist process its own block), so
+    no other test process's host is ever cut."""
+    from pipeline.deploy.settings import HostSettings
+
+    return HostSettings.from_config().first_address.rsplit(".", 1)[0] + ".250"
+
+
+BARE = _bare_address()
 
 
 def skip_unless_partitions() -> None:
