@@ -107,12 +107,13 @@ def run_client(store: StoreLike, deltas: list[list[Delta]], args: argparse.Names
     errors: list[BaseException] = []
     barrier = threading.Barrier(args.threads + 1)
     cap = CaptureClient(store, flush_calls=args.flush_calls, flush_ms=args.flush_ms)
+    experts = profile_from_args(args).experts  # resolved once, not per rollout
 
     def engine(mine: list[int]) -> None:
         barrier.wait()
         try:
             # An engine batch: every rollout of this thread advances turn by turn.
-            rcs = [cap.open(f"{tag}r{i}", f"{tag}g", vocab_size=VOCAB, num_experts=profile_from_args(args).experts) for i in mine]
+            rcs = [cap.open(f"{tag}r{i}", f"{tag}g", vocab_size=VOCAB, num_experts=experts) for i in mine]
             for t in range(args.calls):
                 for i, rc in zip(mine, rcs):
                     rc.stage(f"c{t}", None if t == 0 else f"c{t - 1}", **deltas[i][t])
@@ -141,9 +142,10 @@ def run_direct(store: StoreLike, deltas: list[list[Delta]], args: argparse.Names
     from tasks.packed import pack_rows
 
     rows: list[StagedRow] = []
+    experts = profile_from_args(args).experts  # resolved once, not per rollout
     g0 = time.perf_counter()
     for i, calls in enumerate(deltas):
-        gate = CaptureGate(f"{tag}r{i}", vocab_size=VOCAB, num_experts=profile_from_args(args).experts, group_id=f"{tag}g")
+        gate = CaptureGate(f"{tag}r{i}", vocab_size=VOCAB, num_experts=experts, group_id=f"{tag}g")
         _stage_rollout(lambda *a, **kw: rows.append(gate.stage_call(*a, **kw)), calls)
     gate_s = time.perf_counter() - g0
     p0 = time.perf_counter()

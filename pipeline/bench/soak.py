@@ -179,18 +179,19 @@ def run(args: argparse.Namespace) -> SoakResult:
     with bench_client(args) as client:
         store = StagingStore.start(client)
         try:
+            prof, overrides = profile_from_args(args), policy_overrides(args)  # once per run
             # The verifier's expert range is the profile's (its default is policy.experts).
-            fin = Finalizer(client, store, num_experts=policy_overrides(args)["experts"])
+            fin = Finalizer(client, store, num_experts=overrides["experts"])
             say(f"{args.steps} steps of {args.groups} x {args.rollouts} rollouts ({args.turns} calls of "
-                f"{args.tokens_per_turn} tokens, {profile_from_args(args).name} routes), {args.in_flight} in flight; "
+                f"{args.tokens_per_turn} tokens, {prof.name} routes), {args.in_flight} in flight; "
                 f"clear-staged={config.get('finalize.clear-staged')}")
             t0 = time.perf_counter()
-            result.update(_soak(client, store, fin, args, make_step_specs, submit_generation, say))
+            result.update(_soak(client, store, fin, args, overrides, make_step_specs, submit_generation, say))
             result["wall_s"] = round(time.perf_counter() - t0, 2)
-            id_bytes = route_id_bytes(profile_from_args(args))  # the policy's experts are the profile's
+            id_bytes = route_id_bytes(prof)  # the policy's experts are the profile's
             result["route_id_bytes"] = id_bytes
             result["tokens_per_s"] = round(result["tokens"] / result["wall_s"], 1)
-            result.update(payload_figures(profile_from_args(args), route_id_bytes=id_bytes, tokens_per_s=result["tokens_per_s"]))
+            result.update(payload_figures(prof, route_id_bytes=id_bytes, tokens_per_s=result["tokens_per_s"]))
             result["gb_s"] = float(f"{result['gb_s']:.4g}")
             end = sample(client, store)
             result["store_rows_end"] = end["store_rows"]  # every step collected and cleared
@@ -203,7 +204,7 @@ def run(args: argparse.Namespace) -> SoakResult:
     return result
 
 
-def _soak(client: Client, store: StagingStore, fin: Finalizer, args: argparse.Namespace,
+def _soak(client: Client, store: StagingStore, fin: Finalizer, args: argparse.Namespace, overrides: dict[str, int],
           make_step_specs: Callable[..., list[list[RolloutSpec]]], submit_generation: Callable[..., list[Future]],
           say: Callable[[str], None]) -> SoakResult:
     pending: list[StepHandle] = []
@@ -211,7 +212,6 @@ def _soak(client: Client, store: StagingStore, fin: Finalizer, args: argparse.Na
     last: Sample | None = None
     failed: dict[str, str] = {}
     rejected = collected = tokens = 0
-    overrides = policy_overrides(args)
     for s in range(args.steps):
         groups = make_step_specs(
             f"k{s}-", args.groups, args.rollouts, turns=args.turns, tokens_per_turn=args.tokens_per_turn,
