@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from pipeline.bench.profile_args import add_profile_argument, payload_figures, profile_from_args
+from pipeline.bench.profile_args import add_profile_argument, payload_figures, profile_from_args, rounded_gb_s
 from pipeline.store.protocol import StoreResult
 from tasks.profiles import PROFILES, UnknownProfileError, profile
 
@@ -46,6 +46,8 @@ def test_payload_figures_report_bytes_per_token_and_gb_s():
     assert fig["bytes_per_token"] == 16 + 464
     assert fig["gb_s"] == pytest.approx(2e6 * 480 / 1e9)
     assert "gb_s" not in payload_figures(profile("toy"), route_id_bytes=2)
+    # Reports give GB/s to 4 significant digits (one helper for every benchmark).
+    assert rounded_gb_s(2e6 * 481 / 1e9) == 0.962 and rounded_gb_s(1 / 3000) == 0.0003333
 
 
 def bench_args(module, *argv):

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, TypedDict
 import numpy as np
 
 from .common import add_cluster_arguments, bench_client, main, notes
-from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, rounded_gb_s, route_id_bytes
 
 if TYPE_CHECKING:
     from tasks.receipts import Receipt
@@ -233,7 +233,7 @@ def _payload(args: argparse.Namespace, rows_per_s: float | None) -> dict[str, ob
     rate = None if rows_per_s is None else rows_per_s * args.tokens
     out = payload_figures(prof, route_id_bytes=id_bytes, tokens_per_s=rate)
     if "gb_s" in out:
-        out["gb_s"] = float(f"{out['gb_s']:.4g}")
+        out["gb_s"] = rounded_gb_s(out["gb_s"])
     return {**out, "route_id_bytes": id_bytes}
 
 

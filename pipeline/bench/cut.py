@@ -32,8 +32,8 @@ import numpy as np
 
 from .call_buffers import call_buffers
 from .common import add_cluster_arguments, bench_client, main, notes
-from .profile_args import (add_profile_argument, payload_figures, profile_from_args, route_id_bytes, routes_profile,
-                           toy_bytes_scale)
+from .profile_args import (add_profile_argument, payload_figures, profile_from_args, rounded_gb_s, route_id_bytes,
+                           routes_profile, toy_bytes_scale)
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -366,7 +366,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                         runs[mode].append(row)
                 medians = [_median_row(runs[m]) for m in (ONE_ROW, BATCHED, RAW_PUT) if runs[m]]
                 for r in medians:
-                    r["gb_s"] = float(f"{payload_figures(prof, route_id_bytes=id_bytes, tokens_per_s=r['rows_per_s'] * tokens)['gb_s']:.4g}")
+                    r["gb_s"] = rounded_gb_s(payload_figures(prof, route_id_bytes=id_bytes, tokens_per_s=r["rows_per_s"] * tokens)["gb_s"])
                 table += [r for r in medians if r["mode"] != RAW_PUT]
                 raw_put += [r for r in medians if r["mode"] == RAW_PUT]
     out: dict[str, object] = {"benchmark": "cut", "clients": args.clients, "repeats": args.repeats,

@@ -60,3 +60,8 @@ def payload_figures(prof: MoeProfile, *, route_id_bytes: int, tokens_per_s: floa
     if tokens_per_s is not None:
         out["gb_s"] = tokens_per_s * bpt / 1e9
     return out
+
+
+def rounded_gb_s(gb_s: float) -> float:
+    """A GB/s figure (1e9 bytes/s) as the reports give it: 4 significant digits."""
+    return float(f"{gb_s:.4g}")

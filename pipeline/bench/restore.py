@@ -31,7 +31,7 @@ from tasks.keys import CUT_PARTITION
 from tasks.packed import PackedBatch
 
 from .common import add_cluster_arguments, bench_client, compare_rows, main, notes
-from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes, routes_profile
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, rounded_gb_s, route_id_bytes, routes_profile
 from .restore_stage import (
     CONTEXT_TOKENS,
     GAPS_MS,
@@ -303,7 +303,7 @@ def _row(sc: Scenario, mode: str, runs: list[ModeRun], chunk_tokens: int, bytes_
         "gets": mid["gets"],
         "keys_per_get": round(mid["keys"] / mid["gets"], 2) if mid["gets"] else 0.0,
         "wall_s": round(float(np.median(walls)), 3),
-        "gb_s": float(f"{sc['workers'] * sc['restores'] * sc['chunks'] * chunk_tokens * bytes_per_token / float(np.median(walls)) / 1e9:.4g}"),
+        "gb_s": rounded_gb_s(sc["workers"] * sc["restores"] * sc["chunks"] * chunk_tokens * bytes_per_token / float(np.median(walls)) / 1e9),
         "wall_s_runs": [round(w, 3) for w in walls],  # every run, in order: the spread behind wall_s
         "p50_ms": round(float(np.median(p50s)), 3),
         "p50_ms_runs": [round(p, 3) for p in p50s],

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, TypedDict
 
 from .. import config
 from .common import add_cluster_arguments, bench_client, main, notes
-from .profile_args import add_profile_argument, payload_figures, profile_from_args, route_id_bytes
+from .profile_args import add_profile_argument, payload_figures, profile_from_args, rounded_gb_s, route_id_bytes
 
 if TYPE_CHECKING:
     from distributed import Client, Future, Scheduler
@@ -192,7 +192,7 @@ def run(args: argparse.Namespace) -> SoakResult:
             result["route_id_bytes"] = id_bytes
             result["tokens_per_s"] = round(result["tokens"] / result["wall_s"], 1)
             result.update(payload_figures(prof, route_id_bytes=id_bytes, tokens_per_s=result["tokens_per_s"]))
-            result["gb_s"] = float(f"{result['gb_s']:.4g}")
+            result["gb_s"] = rounded_gb_s(result["gb_s"])
             end = sample(client, store)
             result["store_rows_end"] = end["store_rows"]  # every step collected and cleared
             result["store_bytes_end"] = end["store_bytes"]
