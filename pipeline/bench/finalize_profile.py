@@ -8,7 +8,7 @@ one group), so a default run stays short: the agentic workload at qwen3-moe is o
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Any, Mapping
 
 from tasks.profiles import MoeProfile
 
@@ -32,18 +32,20 @@ def default_groups(groups: int | None, toy_default: int, shape: WorkloadShape, p
     return max(1, round(toy_default * toy_bytes_scale(None if shape[3] is None else prof)))
 
 
-def payload(prof: MoeProfile, routed: bool, figures: Mapping[str, object]) -> dict[str, object]:
-    """The payload keys of a workload's figures: the profile and bytes per staged token
-    (nominal, :func:`~pipeline.bench.profile_args.payload_figures`), GB/s of the graph at
-    its median run, and what the graph fetched per token and per second (measured)."""
-    graph = figures.get("modes", {}).get("graph", {}) if isinstance(figures.get("modes"), Mapping) else {}
-    rate = graph.get("tokens_per_s_median") if isinstance(graph, Mapping) else None
+def payload(prof: MoeProfile, routed: bool, figures: Mapping[str, Any]) -> dict[str, object]:
+    """The payload keys of a workload's figures (:func:`~.finalize_figures.workload_figures`:
+    every mode's, the graph's without runs just empty): the profile and bytes per staged
+    token (nominal, :func:`~pipeline.bench.profile_args.payload_figures`), GB/s of the
+    graph at its median run, and what the graph fetched per token and per second
+    (measured)."""
+    graph = figures["modes"]["graph"]
+    rate = graph.get("tokens_per_s_median")
     id_bytes = route_id_bytes(prof) if routed else 0
     out = payload_figures(prof, route_id_bytes=id_bytes, tokens_per_s=rate)
     if not routed:
         out["ids_per_token"] = 0
     out["route_id_bytes"] = id_bytes
-    tokens, fetched = graph.get("tokens") if isinstance(graph, Mapping) else None, figures.get("graph_bytes_fetched")
+    tokens, fetched = graph.get("tokens"), figures.get("graph_bytes_fetched")
     if tokens and fetched and rate:
         out["fetched_bytes_per_token"] = round(float(fetched) / float(tokens), 2)
         out["graph_fetched_gb_s"] = float(fetched) / float(tokens) * float(rate) / 1e9
