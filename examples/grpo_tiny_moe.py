@@ -19,7 +19,7 @@ the batch (current weights) are compared with the sampler's (the mismatch monito
 The same loop runs twice: with route replay (the trainer's MoE layers forced to the
 experts captured at sampling time) and without (the trainer routes with its own, newer
 router). Prints per step the mean reward and the mismatch figures; writes a PNG of both
-runs and, with --json, every figure.
+runs and, with --json, every figure. README, "Training with it", says what each means.
 """
 from __future__ import annotations
 
@@ -209,12 +209,13 @@ def train_run(client: Any, store: Any, args: argparse.Namespace, overrides: dict
             generating[step + 2] = generate(step + 2, weights)
         t3 = time.perf_counter()
         accepted = batch["sample_mask"] > 0
+        any_accepted = bool(accepted.any())  # a step whose every rollout was rejected: -1 and 0
         f = StepFigures(
             step=step,
             trainer_version=step,
-            sampler_version=int(batch["weight_version_newest"][accepted].max()),
-            weight_lag=int(batch["weight_lag"][accepted].max()),
-            mean_reward=float(batch["rewards"][accepted].mean()) if bool(accepted.any()) else 0.0,
+            sampler_version=int(batch["weight_version_newest"][accepted].max()) if any_accepted else -1,
+            weight_lag=int(batch["weight_lag"][accepted].max()) if any_accepted else -1,
+            mean_reward=float(batch["rewards"][accepted].mean()) if any_accepted else 0.0,
             accepted=int(result.metrics["accepted"]),
             rollouts=int(result.metrics["rollouts"]),
             tokens=int(batch["loss_mask"].sum()),
