@@ -8,7 +8,7 @@ are generated on the generation workers (a group whose receipts come back poison
 unit lost mid-put, is generated again: same rows, write-once puts), its receipts are saved
 to ``steps/<id>.pkl`` BEFORE it is submitted, and once collected its verdict against the
 oracle (:mod:`pipeline.testing.oracle`) is appended to ``delivered.jsonl`` (fsync) BEFORE
-its rows are cleared. A replacement (the next incarnation) resubmits every saved step not
+its rows are cleared (a ``clear_rows`` task). A replacement (the next incarnation) resubmits every saved step not
 delivered, then goes on with new ones. ``STATE_DIR/stop`` ends it: no new step, the ones in
 flight are collected, exit 0. Progress on stderr.
 """
@@ -188,6 +188,7 @@ class Controller:
         self.fin.with_settings(clear_staged=False)  # cleared here, once the verdict is on disk
         self.in_flight: deque[tuple[str, int, StepHandle, int]] = deque()  # (step id, index, handle, attempt)
         self.resubmitted: set[str] = set()  # steps an earlier incarnation saved and did not deliver
+        self.clears: list[tuple[str, Any]] = []  # (step id, future of its clear_rows task)
 
     def say(self, text: str) -> None:
         print(f"[controller {self.incarnation}] {text}", file=sys.stderr, flush=True)
@@ -209,6 +210,7 @@ class Controller:
                 next_index += 1
                 continue
             if not self.in_flight:
+                self.reap_clears(wait_s=self.cfg.step_timeout_s)
                 return
             self.collect(*self.in_flight.popleft())
 
@@ -256,9 +258,25 @@ class Controller:
         self.book.deliver(record)
         self.say(f"{sid} delivered: {record['acknowledged']}/{record['rollouts']} acknowledged, "
                  f"{len(record['mismatched'])} differ, {record['rows_lost']} rows lost")
-        cleared = clear_rows(self.fin.store, handle.clear_keys())
-        if cleared["failed"]:
-            self.say(f"{sid}: {len(cleared['failed'])} row(s) not cleared (left staged)")
+        # Cleared on the cluster, as the Finalizer's own clear is: a delete that waits out
+        # its deadline on a lost unit holds no step of this loop.
+        self.clears.append((sid, self.client.submit(clear_rows, self.fin.store, handle.clear_keys(), pure=False)))
+        self.reap_clears()
+
+    def reap_clears(self, wait_s: float = 0.0) -> None:
+        """Say which finished clears left rows staged (waiting up to ``wait_s`` for the rest)."""
+        from distributed import wait
+
+        if wait_s and self.clears:
+            wait([f for _, f in self.clears], timeout=wait_s, return_when="ALL_COMPLETED")
+        for sid, fut in [c for c in self.clears if c[1].done()]:
+            self.clears.remove((sid, fut))
+            try:
+                failed = fut.result()["failed"]
+            except Exception as e:  # noqa: BLE001 - said, the rows stay staged
+                failed = {"?": (type(e).__name__, str(e))}
+            if failed:
+                self.say(f"{sid}: {len(failed)} row(s) not cleared (left staged)")
 
 
 def _fresh_store(client: Client, name: str, current: Any) -> Any:
