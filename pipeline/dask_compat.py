@@ -24,6 +24,8 @@ import concurrent.futures
 import threading
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, TypeVar
 
+import dask.config
+from dask.utils import parse_timedelta
 from distributed import Actor
 
 if TYPE_CHECKING:
@@ -92,7 +94,7 @@ class FailFastActor(Actor):
         if self._worker is None and self._client is None:
             self._try_bind_worker_client()
         if self._worker is None and self._client is not None:
-            return _AnsweredRpc(self._client.rpc(self._address), self._address, self.key)
+            return _AnsweredRpc(_ConnectBounded(self._client.rpc(self._address)), self._address, self.key)
         return _AnsweredRpc(super()._worker_rpc, self._address, self.key)
 
     # distributed internal: ``Actor(cls, address, key)`` is the form Actor.__reduce__
@@ -108,6 +110,43 @@ class FailFastActor(Actor):
         # worker), the constructor's own arguments; no public accessor exists. The
         # address could be asked of the scheduler (who_has), at a round trip per handle.
         return cls(actor._cls, actor._address, actor.key)
+
+
+class _ConnectBounded:
+    """A client's pooled rpc to one worker whose connects wait at most
+    ``distributed.comm.timeouts.connect`` (read per handle call), like a worker's.
+
+    A client's connection pool connects with the CLIENT's ``timeout`` (``Client(...,
+    timeout=60)`` is a patient wait for the scheduler), so a direct call to a dead worker
+    (connection refused, retried until the pool's timeout) waited that long: a whole
+    store call's deadline, where a worker's call to it fails after the connect timeout."""
+
+    def __init__(self, pooled: Any) -> None:
+        self._pooled = pooled
+
+    def __getattr__(self, name: str) -> Any:
+        # distributed internal: PooledRPCCall (``client.rpc(address)``) has ``pool`` and
+        # ``addr`` and connects with ``pool.connect(addr)``, i.e. the pool's timeout;
+        # ConnectionPool.connect takes a ``timeout=`` that no public call passes. The
+        # call below is PooledRPCCall.__getattr__'s, with that timeout.
+        from distributed.core import send_recv
+
+        pooled = self._pooled
+        connect_s = parse_timedelta(dask.config.get("distributed.comm.timeouts.connect"), "s")
+
+        async def call(**kwargs: Any) -> Any:
+            if pooled.serializers is not None and kwargs.get("serializers") is None:
+                kwargs["serializers"] = pooled.serializers
+            if pooled.deserializers is not None and kwargs.get("deserializers") is None:
+                kwargs["deserializers"] = pooled.deserializers
+            timeout = connect_s if not pooled.pool.timeout else min(connect_s, pooled.pool.timeout)
+            comm = await pooled.pool.connect(pooled.addr, timeout=timeout)
+            try:
+                return await send_recv(comm=comm, op=name, **kwargs)
+            finally:
+                pooled.pool.reuse(pooled.addr, comm)
+
+        return call
 
 
 class _AnsweredRpc:

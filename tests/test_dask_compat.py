@@ -150,6 +150,21 @@ def test_fail_fast_handle_raises_oserror_for_a_gone_worker(cluster_client):
                 h.increment().result(timeout=60)
 
 
+def test_a_direct_call_from_a_patient_client_waits_the_connect_timeout_not_the_clients(cluster_client):
+    # _ConnectBounded: PooledRPCCall's pool/addr/(de)serializers, ConnectionPool.connect(timeout=).
+    from distributed.core import ConnectionPool
+
+    assert {"pool", "addr", "serializers", "deserializers"} <= set(vars(cluster_client.rpc("tcp://127.0.0.1:1")))
+    assert "timeout" in inspect.signature(ConnectionPool.connect).parameters
+    with dask.config.set({"distributed.comm.timeouts.connect": "1s"}):
+        # The client's own timeout (its pool's connect wait) is far above the call's wait.
+        with Client(cluster_client.scheduler.address, timeout=60, set_as_default=False) as c, c.as_current():
+            h = Direct(Counter, free_address(), f"compat-patient-{uuid.uuid4().hex[:8]}")
+            with pytest.raises(OSError) as failed:
+                h.increment().result(timeout=15)
+            assert not isinstance(failed.value, TimeoutError), "the call waited out its deadline"
+
+
 # ---- WorkerState.actors, Worker.executors["actor"] and its _threads --------------
 
 
