@@ -27,6 +27,7 @@ from .placement import Placement
 from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult
 from .settings import StoreSettings
 from .slab_pool import SlabPool
+from .unit_health import UnitHealth, UnitSkipped, unit_health, unit_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Actor
@@ -155,12 +156,14 @@ def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answ
     for i in order:
         queued.setdefault(calls[i].unit if per_unit else -1, deque()).append(i)
     futures: list[Pending | None] = [None] * len(calls)
+    health, ids = unit_health(), _unit_ids(store, calls)
 
     def launch(u: int, n: int) -> None:
         for _ in range(n):
             if queued[u]:
                 i = queued[u].popleft()
-                futures[i] = _invoke_sync(store, calls[i])  # each sent as soon as its args exist
+                skipped = health.skip(ids[i], store.settings.skip_unreachable_s)
+                futures[i] = _Skipped(ids[i]) if skipped else _invoke_sync(store, calls[i])  # sent as soon as its args exist
 
     for u in queued:
         launch(u, per_unit or len(calls))
@@ -171,10 +174,32 @@ def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answ
             outcome: object = waiter(futures[i], end)()
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
             outcome = e
+        if not isinstance(outcome, UnitSkipped):
+            health.outcome(ids[i], outcome)
         out[i] = settle(c, outcome, store.placement.workers)
         if per_unit:
             launch(c.unit, 1)  # its unit has one call fewer in flight
     return out
+
+
+def _unit_ids(store: Driven, calls: Sequence[Call]) -> list[tuple[str, str]]:
+    """Each call's unit identity for :class:`~.unit_health.UnitHealth` (read before any
+    call is sent: a table taken meanwhile must not mix handles and workers)."""
+    workers = store.placement.workers
+    return [unit_id(store.units[c.unit], workers[c.unit] if c.unit < len(workers) else "?") for c in calls]
+
+
+class _Skipped:
+    """The :class:`Pending` of a call not sent (its unit was found unreachable moments ago)."""
+
+    def __init__(self, unit: tuple[str, str]):
+        self.unit = unit
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> object:
+        raise UnitSkipped(f"not called: unit {self.unit[0]} on {self.unit[1]} was unreachable moments ago")
 
 
 def _invoke_sync(store: Driven, call: Call) -> "Pending":
@@ -202,10 +227,14 @@ async def run_async(op: Operation[T], store: Driven, end: float | None) -> T:
 
 async def _send_async(calls: list[Call], store: Driven, end: float | None) -> list[Answer]:
     workers = store.placement.workers
+    health, ids = unit_health(), dict(zip(map(id, calls), _unit_ids(store, calls)))
 
     def send(c: Call) -> Awaitable[object]:
-        """The unit's call, bounded by the deadline (not awaited yet)."""
-        return bounded(getattr(store.units[c.unit], c.method)(*c.args()), end)
+        """The unit's call, bounded by the deadline (not awaited yet), its outcome recorded."""
+        unit = ids[id(c)]
+        if health.skip(unit, store.settings.skip_unreachable_s):
+            return _skipped(unit)
+        return _recorded(health, unit, bounded(getattr(store.units[c.unit], c.method)(*c.args()), end))
 
     if len(calls) == 1:
         # One unit (a restore's keys, a coalesced get): await its call directly, no gather
@@ -227,3 +256,18 @@ async def _send_async(calls: list[Call], store: Driven, end: float | None) -> li
     else:
         outs = await asyncio.gather(*(send(c) for c in calls), return_exceptions=True)
     return [settle(c, o, workers) for c, o in zip(calls, outs)]
+
+
+async def _skipped(unit: tuple[str, str]) -> object:
+    return _Skipped(unit).result()
+
+
+async def _recorded(health: UnitHealth, unit: tuple[str, str], call: Awaitable[object]) -> object:
+    """``call``'s answer, its outcome (answer or failure) recorded in ``health``."""
+    try:
+        answer = await call
+    except Exception as e:
+        health.outcome(unit, e)
+        raise
+    health.outcome(unit, answer)
+    return answer

@@ -32,6 +32,7 @@ from .placement import Placement, plan_all_copies
 from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult, check_partition, pack_names
 from .settings import StoreSettings
 from .slab_pool import SlabPool, process_pool
+from .unit_health import unit_health
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Actor
@@ -393,15 +394,32 @@ class StagingStore:
 
     def refresh(self, seen: int) -> bool:
         """After a call (planned with placement version ``seen``) found a unit unavailable:
-        True if the units changed since, fetching the shared table (one round trip)."""
+        True if the units changed since, fetching the shared table (one round trip). The
+        table fetched is remembered for the process's other handles (:meth:`_catch_up`)."""
         if self.version > seen:
             return True
-        return self.directory is not None and self._take_table(self.directory.fetch())
+        return self.directory is not None and self._take_fetched(self.directory.fetch())
 
     async def refresh_async(self, seen: int) -> bool:
         if self.version > seen:
             return True
-        return self.directory is not None and self._take_table(await self.directory.fetch_async())
+        return self.directory is not None and self._take_fetched(await self.directory.fetch_async())
+
+    def _take_fetched(self, table: UnitTable | None) -> bool:
+        assert self.directory is not None
+        unit_health().seen_table(self.directory.name, table)
+        return self._take_table(table)
+
+    def _catch_up(self) -> None:
+        """Before planning: take the newest unit table another handle of this process
+        fetched (no round trip), so a handle pickled with an old table (into a task) does
+        not call the units it names that were replaced since. The creating process's
+        handle makes the tables: it never takes one."""
+        if self.directory is None or self.owner is not None:
+            return
+        table = unit_health().newest_table(self.directory.name, self.version)
+        if table is not None:
+            self._take_table(table)
 
     # ---- checkpoint -----------------------------------------------------------------
 
@@ -443,9 +461,13 @@ class StagingStore:
     # ---- request checks ---------------------------------------------------------------
 
     def _check_partition(self, partition: str) -> str:
+        """Every key-routed operation starts here: the handle open, ``partition`` valid,
+        the newest table this process knows taken (:meth:`_catch_up`)."""
         if self.closed:
             raise StoreUnavailable("this store is closed")
-        return check_partition(partition, self.partitions)
+        checked = check_partition(partition, self.partitions)
+        self._catch_up()
+        return checked
 
     def _check_fields(self, fields: Sequence[str] | None) -> list[str] | None:
         if fields is None:

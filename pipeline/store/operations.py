@@ -117,20 +117,26 @@ def get(store: Driven, keys: Sequence[str], fields: list[str] | None, partition:
     seen = store.placement.version
     wire_fields = None if fields is None else pack_names(fields)
     parts, failed = plan_read(store.placement, keys)
-    results = yield from _read(store, parts, partition, wire_fields)
+    results, failed_over = yield from _read(store, parts, partition, wire_fields)
     for _ in range(REFRESHES):
         lost = unavailable_keys(results)
-        if not lost or not (yield Refresh(seen)):
+        if not lost:
+            if failed_over:  # every key read from its replica: learn whether the unit was
+                yield Refresh(seen)  # replaced, for the next call (nothing to read again)
+            break
+        if not (yield Refresh(seen)):
             break
         seen = store.placement.version
         parts, _ = plan_read(store.placement, lost)
-        results = drop_failed(results, lost) + (yield from _read(store, parts, partition, wire_fields))
+        again, failed_over = yield from _read(store, parts, partition, wire_fields)
+        results = drop_failed(results, lost) + again
     return merge_gets(keys, results, failed, store.buffers().allocator)
 
 
-def _read(store: Driven, parts: list, partition: str, wire_fields: bytes | None) -> Operation[list[GetResult]]:
+def _read(store: Driven, parts: list, partition: str, wire_fields: bytes | None) -> Operation[tuple[list[GetResult], bool]]:
     """Read ``parts`` from their primaries, then (replicas=2) what failed from replicas;
-    while keys move, from each key's holders in :func:`~.moving.read_order` instead."""
+    while keys move, from each key's holders in :func:`~.moving.read_order` instead.
+    Also says whether some primary was unavailable (its keys were read elsewhere)."""
     placement, moving, version = store.placement, store.moving, stamp(store)
     budget = store.settings.max_answer_bytes or None
 
@@ -143,12 +149,12 @@ def _read(store: Driven, parts: list, partition: str, wire_fields: bytes | None)
         return _fetch(store, (partition, wire_fields), parts, call, local)
 
     if moving is not None:
-        return (yield from _read_moving(moving, [k for _, ks in parts for k in ks], fetch))
+        return (yield from _read_moving(moving, [k for _, ks in parts for k in ks], fetch)), False
     results = yield from fetch(parts, True)
     again = failover(placement, results)
     if again:
         results = after_failover(results, (yield from fetch(again, False)))
-    return results
+    return results, bool(again)
 
 
 ESTIMATE_MARGIN = 1.1  # a call planned from the last answers' bytes per row asks for this much less than its budget

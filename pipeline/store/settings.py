@@ -17,12 +17,15 @@ class StoreSettings:
     ``local_reads``: a get on a unit's own worker runs in-process (``store.local-reads``);
     ``max_answer_bytes``: row bytes a unit answers per get call, a bigger get is split
     (``store.max-answer-bytes``; 0: one call per unit, whatever its size);
-    ``calls_in_flight``: a put's or a split get's calls in flight per unit (``store.calls-in-flight``)."""
+    ``calls_in_flight``: a put's or a split get's calls in flight per unit (``store.calls-in-flight``);
+    ``skip_unreachable_s``: seconds a unit found unreachable is not called again by this
+    process (``store.skip-unreachable-s``; 0: always called, see :mod:`.unit_health`)."""
 
     max_call_bytes: int
     local_reads: bool
     max_answer_bytes: int = 0
     calls_in_flight: int = 4
+    skip_unreachable_s: float = 10.0
 
     @classmethod
     def from_config(cls) -> "StoreSettings":
@@ -31,6 +34,7 @@ class StoreSettings:
             bool(config.get("store.local-reads")),
             config.get_bytes("store.max-answer-bytes"),
             max(1, int(config.get("store.calls-in-flight"))),
+            max(0.0, float(config.get("store.skip-unreachable-s"))),
         )
 
 

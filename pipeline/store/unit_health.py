@@ -1,0 +1,110 @@
+"""What this process learned about the store's units: unreachable units and the newest table.
+
+Store handles are pickled into every task (a Finalizer's fetch and clear tasks, a
+generation task's puts), so a handle's own copy of the unit table, refreshed after a
+failed call, is thrown away with the task: without a process-wide memory every task
+would call a lost unit again and wait for its connect timeout before failing over. The
+:class:`UnitHealth` component (one per process, see :mod:`pipeline.process_state`) keeps:
+
+- the units found unreachable (keyed by actor key and worker: a replacement is a new
+  actor, never skipped): for ``store.skip-unreachable-s`` seconds after a call to one
+  failed to reach it, calls to it are not sent; their keys fail ``unit_unavailable`` at
+  once (reads go to the replica, deletes apply on the live copies, the operation asks
+  the unit directory whether the unit was replaced). A later call that reaches it, or
+  the end of that time, lets calls through again (one probe pays the timeout);
+- the newest unit table any handle of this process fetched from each unit directory:
+  a handle planning an operation takes it first (no round trip), so a lost unit already
+  replaced is not called at all;
+- counters (:meth:`UnitHealth.figures`): calls that could not reach their unit, calls
+  skipped, calls past their deadline, tables taken from the process's memory.
+
+Thread safe (one lock around every update; handles run on client threads, task threads
+and event loops alike).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from ..process_state import process_state
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .directory import UnitTable
+
+
+class UnitSkipped(OSError):
+    """A call not sent: its unit was found unreachable moments ago (its keys fail
+    ``unit_unavailable`` like a call that waited for the connect timeout)."""
+
+
+def unit_id(handle: Any, worker: str) -> tuple[str, str]:
+    """The identity a mark is kept under: the actor's key and the worker it is on."""
+    return (str(getattr(handle, "key", id(handle))), worker)
+
+
+class UnitHealth:
+    """The process's memory of unreachable units and newest tables (module docstring)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._down: dict[tuple[str, str], float] = {}  # unit -> time.monotonic() it was found unreachable
+        self._tables: dict[str, "UnitTable"] = {}  # unit directory name -> newest table fetched
+        self.counters = {"unreachable": 0, "skipped": 0, "timeouts": 0, "tables_taken": 0}
+
+    # ---- unreachable units ---------------------------------------------------------
+
+    def skip(self, unit: tuple[str, str], skip_s: float) -> bool:
+        """Whether a call to ``unit`` is not to be sent (found unreachable under ``skip_s`` s ago)."""
+        if skip_s <= 0:
+            return False
+        with self._lock:
+            since = self._down.get(unit)
+            if since is None or time.monotonic() - since >= skip_s:
+                return False
+            self.counters["skipped"] += 1
+            return True
+
+    def outcome(self, unit: tuple[str, str], outcome: object) -> None:
+        """Record how a call sent to ``unit`` ended: reached it (any answer, even an
+        error of the unit's), could not reach it (``OSError`` or ``RuntimeError``: worker
+        lost, connect timeout, connection broken), or ran out of its deadline (counted,
+        not marked: a slow unit is not a lost one)."""
+        with self._lock:
+            if isinstance(outcome, TimeoutError):  # before OSError: TimeoutError is one
+                self.counters["timeouts"] += 1
+            elif isinstance(outcome, (OSError, RuntimeError)):
+                self.counters["unreachable"] += 1
+                self._down[unit] = time.monotonic()
+            else:
+                self._down.pop(unit, None)
+
+    # ---- newest tables ---------------------------------------------------------------
+
+    def seen_table(self, directory: str, table: "UnitTable | None") -> None:
+        """Remember ``table`` (fetched from unit directory ``directory``) if it is the newest."""
+        if table is None:
+            return
+        with self._lock:
+            known = self._tables.get(directory)
+            if known is None or table.version > known.version:
+                self._tables[directory] = table
+
+    def newest_table(self, directory: str, above: int) -> "UnitTable | None":
+        """The newest table of ``directory`` this process fetched, if its version is above ``above``."""
+        with self._lock:
+            table = self._tables.get(directory)
+            if table is None or table.version <= above:
+                return None
+            self.counters["tables_taken"] += 1
+            return table
+
+    def figures(self) -> dict[str, int]:
+        """A copy of the counters (calls unreachable, skipped, past their deadline; tables taken)."""
+        with self._lock:
+            return dict(self.counters)
+
+
+def unit_health() -> UnitHealth:
+    """This process's :class:`UnitHealth`."""
+    return process_state().get(UnitHealth)
