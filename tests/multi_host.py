@@ -75,6 +75,24 @@ def host_of(address: str) -> str:
     return address.split("://", 1)[-1].rsplit(":", 1)[0]
 
 
+def small_specs(prefix: str, groups: int = 2) -> list[Any]:
+    """``groups`` groups of 3 small toy rollouts (2 turns of 8 tokens), ids from ``prefix``."""
+    from pipeline.capture import policy_from_config
+    from tasks.toy.rollouts import make_step_specs
+
+    return make_step_specs(prefix, groups, 3, turns=2, tokens_per_turn=8, tool_tokens=3, prompt_tokens=5,
+                           vocab_size=policy_from_config().vocab_size)
+
+
+def stage_on_generation_hosts(hosts: Any, client: Any, groups: Sequence[Any], store_name: str) -> dict[str, list[Any]]:
+    """One :func:`capture_group` task per group, spread over the generation hosts' workers,
+    staging into the store published as ``store_name``: group id -> receipts."""
+    workers = hosts.role_workers("generation")
+    futures = {g[0].group_id: client.submit(capture_group, g, store_name, workers=[workers[i % len(workers)]], pure=False)
+               for i, g in enumerate(groups)}
+    return {gid: f.result(timeout=120) for gid, f in futures.items()}
+
+
 def capture_group(specs: Sequence[Any], store_name: str) -> list[Any]:
     """Task body on a generation worker: generate ``specs`` with the toy policy and stage
     every call through a :class:`~pipeline.client.CaptureClient` on the store published

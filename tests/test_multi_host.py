@@ -21,7 +21,8 @@ from contextlib import redirect_stderr
 import dask
 import psutil
 import pytest
-from multi_host import S3_CREDENTIALS, STORAGE, capture_group, host_address, host_of, moto_s3, multi_host_cluster
+from multi_host import (S3_CREDENTIALS, STORAGE, host_address, host_of, moto_s3, multi_host_cluster, small_specs,
+                        stage_on_generation_hosts)
 from support import assert_rows_read_back, wait_for_names, wait_until
 
 from pipeline.capture import policy_from_config
@@ -33,7 +34,7 @@ from pipeline.store.hosted import close_hosted, hosted_stores, start_hosted
 from pipeline.testing.oracle import reference_mismatches
 from tasks.errors import ClusterMisconfigured
 from tasks.keys import primary_units
-from tasks.toy.rollouts import generate_rollouts, make_step_specs
+from tasks.toy.rollouts import generate_rollouts
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -69,17 +70,8 @@ def listening_ips(pids: list[int]) -> set[str]:
     return {c.laddr.ip for c in psutil.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN and c.pid in set(pids)}
 
 
-def specs(prefix: str, groups: int = 2):
-    return make_step_specs(prefix, groups, 3, turns=2, tokens_per_turn=8, tool_tokens=3, prompt_tokens=5,
-                           vocab_size=policy_from_config().vocab_size)
-
-
 def stage_from_generation_hosts(hosts, client, groups) -> dict:
-    """One capture task per group, groups spread over the generation hosts' workers."""
-    workers = hosts.role_workers("generation")
-    futures = {g[0].group_id: client.submit(capture_group, g, NAME, workers=[workers[i % len(workers)]], pure=False)
-               for i, g in enumerate(groups)}
-    return {gid: f.result(timeout=120) for gid, f in futures.items()}
+    return stage_on_generation_hosts(hosts, client, groups, NAME)
 
 
 def test_each_host_binds_its_own_address_and_directory(cluster):
@@ -114,7 +106,7 @@ def test_bytes_crossing_hosts_are_counted_per_step(cluster):
         assert len(set(unit_hosts)) == 2
 
         def rows_hosts(prefix: str):
-            [group] = specs(prefix, groups=1)
+            [group] = small_specs(prefix, groups=1)
             ros = generate_rollouts(policy_from_config(), group)
             return group, {unit_hosts[u] for u in primary_units([ro.staging_keys[0] for ro in ros], len(unit_hosts)).tolist()}
 
@@ -147,7 +139,7 @@ def test_stage_finalize_then_lose_a_whole_storage_host(cluster):
     hosts, client = cluster
     store = start_hosted(client, NAME, n_units=4, workers=hosts.role_workers("storage"))
     try:
-        groups = specs("mh-a-")
+        groups = small_specs("mh-a-")
         receipts = stage_from_generation_hosts(hosts, client, groups)
         reference = generate_rollouts(policy_from_config(), [s for g in groups for s in g])
         assert {r.rollout_id: r for rs in receipts.values() for r in rs} == {ro.spec.rollout_id: ro.receipt for ro in reference}
@@ -176,7 +168,7 @@ def test_stage_finalize_then_lose_a_whole_storage_host(cluster):
             return not [w for w in info["workers"] if host_of(w) == host_address(3)] and len(info["repaired"]) >= 2
 
         wait_until(repaired, 120, "the lost units re-replicated")
-        groups2 = specs("mh-b-", groups=1)
+        groups2 = small_specs("mh-b-", groups=1)
         receipts2 = stage_from_generation_hosts(hosts, client, groups2)
         reference2 = generate_rollouts(policy_from_config(), [s for g in groups2 for s in g])
         step2 = Finalizer(client, lookup_store(client, NAME)).submit_step(receipts2).result(timeout=120)
@@ -202,7 +194,7 @@ def test_cut_checkpoint_to_s3_lose_a_host_restore_onto_a_new_one_and_resume_bit_
 
     hosts, client = cluster
     storage = [h for h in hosts.hosts.values() if not h.killed and "storage" in h.spec.roles]
-    groups = specs("mh-r-")
+    groups = small_specs("mh-r-")
     store = StagingStore.start(client, n_units=2, workers=[w for h in storage for w in hosts.workers(h.name)][::2])
     restored = None
     try:

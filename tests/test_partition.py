@@ -176,22 +176,10 @@ SETTINGS = {"token-capture.store.replicas": 2, "token-capture.finalize.clear-sta
 CUT_ENV = {"DASK_DISTRIBUTED__COMM__TIMEOUTS__TCP": "11s", "DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": "5s"}
 
 
-def specs(prefix: str, groups: int = 2):
-    from pipeline.capture import policy_from_config
-    from tasks.toy.rollouts import make_step_specs
-
-    return make_step_specs(prefix, groups, 3, turns=2, tokens_per_turn=8, tool_tokens=3, prompt_tokens=5,
-                           vocab_size=policy_from_config().vocab_size)
-
-
 def stage(hosts, client, groups) -> dict:
-    """One capture task per group on the generation workers: group id -> receipts."""
-    from multi_host import capture_group
+    from multi_host import stage_on_generation_hosts
 
-    workers = hosts.role_workers("generation")
-    futures = {g[0].group_id: client.submit(capture_group, g, NAME, workers=[workers[i % len(workers)]], pure=False)
-               for i, g in enumerate(groups)}
-    return {gid: f.result(timeout=120) for gid, f in futures.items()}
+    return stage_on_generation_hosts(hosts, client, groups, NAME)
 
 
 def copies(store) -> dict[str, int]:
@@ -206,7 +194,7 @@ def copies(store) -> dict[str, int]:
 @pytest.mark.parametrize("cut_s", [CUT_S])
 def test_a_storage_host_cut_off_loses_nothing_and_finalization_goes_on(cut_s):
     skip_unless_partitions()
-    from multi_host import multi_host_cluster
+    from multi_host import multi_host_cluster, small_specs
     from support import assert_rows_read_back, wait_until
 
     from pipeline.capture import policy_from_config
@@ -221,7 +209,7 @@ def test_a_storage_host_cut_off_loses_nothing_and_finalization_goes_on(cut_s):
         t0 = time.monotonic()
         store = start_hosted(client, NAME, n_units=4, workers=hosts.role_workers("storage"))
         try:
-            steps = {f"p{i}": specs(f"pt{i}-") for i in range(3)}
+            steps = {f"p{i}": small_specs(f"pt{i}-") for i in range(3)}
             staged = stage(hosts, client, [g for groups in steps.values() for g in groups])  # all at once
             receipts = {sid: {g[0].group_id: staged[g[0].group_id] for g in groups} for sid, groups in steps.items()}
             reference = {sid: generate_rollouts(policy_from_config(), [s for g in groups for s in g]) for sid, groups in steps.items()}
