@@ -1,25 +1,20 @@
 """What this process learned about the store's units: unreachable units and the newest table.
 
-Store handles are pickled into every task (a Finalizer's fetch and clear tasks, a
-generation task's puts), so a handle's own copy of the unit table, refreshed after a
-failed call, is thrown away with the task: without a process-wide memory every task
-would call a lost unit again and wait for its connect timeout before failing over. The
-:class:`UnitHealth` component (one per process, see :mod:`pipeline.process_state`) keeps:
+Store handles are pickled into every task with the unit table they were made with, so a
+table a task's copy refreshed is thrown away with the task. The process's
+:class:`UnitHealth` component (see :mod:`pipeline.process_state`) keeps instead:
 
-- the units found unreachable (keyed by actor key and worker: a replacement is a new
-  actor, never skipped): for ``store.skip-unreachable-s`` seconds after a call to one
-  failed to reach it, calls to it are not sent; their keys fail ``unit_unavailable`` at
-  once (reads go to the replica, deletes apply on the live copies, the operation asks
-  the unit directory whether the unit was replaced). A later call that reaches it, or
-  the end of that time, lets calls through again (one probe pays the timeout);
-- the newest unit table any handle of this process fetched from each unit directory:
-  a handle planning an operation takes it first (no round trip), so a lost unit already
-  replaced is not called at all;
+- units a call could not reach (by actor key and worker: a replacement is a new actor):
+  for ``store.skip-unreachable-s`` seconds calls to them are not sent, their keys fail
+  ``unit_unavailable`` at once (reads fail over, deletes apply on the live copies); a
+  call that reaches the unit, or the end of that time, lets calls through again;
+- the newest unit table any handle of the process fetched per unit directory, which
+  every handle takes before planning (no round trip);
 - counters (:meth:`UnitHealth.figures`): calls that could not reach their unit, calls
-  skipped, calls past their deadline, tables taken from the process's memory.
+  skipped, calls past their deadline, tables taken.
 
-Thread safe (one lock around every update; handles run on client threads, task threads
-and event loops alike).
+Thread safe: one lock around every update. Design notes: docs/reliability.md
+(Deadlines on store calls).
 """
 from __future__ import annotations
 
