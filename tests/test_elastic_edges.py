@@ -112,6 +112,12 @@ def put_all(store, rows) -> None:
     assert not res.failed and len(res.ok) == len(rows), list(res.failed.items())[:2]
 
 
+def put_from_a_task(store, rows) -> int:
+    """:func:`put_all` in a task; the handle's table version after it."""
+    put_all(store, rows)
+    return store.version
+
+
 same_rows = assert_rows_read_back
 
 
@@ -277,8 +283,10 @@ def test_an_older_table_is_refused_and_a_call_planned_on_one_is_refreshed(cluste
         assert counter(store, "moved_refusals") > refusals and stale_reader.version == store.version
         more = rows_of(40, groups=2)
         refusals = counter(store, "moved_refusals")
-        put_all(stale_writer, more)
-        assert counter(store, "moved_refusals") > refusals and stale_writer.version == store.version
+        # From a task: this process's other handles now take the table stale_reader
+        # fetched before planning (unit_health.py); a worker process has not seen it.
+        assert cluster.submit(put_from_a_task, stale_writer, more, pure=False).result() == store.version
+        assert counter(store, "moved_refusals") > refusals
         same_rows(store, rows + more)
         assert sum(s["rows"] for s in store.stats()) == len(rows + more)
     finally:
