@@ -169,7 +169,7 @@ def test_a_window_keeps_at_most_per_unit_calls_in_flight():
             f.result = result  # type: ignore[method-assign]
             return f
 
-    store = SimpleNamespace(units=[Unit(0), Unit(1)], settings=SimpleNamespace(local_reads=False),
+    store = SimpleNamespace(units=[Unit(0), Unit(1)], settings=SimpleNamespace(local_reads=False, skip_unreachable_s=0.0),
                             placement=SimpleNamespace(workers=WORKERS[:2]))
     calls = [Call(0 if i < 6 else 1, "get_many", lambda i=i: (i,)) for i in range(10)]  # one unit's, then the other's
     window = Window(calls, 2)
