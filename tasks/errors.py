@@ -144,6 +144,11 @@ class StoreUnavailable(StoreError, RuntimeError):
     """A store or storage unit is closed, lost or unreachable."""
 
 
+class UnitSkipped(StoreError, OSError):
+    """A store call not sent: its unit was found unreachable moments ago (its keys fail
+    ``unit_unavailable``, like a call that waited out the connect timeout)."""
+
+
 class StoreBusy(StoreError, RuntimeError):
     """The store is in the middle of a change that excludes this one (a move of keys and
     a store checkpoint never overlap); retry once the other has ended."""

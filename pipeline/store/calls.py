@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Generator, Protocol, Sequence, TypeVar, Union
 
-from tasks.errors import StoreError
+from tasks.errors import StoreError, UnitSkipped
 
 from ..actors import local_call
 from .deadline import bounded, waiter
@@ -27,7 +27,7 @@ from .placement import Placement
 from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult
 from .settings import StoreSettings
 from .slab_pool import SlabPool
-from .unit_health import UnitHealth, UnitSkipped, unit_health, unit_id
+from .unit_health import UnitHealth, unit_health, unit_id
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Actor

@@ -28,11 +28,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from .directory import UnitTable
 
 
-class UnitSkipped(OSError):
-    """A call not sent: its unit was found unreachable moments ago (its keys fail
-    ``unit_unavailable`` like a call that waited for the connect timeout)."""
-
-
 def unit_id(handle: Any, worker: str) -> tuple[str, str]:
     """The identity a mark is kept under: the actor's key and the worker it is on."""
     return (str(getattr(handle, "key", id(handle))), worker)
