@@ -24,6 +24,8 @@ from collections import deque
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from tasks import reasons
+
 if TYPE_CHECKING:
     from distributed import Client
 
@@ -32,7 +34,7 @@ if TYPE_CHECKING:
 
     from ..finalize.controller import Finalizer, StepHandle, StepResult
 
-LOST_REASONS = ("missing_staging_row", "lost_staging_row")  # tasks.reasons: an acknowledged row not read back
+LOST_REASONS = (reasons.MISSING_STAGING_ROW, reasons.LOST_STAGING_ROW)  # an acknowledged row not read back
 GENERATION_ATTEMPTS = 8  # a group poisoned this many times is submitted as it is (its rollouts unacknowledged)
 STEP_ATTEMPTS = 3  # a step whose graph fails (or times out) this many times is recorded failed
 
