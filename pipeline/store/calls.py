@@ -227,11 +227,10 @@ async def run_async(op: Operation[T], store: Driven, end: float | None) -> T:
 
 async def _send_async(calls: list[Call], store: Driven, end: float | None) -> list[Answer]:
     workers = store.placement.workers
-    health, ids = unit_health(), dict(zip(map(id, calls), _unit_ids(store, calls)))
+    health, ids = unit_health(), _unit_ids(store, calls)
 
-    def send(c: Call) -> Awaitable[object]:
+    def send(c: Call, unit: tuple[str, str]) -> Awaitable[object]:
         """The unit's call, bounded by the deadline (not awaited yet), its outcome recorded."""
-        unit = ids[id(c)]
         if health.skip(unit, store.settings.skip_unreachable_s):
             return _skipped(unit)
         return _recorded(health, unit, bounded(getattr(store.units[c.unit], c.method)(*c.args()), end))
@@ -241,20 +240,20 @@ async def _send_async(calls: list[Call], store: Driven, end: float | None) -> li
         # task per call. Failures settle exactly as gather's would.
         (c,) = calls
         try:
-            outcome: object = await send(c)
+            outcome: object = await send(c, ids[0])
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
             outcome = e
         return [settle(c, outcome, workers)]
     if isinstance(calls, Window):
         gates = {c.unit: asyncio.Semaphore(calls.per_unit) for c in calls}
 
-        async def gated(c: Call) -> object:
+        async def gated(c: Call, unit: tuple[str, str]) -> object:
             async with gates[c.unit]:  # FIFO: a unit's calls leave in order
-                return await send(c)
+                return await send(c, unit)
 
-        outs = await asyncio.gather(*(gated(c) for c in calls), return_exceptions=True)
+        outs = await asyncio.gather(*(gated(c, u) for c, u in zip(calls, ids)), return_exceptions=True)
     else:
-        outs = await asyncio.gather(*(send(c) for c in calls), return_exceptions=True)
+        outs = await asyncio.gather(*(send(c, u) for c, u in zip(calls, ids)), return_exceptions=True)
     return [settle(c, o, workers) for c, o in zip(calls, outs)]
 
 
