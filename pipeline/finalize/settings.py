@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tasks.errors import InvalidInput
+from tasks.mismatch import DEFAULT_EPS, check_eps
 
 from .. import config
 
@@ -32,7 +33,7 @@ class FinalizeSettings:
     # None: never).
     max_staleness: int | None = None
     # The ratio bounds 1 +- eps of StepResult.report_mismatch (``monitor.mismatch-eps``).
-    mismatch_eps: tuple[float, ...] = (0.1, 0.2)
+    mismatch_eps: tuple[float, ...] = DEFAULT_EPS
 
     def __post_init__(self) -> None:
         # Checked however the settings were made (from_config, Finalizer.with_settings).
@@ -53,8 +54,8 @@ class FinalizeSettings:
             gather_direct=bool(config.get("finalize.gather-direct")),
             clear_staged=bool(config.get("finalize.clear-staged")),
             slots_per_worker=float(config.get("finalize.slots-per-worker")),
-            max_staleness=max_staleness_setting(config.get("finalize.max-staleness")),
-            mismatch_eps=mismatch_eps_setting(config.get("monitor.mismatch-eps")),
+            max_staleness=config.get("finalize.max-staleness"),  # checked by __post_init__
+            mismatch_eps=config.get("monitor.mismatch-eps"),
         )
 
 
@@ -68,7 +69,5 @@ def max_staleness_setting(value: object) -> int | None:
 
 
 def mismatch_eps_setting(value: object) -> tuple[float, ...]:
-    """``monitor.mismatch-eps`` checked: a non-empty list of numbers in (0, 1)."""
-    from tasks.mismatch import check_eps
-
+    """``monitor.mismatch-eps`` checked: a non-empty list of finite numbers > 0."""
     return check_eps(value, "token-capture.monitor.mismatch-eps")
