@@ -14,6 +14,7 @@ timeline entry: what, where, when (s from the run's start), and what followed.
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -80,8 +81,7 @@ class ChaosCluster:
             client = self.hosts.client()
             start_hosted(client, STORE_NAME, n_units=self.storage_hosts, workers=self.hosts.role_workers("storage"))
             client.run(warm)  # imports and the policy, once per worker, before anything is timed
-            cfg = ControllerConfig(**{**self.cfg.__dict__, "scheduler": str(self.hosts.address), "store": STORE_NAME})
-            cfg.save(self.state_dir)
+            dataclasses.replace(self.cfg, scheduler=str(self.hosts.address), store=STORE_NAME).save(self.state_dir)
             self.start_controller()
         except BaseException:
             self.__exit__(None, None, None)
