@@ -205,9 +205,11 @@ class ChaosCluster:
         client = self.hosts.client()
         t = time.monotonic()
         while time.monotonic() - t < REPAIR_WAIT_S:
-            live = set(client.scheduler_info(n_workers=-1)["workers"])
+            registered = self.hosts.registered(client)  # one round trip: worker name -> address
+            live = set(registered.values())
             info = next((i for i in hosted_stores(client) if i["name"] == STORE_NAME), None)
-            storage = {w for n in self.live(STORAGE) for w in self.hosts.workers(n)}
+            names = {w for n in self.live(STORAGE) for w in self.hosts.hosts[n].spec.worker_names}
+            storage = {a for w, a in registered.items() if w in names}
             if (info is not None and set(info["workers"]) <= live and storage <= set(info["workers"])
                     and info.get("interrupted") is None and not info.get("waiting")):
                 break
