@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any
 
 from tasks import reasons
 
+from ..store.batch_file import write_atomic
+
 if TYPE_CHECKING:
     from distributed import Client
 
@@ -55,21 +57,12 @@ class ControllerConfig:
     experts: int | None = None
 
     def save(self, state_dir: str) -> None:
-        write_atomically(os.path.join(state_dir, "config.json"), json.dumps(asdict(self)))
+        write_atomic(os.path.join(state_dir, "config.json"), [json.dumps(asdict(self)).encode()])
 
     @classmethod
     def load(cls, state_dir: str) -> ControllerConfig:
         with open(os.path.join(state_dir, "config.json")) as f:
             return cls(**json.load(f))
-
-
-def write_atomically(path: str, data: str | bytes) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(data.encode() if isinstance(data, str) else data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def step_id(index: int) -> str:
@@ -107,7 +100,7 @@ class Book:
 
     def save(self, index: int, receipts: dict[str, list[Receipt]]) -> None:
         body = {"index": index, "receipts": {g: [r.to_dict() for r in rs] for g, rs in receipts.items()}}
-        write_atomically(os.path.join(self.steps_dir, f"{step_id(index)}.pkl"), pickle.dumps(body))
+        write_atomic(os.path.join(self.steps_dir, f"{step_id(index)}.pkl"), [pickle.dumps(body)])
 
     def receipts(self, sid: str) -> dict[str, list[Receipt]]:
         from tasks.receipts import Receipt
