@@ -30,6 +30,7 @@ __all__ = [
     "non_negative_int",
     "positive_float",
     "non_negative_float",
+    "int_between",
     "positive_int_list",
     "byte_size",
     "host_port",
@@ -84,6 +85,12 @@ positive_int = _bounded("positive_int", int, "a positive integer", lambda v: v >
 non_negative_int = _bounded("non_negative_int", int, "a non-negative integer", lambda v: v >= 0, "An integer >= 0.")
 positive_float = _bounded("positive_float", float, "a positive number", lambda v: v > 0, "A finite number > 0.")
 non_negative_float = _bounded("non_negative_float", float, "a non-negative number", lambda v: v >= 0, "A finite number >= 0.")
+
+
+def int_between(lo: int, hi: int) -> Callable[[str], int | float]:
+    """An argparse type: an integer from ``lo`` to ``hi`` (both included)."""
+    return _bounded(f"int_between_{lo}_{hi}", int, f"an integer from {lo} to {hi}", lambda v: lo <= v <= hi,
+                    f"An integer {lo}-{hi}.")
 
 
 def positive_int_list(text: str) -> str:

@@ -125,3 +125,15 @@ def base_records() -> list[dict]:
 def test_the_chaos_benchmark_is_on_the_command_line():
     args = build_parser().parse_args(["bench", "chaos", "--short", "--json", "--seed", "2", "--in-flight", "4"])
     assert args.short and args.json and args.seed == 2 and args.in_flight == 4
+
+
+@pytest.mark.parametrize("flag, value, what", [
+    ("--in-flight", "9", "an integer from 1 to 8"), ("--in-flight", "0", "an integer from 1 to 8"),
+    ("--groups", "0", "a positive integer"), ("--duration", "-5", "a positive number"),
+    ("--seed", "-1", "a non-negative integer"), ("--partition-s", "nan", "a positive number"),
+])
+def test_a_bad_flag_is_one_usage_line_before_anything_starts(capsys, flag, value, what):
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args(["bench", "chaos", flag, value])
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and f"argument {flag}: must be {what}" in err, err

@@ -29,6 +29,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from ..cli_args import int_between, non_negative_int, positive_float, positive_int
 from .chaos_report import digests_differing, exit_status, report, run_figures  # noqa: F401 (exit_status: the CLI's)
 from .chaos_schedule import Fault, ScheduleSettings, fault_schedule
 from .common import main, notes
@@ -42,16 +43,16 @@ PROGRESS_EVERY_S = 15.0
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """Flags of ``python -m pipeline bench chaos``."""
     p.add_argument("--short", action="store_true", help="about 2 minutes: shorter runs, faults every 12-24 s, an 8 s cut")
-    p.add_argument("--seed", type=int, default=0, help="the fault schedule's and the rollouts' seed (default 0)")
-    p.add_argument("--duration", type=float, default=None, help="faulty run length, s (default 210; 75 with --short)")
-    p.add_argument("--fault-free-duration", type=float, default=None, help="fault-free run length, s (default 60; 20 with --short)")
-    p.add_argument("--partition-s", type=float, default=None, help="how long the storage host is cut off, s (default 20; 8 with --short)")
-    p.add_argument("--groups", type=int, default=2, help="GRPO groups per step (default 2)")
-    p.add_argument("--rollouts", type=int, default=4, help="rollouts per group (default 4)")
-    p.add_argument("--turns", type=int, default=2, help="model calls per rollout (default 2)")
-    p.add_argument("--tokens-per-turn", type=int, default=8, help="tokens each call generates (default 8)")
-    p.add_argument("--in-flight", type=int, default=3, help="finalization steps in flight, 2-4 (default 3)")
-    p.add_argument("--step-timeout", type=float, default=90.0, help="one attempt at a step, s; 3 attempts (default 90)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="the fault schedule's and the rollouts' seed (default 0)")
+    p.add_argument("--duration", type=positive_float, default=None, help="faulty run length, s (default 210; 75 with --short)")
+    p.add_argument("--fault-free-duration", type=positive_float, default=None, help="fault-free run length, s (default 60; 20 with --short)")
+    p.add_argument("--partition-s", type=positive_float, default=None, help="how long the storage host is cut off, s (default 20; 8 with --short)")
+    p.add_argument("--groups", type=positive_int, default=2, help="GRPO groups per step (default 2)")
+    p.add_argument("--rollouts", type=positive_int, default=4, help="rollouts per group (default 4)")
+    p.add_argument("--turns", type=positive_int, default=2, help="model calls per rollout (default 2)")
+    p.add_argument("--tokens-per-turn", type=positive_int, default=8, help="tokens each call generates (default 8)")
+    p.add_argument("--in-flight", type=int_between(1, 8), default=3, help="finalization steps in flight, 1-8 (default 3)")
+    p.add_argument("--step-timeout", type=positive_float, default=90.0, help="one attempt at a step, s; 3 attempts (default 90)")
     p.add_argument("--keep", metavar="DIR", default=None,
                    help="keep each run's state (controller logs and records, host logs) under DIR instead of a temporary directory")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
@@ -68,8 +69,6 @@ def plan(args: argparse.Namespace) -> tuple[ScheduleSettings, float]:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from .chaos_controller import ControllerConfig
 
-    if not 1 <= args.in_flight <= 8:
-        raise SystemExit("--in-flight must be between 1 and 8")
     say = notes("chaos", args.quiet)
     settings, fault_free_s = plan(args)
     schedule = fault_schedule(settings, args.seed)
