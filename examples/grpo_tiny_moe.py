@@ -201,8 +201,9 @@ def train_run(client: Any, store: Any, args: argparse.Namespace, overrides: dict
         rep = result.report_mismatch(fwd.token_logprobs.detach(), weight_version=step, trainer_routes=fwd.routes)
         with torch.no_grad():  # the other mode, for the paired figures
             other = batch_logprobs(model, batch, replay=not replay)
-        paired = {mode: mismatch_stats(batch["old_logprobs"], f.token_logprobs.detach(), batch["loss_mask"]).mean_abs_delta
-                  for mode, f in ((replay, fwd), (not replay, other))}
+        # The run's own mode is the monitor's figure; only the other forward is measured here.
+        paired = {replay: rep.mean_abs_delta,
+                  not replay: mismatch_stats(batch["old_logprobs"], other.token_logprobs, batch["loss_mask"]).mean_abs_delta}
         loss = train_step(model, opt, batch, fwd, args, replay)
         if step + 2 < args.steps:
             weights = hf_weights.publish(client, WeightSnapshot.of(model, step + 1))
