@@ -198,7 +198,7 @@ def train_run(client: Any, store: Any, args: argparse.Namespace, overrides: dict
         batch = result.to_batch(routes_dtype=torch.int64, trainer_version=step)
         fwd = batch_logprobs(model, batch, replay=replay)
         # The monitor: this version's logprobs (and routes) of the batch against the sampler's.
-        rep = result.report_mismatch(fwd.token_logprobs.detach(), weight_version=step, trainer_routes=fwd.routes)
+        rep = result.report_mismatch(fwd.token_logprobs.detach(), weight_version=step, trainer_routes=fwd.routes, batch=batch)
         with torch.no_grad():  # the other mode, for the paired figures
             other = batch_logprobs(model, batch, replay=not replay)
         # The run's own mode is the monitor's figure; only the other forward is measured here.

@@ -188,3 +188,12 @@ def test_one_report_reaches_the_state_metrics_and_page(inprocess_client, tmp_pat
     assert mm["step"] == ["mm-step"] and mm["k3_mean"] == [pytest.approx(rep.k3_mean)]
     assert page.trainer_panels.mismatch_frac.data["eps"] == ["0.05", "0.5"]
     assert not page.notes["mismatch"].visible and not page.notes["staleness"].visible
+
+    # The batch the trainer already holds (made with any trainer_version) gives the same
+    # report without building it again; a batch without a field the monitor reads is named.
+    again = step.report_mismatch(trainer_lp, weight_version=4, trainer_routes=trainer_routes, batch=step.to_batch())
+    assert again.figures() == rep.figures() and {k: v.figures() for k, v in again.by_lag.items()} == {
+        k: v.figures() for k, v in rep.by_lag.items()}
+    without = {k: v for k, v in b.items() if k != "weight_version_oldest"}
+    with pytest.raises(InvalidInput, match="batch lacks weight_version_oldest"):
+        step.report_mismatch(trainer_lp, weight_version=4, batch=without)

@@ -92,14 +92,16 @@ class StepResult:
         return TensorDict(batch, batch_size=[int(batch["input_ids"].shape[0])])
 
     def report_mismatch(self, trainer_logprobs: Any, *, weight_version: int, trainer_routes: Any = None,
-                        eps: Any = None) -> MismatchReport:
+                        eps: Any = None, batch: Mapping[str, Any] | None = None) -> MismatchReport:
         """The trainer's logprobs ([B, T] over :meth:`to_batch`'s rows) against the
         sampler's: publishes ONE ``token-capture-mismatch`` event and returns the
         :class:`tasks.mismatch.MismatchReport` (lag per row: ``weight_version -
-        weight_version_oldest``); see :func:`pipeline.finalize.monitor.report_mismatch`."""
+        weight_version_oldest``); ``batch``: this step's :meth:`to_batch` if the trainer
+        already built it (not built again); see :func:`pipeline.finalize.monitor.report_mismatch`."""
         from .monitor import report_mismatch
 
-        return report_mismatch(self, trainer_logprobs, weight_version=weight_version, trainer_routes=trainer_routes, eps=eps)
+        return report_mismatch(self, trainer_logprobs, weight_version=weight_version, trainer_routes=trainer_routes, eps=eps,
+                               batch=batch)
 
 
 class ClearCounts(TypedDict):

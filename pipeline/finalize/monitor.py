@@ -7,7 +7,7 @@ split by each row's lag ``weight_version - weight_version_oldest`` (versions).
 """
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 from tasks.errors import InvalidInput
 from tasks.finalize.step_batch import check_version
@@ -18,6 +18,8 @@ from . import collect
 from .settings import mismatch_eps_setting
 
 EVENT_KIND = "mismatch"
+# What the monitor reads of a step batch.
+BATCH_FIELDS = ("old_logprobs", "loss_mask", "has_routes", "weight_version_oldest")
 
 
 class FinalizedStep(Protocol):
@@ -38,7 +40,7 @@ def mismatch_event(step_id: str, weight_version: int, report: MismatchReport) ->
 
 def report_mismatch(
     step: FinalizedStep, trainer_logprobs: Any, *, weight_version: int, trainer_routes: Any = None,
-    eps: Any = None,
+    eps: Any = None, batch: Mapping[str, Any] | None = None,
 ) -> MismatchReport:
     """Compare ``trainer_logprobs`` ([B, T], the trainer's logprobs of the step batch's
     tokens, aligned as ``old_logprobs``: ``[b, t]`` is the logprob of ``input_ids[b, t]``,
@@ -47,8 +49,10 @@ def report_mismatch(
     ``weight_version``: the trainer's weight version (lags are measured from it);
     ``trainer_routes``: the trainer's routed experts [B, T, L, K] (route agreement over
     the rows that carry sampler routes); ``eps``: ratio bounds (default the finalizer's
-    ``monitor.mismatch-eps``). Bad input raises :class:`tasks.errors.InvalidInput`
-    naming the field; nothing is published then.
+    ``monitor.mismatch-eps``); ``batch``: this step's ``to_batch()`` as the trainer
+    already holds it (any ``trainer_version``; lags are taken from its
+    ``weight_version_oldest``), so it is not built a second time. Bad input raises
+    :class:`tasks.errors.InvalidInput` naming the field; nothing is published then.
     """
     check_version(weight_version, "report_mismatch: weight_version")
     if eps is not None:
@@ -57,12 +61,17 @@ def report_mismatch(
         eps = step.mismatch_eps
     else:  # a StepResult made by hand: the config now
         eps = mismatch_eps_setting(config.get("monitor.mismatch-eps"))
-    batch = step.to_batch(trainer_version=weight_version)
+    if batch is None:
+        batch = step.to_batch()
+    missing = [k for k in BATCH_FIELDS if k not in batch.keys()]
+    if missing:
+        raise InvalidInput(f"report_mismatch: batch lacks {', '.join(missing)} (pass the step's to_batch())")
+    weight_lag = weight_version - batch["weight_version_oldest"]  # as to_batch(trainer_version=weight_version) has it
     sampler_routes = batch.get("routed_experts")
     if trainer_routes is not None and sampler_routes is None:
         raise InvalidInput("trainer_routes given, but no row of the step carries sampler routes to compare them with")
     report = mismatch_stats(
-        batch["old_logprobs"], trainer_logprobs, batch["loss_mask"], weight_lag=batch["weight_lag"], eps=eps,
+        batch["old_logprobs"], trainer_logprobs, batch["loss_mask"], weight_lag=weight_lag, eps=eps,
         sampler_routes=sampler_routes if trainer_routes is not None else None, trainer_routes=trainer_routes,
         route_rows=batch["has_routes"],
     )
