@@ -18,12 +18,20 @@ for keys never staged. A survivor's lost keys are copied like its rows, and a re
 witness gets its names back from the units holding the keys it witnessed. Puts and gets
 go on meanwhile; reads of the lost unit's keys are served by the survivors until the new
 unit is installed.
+
+A delete that reaches a survivor after its rows were copied and before the new unit is
+installed removes the survivor's copy only (the lost unit's copy is unreachable, and the
+deleting handle still plans on the old table, so it cannot retry on the new unit). Once
+the new unit is installed, each survivor's keys are listed again and every copied key or
+witnessed name the survivor no longer holds is removed from the new unit: a deleted key
+never comes back as a copy nobody will clear.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -44,6 +52,18 @@ class UnitArgsLike(Protocol):
     """What a replacement unit is built with (``owner.UnitArgs``)."""
 
     def for_unit(self, u: int) -> tuple: ...
+
+
+@dataclass(frozen=True)
+class Handed:
+    """What one survivor handed a new unit for one partition: rows ``copied``, the keys
+    asked (``keys``) and the names it witnesses for the survivor (``names``)."""
+
+    partition: str
+    survivor: int
+    copied: int
+    keys: list[str]
+    names: list[str]
 
 
 class Repairer:
@@ -98,17 +118,22 @@ class Repairer:
         survivors = [s for s in range(placement.n_units) if s != u and placement.workers[s] in live]
         dead = [d for d in range(placement.n_units) if d != u and placement.workers[d] not in live]
         copied = lost = 0
+        handed: list[Handed] = []
         try:
             for partition in store.partitions or []:
                 for s in survivors:
-                    copied += self._copy_from(new, partition, placement, u, s, dead)
+                    handed.append(self._copy_from(new, partition, placement, u, s, dead))
+                    copied += handed[-1].copied
                 if dead:
                     lost += self._mark_lost_together(new, partition, placement, u, dead, survivors)
         except BaseException:
             self.client.cancel(futures, force=True)
             raise
         store.owner.replace_unit(store, u, new, worker, futures[0])
-        self.repaired.append({"unit": u, "worker": worker, "rows": copied, "lost": lost, "version": store.version})
+        dropped = self._drop_deleted_meanwhile(new, handed)
+        self.repaired.append(
+            {"unit": u, "worker": worker, "rows": copied, "lost": lost, "dropped": dropped, "version": store.version}
+        )
         logger.info("storage unit %d re-replicated onto %s (%d rows)", u, worker, copied)
         return True
 
@@ -126,23 +151,24 @@ class Repairer:
             return None
         return min(ok, key=lambda w: (placement.workers.count(w), w))
 
-    def _copy_from(self, new: "Actor", partition: str, placement: Placement, u: int, s: int, dead: list[int]) -> int:
+    def _copy_from(self, new: "Actor", partition: str, placement: Placement, u: int, s: int, dead: list[int]) -> "Handed":
         """Survivor ``s``'s share of unit ``u``'s contents: the rows (and lost-key records)
         of the keys whose two copies are on ``u`` and ``s``, and the names ``u`` witnesses
         of keys ``s`` holds (``s`` their primary, or their replica with the primary in
         ``dead`` too). Lost keys are copied as records only: they have no row to read.
-        Returns the rows copied."""
+        Returns what was handed to ``new``."""
         timeout, mate = self.call_timeout_s, self.store.units[s]
         listed = mate.keys(partition).result(timeout=timeout)
         if not listed:
-            return 0
+            return Handed(partition, s, 0, [], [])
         lost = mate.lost_keys(partition).result(timeout=timeout)
         loc = placement.locate(listed)
         p, r, w = loc.primary, loc.replica, loc.witness
         assert r is not None and w is not None  # replicas=2
         pair = ((p == u) & (r == s)) | ((p == s) & (r == u))
         shared = [listed[i] for i in np.flatnonzero(pair)]
-        copied = self._copy_rows(new, partition, u, mate, [k for k in shared if k not in lost])
+        held = [k for k in shared if k not in lost]
+        copied = self._copy_rows(new, partition, u, mate, held)
         by_how: dict[str, list[str]] = {}
         for k in shared:
             if k in lost:
@@ -153,7 +179,30 @@ class Repairer:
         names = [listed[i] for i in np.flatnonzero(witnessed)]
         if names:
             new.witness(partition, pack_names(names)).result(timeout=timeout)
-        return copied
+        return Handed(partition, s, copied, held, names)
+
+    def _drop_deleted_meanwhile(self, new: "Actor", handed: list["Handed"]) -> int:
+        """After the install: remove from ``new`` each copied key and witnessed name its
+        survivor no longer holds (deleted during the copy, see the module docstring).
+        Returns the rows removed; a survivor that cannot be listed is logged and skipped."""
+        timeout, dropped = self.call_timeout_s, 0
+        for h in handed:
+            if not h.keys and not h.names:
+                continue
+            try:
+                still = set(self.store.units[h.survivor].keys(h.partition).result(timeout=timeout))
+            except Exception as e:  # noqa: BLE001 - the survivor died too: its own repair follows
+                logger.warning("re-replication: survivor %d not listed after the install (%s); deletes made "
+                               "during the copy may leave rows on the new unit", h.survivor, e)
+                continue
+            gone = [k for k in h.keys if k not in still]
+            unwitness = [k for k in h.names if k not in still]
+            if gone or unwitness:
+                res = new.delete(h.partition, pack_names(gone), pack_names(unwitness) if unwitness else None).result(timeout=timeout)
+                dropped += len(res.ok)
+        if dropped:
+            logger.info("re-replication: %d row(s) deleted during the copy removed from the new unit", dropped)
+        return dropped
 
     def _copy_rows(self, new: "Actor", partition: str, u: int, mate: "Actor", held: list[str]) -> int:
         """Copy rows ``held`` from ``mate`` to ``new`` in chunks; rows copied."""
