@@ -71,7 +71,10 @@ def test_max_staleness_drops_exactly_the_stale_rollouts():
     assert g.sample_mask.tolist() == [1, 1, 0, 1] and int(g.input_lengths[2]) == 0
     assert g.weight_version_oldest.tolist() == [3, 5, 1, 6]  # the stale row keeps its versions
     assert g.metrics["rejected_by_reason"] == {R.STALE: 1} and g.metrics["accepted"] == 3
-    assert g.metrics["_verified_tokens"][2] == res[2].linearized.length > 0
+    # the stale row's verified tokens ride on the group (its input_lengths is 0), not in its metrics
+    assert g.verified_tokens.dtype == torch.int64
+    assert g.verified_tokens.tolist() == [r.linearized.length for r in res] and g.verified_tokens[2] > 0
+    assert not any(k.startswith("_") for k in g.metrics)
     b = step_batch([g], trainer_version=7)
     assert not b["loss_mask"][2].any() and b["advantages"][2] == 0.0
     want = group_advantages(torch.tensor(rewards), torch.tensor([True, True, False, True]), torch.zeros(4, dtype=torch.int64), 1)
@@ -88,9 +91,12 @@ def test_groups_without_versions_read_as_zeros_and_versions_survive_the_wire():
     back = rebuild_group(ids, old, status, details, metrics)
     assert back.weight_version_oldest.tolist() == [0] * 4 and back.weight_version_oldest.dtype == torch.int64
     assert step_batch([back], trainer_version=3)["weight_lag"].tolist() == [3] * 4
+    older = {k: v for k, v in tensors.items() if k != "verified_tokens"}  # without verified tokens: its lengths
+    assert rebuild_group(ids, older, status, details, metrics).verified_tokens.tolist() == g.input_lengths.tolist()
     for copy in (pickle.loads(pickle.dumps(g)), load_group(*dump_group(g))):
         assert torch.equal(copy.weight_version_oldest, g.weight_version_oldest)
         assert torch.equal(copy.weight_version_newest, g.weight_version_newest)
+        assert torch.equal(copy.verified_tokens, g.verified_tokens)
     # a verify task's output carries each verdict's versions to wherever the group is assembled
     res = results(2)
     out = load_verify_out(*dump_verify_out(VerifyOut(0, dict(enumerate(res)), {}, {}, {})))

@@ -30,7 +30,7 @@ from .task_outputs import Piece, VerifyOut
 
 _GROUP_TENSORS = ("input_ids", "input_lengths", "prompt_lengths", "logprobs", "token_mask",
                   "sample_mask", "rewards", "routed_experts", "has_routes",
-                  "weight_version_oldest", "weight_version_newest")
+                  "weight_version_oldest", "weight_version_newest", "verified_tokens")
 
 
 def linearized_bytes(result: RolloutResult) -> int:

@@ -37,6 +37,9 @@ class FinalizedGroup:
     newest ``weight_version`` over the row's verified calls; 0 for a row rejected before
     its calls were verified (its other fields are zeros too). A group built without them
     (an older pickle, a hand-made group) gets zeros.
+    ``verified_tokens`` (int64 [n]): each verified row's tokens, a row dropped ``stale``
+    included (its ``input_lengths`` is 0); 0 for a row rejected for its data. A group
+    built without it gets its ``input_lengths``.
     """
 
     rollout_ids: list[str]
@@ -54,6 +57,7 @@ class FinalizedGroup:
     metrics: dict[str, Any] = field(default_factory=dict)
     weight_version_oldest: torch.Tensor | None = None  # int64 [n]
     weight_version_newest: torch.Tensor | None = None  # int64 [n]
+    verified_tokens: torch.Tensor | None = None  # int64 [n] (tokens)
 
     def __post_init__(self) -> None:
         ids = self.input_ids
@@ -61,6 +65,10 @@ class FinalizedGroup:
         for name in VERSION_FIELDS:
             if getattr(self, name) is None:
                 setattr(self, name, torch.zeros(n, dtype=torch.int64))
+        if self.verified_tokens is None:
+            lengths = self.input_lengths
+            fits = isinstance(lengths, torch.Tensor) and tuple(lengths.shape) == (n,)
+            self.verified_tokens = lengths.to(torch.int64, copy=True) if fits else torch.zeros(n, dtype=torch.int64)
 
     def __len__(self) -> int:
         return len(self.status)
@@ -75,7 +83,7 @@ class FinalizedGroup:
 VERSION_FIELDS = ("weight_version_oldest", "weight_version_newest")
 _TENSOR_FIELDS = (
     "input_ids", "input_lengths", "prompt_lengths", "logprobs", "token_mask",
-    "sample_mask", "rewards", "routed_experts", "has_routes", *VERSION_FIELDS,
+    "sample_mask", "rewards", "routed_experts", "has_routes", *VERSION_FIELDS, "verified_tokens",
 )
 
 
@@ -101,7 +109,8 @@ def rebuild_group(
     metrics: dict[str, Any],
 ) -> FinalizedGroup:
     """A :class:`FinalizedGroup` from its pickled parts (numpy arrays as tensors' buffers;
-    a pickle without the weight versions gets zeros)."""
+    a pickle without the weight versions gets zeros, without ``verified_tokens`` its
+    ``input_lengths``)."""
     return FinalizedGroup(rollout_ids, **{n: _from_numpy(a) for n, a in tensors.items()}, status=status, details=details, metrics=metrics)
 
 
@@ -267,9 +276,7 @@ def assemble_group(
     (accepted tokens), calls_per_rollout (mean chain calls over accepted rows), max_len.
     ``buffers``: where the padded tensors' memory comes from (e.g. a pool of memory the
     process already touched); ``np.empty`` without it. ``staleness``: rows too stale for
-    the trainer are rejected ``stale`` (None: none is). ``metrics["_verified_tokens"]``
-    (private: the step's staleness figures read it) lists each row's verified tokens,
-    stale rows' included.
+    the trainer are rejected ``stale`` (None: none is).
     """
     n = len(results)
     if len(rewards) != n:
@@ -298,7 +305,8 @@ def assemble_group(
         has_routes=torch.from_numpy(buf.has_routes),
         status=status,
         details=details,
-        metrics={**_group_metrics(results, status, accepted, lengths), "_verified_tokens": verified_tokens.tolist()},
+        metrics=_group_metrics(results, status, accepted, lengths),
         weight_version_oldest=torch.from_numpy(oldest),
         weight_version_newest=torch.from_numpy(newest),
+        verified_tokens=torch.from_numpy(verified_tokens),
     )

@@ -90,15 +90,12 @@ def step_staleness(
     groups: Sequence[FinalizedGroup], *, trainer_version: int | None, max_staleness: int | None,
 ) -> StalenessFigures:
     """:func:`staleness_figures` over a step's groups: their verified rows (accepted or
-    dropped ``stale``), each with its verified tokens (the group's private
-    ``metrics["_verified_tokens"]``, else its ``input_lengths``)."""
+    dropped ``stale``), each with its verified tokens (``FinalizedGroup.verified_tokens``)."""
     tokens, oldest, newest, stale = [], [], [], []
     for g in groups:
         status = np.array(g.status, dtype=object)
         keep = (status == R.OK) | (status == R.STALE)
-        lengths = g.metrics.get("_verified_tokens") if isinstance(g.metrics, dict) else None
-        lengths = np.asarray(lengths if lengths is not None and len(lengths) == len(status) else g.input_lengths.numpy(), np.int64)
-        tokens.append(lengths[keep])
+        tokens.append(g.verified_tokens.numpy()[keep])
         oldest.append(g.weight_version_oldest.numpy()[keep])
         newest.append(g.weight_version_newest.numpy()[keep])
         stale.append(status[keep] == R.STALE)
