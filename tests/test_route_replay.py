@@ -129,6 +129,25 @@ def test_replaying_the_models_own_routes_changes_nothing_bit_for_bit(captured):
     assert torch.equal(forced.token_logprobs, own.token_logprobs)
 
 
+def test_a_replay_walks_the_model_for_its_routers_once(captured):
+    # The routers found once per call serve the checks, the shape and the hooks alike
+    # (without grad: with it, transformers walks the model once more for checkpointing).
+    engine, batch = captured
+    model = _model(engine, "eval")
+    own_modules, walks = model.modules, []
+
+    def counted():
+        walks.append(1)
+        return own_modules()
+
+    model.modules = counted  # an instance attribute: the model's own walk, counted
+    with torch.no_grad():
+        for replay in (True, False):
+            walks.clear()
+            batch_logprobs(model, batch, replay=replay)
+            assert len(walks) == 1, (replay, len(walks))
+
+
 def _moved(engine: HFMoEEngine) -> torch.nn.Module:
     """A copy of the model whose routers took a step (noise of the init scale)."""
     model = _model(engine)

@@ -84,7 +84,11 @@ def routers(model: nn.Module) -> list[nn.Module]:
 
 def route_shape(model: nn.Module) -> tuple[int, int, int]:
     """``(L, K, E)``: routed layers, experts per token, experts per layer."""
-    rs = routers(model)
+    return _shape_of(routers(model))
+
+
+def _shape_of(rs: list[nn.Module]) -> tuple[int, int, int]:
+    """:func:`route_shape` of the routers :func:`routers` found."""
     return len(rs), int(rs[0].top_k), int(rs[0].num_experts)
 
 
@@ -135,9 +139,18 @@ def forced_routes(model: nn.Module, experts: torch.Tensor | None = None, where: 
     way). One context per model at a time.
     """
     rs = routers(model)
+    if experts is not None:
+        experts, where = _checked_forced(experts, where, _shape_of(rs))
+    with _forcing(model, rs, experts, where) as rec:
+        yield rec
+
+
+@contextmanager
+def _forcing(model: nn.Module, rs: list[nn.Module], experts: torch.Tensor | None, where: torch.Tensor | None) -> Iterator[RouteRecorder]:
+    """:func:`forced_routes` over the model's routers ``rs`` (:func:`routers`), with
+    ``experts`` int64 ``[B, S, L, K]`` and ``where`` bool ``[B, S]`` already checked."""
     flat = None
     if experts is not None:
-        experts, where = _checked_forced(experts, where, (len(rs), int(rs[0].top_k), int(rs[0].num_experts)))
         B, S = experts.shape[:2]
         flat = [experts[:, :, i].reshape(B * S, -1) for i in range(len(rs))]
         where = where.reshape(-1)
@@ -251,11 +264,13 @@ def input_routes(routed_experts: torch.Tensor, attention_mask: torch.Tensor, has
     return torch.cat([r[:, 1:], r[:, :1]], dim=1), where
 
 
-def _forward(model: nn.Module, ids: torch.Tensor, real: torch.Tensor, routes: torch.Tensor | None, routed_rows: torch.Tensor) -> RoutedForward:
+def _forward(model: nn.Module, rs: list[nn.Module], ids: torch.Tensor, real: torch.Tensor, routes: torch.Tensor | None,
+             routed_rows: torch.Tensor) -> RoutedForward:
     """Forward over the rows with a real token (right-padded ``ids``), on the model's
-    device; see :func:`replay_logprobs`."""
+    device; see :func:`replay_logprobs`. ``rs``: the model's routers; ``routes``: ids
+    already checked (:func:`_checked_routes`) on the rows and tokens they are forced at."""
     B, T = ids.shape
-    L, K, _ = route_shape(model)
+    L, K, _ = _shape_of(rs)
     device = next(model.parameters()).device
     ids, real, routed_rows = ids.to(device), real.to(device), routed_rows.to(device)
     live = real.any(dim=1).nonzero()[:, 0]
@@ -270,9 +285,9 @@ def _forward(model: nn.Module, ids: torch.Tensor, real: torch.Tensor, routes: to
     forced = where = None
     if routes is not None:
         forced, where = input_routes(routes.to(device)[live, :n], real_l, routed_rows[live])
-        if _checkpointing(model) and torch.is_grad_enabled():
+        if torch.is_grad_enabled() and _checkpointing(model):  # (transformers walks the model to tell)
             raise InvalidInput("model: gradient checkpointing recomputes the forward during backward; run forward and backward inside forced_routes(model, *input_routes(...)) instead")
-    with forced_routes(model, forced, where) as rec:
+    with _forcing(model, rs, forced, where) as rec:
         out = model(input_ids=ids_l, attention_mask=real_l.to(torch.int64), use_cache=False)
         used = rec.routes(len(live), n)
     # log_softmax then gather: the ops the engines sample and check with.
@@ -309,7 +324,8 @@ def replay_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     dropout and Mixtral's router jitter then apply as usual). Raises
     :class:`tasks.errors.InvalidInput` naming the field for bad ids, masks or routes.
     """
-    L, K, E = route_shape(model)
+    rs = routers(model)
+    L, K, E = _shape_of(rs)
     ids = _checked_ids(input_ids)
     real = _checked_mask(ids, attention_mask)
     _check_vocab(model, ids, real)
@@ -317,7 +333,7 @@ def replay_logprobs(model: nn.Module, input_ids: torch.Tensor, attention_mask: t
     if routed_experts is not None:
         routes = _checked_routes(routed_experts, (*ids.shape, L, K), E, real)
     rows = torch.ones(ids.shape[0], dtype=torch.bool)
-    return _forward(model, ids, real, routes, rows)
+    return _forward(model, rs, ids, real, routes, rows)
 
 
 def batch_logprobs(model: nn.Module, batch: Mapping[str, torch.Tensor], *, replay: bool) -> RoutedForward:
@@ -337,7 +353,8 @@ def batch_logprobs(model: nn.Module, batch: Mapping[str, torch.Tensor], *, repla
         return replay_logprobs(model, batch["input_ids"], batch["attention_mask"])
     if batch.get("routed_experts") is None:
         raise InvalidInput("batch has no routed_experts: replay needs rows captured with routes (or call with replay=False)")
-    L, K, E = route_shape(model)
+    rs = routers(model)
+    L, K, E = _shape_of(rs)
     ids = _checked_ids(batch["input_ids"])
     real = _checked_mask(ids, batch["attention_mask"])
     B = ids.shape[0]
@@ -352,4 +369,4 @@ def batch_logprobs(model: nn.Module, batch: Mapping[str, torch.Tensor], *, repla
         raise InvalidInput(f"has_routes is false for rows {missing[:8]} that have loss_mask tokens: replay cannot recompute their logprobs (drop them from the loss, or replay=False)")
     _check_vocab(model, ids, real)
     routes = _checked_routes(batch["routed_experts"], (*ids.shape, L, K), E, real & has[:, None])
-    return _forward(model, ids, real, routes, has)
+    return _forward(model, rs, ids, real, routes, has)
