@@ -18,7 +18,7 @@ pytest.importorskip("transformers")
 import torch  # noqa: E402
 
 from tasks.engines.hf_moe import LOGPROB_TOLERANCE, HFMoEConfig, HFMoEEngine, generate_rollouts  # noqa: E402
-from tasks.engines.weights import WeightSnapshot, load_engine  # noqa: E402
+from tasks.engines.weights import WeightSnapshot, fingerprint, load_engine  # noqa: E402
 from tasks.errors import InvalidInput  # noqa: E402
 from tasks.toy.rewards import TargetTokensReward  # noqa: E402
 from tasks.toy.rollouts import make_group_specs  # noqa: E402
@@ -55,6 +55,15 @@ def test_a_weight_snapshot_loads_into_an_engine_that_samples_with_it():
     # The loaded weights, not the seed's, sampled: the captured logprobs differ.
     base = [r for ro in generate_rollouts(seeded, specs) for r in ro.rows]
     assert not all(np.array_equal(a.logprobs, b.logprobs) for a, b in zip(rows, base))
+
+
+def test_an_engine_fingerprints_the_weights_it_was_loaded_with():
+    # load_engine builds one engine: the snapshot goes in before the fingerprint is taken.
+    model = _perturbed_model()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    engine = HFMoEEngine(CFG, load=lambda m: m.load_state_dict(state))
+    assert engine.fingerprint == fingerprint(state) == load_engine(CFG, WeightSnapshot.of(model, 1)).fingerprint
+    assert engine.fingerprint != HFMoEEngine(CFG).fingerprint == fingerprint(HFMoEEngine(CFG).model.state_dict())
 
 
 def test_a_snapshot_of_another_model_or_altered_after_it_was_taken_is_refused():

@@ -176,28 +176,37 @@ def _as_int64(a: RowArray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
+def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
+    """SHA-256 (hex) of every entry's name and bytes, in name order (a ``state_dict``)."""
+    h = hashlib.sha256()
+    for name, p in sorted(state.items()):
+        h.update(name.encode())
+        h.update(p.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 class HFMoEEngine(ConfigShapes):
     """A tiny HF MoE causal LM in eval mode, float32, built from :class:`HFMoEConfig`.
 
     Every process building it from the same config gets the same weights (checked by
-    :attr:`fingerprint`, a SHA-256 of every parameter's name and bytes).
+    :attr:`fingerprint`, :func:`fingerprint` of the model's ``state_dict``). ``load``:
+    given the seeded float32 model, replaces its weights (e.g. with a trainer's:
+    :func:`tasks.engines.weights.load_engine`) before they are fingerprinted.
     """
 
-    def __init__(self, config: HFMoEConfig) -> None:
+    def __init__(self, config: HFMoEConfig, load: Callable[[torch.nn.Module], None] | None = None) -> None:
         self.config = config
         hf_config = config.hf_config()
         with _BUILD_LOCK, torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             model = _MODEL_CLASSES[config.arch](hf_config)
         self.model = model.to(torch.float32).eval()
+        if load is not None:
+            load(self.model)
         params = inspect.signature(self.model.forward).parameters
         # transformers 5 renamed past_key_values -> cache (the old name is deprecated).
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
-        h = hashlib.sha256()
-        for name, p in sorted(self.model.state_dict().items()):
-            h.update(name.encode())
-            h.update(p.detach().contiguous().numpy().tobytes())
-        self.fingerprint = h.hexdigest()
+        self.fingerprint = fingerprint(self.model.state_dict())
 
 
     def forward(self, input_ids: torch.Tensor, cache: object = None, *, use_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, object]:

@@ -4,29 +4,17 @@ published (and tagged with that ``weight_version``).
 
 A :class:`WeightSnapshot` holds float32 CPU copies of every ``state_dict`` entry (the tiny
 engines here weigh about 1.3 MB, cheap to ship to every worker) and their SHA-256
-fingerprint, computed like :attr:`tasks.engines.hf_moe.HFMoEEngine.fingerprint`, so a
+fingerprint (:func:`tasks.engines.hf_moe.fingerprint`, as an engine's), so a
 loaded engine proves it holds exactly the trainer's weights. Needs the ``hf`` extra.
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
-from typing import Mapping
 
 import torch
 
 from ..errors import InvalidInput
-from .hf_moe import HFMoEConfig, HFMoEEngine
-
-
-def fingerprint(state: Mapping[str, torch.Tensor]) -> str:
-    """SHA-256 (hex) of every entry's name and bytes, in name order: the algorithm of
-    :attr:`HFMoEEngine.fingerprint`, so the two compare."""
-    h = hashlib.sha256()
-    for name, p in sorted(state.items()):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().numpy().tobytes())
-    return h.hexdigest()
+from .hf_moe import HFMoEConfig, HFMoEEngine, fingerprint
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,14 +45,25 @@ class WeightSnapshot:
 
 
 def load_engine(config: HFMoEConfig, snapshot: WeightSnapshot) -> HFMoEEngine:
-    """A new :class:`HFMoEEngine` of ``config`` holding ``snapshot``'s weights.
+    """A new :class:`HFMoEEngine` of ``config`` holding ``snapshot``'s weights (built once:
+    the snapshot is loaded before the engine fingerprints its weights).
 
     Raises :class:`InvalidInput` when the snapshot's names or shapes are not the config's
     model's (a snapshot of another architecture or size), or when the loaded weights'
     fingerprint differs from the snapshot's (a snapshot altered after it was taken).
     """
-    engine = HFMoEEngine(config)
-    own = engine.model.state_dict()
+    engine = HFMoEEngine(config, load=lambda model: _load(model, config, snapshot))
+    if engine.fingerprint != snapshot.fingerprint:
+        raise InvalidInput(
+            f"weight snapshot v{snapshot.version}: loaded weights fingerprint {engine.fingerprint[:12]} != snapshot's "
+            f"{snapshot.fingerprint[:12]} (its tensors changed after WeightSnapshot.of); take a new snapshot"
+        )
+    return engine
+
+
+def _load(model: torch.nn.Module, config: HFMoEConfig, snapshot: WeightSnapshot) -> None:
+    """``snapshot``'s tensors into ``model`` (:class:`InvalidInput` when they do not fit it)."""
+    own = model.state_dict()
     missing = sorted(set(own) - set(snapshot.tensors))
     extra = sorted(set(snapshot.tensors) - set(own))
     shapes = sorted(k for k in set(own) & set(snapshot.tensors) if tuple(own[k].shape) != tuple(snapshot.tensors[k].shape))
@@ -75,12 +74,4 @@ def load_engine(config: HFMoEConfig, snapshot: WeightSnapshot) -> HFMoEEngine:
             f"unexpected {extra[:3]}, other shapes {shapes[:3]}; snapshot a model built from the same HFMoEConfig"
         )
     with torch.no_grad():
-        engine.model.load_state_dict(snapshot.tensors, strict=True)
-    loaded = fingerprint(engine.model.state_dict())
-    if loaded != snapshot.fingerprint:
-        raise InvalidInput(
-            f"weight snapshot v{snapshot.version}: loaded weights fingerprint {loaded[:12]} != snapshot's "
-            f"{snapshot.fingerprint[:12]} (its tensors changed after WeightSnapshot.of); take a new snapshot"
-        )
-    engine.fingerprint = loaded
-    return engine
+        model.load_state_dict(snapshot.tensors, strict=True)
