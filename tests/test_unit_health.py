@@ -109,3 +109,23 @@ def test_a_delete_fails_fast_on_a_lost_unit_and_clears_the_live_copies(cluster, 
         assert sum(store.units[u].stats().result()["rows"] for u in (0, 2)) == 0  # every live copy gone
     finally:
         store.close()
+
+
+def test_a_closed_unit_fails_over_and_is_not_called_again(cluster, tmp_path):
+    """A unit that answers it is closed (it stays closed) fails its keys over to their
+    replicas like a lost one, and is remembered the same way: counted as closed, not as
+    unreachable, and not called again by the process's later handles."""
+    store, keys = staged(cluster, tmp_path, "closed")
+    try:
+        old = pickle.dumps(store)
+        store.units[0].close().result()
+        health = unit_health()
+        start = health.figures()
+        for _ in range(3):
+            got = pickle.loads(old).get_many(keys, list(STAGING_FIELDS), timeout=30)
+            assert not got.failed and got.batch.keys == keys  # read from the replicas
+        d = delta(start, health.figures())
+        assert d["closed"] == 1 and d["unreachable"] == 0 and d["timeouts"] == 0
+        assert d["skipped"] >= 2
+    finally:
+        store.close()

@@ -8,8 +8,9 @@ path per operation, driven by :func:`run_sync` (a client, a task, an actor threa
 :func:`run_async` (a coroutine on a worker's event loop).
 
 Settling (:func:`settle`): a unit that failed as a whole (its worker lost, the call past
-the deadline, the unit closed) fails only the keys of ITS call, as ``unit_unavailable``;
-every other call's answer stands. Anything else (a bug) raises.
+the deadline, the unit closed: :func:`~.call_outcome.classify`) fails only the keys of
+ITS call, as ``unit_unavailable``; every other call's answer stands. Anything else (a
+bug) raises.
 """
 from __future__ import annotations
 
@@ -18,9 +19,10 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Generator, Protocol, Sequence, TypeVar, Union
 
-from tasks.errors import StoreError, UnitSkipped
+from tasks.errors import UnitSkipped
 
 from ..actors import local_call
+from .call_outcome import Outcome, classify
 from .deadline import bounded, waiter
 from .moving import MovingTable
 from .placement import Placement
@@ -110,20 +112,20 @@ class Driven(Protocol):
 
 
 def settle(call: Call, outcome: Answer | BaseException, workers: Sequence[str]) -> Answer:
-    """``call``'s answer: ``outcome`` itself, or for a unit that failed as a whole its
-    ``empty`` answer with every key ``unit_unavailable``. A bug (TypeError, ...) raises:
-    it must not pass for a lost unit."""
-    if not isinstance(outcome, BaseException):
+    """``call``'s answer: ``outcome`` itself, or for a unit that failed as a whole
+    (:func:`~.call_outcome.classify`: skipped, past the deadline, unreachable, closed) its
+    ``empty`` answer with every key ``unit_unavailable``. Any other exception (a bug, a
+    refused request) raises: it must not pass for a lost unit."""
+    kind = classify(outcome)
+    if kind is Outcome.ANSWERED:
         return outcome
+    if not kind.unit_unavailable:
+        raise outcome  # type: ignore[misc]
     worker = workers[call.unit] if call.unit < len(workers) else "?"
-    if isinstance(outcome, TimeoutError):  # a hung (alive) unit: its keys fail like a lost one's
+    if kind is Outcome.DEADLINE:  # a hung (alive) unit: its keys fail like a lost one's
         detail = f"storage unit {call.unit} on {worker} is unavailable: timeout: no answer by the call's deadline"
-    elif isinstance(outcome, (OSError, RuntimeError, StoreError)):
-        # Unreachable worker (OSError, incl. comm/timeouts), "Worker holding Actor was
-        # lost" (RuntimeError), a closed unit (StoreError).
-        detail = f"storage unit {call.unit} on {worker} is unavailable: {type(outcome).__name__}: {outcome}"
     else:
-        raise outcome
+        detail = f"storage unit {call.unit} on {worker} is unavailable: {kind.value}: {type(outcome).__name__}: {outcome}"
     out = call.empty()
     out.failed.update({k: (UNIT_UNAVAILABLE, detail) for k in call.keys})
     return out
@@ -174,8 +176,7 @@ def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answ
             outcome: object = waiter(futures[i], end)()
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
             outcome = e
-        if not isinstance(outcome, UnitSkipped):
-            health.outcome(ids[i], outcome)
+        health.outcome(ids[i], outcome)
         out[i] = settle(c, outcome, store.placement.workers)
         if per_unit:
             launch(c.unit, 1)  # its unit has one call fewer in flight
@@ -199,7 +200,7 @@ class _Skipped:
         return True
 
     def result(self, timeout: float | None = None) -> object:
-        raise UnitSkipped(f"not called: unit {self.unit[0]} on {self.unit[1]} was unreachable moments ago")
+        raise UnitSkipped(f"not called: unit {self.unit[0]} on {self.unit[1]} was unreachable or closed moments ago")
 
 
 def _invoke_sync(store: Driven, call: Call) -> "Pending":

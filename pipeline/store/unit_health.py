@@ -4,14 +4,14 @@ Store handles are pickled into every task with the unit table they were made wit
 table a task's copy refreshed is thrown away with the task. The process's
 :class:`UnitHealth` component (see :mod:`pipeline.process_state`) keeps instead:
 
-- units a call could not reach (by actor key and worker: a replacement is a new actor):
-  for ``store.skip-unreachable-s`` seconds calls to them are not sent, their keys fail
-  ``unit_unavailable`` at once (reads fail over, deletes apply on the live copies); a
-  call that reaches the unit, or the end of that time, lets calls through again;
+- units a call could not reach or found closed (by actor key and worker: a replacement
+  is a new actor): for ``store.skip-unreachable-s`` seconds calls to them are not sent,
+  their keys fail ``unit_unavailable`` at once (reads fail over, deletes apply on the
+  live copies); a call that reaches the unit, or the end of that time, lets calls through;
 - the newest unit table any handle of the process fetched per unit directory, which
   every handle takes before planning (no round trip);
-- counters (:meth:`UnitHealth.figures`): calls that could not reach their unit, calls
-  skipped, calls past their deadline, tables taken.
+- counters (:meth:`UnitHealth.figures`): calls that could not reach their unit, found it
+  closed, skipped, past their deadline; tables taken.
 
 Thread safe: one lock around every update. Design notes: docs/reliability.md
 (Deadlines on store calls).
@@ -23,6 +23,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from ..process_state import process_state
+from .call_outcome import Outcome, classify
 
 if TYPE_CHECKING:  # pragma: no cover
     from .directory import UnitTable
@@ -40,7 +41,7 @@ class UnitHealth:
         self._lock = threading.Lock()
         self._down: dict[tuple[str, str], float] = {}  # unit -> time.monotonic() it was found unreachable
         self._tables: dict[str, "UnitTable"] = {}  # unit directory name -> newest table fetched
-        self.counters = {"unreachable": 0, "skipped": 0, "timeouts": 0, "tables_taken": 0}
+        self.counters = {"unreachable": 0, "closed": 0, "skipped": 0, "timeouts": 0, "tables_taken": 0}
 
     # ---- unreachable units ---------------------------------------------------------
 
@@ -56,17 +57,19 @@ class UnitHealth:
             return True
 
     def outcome(self, unit: tuple[str, str], outcome: object) -> None:
-        """Record how a call sent to ``unit`` ended: reached it (any answer, even an
-        error of the unit's), could not reach it (``OSError`` or ``RuntimeError``: worker
-        lost, connect timeout, connection broken), or ran out of its deadline (counted,
-        not marked: a slow unit is not a lost one)."""
+        """Record how a call sent to ``unit`` ended (:func:`~.call_outcome.classify`):
+        could not reach it (UNREACHABLE) or found it closed (CLOSED, for good): remembered
+        as not to be called; ran out of its deadline: counted, not remembered (a slow unit
+        is not a lost one); reached it (an answer, even an error of the unit's): forgotten;
+        not sent (SKIPPED): nothing."""
+        kind = classify(outcome)
         with self._lock:
-            if isinstance(outcome, TimeoutError):  # before OSError: TimeoutError is one
+            if kind is Outcome.DEADLINE:
                 self.counters["timeouts"] += 1
-            elif isinstance(outcome, (OSError, RuntimeError)):
-                self.counters["unreachable"] += 1
+            elif kind in (Outcome.UNREACHABLE, Outcome.CLOSED):
+                self.counters[kind.value] += 1
                 self._down[unit] = time.monotonic()
-            else:
+            elif kind is not Outcome.SKIPPED:
                 self._down.pop(unit, None)
 
     # ---- newest tables ---------------------------------------------------------------
@@ -90,7 +93,7 @@ class UnitHealth:
             return table
 
     def figures(self) -> dict[str, int]:
-        """A copy of the counters (calls unreachable, skipped, past their deadline; tables taken)."""
+        """A copy of the counters (calls unreachable, closed, skipped, past their deadline; tables taken)."""
         with self._lock:
             return dict(self.counters)
 
