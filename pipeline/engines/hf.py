@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import TYPE_CHECKING, Mapping, Sequence
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence
+
+import numpy as np
 
 from tasks.engines.hf_moe import FidelityReport, HFMoEConfig, HFMoEEngine, check_group, generate_rollouts
 from tasks.receipts import Receipt
-from tasks.toy.rollouts import RolloutSpec
+from tasks.toy.rollouts import RolloutSpec, toy_reward
 
 from .. import config
 from ..capture import stage_rollouts
@@ -62,6 +64,25 @@ def finalizer_ranges(overrides: Mapping[str, object] | None = None) -> dict[str,
     return {"vocab_size": cfg.vocab_size, "num_experts": cfg.experts}
 
 
+def stage_generated(
+    store: StoreLike,
+    specs: Sequence[RolloutSpec],
+    engine: HFMoEEngine,
+    *,
+    weight_version: int,
+    digest_version: int | None = None,
+    reward: Callable[[np.ndarray], float] = toy_reward,
+) -> list[Receipt]:
+    """Generate ``specs`` with ``engine`` (calls staged with ``weight_version``, receipts
+    rewarded by ``reward``), stage their rows in ONE put (hashed with ``digest_version``;
+    None: this process's ``capture.digest``), return receipts. The body of both generation
+    tasks: the seeded engine's (:func:`generate_and_stage`) and the trainer's weights'
+    (:func:`pipeline.engines.hf_weights.generate_and_stage`)."""
+    version = config.digest_version() if digest_version is None else digest_version
+    rollouts = generate_rollouts(engine, specs, weight_version=weight_version, digest_version=version, reward=reward)
+    return stage_rollouts(store, rollouts)
+
+
 def generate_and_stage(
     store: StoreLike,
     specs: Sequence[RolloutSpec],
@@ -69,23 +90,28 @@ def generate_and_stage(
     weight_version: int = 0,
     digest_version: int | None = None,
 ) -> list[Receipt]:
-    """Task body: generate ``specs`` with the HF engine, stage their rows in ONE put (hashed
-    with ``digest_version``; None: this process's ``capture.digest``), return receipts."""
-    version = config.digest_version() if digest_version is None else digest_version
-    rollouts = generate_rollouts(engine_from_config(overrides), specs, weight_version=weight_version, digest_version=version)
-    return stage_rollouts(store, rollouts)
+    """Task body: :func:`stage_generated` with the engine of :func:`engine_from_config`."""
+    return stage_generated(store, specs, engine_from_config(overrides), weight_version=weight_version, digest_version=digest_version)
+
+
+def submit_per_group(client: Client, task: Callable[..., list[Receipt]], store: StoreLike,
+                     groups: Sequence[Sequence[RolloutSpec]], *args: object, **kwargs: object) -> list[Future]:
+    """One ``task(store, specs, *args, **kwargs)`` per non-empty group on the cluster;
+    futures of each group's receipts. ``digest_version`` defaults to the caller's
+    ``capture.digest``, read here."""
+    kwargs.setdefault("digest_version", config.digest_version())
+    return [
+        client.submit(task, store, list(specs), *args, pure=False, **kwargs)
+        for specs in groups
+        if specs
+    ]
 
 
 def submit_generation(client: Client, store: StoreLike, groups: Sequence[Sequence[RolloutSpec]], **kwargs: object) -> list[Future]:
     """One HF generation task per group on the cluster; futures of each group's receipts.
     ``kwargs``: ``overrides``, ``weight_version``, ``digest_version`` (default: the
     caller's ``capture.digest``, read here)."""
-    kwargs.setdefault("digest_version", config.digest_version())
-    return [
-        client.submit(generate_and_stage, store, list(specs), pure=False, **kwargs)
-        for specs in groups
-        if specs
-    ]
+    return submit_per_group(client, generate_and_stage, store, groups, **kwargs)
 
 
 def check_fidelity(group: FinalizedGroup, overrides: Mapping[str, object] | None = None) -> FidelityReport:

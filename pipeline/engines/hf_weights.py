@@ -15,15 +15,13 @@ from typing import TYPE_CHECKING, Callable, Mapping, Sequence
 
 import numpy as np
 
-from tasks.engines.hf_moe import HFMoEConfig, HFMoEEngine, generate_rollouts
+from tasks.engines.hf_moe import HFMoEConfig, HFMoEEngine
 from tasks.engines.weights import WeightSnapshot, load_engine
 from tasks.receipts import Receipt
 from tasks.toy.rollouts import RolloutSpec, toy_reward
 
-from .. import config
-from ..capture import stage_rollouts
 from ..store.protocol import StoreLike
-from .hf import engine_config
+from .hf import engine_config, stage_generated, submit_per_group
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -65,14 +63,10 @@ def generate_and_stage(
     reward: Callable[[np.ndarray], float] = toy_reward,
     digest_version: int | None = None,
 ) -> list[Receipt]:
-    """Task body: generate ``specs`` with the engine at ``snapshot`` (calls staged with
-    ``weight_version = snapshot.version``, receipts rewarded by ``reward``), stage their
-    rows in ONE put, return the receipts."""
-    version = config.digest_version() if digest_version is None else digest_version
-    rollouts = generate_rollouts(
-        engine_at(snapshot, overrides), specs, weight_version=snapshot.version, digest_version=version, reward=reward
-    )
-    return stage_rollouts(store, rollouts)
+    """Task body: :func:`pipeline.engines.hf.stage_generated` with the engine at
+    ``snapshot`` (calls staged with ``weight_version = snapshot.version``)."""
+    return stage_generated(store, specs, engine_at(snapshot, overrides), weight_version=snapshot.version,
+                           digest_version=digest_version, reward=reward)
 
 
 def submit_generation(
@@ -85,9 +79,4 @@ def submit_generation(
     """One generation task per group at ``weights`` (a :func:`publish` future, or a
     snapshot shipped with each task); futures of each group's receipts. ``kwargs``:
     ``overrides``, ``reward``, ``digest_version`` (default: the caller's ``capture.digest``)."""
-    kwargs.setdefault("digest_version", config.digest_version())
-    return [
-        client.submit(generate_and_stage, store, list(specs), weights, pure=False, **kwargs)
-        for specs in groups
-        if specs
-    ]
+    return submit_per_group(client, generate_and_stage, store, groups, weights, **kwargs)
