@@ -189,9 +189,8 @@ class HFMoEEngine(ConfigShapes):
     """A tiny HF MoE causal LM in eval mode, float32, built from :class:`HFMoEConfig`.
 
     Every process building it from the same config gets the same weights (checked by
-    :attr:`fingerprint`, :func:`fingerprint` of the model's ``state_dict``). ``load``:
-    given the seeded float32 model, replaces its weights (e.g. with a trainer's:
-    :func:`tasks.engines.weights.load_engine`) before they are fingerprinted.
+    :attr:`fingerprint`, :func:`fingerprint` of its ``state_dict``). ``load``: replaces the
+    seeded model's weights before they are fingerprinted (:func:`.weights.load_engine`).
     """
 
     def __init__(self, config: HFMoEConfig, load: Callable[[torch.nn.Module], None] | None = None) -> None:
@@ -207,7 +206,6 @@ class HFMoEEngine(ConfigShapes):
         # transformers 5 renamed past_key_values -> cache (the old name is deprecated).
         self._cache_arg = "cache" if "cache" in params else "past_key_values"
         self.fingerprint = fingerprint(self.model.state_dict())
-
 
     def forward(self, input_ids: torch.Tensor, cache: object = None, *, use_cache: bool = True) -> tuple[torch.Tensor, torch.Tensor, object]:
         """One forward over ``input_ids`` int64 ``[B, S]`` after ``cache`` (None: from 0).
