@@ -4,18 +4,19 @@
 record of its topic (:class:`FinalizeEvent`, :class:`CutEvent`, :class:`RestoreEvent`,
 :class:`StoreEvent`, :class:`ScaleEvent`, and the trainer-side
 :class:`~.trainer_events.MismatchEvent`); a bad field raises :class:`InvalidEvent`
-naming it. Units are the schema's: ``*_ms`` milliseconds, ``*_s`` seconds, ``*_bytes``
+naming it (the readers of :mod:`.fields`). Units are the schema's: ``*_ms`` milliseconds, ``*_s`` seconds, ``*_bytes``
 bytes, counts otherwise; every number comes back as a finite ``float`` >= 0.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Literal, TypedDict, Union, cast
 
 from tasks.errors import InvalidEvent
 
 from ..events import CUT, FINALIZE, MISMATCH, RESTORE, RESTORE_OPTIONAL, SCALE, STORE, TOPICS
+from . import fields
+from .fields import Message
 from .trainer_events import MismatchEvent, StalenessRecord, parse_mismatch, parse_staleness
 
 SCALE_ACTIONS = ("up", "down", "hold")
@@ -23,9 +24,6 @@ SCALE_KINDS = ("finalize", "storage")  # which side of the adaptive policy decid
 FINALIZE_KINDS = ("group", "step")
 DETAIL_CHARS = 200  # a rejection detail is kept this many characters long
 DETAIL_REASONS = 64  # latest details kept, one per reason (oldest reason dropped first)
-
-Message = Mapping[str, object]
-"""An event as published: a mapping of field name to a value not yet checked."""
 
 
 # --------------------------------------------------------------------------- records
@@ -170,50 +168,6 @@ _SCALE_NUMBERS = {
 
 
 # --------------------------------------------------------------------------- fields
-def _number(topic: str, msg: Message, key: str, required: bool) -> float:
-    """A finite, non-negative number from ``msg[key]`` (0.0 when optional and absent)."""
-    if key not in msg or msg[key] is None:
-        if required:
-            raise InvalidEvent(topic, key, "missing")
-        return 0.0
-    value = msg[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise InvalidEvent(topic, key, f"expected a number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value) or value < 0:
-        raise InvalidEvent(topic, key, f"expected a finite number >= 0, got {value!r}")
-    return value
-
-
-def _numbers(topic: str, msg: Message, fields: Mapping[str, bool]) -> dict[str, float]:
-    """``fields`` (``name: required``) read from ``msg`` with :func:`_number`."""
-    return {k: _number(topic, msg, k, req) for k, req in fields.items()}
-
-
-def _counts(topic: str, msg: Message, key: str) -> dict[str, int]:
-    """A ``reason -> count`` mapping from ``msg[key]`` (empty when absent)."""
-    value = msg.get(key) or {}
-    if not isinstance(value, Mapping):
-        raise InvalidEvent(topic, key, f"expected a mapping reason -> count, got {type(value).__name__}")
-    out: dict[str, int] = {}
-    for reason, count in value.items():
-        n = _number(topic, {key: count}, key, required=True)
-        out[str(reason)] = int(n)
-    return out
-
-
-def _label(topic: str, msg: Message, key: str, required: bool) -> str:
-    """A string label from ``msg[key]`` (str or int; ``""`` when optional and absent)."""
-    value = msg.get(key)
-    if value is None:
-        if required:
-            raise InvalidEvent(topic, key, "missing")
-        return ""
-    if not isinstance(value, (str, int)):
-        raise InvalidEvent(topic, key, f"expected a str or int label, got {type(value).__name__}")
-    return str(value)
-
-
 def _details(topic: str, msg: Message, key: str) -> dict[str, str]:
     """A ``reason -> detail`` mapping from ``msg[key]`` (empty when absent), each detail a
     string cut to :data:`DETAIL_CHARS` characters and at most :data:`DETAIL_REASONS` reasons."""
@@ -232,13 +186,13 @@ def _details(topic: str, msg: Message, key: str) -> dict[str, str]:
 def _finalize(topic: str, msg: Message, out: dict[str, object]) -> None:
     """Fill ``out`` as a :class:`FinalizeEvent`; ``accepted`` / ``rollouts`` are derived
     from each other and the rejections when one is absent."""
-    numbers = _numbers(topic, msg, _FINALIZE_NUMBERS)
+    numbers = fields.numbers(topic, msg, _FINALIZE_NUMBERS)
     out.update(numbers)
-    rejected = _counts(topic, msg, "rejected")
+    rejected = fields.counts(topic, msg, "rejected")
     out["rejected"] = rejected
     out["rejected_details"] = _details(topic, msg, "rejected_details")
-    out["step_id"] = _label(topic, msg, "step_id", required=False)
-    out["group_id"] = _label(topic, msg, "group_id", required=False)
+    out["step_id"] = fields.label(topic, msg, "step_id", required=False)
+    out["group_id"] = fields.label(topic, msg, "group_id", required=False)
     out["kind"] = msg.get("kind") or "group"
     if out["kind"] not in FINALIZE_KINDS:
         raise InvalidEvent(topic, "kind", f"expected one of {FINALIZE_KINDS}, got {out['kind']!r}")
@@ -254,24 +208,24 @@ def _finalize(topic: str, msg: Message, out: dict[str, object]) -> None:
 
 def _cut(topic: str, msg: Message, out: dict[str, object]) -> None:
     """Fill ``out`` as a :class:`CutEvent`."""
-    out.update(_numbers(topic, msg, _CUT_NUMBERS))
-    out["failures"] = _counts(topic, msg, "failures")
-    out["checkpoint_id"] = _label(topic, msg, "checkpoint_id", required=False)
-    out["worker"] = _label(topic, msg, "worker", required=False)
+    out.update(fields.numbers(topic, msg, _CUT_NUMBERS))
+    out["failures"] = fields.counts(topic, msg, "failures")
+    out["checkpoint_id"] = fields.label(topic, msg, "checkpoint_id", required=False)
+    out["worker"] = fields.label(topic, msg, "worker", required=False)
 
 
 def _restore(topic: str, msg: Message, out: dict[str, object]) -> None:
     """Fill ``out`` as a :class:`RestoreEvent`; ``failures`` is a count, or ``{verdict:
     count}`` as PrefixReadBatcher publishes them; ``keys_per_get`` is derived when absent."""
-    numbers = _numbers(topic, msg, _RESTORE_NUMBERS)
+    numbers = fields.numbers(topic, msg, _RESTORE_NUMBERS)
     out.update(numbers)
-    out["worker"] = _label(topic, msg, "worker", required=False)
+    out["worker"] = fields.label(topic, msg, "worker", required=False)
     if isinstance(msg.get("failures"), Mapping):
-        by_reason = _counts(topic, msg, "failures")
+        by_reason = fields.counts(topic, msg, "failures")
         out["failures_by_reason"] = by_reason
         out["failures"] = float(sum(by_reason.values()))
     else:
-        out["failures"] = _number(topic, msg, "failures", required=False)
+        out["failures"] = fields.number(topic, msg, "failures", required=False)
         out["failures_by_reason"] = {}
     if "keys_per_get" not in msg and numbers["gets"]:
         out["keys_per_get"] = numbers["keys"] / numbers["gets"]
@@ -288,38 +242,38 @@ def _latency_histogram(topic: str, msg: Message, out: dict[str, object]) -> None
         raise InvalidEvent(topic, "latency_bounds_s", f"expected a list of bounds, got {type(bounds).__name__}")
     if not isinstance(counts, (list, tuple)):
         raise InvalidEvent(topic, "latency_counts", f"expected a list of counts, got {type(counts).__name__}")
-    b = [_number(topic, {"latency_bounds_s": x}, "latency_bounds_s", required=True) for x in bounds]
+    b = [fields.number(topic, {"latency_bounds_s": x}, "latency_bounds_s", required=True) for x in bounds]
     if any(hi <= lo for lo, hi in zip(b, b[1:])):
         raise InvalidEvent(topic, "latency_bounds_s", "bounds must increase")
-    c = [int(_number(topic, {"latency_counts": x}, "latency_counts", required=True)) for x in counts]
+    c = [int(fields.number(topic, {"latency_counts": x}, "latency_counts", required=True)) for x in counts]
     if (b or c) and len(c) != len(b) + 1:
         raise InvalidEvent(topic, "latency_counts", f"expected {len(b) + 1} counts (one per bound, then +Inf), got {len(c)}")
     out["latency_bounds_s"] = b
     out["latency_counts"] = c
-    out["latency_sum_s"] = _number(topic, msg, "latency_sum_s", required=False)
+    out["latency_sum_s"] = fields.number(topic, msg, "latency_sum_s", required=False)
     out["latency_count"] = float(sum(c))
 
 
 def _store(topic: str, msg: Message, out: dict[str, object]) -> None:
     """Fill ``out`` as a :class:`StoreEvent` (``unit`` required)."""
-    out.update(_numbers(topic, msg, _STORE_NUMBERS))
-    out["unit"] = _label(topic, msg, "unit", required=True)
-    out["worker"] = _label(topic, msg, "worker", required=False)
+    out.update(fields.numbers(topic, msg, _STORE_NUMBERS))
+    out["unit"] = fields.label(topic, msg, "unit", required=True)
+    out["worker"] = fields.label(topic, msg, "worker", required=False)
 
 
 def _scale(topic: str, msg: Message, out: dict[str, object]) -> None:
     """Fill ``out`` as a :class:`ScaleEvent`; ``reason_code`` defaults to the reason's
     words before its first ``:``, ``kind`` to ``"finalize"``."""
-    out.update(_numbers(topic, msg, _SCALE_NUMBERS))
+    out.update(fields.numbers(topic, msg, _SCALE_NUMBERS))
     action = msg.get("action")
     if action not in SCALE_ACTIONS:
         raise InvalidEvent(topic, "action", f"expected one of {SCALE_ACTIONS}, got {action!r}")
     out["kind"] = msg.get("kind") or "finalize"
     if out["kind"] not in SCALE_KINDS:
         raise InvalidEvent(topic, "kind", f"expected one of {SCALE_KINDS}, got {out['kind']!r}")
-    reason = _label(topic, msg, "reason", required=True)
+    reason = fields.label(topic, msg, "reason", required=True)
     out["reason"] = reason
-    out["reason_code"] = _label(topic, msg, "reason_code", required=False) or reason.split(":")[0]
+    out["reason_code"] = fields.label(topic, msg, "reason_code", required=False) or reason.split(":")[0]
 
 
 _TOPIC_FIELDS: dict[str, Callable[[str, Message, dict[str, object]], None]] = {
