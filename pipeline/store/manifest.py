@@ -259,7 +259,7 @@ def _check_entries(loc: Location, mpath: str, manifest: dict) -> None:
             seen.add(entry["file"])
         if problem is None and loc.local:  # remote names are checked above: plain, inside the generation
             try:
-                resolve_entry(loc.root, entry, generation)
+                _resolved(loc.root, entry)
             except CheckpointCorrupt as e:
                 problem = str(e)
         if problem is not None:
@@ -313,6 +313,11 @@ def resolve_entry(root: str, entry: dict, generation: str) -> str:
     problem = _entry_problem(entry, generation)
     if problem is not None:
         raise CheckpointCorrupt(f"{entry.get('file') if isinstance(entry, dict) else entry!r}: {problem}")
+    return _resolved(root, entry)
+
+
+def _resolved(root: str, entry: dict) -> str:
+    """:func:`resolve_entry` of an entry whose shape and name were checked."""
     real_root = os.path.realpath(root)
     real = os.path.realpath(os.path.join(real_root, entry["file"]))
     if real == real_root or os.path.commonpath([real_root, real]) != real_root:
