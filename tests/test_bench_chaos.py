@@ -137,3 +137,26 @@ def test_a_bad_flag_is_one_usage_line_before_anything_starts(capsys, flag, value
         build_parser().parse_args(["bench", "chaos", flag, value])
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 2 and f"argument {flag}: must be {what}" in err, err
+
+
+def test_the_controller_book_reads_a_steps_receipts_from_disk_once(tmp_path):
+    """A saved step's receipts are kept in memory for its submits and its verdict; a new
+    controller reads a predecessor's step from its file once; delivered steps are dropped."""
+    import numpy as np
+
+    from pipeline.bench.chaos_controller import Book, step_id
+    from rollout_factory import make_group
+
+    receipts = {"g0": [b.receipt for b in make_group(np.random.default_rng(0), "g0", 2, rollout_prefix="bk")]}
+    book = Book(str(tmp_path))
+    book.save(0, receipts)
+    sid, path = step_id(0), tmp_path / "steps" / f"{step_id(0)}.pkl"
+    assert book.saved() == {sid: 0}
+    successor = Book(str(tmp_path))  # a new controller: the step is on disk only
+    read = successor.receipts(sid)
+    assert [r.rollout_id for r in read["g0"]] == [r.rollout_id for r in receipts["g0"]]
+    path.unlink()  # every later read is served from memory
+    assert book.receipts(sid) is receipts and successor.receipts(sid) is read
+    successor.deliver({"step": sid, "index": 0})
+    with pytest.raises(FileNotFoundError):  # delivered: forgotten, never submitted again
+        successor.receipts(sid)

@@ -149,12 +149,11 @@ class ChaosCluster:
             name = rng.choice(self.live(role))
             entry.update(self.replace(name, role))
         elif fault.kind == PARTITION:
-            from ..testing.partition import unavailable
+            from tasks.errors import PartitionUnavailable
 
-            why = unavailable()
-            if why is None:
+            try:  # the cut probes the machine once, before it changes anything
                 entry.update(self.cut(rng.choice(self.live(STORAGE)), fault.duration_s))
-            else:  # said in the timeline and on stderr: the soak runs without its cut
+            except PartitionUnavailable as why:  # said in the timeline and on stderr: the soak runs without its cut
                 entry["skipped"] = f"no network partition on this machine: {why}"
                 self.say(entry["skipped"])
         self.timeline.append(entry)

@@ -88,6 +88,7 @@ class Book:
         self.dir = state_dir
         self.steps_dir = os.path.join(state_dir, "steps")
         os.makedirs(self.steps_dir, exist_ok=True)
+        self._receipts: dict[str, dict[str, list[Receipt]]] = {}  # undelivered steps' receipts, read once
 
     def saved(self) -> dict[str, int]:
         """Step id -> index of every saved step."""
@@ -101,13 +102,18 @@ class Book:
     def save(self, index: int, receipts: dict[str, list[Receipt]]) -> None:
         body = {"index": index, "receipts": {g: [r.to_dict() for r in rs] for g, rs in receipts.items()}}
         write_atomic(os.path.join(self.steps_dir, f"{step_id(index)}.pkl"), [pickle.dumps(body)])
+        self._receipts[step_id(index)] = receipts
 
     def receipts(self, sid: str) -> dict[str, list[Receipt]]:
+        """Step ``sid``'s receipts: as saved by this controller, or read from its file once
+        (a new controller resubmitting its predecessor's steps)."""
         from tasks.receipts import Receipt
 
-        with open(os.path.join(self.steps_dir, f"{sid}.pkl"), "rb") as f:
-            body = pickle.load(f)
-        return {g: [Receipt.from_dict(d) for d in rs] for g, rs in body["receipts"].items()}
+        if sid not in self._receipts:
+            with open(os.path.join(self.steps_dir, f"{sid}.pkl"), "rb") as f:
+                body = pickle.load(f)
+            self._receipts[sid] = {g: [Receipt.from_dict(d) for d in rs] for g, rs in body["receipts"].items()}
+        return self._receipts[sid]
 
     def delivered(self) -> dict[str, dict]:
         """Step id -> its verdict record (a torn last line, from a kill mid-write, is skipped)."""
@@ -118,6 +124,7 @@ class Book:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        self._receipts.pop(record["step"], None)  # delivered: never submitted again
 
 
 def read_delivered(state_dir: str) -> dict[str, dict]:
