@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import time
 
 import dask
 import numpy as np
@@ -35,10 +36,13 @@ def cluster():
         yield client
 
 
-def staged(client, tmp_path, tag: str):
-    """A replicas=2 store of 3 units on a, b, c holding 8 rollouts' rows, and their keys."""
+def staged(client, tmp_path, tag: str, skip_s: float = 10.0):
+    """A replicas=2 store of 3 units on a, b, c holding 8 rollouts' rows, and their keys
+    (``skip_s``: its ``store.skip-unreachable-s``, which its pickled copies keep)."""
     names = wait_for_names(client, ["a", "b", "c"])
-    with dask.config.set({"token-capture.store.replicas": 2, "token-capture.store.repair-interval-s": 600.0}):
+    settings = {"token-capture.store.replicas": 2, "token-capture.store.repair-interval-s": 600.0,
+                "token-capture.store.skip-unreachable-s": skip_s}
+    with dask.config.set(settings):
         store = StagingStore.start(client, n_units=3, workers=[names[n] for n in "abc"], spill_directory=str(tmp_path / tag))
     rng = np.random.default_rng(0)
     rows = [r for b in make_group(rng, "g0", 8, rollout_prefix=tag, n_calls=2, routes=(2, 2, 8), vocab_size=64) for r in b.rows]
@@ -58,30 +62,39 @@ def delta(before: dict, after: dict) -> dict:
 
 
 def test_a_lost_unit_is_called_once_then_skipped_until_replaced(cluster, tmp_path):
-    store, keys = staged(cluster, tmp_path, "skip")
+    """Five gets while a unit is down: one call to it, one directory fetch (the get that
+    found it down), not five. A replacement is learned by the first get that fails over
+    after ``store.skip-unreachable-s``, and taken by the process's later handles."""
+    skip_s = 2.0  # long enough for five small gets (tens of ms each), short for the test
+    store, keys = staged(cluster, tmp_path, "skip", skip_s)
     try:
         old = pickle.dumps(store)  # the table a task gets before the loss
         kill_unit_worker(cluster, store, 0)
         health = unit_health()
         start = health.figures()
-        for _ in range(3):  # three tasks, each with its own copy of the old handle
+        for i in range(5):  # five tasks, each with its own copy of the old handle
             got = pickle.loads(old).get_many(keys, list(STAGING_FIELDS), timeout=30)
             assert not got.failed and got.batch.keys == keys  # read from the replicas
+            if i == 0:
+                first_done = time.monotonic()  # its unit mark and directory ask are before this
         d = delta(start, health.figures())
         assert d["unreachable"] == 1  # the first copy found unit 0 gone; the others did not call it
-        assert d["skipped"] >= 2 and d["timeouts"] == 0
+        assert d["skipped"] >= 4 and d["timeouts"] == 0
+        assert d["tables_fetched"] == 1 and d["refreshes_spared"] == 4  # one round trip, not five
 
-        # Replaced: a copy of the old handle that fetched the new table once (the get
-        # that skipped unit 0 asks the directory) leaves it to the process's later copies.
+        # Replaced: the first get that fails over once the window is over asks the
+        # directory, and leaves the new table to the process's later copies.
         with cluster.as_current():
             assert store.owner.repairer.check() == [0]
+        time.sleep(max(0.0, first_done + skip_s - time.monotonic()))
         pickle.loads(old).get_many(keys, list(STAGING_FIELDS), timeout=30)
         mid = health.figures()
+        assert mid["tables_fetched"] - start["tables_fetched"] == 2
         for _ in range(2):
             got = pickle.loads(old).get_many(keys, list(STAGING_FIELDS), timeout=30)
             assert not got.failed and got.batch.keys == keys
         d = delta(mid, health.figures())
-        assert d["tables_taken"] == 2 and d["skipped"] == 0 and d["unreachable"] == 0
+        assert d["tables_taken"] == 2 and d["skipped"] == 0 and d["unreachable"] == 0 and d["tables_fetched"] == 0
     finally:
         store.close()
 

@@ -34,6 +34,8 @@ from .unit_health import UnitHealth, unit_health, unit_id
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Actor
 
+    from .directory import UnitDirectory
+
 T = TypeVar("T")
 Answer = Union[StoreResult, GetResult, object]  # a unit method's answer (object: stats, counts)
 
@@ -78,9 +80,15 @@ class Window(list):
 
 @dataclass(frozen=True)
 class Refresh:
-    """Ask whether the units changed since placement version ``seen`` (True: plan again)."""
+    """Ask whether the units changed since placement version ``seen`` (True: plan again).
+
+    ``learn_only``: asked only so that later calls find a replaced unit (a get that read
+    keys from their replicas): the drivers ask the unit directory for it at most once per
+    ``store.skip-unreachable-s`` per directory (:meth:`~.unit_health.UnitHealth.refresh_due`),
+    so a unit staying down does not cost every get a round trip; else the answer is False."""
 
     seen: int
+    learn_only: bool = False
 
 
 class Pending(Protocol):
@@ -102,6 +110,7 @@ class Driven(Protocol):
     placement: Placement
     moving: MovingTable | None  # a move in progress: its two tables (units: the union)
     settings: StoreSettings
+    directory: "UnitDirectory | None"  # the shared unit table (replicas=2), None: never replaced
     answer_row_bytes: dict[tuple, float]  # (partition, fields) -> bytes per row of the last get's answers
 
     def refresh(self, seen: int) -> bool: ...
@@ -146,9 +155,20 @@ def run_sync(op: Operation[T], store: Driven, end: float | None) -> T:
     """Drive ``op`` to its answer, blocking on actor futures (each bounded by ``end``)."""
     finished, step = _advance(op, None)
     while not finished:
-        reply = store.refresh(step.seen) if isinstance(step, Refresh) else _send_sync(step, store, end)  # type: ignore[arg-type]
+        if isinstance(step, Refresh):
+            reply: object = _refresh_due(store, step) and store.refresh(step.seen)
+        else:
+            reply = _send_sync(step, store, end)
         finished, step = _advance(op, reply)
     return step  # type: ignore[return-value]
+
+
+def _refresh_due(store: Driven, step: Refresh) -> bool:
+    """Whether to ask ``store`` for ``step`` (a ``learn_only`` one: once per unreachable
+    window per unit directory, :meth:`~.unit_health.UnitHealth.refresh_due`)."""
+    if not step.learn_only or store.directory is None:
+        return True
+    return unit_health().refresh_due(store.directory.name, store.settings.skip_unreachable_s)
 
 
 def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answer]:
@@ -219,7 +239,7 @@ async def run_async(op: Operation[T], store: Driven, end: float | None) -> T:
     finished, step = _advance(op, None)
     while not finished:
         if isinstance(step, Refresh):
-            reply: object = await store.refresh_async(step.seen)
+            reply: object = _refresh_due(store, step) and await store.refresh_async(step.seen)
         else:
             reply = await _send_async(step, store, end)  # type: ignore[arg-type]
         finished, step = _advance(op, reply)

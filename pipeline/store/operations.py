@@ -122,7 +122,7 @@ def get(store: Driven, keys: Sequence[str], fields: list[str] | None, partition:
         lost = unavailable_keys(results)
         if not lost:
             if failed_over:  # every key read from its replica: learn whether the unit was
-                yield Refresh(seen)  # replaced, for the next call (nothing to read again)
+                yield Refresh(seen, learn_only=True)  # replaced, for later calls (once per window)
             break
         if not (yield Refresh(seen)):
             break

@@ -9,9 +9,10 @@ table a task's copy refreshed is thrown away with the task. The process's
   their keys fail ``unit_unavailable`` at once (reads fail over, deletes apply on the
   live copies); a call that reaches the unit, or the end of that time, lets calls through;
 - the newest unit table any handle of the process fetched per unit directory, which
-  every handle takes before planning (no round trip);
+  every handle takes before planning (no round trip), and when a get that read from
+  replicas last asked the directory (asked again after ``store.skip-unreachable-s``);
 - counters (:meth:`UnitHealth.figures`): calls that could not reach their unit, found it
-  closed, skipped, past their deadline; tables taken.
+  closed, skipped, past their deadline; tables taken, fetched; refreshes spared.
 
 Thread safe: one lock around every update. Design notes: docs/reliability.md
 (Deadlines on store calls).
@@ -41,7 +42,9 @@ class UnitHealth:
         self._lock = threading.Lock()
         self._down: dict[tuple[str, str], float] = {}  # unit -> time.monotonic() it was found unreachable
         self._tables: dict[str, "UnitTable"] = {}  # unit directory name -> newest table fetched
-        self.counters = {"unreachable": 0, "closed": 0, "skipped": 0, "timeouts": 0, "tables_taken": 0}
+        self._asked: dict[str, float] = {}  # unit directory name -> time.monotonic() of its last learn-only refresh
+        self.counters = {"unreachable": 0, "closed": 0, "skipped": 0, "timeouts": 0, "tables_taken": 0,
+                         "tables_fetched": 0, "refreshes_spared": 0}
 
     # ---- unreachable units ---------------------------------------------------------
 
@@ -75,13 +78,29 @@ class UnitHealth:
     # ---- newest tables ---------------------------------------------------------------
 
     def seen_table(self, directory: str, table: "UnitTable | None") -> None:
-        """Remember ``table`` (fetched from unit directory ``directory``) if it is the newest."""
-        if table is None:
-            return
+        """Count a fetch of unit directory ``directory`` (one round trip) and remember
+        ``table``, what it gave (None: unreachable), if it is the newest."""
         with self._lock:
+            self.counters["tables_fetched"] += 1
+            if table is None:
+                return
             known = self._tables.get(directory)
             if known is None or table.version > known.version:
                 self._tables[directory] = table
+
+    def refresh_due(self, directory: str, window_s: float) -> bool:
+        """Whether a refresh asked only to learn of replaced units (a get that read from
+        replicas) is to fetch ``directory``: not when one did under ``window_s`` seconds
+        ago (``store.skip-unreachable-s``: the time a unit found down is not called
+        anyway; 0: always). True stamps the time."""
+        with self._lock:
+            now = time.monotonic()
+            last = self._asked.get(directory)
+            if window_s > 0 and last is not None and now - last < window_s:
+                self.counters["refreshes_spared"] += 1
+                return False
+            self._asked[directory] = now
+            return True
 
     def newest_table(self, directory: str, above: int) -> "UnitTable | None":
         """The newest table of ``directory`` this process fetched, if its version is above ``above``."""
@@ -93,7 +112,9 @@ class UnitHealth:
             return table
 
     def figures(self) -> dict[str, int]:
-        """A copy of the counters (calls unreachable, closed, skipped, past their deadline; tables taken)."""
+        """A copy of the counters (calls unreachable, closed, skipped, past their deadline;
+        tables taken from the process's memory, fetched from a directory; learn-only refreshes
+        not sent to the directory)."""
         with self._lock:
             return dict(self.counters)
 
