@@ -15,6 +15,7 @@ import inspect
 import pickle
 import re
 import socket
+import textwrap
 import threading
 import types
 import uuid
@@ -148,6 +149,44 @@ def test_fail_fast_handle_raises_oserror_for_a_gone_worker(cluster_client):
             assert h._client is c and h._future is None
             with pytest.raises(OSError):
                 h.increment().result(timeout=60)
+
+
+# The installed distributed's PooledRPCCall.__getattr__, which _ConnectBounded.__getattr__
+# copies (with ``timeout=`` on the connect): the copy is kept in step by hand.
+POOLED_RPC_CALL = '''\
+def __getattr__(self, key):
+    async def send_recv_from_rpc(**kwargs):
+        if self.serializers is not None and kwargs.get("serializers") is None:
+            kwargs["serializers"] = self.serializers
+        if self.deserializers is not None and kwargs.get("deserializers") is None:
+            kwargs["deserializers"] = self.deserializers
+        comm = await self.pool.connect(self.addr)
+        prev_name, comm.name = comm.name, f"ConnectionPool.{key}"
+        try:
+            return await send_recv(comm=comm, op=key, **kwargs)
+        finally:
+            self.pool.reuse(self.addr, comm)
+            comm.name = prev_name
+
+    return send_recv_from_rpc
+'''
+
+
+def test_connect_bounded_is_a_copy_of_the_installed_pooled_rpc_call():
+    # _ConnectBounded copies PooledRPCCall.__getattr__ (no public call connects a pooled
+    # rpc within a timeout of its own): a change there must be carried into the copy.
+    from distributed.core import ConnectionPool, PooledRPCCall
+
+    installed = textwrap.dedent(inspect.getsource(PooledRPCCall.__getattr__))
+    assert installed == POOLED_RPC_CALL, (
+        "distributed changed PooledRPCCall.__getattr__: carry the change into "
+        "dask_compat._ConnectBounded.__getattr__, then update POOLED_RPC_CALL")
+    # The copy looks up everything the original does; beyond it, only the timeout's parts.
+    ours, theirs = code_names(dask_compat._ConnectBounded.__getattr__), code_names(PooledRPCCall.__getattr__)
+    assert theirs <= ours, f"the copy misses {sorted(theirs - ours)}"
+    assert ours - theirs == {"_pooled", "dask", "config", "parse_timedelta", "distributed.core", "min", "timeout"}
+    assert list(inspect.signature(ConnectionPool.connect).parameters) == ["self", "addr", "timeout"]
+    assert list(inspect.signature(ConnectionPool.reuse).parameters) == ["self", "addr", "comm"]
 
 
 def test_a_direct_call_from_a_patient_client_waits_the_connect_timeout_not_the_clients(cluster_client):
