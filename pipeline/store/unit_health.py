@@ -40,7 +40,7 @@ class UnitHealth:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._down: dict[tuple[str, str], float] = {}  # unit -> time.monotonic() it was found unreachable
+        self._down: dict[tuple[str, str], float] = {}  # unit -> time.monotonic() it was found unreachable or closed
         self._tables: dict[str, "UnitTable"] = {}  # unit directory name -> newest table fetched
         self._asked: dict[str, float] = {}  # unit directory name -> time.monotonic() of its last learn-only refresh
         self.counters = {"unreachable": 0, "closed": 0, "skipped": 0, "timeouts": 0, "tables_taken": 0,
@@ -49,7 +49,7 @@ class UnitHealth:
     # ---- unreachable units ---------------------------------------------------------
 
     def skip(self, unit: tuple[str, str], skip_s: float) -> bool:
-        """Whether a call to ``unit`` is not to be sent (found unreachable under ``skip_s`` s ago)."""
+        """Whether a call to ``unit`` is not to be sent (found unreachable or closed under ``skip_s`` s ago)."""
         if skip_s <= 0:
             return False
         with self._lock:
