@@ -17,14 +17,7 @@ new unit records them as lost: they read ``lost_key`` and refuse new content, ne
 for keys never staged. A survivor's lost keys are copied like its rows, and a replaced
 witness gets its names back from the units holding the keys it witnessed. Puts and gets
 go on meanwhile; reads of the lost unit's keys are served by the survivors until the new
-unit is installed.
-
-A delete that reaches a survivor after its rows were copied and before the new unit is
-installed removes the survivor's copy only (the lost unit's copy is unreachable, and the
-deleting handle still plans on the old table, so it cannot retry on the new unit). Once
-the new unit is installed, each survivor's keys are listed again and every copied key or
-witnessed name the survivor no longer holds is removed from the new unit: a deleted key
-never comes back as a copy nobody will clear.
+unit is installed, and keys deleted meanwhile are removed from it after the install.
 """
 from __future__ import annotations
 
@@ -183,8 +176,10 @@ class Repairer:
 
     def _drop_deleted_meanwhile(self, new: "Actor", handed: list["Handed"]) -> int:
         """After the install: remove from ``new`` each copied key and witnessed name its
-        survivor no longer holds (deleted during the copy, see the module docstring).
-        Returns the rows removed; a survivor that cannot be listed is logged and skipped."""
+        survivor no longer holds. A delete between the copy and the install reaches the
+        survivor only (the lost unit is unreachable and the deleter still plans on the old
+        table), so without this the copy would stay with nobody to clear it. Returns the
+        rows removed; a survivor that cannot be listed is logged and skipped."""
         timeout, dropped = self.call_timeout_s, 0
         for h in handed:
             if not h.keys and not h.names:
