@@ -219,7 +219,16 @@ def test_raw_put_replays_the_batched_cut_exactly(address):
     assert raw["bytes_written"] == batched["bytes_written"]
     assert result["cut_vs_raw_put_1024"] > 0 and result["speedup_1024"] > 0
     assert set(result["targets"]) == {"speedup_1024", "cut_vs_raw_put_1024"}
+    # The cut's own CPU (the same calls cut against a recorder) bounds the ratio in the same run.
+    assert raw["cut_own_cpu_s"] > 0 and result["cut_vs_raw_put_cpu_bound_1024"] == bench_cut.cpu_bound_ratio(raw)
+    assert 0 < result["cut_vs_raw_put_cpu_bound_1024"] <= 1.0
     assert bench_cut.exit_status(result) == 0
+
+
+def test_the_cpu_bound_ratio_is_the_raw_wall_over_both_cpus_at_most_one():
+    row = {"wall_s": 0.3, "cut_own_cpu_s": 0.47, "cpu_s": {"controller": 0.23, "tcp://w": 0.1}}
+    assert bench_cut.cpu_bound_ratio(row) == round(0.3 / 0.70, 3)
+    assert bench_cut.cpu_bound_ratio({**row, "wall_s": 2.0}) == 1.0  # the put itself is slower than both CPUs
 
 
 def test_a_refused_raw_put_row_fails_the_bench_without_ratios(address, monkeypatch):
