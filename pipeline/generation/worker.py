@@ -17,7 +17,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from tasks.cut.receipt import CallId, CutReceipt, InventoryEntry, inventory_digest, normalize_inventory
+from tasks.cut.receipt import CallId, CutReceipt, InventoryEntry, normalize_inventory, pairs_digest
 from tasks.errors import DuplicateCall, InvalidCall, UnknownCall
 from tasks.toy.policy import MoEPolicy, PolicyConfig
 from tasks.toy.rollouts import CallState, advance, resume_state, start_calls
@@ -263,7 +263,7 @@ class GenerationWorker:
         Receipts are cached by (checkpoint_id, inventory digest): a retry answers the same.
         """
         pairs = normalize_inventory(inventory)
-        digest = inventory_digest(pairs)
+        digest = pairs_digest(pairs)
         cache_key = (checkpoint_id, digest)
         with self._cut_lock:
             cached = self._receipts.get(cache_key)

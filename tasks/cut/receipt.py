@@ -98,7 +98,11 @@ def normalize_inventory(inventory: Iterable[InventoryEntry] | None) -> list[Call
 
 def inventory_digest(inventory: Iterable[InventoryEntry] | None) -> bytes:
     """Order-free digest of an inventory (see module docstring); part of the cache key."""
-    pairs = normalize_inventory(inventory)
+    return pairs_digest(normalize_inventory(inventory))
+
+
+def pairs_digest(pairs: list[CallId] | None) -> bytes:
+    """:func:`inventory_digest` of an inventory :func:`normalize_inventory` already gave."""
     h = hashlib.sha256(TAG_INVENTORY)
     if pairs is None:
         h.update(b"*")
