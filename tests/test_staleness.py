@@ -179,3 +179,23 @@ def test_stale_rollouts_are_dropped_and_their_rows_cleared_only_at_consumption(i
     snap = agg.snapshot()
     assert snap["staleness"]["buckets"][0] == {"bucket": "<1k", "rollouts": 4, "stale": 2, "lag_sum": 9.0, "mean_lag": 2.25}
     assert snap["staleness"]["steps"][0]["stale"] == 2 and snap["rejected"] == {R.STALE: 2}
+
+
+def test_the_page_shows_staleness_over_the_recent_steps_and_metrics_since_the_start():
+    """The chart's buckets cover the steps the state keeps (``history``), so a lag that
+    has gone away leaves the chart; the counters behind /metrics keep every step."""
+    from pipeline.dashboard.trainer_state import TrainerState
+
+    def record(lag: float, stale: int) -> dict:
+        bucket = {"bucket": "<1k", "rollouts": 4, "stale": stale, "lag_sum": 4 * lag, "mean_lag": lag}
+        return {"rollouts": 4, "stale": stale, "mean_lag": lag, "max_lag": lag, "trainer_version": 9, "buckets": [bucket]}
+
+    state = TrainerState(history=3)
+    for k in range(5):  # two stale steps, then three fresh ones
+        state.fold_staleness(f"s{k}", float(k), record(5.0 if k < 2 else 0.0, 2 if k < 2 else 0))
+    snap = state.snapshot()["staleness"]
+    since_start = {b["bucket"]: b for b in snap["buckets"]}["<1k"]
+    recent = {b["bucket"]: b for b in snap["recent_buckets"]}["<1k"]
+    assert (since_start["rollouts"], since_start["stale"], since_start["lag_sum"]) == (20, 4, 40.0)
+    assert (recent["rollouts"], recent["stale"], recent["mean_lag"]) == (12, 0, 0.0)
+    assert snap["recent_steps"] == 3 and [s["step_id"] for s in snap["steps"]] == ["s2", "s3", "s4"]

@@ -65,6 +65,6 @@ class StateSnapshot(TypedDict):
     decision_counts: dict[str, int]  # "action:reason_code" -> decisions
     malformed: dict[str, int]  # "topic:field" -> events dropped
     last_error: str
-    staleness: dict[str, Any]  # steps: [{step_id, t, rollouts, stale, mean_lag, max_lag, trainer_version}], buckets: [{bucket, rollouts, stale, lag_sum, mean_lag}]
+    staleness: dict[str, Any]  # steps: [{step_id, t, rollouts, stale, mean_lag, max_lag, trainer_version}], buckets (since the start) and recent_buckets (the last recent_steps steps): [{bucket, rollouts, stale, lag_sum, mean_lag}]
     mismatch: dict[str, Any]  # reports (count), latest (the newest event or None), events (newest last, each with its seq)
     histograms: dict[str, HistogramSnapshot]

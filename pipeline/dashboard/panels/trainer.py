@@ -29,11 +29,12 @@ def _right_axis(fig: Figure, name: str, label: str, end: float = 1.0) -> None:
 
 
 def _staleness_chart(kit: PanelKit) -> tuple[ColumnDataSource, Figure]:
-    """``tc-staleness``: per length bucket, rollouts kept / dropped stale and the mean lag."""
+    """``tc-staleness``: per length bucket, rollouts kept / dropped stale and the mean lag,
+    over the steps the state keeps (the last ``dashboard.history``)."""
     from bokeh.models import ColumnDataSource, FactorRange, HoverTool
 
     source = ColumnDataSource(dict(bucket=[], kept=[], stale=[], rollouts=[], mean_lag=[]), name="tc-staleness")
-    fig = kit.figure("staleness", "Staleness by rollout length (tokens): kept / dropped stale (bars), mean lag (dots)",
+    fig = kit.figure("staleness", "Staleness by rollout length (tokens), recent steps: kept / dropped stale (bars), mean lag (dots)",
                      x_range=FactorRange(), note="no staleness figures yet")
     bars = fig.vbar_stack(["kept", "stale"], x="bucket", width=0.7, source=source, color=[GREEN, RED])
     _right_axis(fig, "lag", "mean lag (weight versions)")
@@ -88,7 +89,7 @@ class TrainerPanels:
 
     def update(self, snap: StateSnapshot) -> None:
         """Redraw both charts from ``snap``."""
-        buckets = snap["staleness"]["buckets"]
+        buckets = snap["staleness"]["recent_buckets"]
         self.fig_staleness.x_range.factors = [b["bucket"] for b in buckets]
         self.staleness.data = dict(
             bucket=[b["bucket"] for b in buckets], kept=[b["rollouts"] - b["stale"] for b in buckets],
