@@ -11,14 +11,10 @@ updates cost a hash more per byte than one large pass (BLAKE3 most: its tree run
 only over large inputs), so this floor sits above 1.0 by the stream count and by the
 update size.
 
-``hash_streams_layout_ms`` times the same streams as the digest layout feeds them: each
-hash opens with its tag and header (the call's ids, lengths: ~100 bytes; the chain's tag
-and parent hash; the cumulative tag) and the digest's fields sit between small length
-fields, so no field starts on a BLAKE3 chunk boundary (1 KiB) and its tree runs narrow
-(measured here: an 8 KiB buffer after a 33-byte prefix hashes at about half the rate of
-the same buffer alone). ``hash_streams_layout_vs_hash`` is the verifier's hashing floor
-in the layout it reads; the gap to ``hash_streams_vs_hash`` is what a layout hashing
-each field from a chunk boundary would win.
+``hash_streams_layout_ms`` / ``_vs_hash``: the same streams as the digest layout feeds
+them (each hash opens with its tag and header, the digest's fields sit between small
+length fields), so no field starts on a BLAKE3 chunk boundary (1 KiB) and its tree runs
+narrow: the verifier's hashing floor in the layout it reads (docs/performance.md).
 """
 from __future__ import annotations
 
