@@ -22,7 +22,7 @@ from pipeline.store import StagingStore
 from pipeline.store.owner import start_units, unit_args_from_config
 from rollout_factory import make_group
 from tasks.errors import InvalidStoreRequest
-from tasks.keys import STAGING_PARTITION, unit_for_key
+from tasks.keys import unit_for_key
 from tasks.packed import pack_rows
 from tasks.schema import STAGING_FIELDS
 from support import named_nanny_cluster, wait_for_names, wait_until
@@ -175,7 +175,28 @@ def test_start_units_takes_the_copies_asked_over_the_config(cluster, tmp_path):
         cluster.cancel(owner.futures, force=True)
 
 
-# ---- units killed: mid-put, mid-get, mid-finalization, then a second loss ----------------
+def test_checkpoint_of_a_replicated_store_holds_each_key_once(cluster, tmp_path):
+    # Every key lives on two units; a checkpoint writes each once (from its primary), so it
+    # restores (a key in two files would be refused) into a store of any replica count.
+    names = wait_for_names(cluster, ["a", "b", "c"])
+    store = StagingStore.start(cluster, n_units=3, workers=[names["a"], names["b"], names["c"]], spill_directory=str(tmp_path / "s"))
+    try:
+        rows = rows_of(make_groups("ck", n_groups=2))
+        assert not store.put_many(pack_rows(rows)).failed
+        manifest = store.checkpoint(str(tmp_path / "ckpt"))
+        assert manifest["rows"] == len(rows)
+    finally:
+        store.close()
+    with dask.config.set({"token-capture.store.replicas": 1}):
+        fresh = StagingStore.from_checkpoint(cluster, str(tmp_path / "ckpt"), n_units=2, spill_directory=str(tmp_path / "s2"))
+    try:
+        got = fresh.get_many([r.staging_key for r in rows], list(STAGING_FIELDS))
+        assert not got.failed and len(got.batch) == len(rows)
+    finally:
+        fresh.close()
+
+
+# ---- units killed (last in the module: the nannies restart what it kills) ----------------
 
 
 def test_units_killed_mid_put_get_and_finalize_lose_nothing(cluster, tmp_path):
@@ -237,59 +258,3 @@ def test_units_killed_mid_put_get_and_finalize_lose_nothing(cluster, tmp_path):
         assert_same_step(finalize(cluster, store, groups, "after-repair"), reference, groups)
     finally:
         store.close()
-
-
-def test_a_key_deleted_while_its_unit_is_re_replicated_does_not_come_back(cluster, tmp_path):
-    """A delete between the repair's copy and the new unit's install reaches the survivor
-    only: the re-replicated copy of that key is removed once the new unit is installed."""
-    names = wait_for_names(cluster, ["a", "b", "c"])
-    store = StagingStore.start(cluster, n_units=2, workers=[names["a"], names["b"]], spill_directory=str(tmp_path / "s"))
-    try:
-        rows = rows_of(make_groups("del", seed=5))
-        keys = [r.staging_key for r in rows]
-        assert not store.put_many(pack_rows(rows)).failed
-        doomed, kept = keys[::2], keys[1::2]
-        owner, answers = store.owner, {}
-        install = owner.replace_unit
-
-        def delete_then_install(*args, **kwargs):
-            # Rows copied, new unit not installed: this delete reaches unit 0 only.
-            t = threading.Thread(target=lambda: answers.setdefault("deleted", store.delete(doomed)))
-            t.start()
-            t.join(60)
-            return install(*args, **kwargs)
-
-        owner.replace_unit = delete_then_install
-        victim = store.unit_workers[1]
-        os.kill(cluster.run(os.getpid, workers=[victim])[victim], signal.SIGKILL)
-        wait_repaired(store, 1)
-        res = answers["deleted"]
-        assert {r for r, _ in res.failed.values()} == {"unit_unavailable"} and set(res.failed) == set(doomed)
-        assert owner.repairer.repaired[-1]["rows"] == len(keys)  # every key was copied ...
-        assert owner.repairer.repaired[-1]["dropped"] == len(doomed)  # ... the deleted ones removed again
-        held = [set(u.keys(STAGING_PARTITION).result(timeout=30)) for u in store.units]
-        assert held == [set(kept), set(kept)]
-        assert sum(s["rows"] for s in counters(store)) == 2 * len(kept)
-    finally:
-        store.close()
-
-
-def test_checkpoint_of_a_replicated_store_holds_each_key_once(cluster, tmp_path):
-    # Every key lives on two units; a checkpoint writes each once (from its primary), so it
-    # restores (a key in two files would be refused) into a store of any replica count.
-    names = wait_for_names(cluster, ["a", "b", "c"])
-    store = StagingStore.start(cluster, n_units=3, workers=[names["a"], names["b"], names["c"]], spill_directory=str(tmp_path / "s"))
-    try:
-        rows = rows_of(make_groups("ck", n_groups=2))
-        assert not store.put_many(pack_rows(rows)).failed
-        manifest = store.checkpoint(str(tmp_path / "ckpt"))
-        assert manifest["rows"] == len(rows)
-    finally:
-        store.close()
-    with dask.config.set({"token-capture.store.replicas": 1}):
-        fresh = StagingStore.from_checkpoint(cluster, str(tmp_path / "ckpt"), n_units=2, spill_directory=str(tmp_path / "s2"))
-    try:
-        got = fresh.get_many([r.staging_key for r in rows], list(STAGING_FIELDS))
-        assert not got.failed and len(got.batch) == len(rows)
-    finally:
-        fresh.close()
