@@ -11,28 +11,18 @@ import os
 import signal
 import threading
 
-import dask
 import pytest
 
 from pipeline.store import StagingStore
 from tasks.keys import STAGING_PARTITION
 from tasks.packed import pack_rows
-from support import named_nanny_cluster, wait_for_names
+from support import wait_for_names
+# test_replication's fixtures, instantiated for this module: two copies per key (autouse) and
+# a cluster of its own (module scope), so the worker this test kills is restarted for nobody else.
+from test_replication import cluster, two_copies  # noqa: F401
 from test_replication import counters, make_groups, rows_of, wait_repaired
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
-
-
-@pytest.fixture(autouse=True)
-def two_copies():
-    with dask.config.set({"token-capture.store.replicas": 2, "token-capture.finalize.clear-staged": False}):
-        yield
-
-
-@pytest.fixture(scope="module")
-def cluster():
-    with named_nanny_cluster({n: {} for n in ("a", "b", "c")}) as client:
-        yield client
 
 
 def test_a_key_deleted_while_its_unit_is_re_replicated_does_not_come_back(cluster, tmp_path):
