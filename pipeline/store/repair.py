@@ -151,7 +151,7 @@ class Repairer:
         ``dead`` too). Lost keys are copied as records only: they have no row to read.
         Returns what was handed to ``new``."""
         timeout, mate = self.call_timeout_s, self.store.units[s]
-        listed = mate.keys(partition).result(timeout=timeout)
+        listed = self._live_keys(mate, partition)
         if not listed:
             return Handed(partition, s, 0, [], [])
         lost = mate.lost_keys(partition).result(timeout=timeout)
@@ -185,7 +185,7 @@ class Repairer:
             if not h.keys and not h.names:
                 continue
             try:
-                still = set(self.store.units[h.survivor].keys(h.partition).result(timeout=timeout))
+                still = set(self._live_keys(self.store.units[h.survivor], h.partition))
             except Exception as e:  # noqa: BLE001 - the survivor died too: its own repair follows
                 logger.warning("re-replication: survivor %d not listed after the install (%s); deletes made "
                                "during the copy may leave rows on the new unit", h.survivor, e)
@@ -198,6 +198,14 @@ class Repairer:
         if dropped:
             logger.info("re-replication: %d row(s) deleted during the copy removed from the new unit", dropped)
         return dropped
+
+    def _live_keys(self, mate: "Actor", partition: str) -> list[str]:
+        """``mate``'s keys of ``partition`` but those deleted while a checkpoint is open there
+        (held until it ends, yet deleted: a copy of them would outlive the delete)."""
+        timeout = self.call_timeout_s
+        listed, deferred = mate.keys(partition), mate.deferred_keys(partition)
+        gone = set(deferred.result(timeout=timeout))
+        return [k for k in listed.result(timeout=timeout) if k not in gone]
 
     def _copy_rows(self, new: "Actor", partition: str, u: int, mate: "Actor", held: list[str]) -> int:
         """Copy rows ``held`` from ``mate`` to ``new`` in chunks; rows copied."""

@@ -326,6 +326,14 @@ class StorageUnit:
         """Every lost key of ``partition`` with how it was lost."""
         return WireDict(self.losses.lost.get(partition, {}))
 
+    def deferred_keys(self, partition: str) -> list[str]:
+        """Keys of ``partition`` deleted while a checkpoint is open here: still held (and
+        listed by :meth:`keys`) until it ends, but deleted for every writer, so never
+        copied to another unit."""
+        self._check_open()
+        check_partition(partition, self.partitions)
+        return WireList(self.guard.deferred.get(partition, {}))
+
     # ---- checkpoint guard ---------------------------------------------------------
 
     def begin_checkpoint(self, token: str, partitions: Sequence[str] | None = None) -> dict:
