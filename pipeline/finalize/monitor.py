@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Mapping, Protocol
 
 from tasks.errors import InvalidInput
-from tasks.finalize.step_batch import check_version
+from tasks.finalize.step_batch import check_version, weight_lag
 from tasks.mismatch import MismatchReport, check_eps, mismatch_stats
 
 from .. import config, events
@@ -66,12 +66,12 @@ def report_mismatch(
     missing = [k for k in BATCH_FIELDS if k not in batch.keys()]
     if missing:
         raise InvalidInput(f"report_mismatch: batch lacks {', '.join(missing)} (pass the step's to_batch())")
-    weight_lag = weight_version - batch["weight_version_oldest"]  # as to_batch(trainer_version=weight_version) has it
+    lags = weight_lag(weight_version, batch["weight_version_oldest"])  # as to_batch(trainer_version=weight_version) has it
     sampler_routes = batch.get("routed_experts")
     if trainer_routes is not None and sampler_routes is None:
         raise InvalidInput("trainer_routes given, but no row of the step carries sampler routes to compare them with")
     report = mismatch_stats(
-        batch["old_logprobs"], trainer_logprobs, batch["loss_mask"], weight_lag=weight_lag, eps=eps,
+        batch["old_logprobs"], trainer_logprobs, batch["loss_mask"], weight_lag=lags, eps=eps,
         sampler_routes=sampler_routes if trainer_routes is not None else None, trainer_routes=trainer_routes,
         route_rows=batch["has_routes"],
     )

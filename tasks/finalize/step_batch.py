@@ -174,9 +174,10 @@ def _padded(
     return input_ids, token_mask, logprobs, routes
 
 
-def _lag(trainer_version: int, oldest: torch.Tensor) -> torch.Tensor:
-    """``trainer_version - oldest`` (int64 [B]); :class:`InvalidInput` when a lag would
-    leave int64 (checked on the extremes in Python ints, never wrapped)."""
+def weight_lag(trainer_version: int, oldest: torch.Tensor) -> torch.Tensor:
+    """``trainer_version - oldest`` (int64 [B], versions): each row's ``weight_lag``;
+    :class:`InvalidInput` when a lag would leave int64 (checked on the extremes in Python
+    ints, never wrapped)."""
     if oldest.numel():
         lo, hi = trainer_version - int(oldest.max()), trainer_version - int(oldest.min())
         if lo < _I64_MIN or hi > _I64_MAX:
@@ -259,7 +260,7 @@ def step_batch(
         "weight_version_newest": cat("weight_version_newest", torch.int64),
     }
     if trainer_version is not None:
-        batch["weight_lag"] = _lag(trainer_version, batch["weight_version_oldest"])
+        batch["weight_lag"] = weight_lag(trainer_version, batch["weight_version_oldest"])
     if routes is not None:
         batch["routed_experts"] = routes
     return batch
