@@ -38,13 +38,21 @@ REPAIR_WAIT_S = 90.0  # the longest the driver waits for a lost unit's repair (s
 # (a connection whose data goes unacknowledged for 11 s is dead, the least Dask takes; a
 # worker not heard from for 10 s is removed, so a cut-off host's tasks run elsewhere), the
 # store host looking for lost units often, no periodic unit reports.
-CHILD_ENV = {
-    "DASK_DISTRIBUTED__COMM__TIMEOUTS__CONNECT": "3s",
-    "DASK_DISTRIBUTED__COMM__TIMEOUTS__TCP": "11s",
-    "DASK_DISTRIBUTED__SCHEDULER__WORKER_TTL": "10s",
-    "DASK_TOKEN_CAPTURE__STORE__REPAIR_INTERVAL_S": "0.5",
-    "DASK_TOKEN_CAPTURE__STORE__REPORT_INTERVAL_S": "0",
+TIMEOUTS = {"distributed.comm.timeouts.connect": "3s", "distributed.comm.timeouts.tcp": "11s"}  # this process's too
+CHILD_CONFIG = {
+    **TIMEOUTS,
+    "distributed.scheduler.worker-ttl": "10s",
+    "token-capture.store.repair-interval-s": "0.5",
+    "token-capture.store.report-interval-s": "0",
 }
+
+
+def env_name(key: str) -> str:
+    """The environment variable Dask reads config ``key`` from (``a.b-c`` -> ``DASK_A__B_C``)."""
+    return "DASK_" + "__".join(part.upper().replace("-", "_") for part in key.split("."))
+
+
+CHILD_ENV = {env_name(k): v for k, v in CHILD_CONFIG.items()}
 
 
 class ChaosCluster:
@@ -67,9 +75,7 @@ class ChaosCluster:
         from ..store.hosted import start_hosted
 
         settings = {"token-capture.hosts.nanny": False, "token-capture.hosts.workers-per-host": 1,
-                    "token-capture.hosts.threads-per-worker": 1, "distributed.comm.timeouts.connect": "3s",
-                    "distributed.comm.timeouts.tcp": "11s",
-                    "token-capture.store.replicas": 2}
+                    "token-capture.hosts.threads-per-worker": 1, **TIMEOUTS, "token-capture.store.replicas": 2}
         self._config = dask.config.set(settings)
         self._config.__enter__()
         self.hosts = LocalHosts(os.path.join(self.state_dir, "hosts"), env=CHILD_ENV)
