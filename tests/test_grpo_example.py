@@ -123,3 +123,20 @@ def test_grpo_example_learns_and_replay_matches_the_sampler(tmp_path):
     # Without replay, the trainer's newer router picks other experts on stale steps: measured.
     assert min(s["route_agreement"] for s in free[1:]) < 1.0, [s["route_agreement"] for s in free]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_a_process_builds_the_engine_of_a_version_once_and_keeps_the_newest_two():
+    from pipeline.engines.hf_weights import CACHED_VERSIONS, EngineCache
+
+    cache, model = EngineCache(), _perturbed_model()
+    snaps = [WeightSnapshot.of(model, 0)]
+    for v in range(1, CACHED_VERSIONS + 1):
+        with torch.no_grad():
+            next(model.parameters()).add_(0.01)
+        snaps.append(WeightSnapshot.of(model, v))
+    first = cache.at(CFG, snaps[0])
+    assert cache.at(CFG, snaps[0]) is first and first.fingerprint == snaps[0].fingerprint  # built once
+    for s in snaps[1:]:
+        cache.at(CFG, s)
+    assert cache.at(CFG, snaps[-1]) is cache.at(CFG, snaps[-1])
+    assert cache.at(CFG, snaps[0]) is not first  # the oldest was dropped, then built again

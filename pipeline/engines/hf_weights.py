@@ -2,7 +2,8 @@
 :class:`tasks.engines.weights.WeightSnapshot` per version (scattered to every worker), and
 generation tasks sample and stage with the engine holding it, each call tagged with the
 snapshot's ``weight_version``. A worker builds the engine of a version once (a small
-per-process cache keyed by config and fingerprint), so a step's groups share it.
+per-process cache keyed by config and fingerprint, :class:`EngineCache`), so a step's
+groups share it.
 
 Ranges and architecture as :mod:`pipeline.engines.hf` (``token-capture.policy`` plus
 overrides). Needs the ``hf`` extra. ``examples/grpo_tiny_moe.py`` drives it.
@@ -20,6 +21,7 @@ from tasks.engines.weights import WeightSnapshot, load_engine
 from tasks.receipts import Receipt
 from tasks.toy.rollouts import RolloutSpec, toy_reward
 
+from ..process_state import process_state
 from ..store.protocol import StoreLike
 from .hf import engine_config, stage_generated, submit_per_group
 
@@ -29,8 +31,33 @@ if TYPE_CHECKING:
 # Engines kept per process: the version generating now and the one before (a step's
 # groups may still run on the previous version while the next one arrives).
 CACHED_VERSIONS = 2
-_LOCK = threading.Lock()
-_ENGINES: OrderedDict[tuple[HFMoEConfig, str], HFMoEEngine] = OrderedDict()
+
+
+class EngineCache:
+    """The process's engines at trainer snapshots (a :class:`~pipeline.process_state.ProcessState`
+    component): keyed by config and snapshot fingerprint, the :data:`CACHED_VERSIONS`
+    most recently used kept; each built once, under the lock (worker threads share it)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines: OrderedDict[tuple[HFMoEConfig, str], HFMoEEngine] = OrderedDict()
+
+    def at(self, cfg: HFMoEConfig, snapshot: WeightSnapshot) -> HFMoEEngine:
+        """The engine of ``cfg`` holding ``snapshot``'s weights (loaded on first ask)."""
+        key = (cfg, snapshot.fingerprint)
+        with self._lock:
+            engine = self._engines.get(key)
+            if engine is None:
+                engine = self._engines[key] = load_engine(cfg, snapshot)
+                while len(self._engines) > CACHED_VERSIONS:
+                    self._engines.popitem(last=False)
+            else:
+                self._engines.move_to_end(key)
+            return engine
+
+    def close(self) -> None:
+        with self._lock:
+            self._engines.clear()
 
 
 def publish(client: Client, snapshot: WeightSnapshot) -> Future:
@@ -42,17 +69,7 @@ def publish(client: Client, snapshot: WeightSnapshot) -> Future:
 def engine_at(snapshot: WeightSnapshot, overrides: Mapping[str, object] | None = None) -> HFMoEEngine:
     """The engine of :func:`pipeline.engines.hf.engine_config` holding ``snapshot``'s
     weights, built once per process and version (its fingerprint is the snapshot's)."""
-    cfg = engine_config(overrides)
-    key = (cfg, snapshot.fingerprint)
-    with _LOCK:
-        engine = _ENGINES.get(key)
-        if engine is None:
-            engine = _ENGINES[key] = load_engine(cfg, snapshot)
-            while len(_ENGINES) > CACHED_VERSIONS:
-                _ENGINES.popitem(last=False)
-        else:
-            _ENGINES.move_to_end(key)
-        return engine
+    return process_state().get(EngineCache).at(engine_config(overrides), snapshot)
 
 
 def generate_and_stage(
