@@ -56,7 +56,7 @@ def test_repeats_flag_is_validated():
 def _quick_in_flight(monkeypatch):
     """Sustained runs of 3 steps, and a made-up loopback rate (the probe spawns a process)."""
     monkeypatch.setattr(bench, "IN_FLIGHT_STEPS", 3)
-    monkeypatch.setattr(bench, "loopback_recv_bytes_per_s", lambda: 2e9)
+    monkeypatch.setattr(bench, "loopback_recv", lambda: {"recv_bytes_per_s": 2e9, "recv_cpu_s_per_byte": 1e-9})
 
 
 def test_run_reports_every_mode(monkeypatch):
@@ -94,6 +94,11 @@ def test_run_reports_every_mode(monkeypatch):
     assert 0 < sustained["vs_hashing_floor"] and 0 < sustained["vs_transfer_floor"] and 0 < sustained["vs_cpu_floor"]
     assert set(sustained["cpu_ms_per_step"]) == {"controller", "worker-0", "worker-1"}
     assert sustained["hashing_floor_tokens_per_s"] > 0 and sustained["hashed_bytes_per_token"] > 16
+    # The mandatory floor is made of this run's hash streams and the (made-up) wire's CPU.
+    streams_ms = result["agentic"]["hash_streams_ms"]
+    assert abs(sustained["mandatory_hash_cpu_ms_per_step"] - streams_ms) <= 0.005 * streams_ms  # 3 significant digits
+    assert sustained["mandatory_floor_tokens_per_s"] > 0 and sustained["vs_mandatory_floor"] > 0
+    assert isinstance(sustained["target_out_of_reach"], bool)
     assert "in_flight" not in result["short"]
 
 
@@ -147,10 +152,18 @@ def test_the_floors_are_cores_times_the_hash_rate_and_the_wire_over_bytes_per_to
 
     # 1e8 bytes hashed in 20 ms (5 GB/s) for 1e6 tokens: 100 + 16 (ids twice) bytes a token.
     vh = {"bytes": 100_000_000, "hash_ms": 20.0}
-    f = floors(vh, 1_000_000, 32.0, 2e9, 2)
+    wire = {"recv_bytes_per_s": 2e9, "recv_cpu_s_per_byte": 0.5e-9}
+    f = floors(vh, 1_000_000, 32.0, wire, 2)
     assert f["hash_gb_s"] == 5.0 and f["hashed_bytes_per_token"] == 116.0
     assert abs(f["hashing_floor_tokens_per_s"] - 2 * 5e9 / 116) < 1e-3
     assert f["transfer_floor_tokens_per_s"] == 2e9 / 32
+    assert "mandatory_floor_tokens_per_s" not in f  # no hash streams measured: no mandatory floor
+    # The mandatory work: 40 ms of hash streams a step plus 32 MB received at 0.5 ns of CPU a
+    # byte (16 ms): 56 ms of CPU for 1e6 tokens, on 2 cores.
+    m = floors(vh, 1_000_000, 32.0, wire, 2, hash_streams_ms=40.0)
+    assert m["mandatory_transfer_cpu_ms_per_step"] == 16.0
+    assert abs(m["mandatory_floor_tokens_per_s"] - 2e6 / 0.056) < 1e-3
+    assert abs(m["mandatory_vs_hashing_floor"] - (2e6 / 0.056) / (2 * 5e9 / 116)) < 1e-12
     run = {"wall_s": 1.0, "steps": 4, "in_flight": 2, "tokens": 4_000_000, "tokens_per_s": 43_103_448.0, "accepted": 8,
            "rollouts": 8, "step_wall_ms_median": 500.0, "collect_ms_median": 10.0, "collected_bytes_per_token": 32.0,
            "cpu_ms_per_step": {"controller": 20.0, "worker-0": 15.0, "worker-1": 15.0}}
@@ -159,6 +172,11 @@ def test_the_floors_are_cores_times_the_hash_rate_and_the_wire_over_bytes_per_to
     # 50 ms of CPU a step of 1e6 tokens on 2 cores: 4e7 tokens/s if the cores did only this.
     assert out["cpu_ms_per_step"] == {"controller": 20.0, "worker-0": 15.0, "worker-1": 15.0}
     assert out["cpu_floor_tokens_per_s"] == 4e7 and out["vs_cpu_floor"] == round(43_103_448 / 4e7, 2)
+    assert "target_out_of_reach" not in out
+    # Against the mandatory floor (35.7 M tokens/s: 0.41 of the 86 M hashing floor): 0.5 is out of reach.
+    with_m = in_flight_figures([run, run, run], m, 0.5)
+    assert with_m["target_out_of_reach"] is True and with_m["vs_mandatory_floor"] == round(43_103_448 / (2e6 / 0.056), 2)
+    assert in_flight_figures([run], m, 0.4)["target_out_of_reach"] is False
 
 
 def test_sampled_groups_are_compared_by_their_prints_bit_for_bit():

@@ -20,3 +20,7 @@ def test_loopback_moves_every_byte_both_ways():
     # 3 MiB messages: several recv_into calls each, so a short read would hang or fail.
     out = loopback.measure(3 << 20, 2)
     assert out["send_bytes_per_s"] > 0 and out["recv_bytes_per_s"] > 0
+    # Both ends' CPU: a copy in and a copy out of the kernel cost more than nothing a byte,
+    # and less than a second a kilobyte.
+    for way in ("send", "recv"):
+        assert 0 < out[f"{way}_cpu_s_per_byte"] < 1e-3

@@ -54,7 +54,7 @@ from .finalize_modes import (
     union_group,
 )
 from .finalize_hash_streams import hash_streams
-from .finalize_inflight import cores, floors, in_flight_figures, loopback_recv_bytes_per_s, sustained_run
+from .finalize_inflight import cores, floors, in_flight_figures, loopback_recv, sustained_run
 from .finalize_profile import default_groups, payload, workload_shape
 from .finalize_verify_vs_hash import Fetched, VerifyVsHash, fetch_step, verify_vs_hash
 from .profile_args import add_profile_argument, profile_from_args
@@ -238,10 +238,12 @@ def _timed_rounds(s: _Session, staged: dict[str, list[list[Receipt]]], repeats: 
     return runs
 
 
-def _in_flight(s: _Session, groups: list[list[Receipt]], vh: VerifyVsHash | None, in_flight: int, repeats: int) -> dict[str, object]:
+def _in_flight(s: _Session, groups: list[list[Receipt]], vh: VerifyVsHash | None, in_flight: int, repeats: int,
+               hash_streams_ms: float | None = None) -> dict[str, object]:
     """``repeats`` sustained runs of :data:`IN_FLIGHT_STEPS` steps of ``groups``, ``in_flight``
-    at a time, against the hashing and transfer floors measured now; a step that does not
-    accept every rollout is a failure."""
+    at a time, against the hashing, transfer and mandatory floors measured now (the last
+    from the step's ``hash_streams_ms``); a step that does not accept every rollout is a
+    failure."""
     runs = []
     for k in range(repeats):
         r = sustained_run(s.client, s.store, groups, in_flight=in_flight, steps=IN_FLIGHT_STEPS,
@@ -253,7 +255,7 @@ def _in_flight(s: _Session, groups: list[list[Receipt]], vh: VerifyVsHash | None
     if vh is None:
         return {"runs": len(runs), "tokens_per_s_runs": [round(r["tokens_per_s"]) for r in runs]}
     floor = floors(vh, runs[0]["tokens"] // IN_FLIGHT_STEPS, runs[0]["collected_bytes_per_token"],
-                   loopback_recv_bytes_per_s(), cores())
+                   loopback_recv(), cores(), hash_streams_ms)
     return in_flight_figures(runs, floor, TARGETS["agentic"].get("in_flight_vs_hashing_floor"))
 
 
@@ -281,7 +283,7 @@ def _workload_out(s: _Session, name: str, groups: list[list[Receipt]], runs: dic
             s.failures.append(f"{name} hash_streams: {type(e).__name__}: {e}")
     out.update(payload(prof, shape[3] is not None, out))
     if name == "agentic" and in_flight:
-        out["in_flight"] = _in_flight(s, groups, vh, in_flight, repeats)
+        out["in_flight"] = _in_flight(s, groups, vh, in_flight, repeats, out.get("hash_streams_ms"))
     return out
 
 

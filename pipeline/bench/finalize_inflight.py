@@ -9,10 +9,13 @@ result. The floors (tokens/s): ``hashing_floor`` = cores x one core's hash rate 
 digest in use over the fetched bytes / hashed bytes per token (every fetched byte once,
 the ids twice more: chain and cumulative hashes); ``transfer_floor`` = a raw loopback
 receive rate here (:mod:`pipeline.bench.loopback`) / the bytes the controller gathers
-per token (the rows must reach it); ``cpu_floor`` = cores x tokens per step / the CPU
-seconds per step of the run's own processes (the controller's, with an embedded
-cluster's scheduler, and every worker's): the rate if every core did only this work.
-Units: ``_s`` seconds, ``_ms`` milliseconds, rates in tokens/s, ``gb_s`` 1e9 bytes/s.
+per token (the rows must reach it); ``mandatory_floor`` = cores x tokens per step / the
+CPU seconds the work every finalize must do costs here (the verifier's three hash streams
+over bare buffers, ``hash_streams_ms``, and the loopback transfer of the gathered bytes,
+both processes' CPU): ``mandatory_vs_hashing_floor`` is the most of the hashing floor
+any implementation reaches here; ``cpu_floor`` = cores x tokens per step / the CPU seconds
+per step of the run's own processes. Units: ``_s`` seconds, ``_ms`` milliseconds, rates
+in tokens/s, ``gb_s`` 1e9 bytes/s.
 """
 from __future__ import annotations
 
@@ -109,25 +112,56 @@ def _cpu_s(client: Client) -> dict[str, float]:
     return out
 
 
-def loopback_recv_bytes_per_s() -> float:
-    """Raw TCP receive rate over loopback here, now (bytes/s; :mod:`pipeline.bench.loopback`)."""
+class Wire(TypedDict):
+    """Raw TCP receives over loopback here, now: their rate (bytes/s) and the CPU seconds
+    both processes spent per byte received."""
+
+    recv_bytes_per_s: float
+    recv_cpu_s_per_byte: float
+
+
+def loopback_recv() -> Wire:
+    """Raw TCP receive rate over loopback here, now, and its CPU cost (:mod:`pipeline.bench.loopback`)."""
     from .loopback import measure
 
-    return float(measure(LOOPBACK_MESSAGE_BYTES, LOOPBACK_MESSAGES)["recv_bytes_per_s"])
+    m = measure(LOOPBACK_MESSAGE_BYTES, LOOPBACK_MESSAGES)
+    return {"recv_bytes_per_s": float(m["recv_bytes_per_s"]), "recv_cpu_s_per_byte": float(m["recv_cpu_s_per_byte"])}
 
 
 def floors(vh: VerifyVsHash, tokens_per_step: int, collected_bytes_per_token: float,
-           loopback_bytes_per_s: float, n_cores: int) -> dict[str, float]:
-    """The hashing and transfer floors (tokens/s) and what they are made of."""
+           wire: Wire, n_cores: int, hash_streams_ms: float | None = None) -> dict[str, float]:
+    """The hashing, transfer and (given the step's ``hash_streams_ms``, thread CPU ms)
+    mandatory floors (tokens/s) and what they are made of."""
     hash_bytes_per_s = vh["bytes"] / (vh["hash_ms"] / 1e3)
     hashed_per_token = (vh["bytes"] + 2 * TOKEN_ID_BYTES * tokens_per_step) / max(tokens_per_step, 1)
-    return {
+    loopback = wire["recv_bytes_per_s"]
+    out = {
         "cores": n_cores,
         "hash_gb_s": hash_bytes_per_s / 1e9,
         "hashed_bytes_per_token": hashed_per_token,
         "hashing_floor_tokens_per_s": n_cores * hash_bytes_per_s / hashed_per_token,
-        "loopback_gb_s": loopback_bytes_per_s / 1e9,
-        "transfer_floor_tokens_per_s": loopback_bytes_per_s / collected_bytes_per_token if collected_bytes_per_token else 0.0,
+        "loopback_gb_s": loopback / 1e9,
+        "transfer_floor_tokens_per_s": loopback / collected_bytes_per_token if collected_bytes_per_token else 0.0,
+    }
+    if hash_streams_ms:
+        out.update(mandatory_floor(hash_streams_ms, wire["recv_cpu_s_per_byte"], tokens_per_step,
+                                   collected_bytes_per_token, n_cores))
+        out["mandatory_vs_hashing_floor"] = out["mandatory_floor_tokens_per_s"] / out["hashing_floor_tokens_per_s"]
+    return out
+
+
+def mandatory_floor(hash_streams_ms: float, recv_cpu_s_per_byte: float, tokens_per_step: int,
+                    collected_bytes_per_token: float, n_cores: int) -> dict[str, float]:
+    """The rate (tokens/s) if ``n_cores`` did nothing but what every finalize of a step
+    must: hash the verifier's three streams (``hash_streams_ms``: thread CPU ms a step,
+    bare buffers, no checks) and receive the gathered bytes over loopback (CPU of both
+    ends); no orchestration, no copies, no Python."""
+    transfer_s = collected_bytes_per_token * tokens_per_step * recv_cpu_s_per_byte
+    total_s = hash_streams_ms / 1e3 + transfer_s
+    return {
+        "mandatory_hash_cpu_ms_per_step": hash_streams_ms,
+        "mandatory_transfer_cpu_ms_per_step": transfer_s * 1e3,
+        "mandatory_floor_tokens_per_s": n_cores * tokens_per_step / total_s if total_s > 0 else 0.0,
     }
 
 
@@ -171,6 +205,11 @@ def in_flight_figures(runs: Sequence[SustainedRun], floor: Mapping[str, float], 
     out["vs_hashing_floor"] = _sig(rate / hashing) if hashing else 0.0
     out["vs_transfer_floor"] = _sig(rate / transfer) if transfer else 0.0
     out["vs_cpu_floor"] = _sig(rate / out["cpu_floor_tokens_per_s"]) if out["cpu_floor_tokens_per_s"] else 0.0
+    mandatory = floor.get("mandatory_floor_tokens_per_s")
+    if mandatory:
+        out["vs_mandatory_floor"] = _sig(rate / mandatory)
     if target is not None:
         out["target_vs_hashing_floor"] = target
+        if mandatory:  # the target asks for more than the mandatory work alone allows here
+            out["target_out_of_reach"] = floor["mandatory_vs_hashing_floor"] < target
     return out

@@ -5,17 +5,21 @@ A child process listens on 127.0.0.1; the parent moves ``messages`` messages of
 ``sendall``s a message, the child ``recv_into``s a buffer it reuses and acks one byte),
 *recv* (the parent asks with one byte, the child ``sendall``s, the parent ``recv_into``s
 a reused buffer). No serialization, no allocation per message: the ceiling a store call of
-the same bytes could reach between two processes here. Figures in bytes/s.
+the same bytes could reach between two processes here. Figures in bytes/s; beside each
+rate, the CPU seconds both processes spent per byte moved (``*_cpu_s_per_byte``: the
+parent's thread and the child, which reports its own process time when asked).
 """
 from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import struct
 import time
 
 import numpy as np
 
 ACK = b"k"
+_CPU = struct.Struct("<d")  # the child's process time (s), answered to a b"c" request
 
 
 def _recv_exactly(conn: socket.socket, view: memoryview) -> None:
@@ -43,6 +47,8 @@ def _serve(port_q, message_bytes: int) -> None:
         if op[0] == ord("s"):  # the parent sends one message: take it, ack
             _recv_exactly(conn, buf)
             conn.sendall(ACK)
+        elif op[0] == ord("c"):  # the parent asks for this process's CPU time so far
+            conn.sendall(_CPU.pack(time.process_time()))
         else:  # the parent asks for one message
             conn.sendall(payload)
     conn.close()
@@ -51,7 +57,9 @@ def _serve(port_q, message_bytes: int) -> None:
 
 def measure(message_bytes: int, messages: int) -> dict[str, float]:
     """Bytes/s of ``messages`` sends and of as many receives of ``message_bytes`` each
-    (one warm-up of each first, untimed); ``send_bytes_per_s``, ``recv_bytes_per_s``."""
+    (one warm-up of each first, untimed): ``send_bytes_per_s``, ``recv_bytes_per_s``, and
+    the CPU seconds per byte of each, both processes together: ``send_cpu_s_per_byte``,
+    ``recv_cpu_s_per_byte``."""
     message_bytes = max(1, int(message_bytes))
     ctx = mp.get_context("spawn")
     port_q = ctx.Queue()
@@ -72,13 +80,23 @@ def measure(message_bytes: int, messages: int) -> dict[str, float]:
             conn.sendall(b"r")
             _recv_exactly(conn, buf)
 
+        cpu_answer = memoryview(bytearray(_CPU.size))
+
+        def child_cpu_s() -> float:
+            conn.sendall(b"c")
+            _recv_exactly(conn, cpu_answer)
+            return _CPU.unpack(cpu_answer)[0]
+
         out = {}
+        total = message_bytes * messages
         for name, one in (("send", send_one), ("recv", recv_one)):
             one()
-            t0 = time.perf_counter()
+            child0, c0, t0 = child_cpu_s(), time.thread_time(), time.perf_counter()
             for _ in range(messages):
                 one()
-            out[f"{name}_bytes_per_s"] = message_bytes * messages / (time.perf_counter() - t0)
+            wall, mine = time.perf_counter() - t0, time.thread_time() - c0
+            out[f"{name}_bytes_per_s"] = total / wall
+            out[f"{name}_cpu_s_per_byte"] = (mine + child_cpu_s() - child0) / total
         conn.close()
         return out
     finally:
