@@ -88,6 +88,9 @@ def test_run_reports_every_mode(monkeypatch):
         assert w["bytes_per_token"] == (24 if TINY[name][3] else 16) and w["gb_s"] > 0
         assert w["hash_streams_ms"] > 0 and w["hash_streams_vs_hash"] > 0  # the verifier's hashing, its pattern
         assert w["hash_streams_layout_ms"] > 0 and w["hash_streams_layout_vs_hash"] > 0  # ... with the layout's headers
+    agentic = result["agentic"]
+    assert agentic["verify_target_out_of_reach"] is (agentic["hash_streams_vs_hash"] > bench.TARGETS["agentic"]["graph_verify_vs_hash"])
+    assert "verify_target_out_of_reach" not in result["short"]  # no verify target there
     sustained = result["agentic"]["in_flight"]
     assert sustained["in_flight"] == 2 and sustained["steps"] == 3 and len(sustained["tokens_per_s_runs"]) == 3
     assert sustained["cores"] >= 1 and sustained["loopback_gb_s"] == 2.0
