@@ -3,8 +3,8 @@
 A delete reaching the survivor between the repair's copy and the new unit's install
 removes the survivor's copy only (the lost unit is unreachable, the deleter plans on the
 old table): the repairer lists each survivor again after the install and removes what it
-no longer holds from the new unit. A delete deferred by an open checkpoint leaves its row
-on the survivor until the checkpoint ends: the repair does not copy it. Its own cluster:
+no longer lists from the new unit. A delete deferred by an open checkpoint leaves its row
+on the survivor until the checkpoint ends, unlisted: the repair does not copy it. Its own cluster:
 the test SIGKILLs a worker.
 """
 from __future__ import annotations
@@ -70,7 +70,10 @@ def test_a_deleted_key_is_not_re_replicated(cluster, tmp_path):
         new = store.units[1]
         assert set(new.keys(STAGING_PARTITION).result(timeout=30)) == set(kept)
         assert set(new.keys(CUT_PARTITION).result(timeout=30)) == set(cut_kept)
-        assert set(store.units[0].keys(CUT_PARTITION).result(timeout=30)) == set(keys)  # held until the checkpoint ends
+        survivor = store.units[0]
+        assert set(survivor.keys(CUT_PARTITION).result(timeout=30)) == set(cut_kept)  # deleted: not listed ...
+        assert set(survivor.deferred_keys(CUT_PARTITION).result(timeout=30)) == set(held_back)
+        assert survivor.stats().result(timeout=30)["partitions"][CUT_PARTITION] == len(keys)  # ... held until it ends
         assert store.units[0].end_checkpoint("ck").result(timeout=30)["applied"] == len(held_back)
         for u in store.units:
             assert set(u.keys(STAGING_PARTITION).result(timeout=30)) == set(kept)

@@ -69,9 +69,10 @@ def test_unit_defers_deletes_until_the_last_open_checkpoint_ends(tmp_path):
     res = unit.delete("staging", keys[:2] + ["u-r0/absent"])
     assert res.ok == keys[:2] and res.deferred == keys[:2]
     assert set(res.failed) == {"u-r0/absent"}
-    assert unit.keys("staging") == keys  # still there: an open checkpoint may write them
+    assert unit.keys("staging") == keys[2:]  # deleted: no longer listed ...
+    assert unit.stats()["rows"] == 3  # ... but still held: an open checkpoint may write them
     assert unit.end_checkpoint("a")["applied"] == 0  # "b" is still open
-    assert unit.keys("staging") == keys
+    assert unit.deferred_keys("staging") == keys[:2] and unit.stats()["rows"] == 3
     assert unit.end_checkpoint("b")["applied"] == 2
     assert unit.keys("staging") == keys[2:]
     assert unit.end_checkpoint("b")["applied"] == 0  # closing twice is harmless
@@ -112,10 +113,11 @@ def test_a_checkpoint_whose_writer_died_ends_with_its_lease(tmp_path, monkeypatc
     assert unit.delete("staging", keys[:1]).deferred == keys[:1]
     clock.now += 59.0
     unit.report_figures()  # a reporter tick inside the lease: nothing ends
-    assert unit.keys("staging") == keys and unit.counters["checkpoints_expired"] == 0
+    assert unit.deferred_keys("staging") == keys[:1] and unit.stats()["rows"] == 3
+    assert unit.counters["checkpoints_expired"] == 0
     clock.now += 2.0
     unit.report_figures()  # past it: the checkpoint ends, its deferred delete applies
-    assert unit.keys("staging") == keys[1:]
+    assert unit.deferred_keys("staging") == [] and unit.stats()["rows"] == 2
     assert unit.counters["checkpoints_expired"] == 1 and not unit.guard.open
     res = unit.delete("staging", keys[1:2])  # no checkpoint defers deletes any more
     assert res.deferred == [] and unit.keys("staging") == keys[2:]
@@ -129,7 +131,7 @@ def test_a_checkpoint_whose_writer_died_ends_with_its_lease(tmp_path, monkeypatc
     forever.delete("staging", keys[2:])
     clock.now += 1e9
     forever.report_figures()
-    assert forever.keys("staging") == keys[2:]  # 0: no lease
+    assert forever.deferred_keys("staging") == keys[2:] and forever.stats()["rows"] == 1  # 0: no lease
     assert forever.end_checkpoint("forever")["applied"] == 1
     unit.close()
     forever.close()

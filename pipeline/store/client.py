@@ -302,7 +302,8 @@ class StagingStore:
         starting with ``prefix``; unit order, then insertion order. Raises :class:`StoreError`
         naming the unit when one cannot be reached (with replicas=2: when a unit and a unit
         holding the other copy of some of its keys both cannot): a listing is never silently
-        partial."""
+        partial. A key deleted while a store checkpoint is open is no longer listed, though
+        reads still answer it until the checkpoint ends (its delete was deferred)."""
         self._check_partition(partition)
         answers = settle_all([u.keys(partition) for u in self.units])
         out: list[str] = []

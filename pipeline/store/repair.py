@@ -149,9 +149,11 @@ class Repairer:
         of the keys whose two copies are on ``u`` and ``s``, and the names ``u`` witnesses
         of keys ``s`` holds (``s`` their primary, or their replica with the primary in
         ``dead`` too). Lost keys are copied as records only: they have no row to read.
-        Returns what was handed to ``new``."""
+        Returns what was handed to ``new``. Keys deleted while a checkpoint is open on ``s``
+        are not listed (their rows stay until it ends), so not copied: a copy would outlive
+        the delete."""
         timeout, mate = self.call_timeout_s, self.store.units[s]
-        listed = self._live_keys(mate, partition)
+        listed = mate.keys(partition).result(timeout=timeout)
         if not listed:
             return Handed(partition, s, 0, [], [])
         lost = mate.lost_keys(partition).result(timeout=timeout)
@@ -176,16 +178,17 @@ class Repairer:
 
     def _drop_deleted_meanwhile(self, new: "Actor", handed: list["Handed"]) -> int:
         """After the install: remove from ``new`` each copied key and witnessed name its
-        survivor no longer holds. A delete between the copy and the install reaches the
-        survivor only (the lost unit is unreachable and the deleter still plans on the old
-        table), so without this the copy would stay with nobody to clear it. Returns the
-        rows removed; a survivor that cannot be listed is logged and skipped."""
+        survivor no longer lists (deleted, deferred or not). A delete between the copy and
+        the install reaches the survivor only (the lost unit is unreachable and the deleter
+        still plans on the old table), so without this the copy would stay with nobody to
+        clear it. Returns the rows removed; a survivor that cannot be listed is logged and
+        skipped."""
         timeout, dropped = self.call_timeout_s, 0
         for h in handed:
             if not h.keys and not h.names:
                 continue
             try:
-                still = set(self._live_keys(self.store.units[h.survivor], h.partition))
+                still = set(self.store.units[h.survivor].keys(h.partition).result(timeout=timeout))
             except Exception as e:  # noqa: BLE001 - the survivor died too: its own repair follows
                 logger.warning("re-replication: survivor %d not listed after the install (%s); deletes made "
                                "during the copy may leave rows on the new unit", h.survivor, e)
@@ -198,14 +201,6 @@ class Repairer:
         if dropped:
             logger.info("re-replication: %d row(s) deleted during the copy removed from the new unit", dropped)
         return dropped
-
-    def _live_keys(self, mate: "Actor", partition: str) -> list[str]:
-        """``mate``'s keys of ``partition`` but those deleted while a checkpoint is open there
-        (held until it ends, yet deleted: a copy of them would outlive the delete)."""
-        timeout = self.call_timeout_s
-        listed, deferred = mate.keys(partition), mate.deferred_keys(partition)
-        gone = set(deferred.result(timeout=timeout))
-        return [k for k in listed.result(timeout=timeout) if k not in gone]
 
     def _copy_rows(self, new: "Actor", partition: str, u: int, mate: "Actor", held: list[str]) -> int:
         """Copy rows ``held`` from ``mate`` to ``new`` in chunks; rows copied."""

@@ -239,8 +239,9 @@ class StorageUnit:
     ) -> StoreResult:
         """Remove ``keys`` (one call, any number of keys); an absent key is reported
         ``missing_key`` (nothing else changes). While an open checkpoint covers
-        ``partition`` the rows stay: their keys come back ``ok`` and ``deferred`` and are
-        removed when the last such checkpoint ends (:meth:`end_checkpoint`). Deleting a
+        ``partition`` the rows stay (reads answer them; :meth:`keys` lists them no more):
+        their keys come back ``ok`` and ``deferred`` and are removed when the last such
+        checkpoint ends (:meth:`end_checkpoint`). Deleting a
         lost key forgets the loss (``ok``): it may be staged again. ``unwitness``: names
         this unit stops witnessing (deleted from the units holding their copies)."""
         self._check_open()
@@ -327,8 +328,9 @@ class StorageUnit:
         return WireDict(self.losses.lost.get(partition, {}))
 
     def deferred_keys(self, partition: str) -> list[str]:
-        """Keys of ``partition`` deleted while a checkpoint is open here: still held (and
-        listed by :meth:`keys`) until it ends, but deleted for every writer, so never
+        """Keys of ``partition`` deleted while a checkpoint is open here: their rows stay
+        (reads still answer them, the checkpoint may write them) until it ends, but they are
+        deleted for every writer, so :meth:`keys` does not list them and they are never
         copied to another unit."""
         self._check_open()
         check_partition(partition, self.partitions)
@@ -426,9 +428,13 @@ class StorageUnit:
         return unit_event(self)
 
     def keys(self, partition: str) -> list[str]:
-        """Every key of ``partition``: held ones (insertion order), then lost ones (their
-        reads answer ``lost_key``)."""
-        return WireList([*self.held.index.get(partition, {}), *self.losses.lost.get(partition, {})])
+        """Every live key of ``partition``: held ones (insertion order) but those deleted
+        while a checkpoint is open here (:meth:`deferred_keys`: their rows stay until it
+        ends, yet they are deleted for every writer), then lost ones (their reads answer
+        ``lost_key``)."""
+        held, gone = self.held.index.get(partition, {}), self.guard.deferred.get(partition)
+        live = held if not gone else (k for k in held if k not in gone)
+        return WireList([*live, *self.losses.lost.get(partition, {})])
 
     # ---- checkpoint -------------------------------------------------------------
 
