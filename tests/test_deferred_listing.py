@@ -68,3 +68,31 @@ def test_the_store_lists_no_key_deleted_during_a_checkpoint(inprocess_client, tm
         assert sorted(store.keys()) == sorted(kept)
         assert set(store.get_many(doomed, ["token_ids"]).failed) == set(doomed)  # gone once it ended
         assert sum(s["rows"] for s in store.stats()) == len(kept)
+
+
+def test_a_key_staged_again_during_its_deferred_delete_outlives_the_checkpoint(tmp_path):
+    import dataclasses
+
+    from pipeline.store.protocol import KEY_CONFLICT
+
+    rng = np.random.default_rng(13)
+    unit = StorageUnit(0, memory_limit=1 << 20, capacity=1 << 30, spill_directory=str(tmp_path), partitions=["staging", "cut"])
+    rows = make_rollout(rng, "dl-again", n_calls=2).rows
+    keys = [r.staging_key for r in rows]
+    assert not unit.put_many("staging", pack_rows(rows)).failed
+    unit.begin_checkpoint("ck")
+    assert unit.delete("staging", keys).deferred == keys
+    # Other content under a deleted key: refused while the old row is kept for the checkpoint.
+    other = dataclasses.replace(rows[1], token_ids=rows[1].token_ids[::-1].copy())
+    refused = unit.put_many("staging", pack_rows([other]))
+    assert refused.failed[keys[1]][0] == KEY_CONFLICT and "checkpoint" in refused.failed[keys[1]][1]
+    # The same content again: acknowledged, so it is live again and its delete is cancelled.
+    again = unit.put_many("staging", pack_rows(rows[:1]))
+    assert again.ok == keys[:1] and not again.failed
+    assert unit.keys("staging") == keys[:1] and unit.deferred_keys("staging") == keys[1:]
+    assert unit.end_checkpoint("ck")["applied"] == 1  # only the key nobody staged again
+    got = unit.get_many("staging", keys, ["token_ids"])
+    assert list(got.batch.keys) == keys[:1] and set(got.failed) == set(keys[1:])
+    np.testing.assert_array_equal(got.batch.fields["token_ids"].row(0), rows[0].token_ids)
+    assert not unit.put_many("staging", pack_rows([other])).failed  # the key is free once it ended
+    unit.close()

@@ -54,6 +54,16 @@ class CheckpointGuard:
     def defer(self, partition: str, key: str) -> None:
         self.deferred.setdefault(partition, {})[key] = None
 
+    def undefer(self, partition: str, key: str) -> bool:
+        """Cancel ``key``'s deferred delete (it was staged again, identical); True if one waited."""
+        waiting = self.deferred.get(partition)
+        if not waiting or key not in waiting:
+            return False
+        del waiting[key]
+        if not waiting:
+            del self.deferred[partition]
+        return True
+
     def due(self) -> dict[str, list[str]]:
         """The deferred deletes no open checkpoint holds back any more (taken out)."""
         return {p: list(self.deferred.pop(p)) for p in [p for p in self.deferred if not self.covers(p)]}

@@ -4,7 +4,10 @@
 and calls :func:`put_rows`: per key, the refusals that need no row (a key moved away, a
 malformed key, a dtype against the partition's pinned one, a lost key), then the held
 rows' own answer (write-once, capacity), and for the rows of an adopted put the group of
-buffers their views keep alive (:mod:`.adopted`).
+buffers their views keep alive (:mod:`.adopted`). A key whose delete an open checkpoint
+defers is staged again only identical (its deferred delete is then cancelled: the put is
+acknowledged, so the row must outlive the checkpoint); other content is refused until the
+checkpoint ends.
 """
 from __future__ import annotations
 
@@ -14,12 +17,13 @@ from tasks.packed import PackedBatch
 
 from .adopted import root_nbytes
 from .losses import LossBook, lost_detail
-from .protocol import DTYPE_MISMATCH, INVALID_KEY, LOST_KEY, MOVED, StoreResult, check_key
+from .protocol import DTYPE_MISMATCH, INVALID_KEY, KEY_CONFLICT, LOST_KEY, MOVED, StoreResult, check_key
 from .put_columns import Columns, batch_columns
 from .registry import PartitionRegistry
 from .spill import batch_row_nbytes
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .checkpoint_guard import CheckpointGuard
     from .fence import Fence
     from .held_rows import HeldRows
 
@@ -31,6 +35,7 @@ class StorageUnit(Protocol):
     registry: PartitionRegistry
     losses: LossBook
     fence: Fence | None
+    guard: CheckpointGuard
     counters: dict[str, int]
 
 
@@ -43,6 +48,7 @@ def put_rows(unit: StorageUnit, partition: str, batch: PackedBatch, adopt: bool,
     row_weights = batch_row_nbytes(batch, [c.name for c in columns.cols])  # each row's row_nbytes, at once
     stored_rows: list[int] = []  # batch rows stored under a NEW slot
     stored_slots: list[str] = []
+    deferred = unit.guard.deferred.get(partition) or {}  # keys deleted, held for an open checkpoint
     for i, key in enumerate(batch.keys):
         why = (MOVED, unit.fence.detail(key)) if key in refused else refusal(unit, partition, key, columns.bad_field[i])  # type: ignore[union-attr]
         if why is not None:
@@ -50,15 +56,24 @@ def put_rows(unit: StorageUnit, partition: str, batch: PackedBatch, adopt: bool,
             continue
         outcome, slot = unit.held.store(partition, key, columns.row(i), row_weights[i], claim)
         if outcome is not None:
-            result.failed[key] = outcome
+            result.failed[key] = deferred_conflict(key, partition) if key in deferred and outcome[0] == KEY_CONFLICT else outcome
             continue
         result.ok.append(key)
+        if key in deferred:  # acknowledged again: the checkpoint's end must not remove it
+            unit.guard.undefer(partition, key)
         if slot is not None:
             stored_rows.append(i)
             stored_slots.append(slot)
     if stored_rows:
         columns.pin(reg, stored_rows)
     _adopt(unit, columns, stored_rows, stored_slots)
+
+
+def deferred_conflict(key: str, partition: str) -> tuple[str, str]:
+    """The refusal of new content under a key deleted while a checkpoint is open: the old
+    row stays until the checkpoint ends (it may still write it), then the key is free."""
+    return KEY_CONFLICT, (f"{key!r} was deleted from partition {partition!r} while a store checkpoint is open; "
+                          "its old row stays until the checkpoint ends: stage new content under it after that")
 
 
 def refusal(unit: StorageUnit, partition: str, key: str, bad_field: str | None) -> tuple[str, str] | None:
