@@ -64,19 +64,61 @@ def addresses(client: Any) -> dict[str, str]:
     return {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
 
 
+REVIVE_AFTER_S = 20.0  # a named worker still missing after this long: its nanny is asked to start it
+
+
+def revive_missing(client: Any, names) -> list[str]:
+    """Ask the in-process nanny of each worker in ``names`` whose process is not running
+    or starting to start it again (:meth:`distributed.Nanny.instantiate`); the names asked.
+
+    A nanny restarts a killed worker once; if that restart fails (seen under a loaded
+    two-process test run: the worker did not come back within a minute) it does not try
+    again, and the tests after the kill would wait for a worker that never returns.
+    """
+    from distributed.core import Status
+
+    cluster, asked = getattr(client, "cluster", None), []
+    for name in names:
+        nanny = None if cluster is None else cluster.workers.get(name)
+        process = getattr(nanny, "process", None)
+        if nanny is None or nanny.status != Status.running:
+            continue  # not a nanny of this process's cluster, or one that closed itself
+        if process is None or process.status not in (Status.running, Status.starting):
+            print(f"support: worker {name!r} not running after {REVIVE_AFTER_S:.0f} s; its nanny starts it again")
+            cluster.sync(nanny.instantiate)
+            asked.append(name)
+    return asked
+
+
+def _wait_reviving(client: Any, cond: Callable[[], Any], names, timeout_s: float, what: str) -> Any:
+    """:func:`wait_until` ``cond``; past :data:`REVIVE_AFTER_S`, :func:`revive_missing` once."""
+    first = min(REVIVE_AFTER_S, timeout_s)
+    try:
+        return wait_until(cond, first, what)
+    except AssertionError:
+        if first >= timeout_s:
+            raise
+    revive_missing(client, names)
+    return wait_until(cond, timeout_s - first, what)
+
+
 def wait_for_names(client: Any, names, timeout_s: float = 60.0) -> dict[str, str]:
     """Wait until every worker in ``names`` is registered; returns :func:`addresses`."""
     def registered():
         got = addresses(client)
         return got if set(names) <= set(got) else None
 
-    return wait_until(registered, timeout_s, f"workers {set(names)}")
+    return _wait_reviving(client, registered, [n for n in names], timeout_s, f"workers {set(names)}")
 
 
 def wait_replaced(client: Any, name: str, old: str, timeout_s: float = 60.0) -> str:
     """Wait until worker ``name`` is registered at an address other than ``old`` (its
     nanny restarted it); returns the new address."""
-    return wait_until(lambda: (new := addresses(client).get(name)) not in (None, old) and new, timeout_s, f"worker {name} replaced")
+    def replaced():
+        new = addresses(client).get(name)
+        return new not in (None, old) and new
+
+    return _wait_reviving(client, replaced, [name], timeout_s, f"worker {name} replaced")
 
 
 def store_maker(client: Any, spill_directory: Any):
