@@ -106,9 +106,22 @@ def test_poisoned_wins_over_broken_calls(rng):
 def test_not_a_receipt_never_raises():
     step = plan_step([None, 42, "receipt", {"rollout_id": "r"}, [1, 2]])
     assert step.rollouts == []
-    assert step.order == [f"<receipt #{i}>" for i in (0, 1, 2)] + ["r", "<receipt #4>"]
+    assert step.order == [f"<receipt #{i}/>" for i in (0, 1, 2)] + ["r", "<receipt #4/>"]
     assert {reason for reason, _ in step.rejected.values()} == {R.INVALID_RECEIPT}
     assert len(step.rejected) == 5
+
+
+def test_unreadable_receipt_never_collides_with_a_rollout_id(rng):
+    """An unreadable receipt's placeholder id is no usable rollout id: a valid receipt whose
+    rollout_id reads like one plans as usual, and each keeps its own verdict."""
+    placeholder = plan_step([{"rollout_id": 5}]).order[0]
+    good = make_rollout(rng, "<receipt #0>")  # the placeholder's old spelling: a usable id
+    step = plan_step([{"rollout_id": 5}, {"rollout_id": ""}, good.receipt])
+    assert step.order == [placeholder, step.order[1], "<receipt #0>"]
+    assert len(set(step.order)) == 3
+    assert [p.rollout_id for p in step.rollouts] == ["<receipt #0>"]
+    assert "<receipt #0>" not in step.rejected
+    assert {step.rejected[rid][0] for rid in step.order[:2]} == {R.INVALID_RECEIPT}
 
 
 def test_bad_receipt_rejects_only_itself(rng):

@@ -91,7 +91,8 @@ class StepPlan:
     """The plan of a step (many groups) or of one group.
 
     ``order``/``group_ids`` list every submitted receipt (placeholder ids
-    ``"<receipt #i>"`` for receipts whose rollout_id is unreadable), so a group keeps its
+    ``"<receipt #i/>"`` for receipts whose rollout_id is unreadable: the ``/`` makes them
+    no usable rollout id, so they never collide with a receipt's), so a group keeps its
     shape however many rollouts are rejected early. ``group_ids`` are the submitted
     groups' ids when :func:`plan_step` was given ``{group_id: receipts}``, else the
     receipts' own ``group_id``.
@@ -405,7 +406,7 @@ def plan_step(receipts: Sequence[ReceiptLike] | Mapping[str, Sequence[ReceiptLik
     rewards: list[float] = []
     for i, (submitted, raw) in enumerate(items):
         rid = _peek(raw, "rollout_id")
-        rid = rid if isinstance(rid, str) and rid else f"<receipt #{i}>"
+        rid = rid if isinstance(rid, str) and rid else f"<receipt #{i}/>"
         gid = submitted if submitted is not None else _peek(raw, "group_id")
         order.append(rid)
         group_ids.append(gid if isinstance(gid, str) else None)
