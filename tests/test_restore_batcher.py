@@ -139,3 +139,15 @@ def test_cut_then_restore_resumes_bit_identically(cluster):
     assert len(acks) == 3 and all(len(a.staging_keys) == 2 for a in acks.values())
     verdicts = batchers[addr].restore_many(list(acks.values()), vocab_size=64, num_experts=4).result()
     resume_and_compare(client, store, gen, specs, verdicts, acks, policy=policy, worker=addr, max_new_tokens=24, rounds=30)
+
+
+def test_a_continuation_with_no_key_list_fails_only_itself(cluster):
+    # staging_keys that is not a list at all (a corrupted receipt record): that call's
+    # verdict is invalid_continuation; the restores batched with it are still answered.
+    client, store, batchers, _ = cluster
+    calls = stage_calls(store, 2, "nolist", seed=3)
+    bad = {"staging_keys": 7, "prefix_tokens": 1, "prefix_digest": bytes(32)}
+    b = batchers[sorted(batchers)[0]]
+    verdicts = b.restore_many([calls[0][0], bad, calls[1][0]], vocab_size=VOCAB).result()
+    assert [v.reason for v in verdicts] == [None, "invalid_continuation", None]
+    assert verdicts[0].usable and verdicts[2].usable

@@ -60,6 +60,10 @@ class Continuation:
             keys = get("keys")
         if keys is None or isinstance(keys, (str, bytes)):
             raise ValueError(f"continuation needs a list of cut keys, got {keys!r}")
+        try:
+            keys = tuple(keys)
+        except TypeError:
+            raise ValueError(f"continuation needs a list of cut keys, got {type(keys).__name__}") from None
         tokens, digest = get("prefix_tokens"), get("prefix_digest")
         if isinstance(tokens, bool) or not isinstance(tokens, (int, np.integer)):
             raise ValueError(f"continuation prefix_tokens must be an int, got {tokens!r}")
