@@ -432,3 +432,26 @@ def test_rows_of_wrong_group_and_duplicate_receipts_are_kept():
     rejected = {"rw": ("wrong_group", ""), "rd": ("duplicate_staging_key", ""), "rp": ("capture_poisoned", "")}
     keys = rejected_receipt_keys(groups, rejected)
     assert keys == [r.staging_key for r in poisoned.rows]
+
+
+def test_rows_of_a_rollout_the_verifier_failed_on_are_kept(inprocess_client, thread_store, monkeypatch):
+    # internal_error is a verifier bug, not a verdict on the data: its rows stay staged for
+    # a resubmission; the step's other rows are cleared as usual.
+    from tasks.finalize import verify
+
+    store = thread_store
+    bs = stage(store, make_group(np.random.default_rng(11), "ierr", 3, n_calls=2))
+    real = verify.linearize_chain
+
+    def faulty(walk, *args, **kwargs):
+        if walk.plan.rollout_id == bs[0].rollout_id:
+            raise RuntimeError("injected verifier fault")
+        return real(walk, *args, **kwargs)
+
+    monkeypatch.setattr(verify, "linearize_chain", faulty)
+    fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
+    fin.with_settings(clear_staged=True)
+    handle = fin.submit_step({"ierr": [b.receipt for b in bs]})
+    assert handle.result().groups["ierr"].status == ["internal_error", "ok", "ok"]
+    assert handle.clear_future.result()["deleted"] == len(keys_of(bs[1:]))
+    assert present(store, keys_of(bs)) == set(keys_of(bs[:1]))

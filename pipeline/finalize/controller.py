@@ -130,6 +130,9 @@ def _field(obj: object, name: str) -> object:
 # Plan-time rejections whose rows are kept: a receipt submitted under another group may be
 # resubmitted under its own, and rows behind a duplicated rollout id cannot be told apart.
 KEEP_ROWS_OF = frozenset({R.WRONG_GROUP, R.DUPLICATE_STAGING_KEY})
+# Delivered verdicts whose rollouts' rows are kept: the verifier failed on them (a bug), so
+# nothing is known of their data and a resubmission may still finalize them.
+KEEP_ROWS_OF_VERDICT = frozenset({R.INTERNAL_ERROR})
 
 
 def rejected_receipt_keys(groups: Mapping[str, Sequence[object]], rejected: Mapping[str, tuple[str, str]]) -> list[str]:
@@ -184,8 +187,11 @@ class StepHandle:
 
     def clear_keys(self) -> list[str]:
         """Every staged key of the step: all calls of every planned rollout (off-chain
-        ones and rejected rollouts included) and the rows of receipts rejected at plan time."""
-        keys = dict.fromkeys(k for p in self.graph.plan.rollouts for k in p.all_keys)
+        ones and rejected rollouts included, internal errors not: see
+        :data:`KEEP_ROWS_OF_VERDICT`) and the rows of receipts rejected at plan time."""
+        groups = self._result.groups.values() if self._result is not None else ()
+        kept = {rid for g in groups for rid, s in zip(g.rollout_ids, g.status) if s in KEEP_ROWS_OF_VERDICT}
+        keys = dict.fromkeys(k for p in self.graph.plan.rollouts if p.rollout_id not in kept for k in p.all_keys)
         keys.update(dict.fromkeys(self.rejected_keys))
         return list(keys)
 
