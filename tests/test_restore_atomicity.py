@@ -129,3 +129,35 @@ def test_unit_claims_release_only_rows_nobody_else_put(tmp_path):
         assert unit.counters["released_rows"] == 1
     finally:
         unit.close()
+
+
+@pytest.mark.parametrize("ends_first", [False, True], ids=["fails-during-checkpoint", "fails-after-it"])
+def test_a_failed_restore_undoes_its_revival_of_a_key_deleted_during_a_checkpoint(tmp_path, ends_first):
+    """A key deleted while a store checkpoint is open keeps its row until the checkpoint
+    ends; a restore staging it again (same content) revives it. If the restore then
+    fails, the acknowledged delete stands: deferred again while the checkpoint is open
+    (it may still write the row), applied at once after it ended. The revived key used
+    to be no row of the restore's, so its rollback kept it: a deleted key came back."""
+    unit = StorageUnit(0, memory_limit=1 << 30, capacity=1 << 30, spill_directory=str(tmp_path))
+    try:
+        rows = make_rows(2, calls=1, tokens=32, seed=15)
+        keys = [r.staging_key for r in rows]
+        assert unit.put_many("staging", pack_rows(rows)).ok == keys
+        unit.begin_checkpoint("ck")
+        assert unit.delete("staging", keys[:1]).deferred == keys[:1]  # acknowledged: deleted for every writer
+        assert unit.put_many("staging", pack_rows(rows), claim="t").ok == keys  # the restore stages both again
+        assert unit.stats()["provisional_rows"] == 1  # only the deleted one is the restore's
+        if ends_first:
+            assert unit.end_checkpoint("ck")["applied"] == 0  # revived: the restore's row now
+        out = unit.release_claim("staging", keys, "t")  # the restore failed elsewhere
+        assert out["kept"] == keys[1:] and unit.keys("staging") == keys[1:]
+        if not ends_first:
+            assert out["removed"] == 0 and out["deferred"] == keys[:1]
+            assert not unit.get_many("staging", keys[:1]).failed  # the checkpoint may still write it
+            assert unit.end_checkpoint("ck")["applied"] == 1
+        else:
+            assert out["removed"] == 1
+        assert set(unit.get_many("staging", keys).failed) == set(keys[:1])
+        assert unit.keys("staging") == keys[1:] and unit.stats()["provisional_rows"] == 0
+    finally:
+        unit.close()

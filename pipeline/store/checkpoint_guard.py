@@ -20,6 +20,8 @@ class CheckpointGuard:
     began: dict[str, float] = field(default_factory=dict)
     expired: set[str] = field(default_factory=set)
     deferred: dict[str, dict[str, None]] = field(default_factory=dict)
+    # Per partition: deferred keys a restore's put revived (provisional under its claim).
+    revived: dict[str, dict[str, None]] = field(default_factory=dict)
 
     def covers(self, partition: str) -> bool:
         """Whether an open checkpoint covers ``partition`` (deletes there are deferred)."""
@@ -64,8 +66,19 @@ class CheckpointGuard:
             del self.deferred[partition]
         return True
 
+    def revive(self, partition: str, key: str) -> None:
+        """A restore's put revived ``key`` (its deferred delete was cancelled): if that
+        restore fails while a checkpoint still covers ``partition``, the delete is deferred
+        again (:meth:`revived_of`), not applied, since the checkpoint may still write it."""
+        self.revived.setdefault(partition, {})[key] = None
+
+    def revived_of(self, partition: str) -> dict[str, None]:
+        """The revived keys of ``partition`` while an open checkpoint covers it (else none)."""
+        return self.revived.get(partition, {}) if self.covers(partition) else {}
+
     def due(self) -> dict[str, list[str]]:
         """The deferred deletes no open checkpoint holds back any more (taken out)."""
+        self.revived = {p: ks for p, ks in self.revived.items() if self.covers(p)}
         return {p: list(self.deferred.pop(p)) for p in [p for p in self.deferred if not self.covers(p)]}
 
     def pending(self) -> int:
@@ -76,3 +89,4 @@ class CheckpointGuard:
         self.began.clear()
         self.expired.clear()
         self.deferred.clear()
+        self.revived.clear()

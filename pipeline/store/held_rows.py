@@ -126,19 +126,28 @@ class HeldRows:
         self.claims.pop(slot, None)
         return True
 
-    def release(self, partition: str, keys: list, claim: str) -> tuple[int, list[str]]:
-        """Remove the rows of ``keys`` still provisional under ``claim``: (removed, kept keys)."""
+    def release(self, partition: str, keys: list, claim: str, spare: dict | frozenset = frozenset()) -> tuple[int, list[str], list[str]]:
+        """Remove the rows of ``keys`` still provisional under ``claim``, but those in
+        ``spare`` (kept, no longer provisional): (removed, kept keys, spared keys)."""
         index = self.index.get(partition, {})
-        removed, kept = 0, []
+        removed, kept, spared = 0, [], []
         for key in keys:
             slot = index.get(key) if isinstance(key, str) else None
             if slot is None:
                 continue
-            if self.claims.get(slot) == claim and self.remove(partition, key):
+            if self.claims.get(slot) == claim and key in spare:
+                del self.claims[slot]
+                spared.append(key)
+            elif self.claims.get(slot) == claim and self.remove(partition, key):
                 removed += 1
             else:
                 kept.append(key)
-        return removed, kept
+        return removed, kept, spared
+
+    def take_claim(self, partition: str, key: str, claim: str) -> None:
+        """``key``'s row (held: one a delete left for an open checkpoint) becomes
+        provisional under ``claim``, whose put revived it."""
+        self.claims[self.index[partition][key]] = claim
 
     def settle(self, claim: str) -> int:
         """The rows provisional under ``claim`` become ordinary rows; how many."""

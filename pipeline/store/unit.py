@@ -285,14 +285,19 @@ class StorageUnit:
     def release_claim(self, partition: str, keys: Sequence[str] | bytes, claim: str) -> dict:
         """Remove the rows of ``keys`` still provisional under ``claim`` (created by a put
         with that claim, acknowledged to no other writer since); every other row stays.
-        Not deferred by open checkpoints: no writer was ever told these rows exist.
-        Returns ``{"unit", "removed": rows removed, "kept": keys that stay}``."""
+        Not deferred by open checkpoints: no writer was ever told these rows exist; but a
+        key deleted while one is open that the claim's put revived is deleted again as it
+        was, deferred. Returns ``{"unit", "removed": rows removed, "kept": keys that stay,
+        "deferred": keys whose delete waits for the checkpoint}``."""
         self._check_open()
         check_partition(partition, self.partitions)
-        removed, kept = self.held.release(partition, unpack_names(keys, "keys"), claim)
+        spare = self.guard.revived_of(partition)
+        removed, kept, deferred = self.held.release(partition, unpack_names(keys, "keys"), claim, spare)
+        for key in deferred:
+            self.guard.defer(partition, key)
         self.counters["released_rows"] += removed
         self.held.compact()
-        return {"unit": self.unit_index, "removed": removed, "kept": kept}
+        return {"unit": self.unit_index, "removed": removed, "kept": kept, "deferred": deferred}
 
     def settle_claim(self, claim: str) -> int:
         """The rows provisional under ``claim`` become ordinary rows; returns how many."""

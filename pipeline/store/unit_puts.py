@@ -6,8 +6,9 @@ malformed key, a dtype against the partition's pinned one, a lost key), then the
 rows' own answer (write-once, capacity), and for the rows of an adopted put the group of
 buffers their views keep alive (:mod:`.adopted`). A key whose delete an open checkpoint
 defers is staged again only identical (its deferred delete is then cancelled: the put is
-acknowledged, so the row must outlive the checkpoint); other content is refused until the
-checkpoint ends.
+acknowledged, so the row must outlive the checkpoint; a restore's put revives it
+provisional under its claim, to be taken back if the restore fails); other content is
+refused until the checkpoint ends.
 """
 from __future__ import annotations
 
@@ -61,6 +62,9 @@ def put_rows(unit: StorageUnit, partition: str, batch: PackedBatch, adopt: bool,
         result.ok.append(key)
         if key in deferred:  # acknowledged again: the checkpoint's end must not remove it
             unit.guard.undefer(partition, key)
+            if claim is not None and slot is None:  # deleted for every writer: the claim revived it
+                unit.held.take_claim(partition, key, claim)
+                unit.guard.revive(partition, key)
         if slot is not None:
             stored_rows.append(i)
             stored_slots.append(slot)
