@@ -1,17 +1,22 @@
 """The cut fan-out: ``checkpoint_cut`` on every generation actor at once.
 
 :func:`cut_actors` asks each actor of an :class:`~pipeline.driver.pool.ActorPool` to cut
-its in-flight calls and gathers one receipt per actor (:class:`CutOutcome`). An actor that
-dies mid-cut gets a ``generation_lost`` receipt (:func:`lost_cut_receipts`), and the cut
-rows it may have written are listed and deleted so no unadvertised row stays behind.
-:class:`CutStats` reports a cut; :func:`cut_round` says when to cut.
+its in-flight calls and gathers one receipt per actor (:class:`CutOutcome`). A call that
+fails on the connection is retried while the actor's worker stays in the cluster (a cut
+is idempotent: the actor answers a retry with the receipt it cached). An actor whose
+worker left gets a ``generation_lost`` receipt (:func:`lost_cut_receipts`), and the cut
+rows it may have written are listed and deleted so no unadvertised row stays behind; one
+still in the cluster but unreachable gets the same receipt with its rows left in place
+(:func:`unreachable_cut_receipts`: alive, it may have sealed them into its calls'
+prefixes). :class:`CutStats` reports a cut; :func:`cut_round` says when to cut.
 """
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from tasks.cut.receipt import (
     DURABLE_FAILURE,
@@ -24,9 +29,10 @@ from tasks.keys import CUT_PARTITION, CUT_PREFIX
 
 from ..store.protocol import MISSING_KEY
 from .handles import CutStore
-from .pool import ActorPool
+from .pool import ActorCall, ActorPool
 
 Inventory = Mapping[int, Sequence[tuple[str, str]]]  # slot -> its in-flight (rollout, call)s
+RETRY_INTERVAL_S = 0.2  # between rounds of retries of unreachable actors (s)
 
 
 @dataclass
@@ -88,11 +94,19 @@ def cut_actors(pool: ActorPool, inventory: Inventory, cut_store: CutStore, check
     ``deadline``: absolute, in the workers' ``time.time()`` seconds (None: the workers'
     ``cut.deadline-s`` from now). Actors lost meanwhile answer :func:`lost_cut_receipts`.
     """
-    answers, lost = pool.fan_out_surviving(
-        inventory, lambda slot, actor: actor.checkpoint_cut(checkpoint_id, inventory[slot], deadline))
+    def call(slot: int, actor) -> object:
+        return actor.checkpoint_cut(checkpoint_id, inventory[slot], deadline)
+
+    answers, lost = pool.fan_out_surviving(inventory, call)
     if lost:
+        grace = pool.settings.lost_actor_grace_s if pool.settings is not None else 0.0
+        again, gone, unsure = settle_unreachable(pool, lost, call, grace)
+        answers.update(again)
         workers = {s: pool.workers[s] for s in lost}
-        answers.update(lost_cut_receipts(cut_store, checkpoint_id, {s: inventory[s] for s in lost}, lost, workers))
+        if gone:
+            answers.update(lost_cut_receipts(cut_store, checkpoint_id, {s: inventory[s] for s in gone}, gone, workers))
+        answers.update(unreachable_cut_receipts(checkpoint_id, {s: inventory[s] for s in unsure}, unsure, workers))
+        lost = {**gone, **unsure}
     receipts = [answers[s] for s in inventory]
     return CutOutcome(
         checkpoint_id=checkpoint_id,
@@ -101,6 +115,43 @@ def cut_actors(pool: ActorPool, inventory: Inventory, cut_store: CutStore, check
         completed_slots=[s for s, rc in zip(inventory, receipts) if rc.counts().get("completed")],
         lost_workers=[pool.workers[s] for s in lost],
     )
+
+
+def settle_unreachable(pool: ActorPool, lost: Mapping[int, BaseException], call: ActorCall, grace_s: float,
+                       clock: Callable[[], float] = time.monotonic) -> tuple[dict, dict[int, BaseException], dict[int, BaseException]]:
+    """The actors whose cut call failed on the connection, settled: ``(answers, gone,
+    unsure)``. Each is retried while its worker stays in the cluster, for ``grace_s``
+    seconds: a retry of the same cut answers the receipt the actor cached. ``gone``: the
+    last error of each actor whose worker left the cluster; ``unsure``: of each still
+    registered but unreachable when the grace ended."""
+    end = clock() + grace_s
+    pending, answers, gone = dict(lost), {}, {}
+    while pending:
+        for s in [s for s in pending if pool.in_cluster(s) is False]:
+            gone[s] = pending.pop(s)
+        if not pending or clock() >= end:
+            break
+        got, failed = pool.fan_out_surviving(pending, call)
+        answers.update(got)
+        pending = dict(failed)
+        if pending:
+            time.sleep(RETRY_INTERVAL_S)
+    return answers, gone, pending
+
+
+def unreachable_cut_receipts(checkpoint_id: str, inventories: Inventory, errors: Mapping[int, BaseException],
+                             workers: Mapping[int, str]) -> dict[int, CutReceipt]:
+    """Receipts for cuts whose actor could not be reached although its worker is still in
+    the cluster: every listed call ``durable_failure`` / ``generation_lost`` (this cut
+    advertises none of its rows), and its cut rows are left in place: the actor may be
+    alive and have sealed them into its calls' prefixes, which its later cuts advertise."""
+    out = {}
+    for s, inv in inventories.items():
+        detail = (f"generation actor on {workers[s]} unreachable mid-cut ({type(errors[s]).__name__}: {errors[s]}) "
+                  f"though its worker is still in the cluster; its cut rows are left in place")
+        out[s] = CutReceipt(checkpoint_id=checkpoint_id, inventory_digest=inventory_digest(inv),
+                            acks=tuple(CallAck.failure(c, GENERATION_LOST, detail) for c in inv), worker=workers[s])
+    return out
 
 
 def lost_cut_receipts(cut_store: CutStore, checkpoint_id: str, inventories: Inventory,

@@ -31,10 +31,11 @@ class ActorPool:
     """
 
     def __init__(self, client: Client, actors: Sequence[GenerationActor], futures: Sequence[Future],
-                 workers: Sequence[str]):
+                 workers: Sequence[str], settings: PoolSettings | None = None):
         self.client = client
         self.actors: list[GenerationActor] = list(actors)
         self.workers: list[str] = list(workers)
+        self.settings = settings
         self._futures: list[Future] = list(futures)
 
     @staticmethod
@@ -60,7 +61,7 @@ class ActorPool:
             client, GenerationWorker, workers, args=[(cut_store,)] * len(workers),
             policy=dict(settings.policy), with_routes=settings.with_routes,
         )
-        return cls(client, actors, futures, workers)
+        return cls(client, actors, futures, workers, settings)
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -92,11 +93,15 @@ class ActorPool:
         the actor's own (a bug, a bad argument) and propagate."""
         if isinstance(error, OSError):  # CommClosedError, refused connect, timeouts
             return True
+        return self.in_cluster(slot) is False  # the scheduler cannot say: treat the actor as reachable
+
+    def in_cluster(self, slot: int) -> bool | None:
+        """Whether the worker of ``slot`` is registered with the scheduler now (None: the
+        scheduler cannot say). A worker that left the cluster took its actor with it."""
         try:
-            alive = self.workers[slot] in self.client.scheduler_info(n_workers=-1)["workers"]
-        except Exception:  # the scheduler cannot say: treat the actor as reachable
-            return False
-        return not alive
+            return self.workers[slot] in self.client.scheduler_info(n_workers=-1)["workers"]
+        except Exception:  # noqa: BLE001 - unknown, not gone
+            return None
 
     def kill(self) -> list[str]:
         """Drop every actor (a simulated crash): release their futures and handles, so the

@@ -21,17 +21,23 @@ PolicySettings = Mapping[str, int]
 @dataclass(frozen=True)
 class PoolSettings:
     """policy: the full policy settings (config section, overrides applied; read-only);
-    with_routes: whether actors capture routed experts."""
+    with_routes: whether actors capture routed experts; lost_actor_grace_s: how long
+    (seconds) a cut retries an actor whose call failed on the connection while its worker
+    is still in the cluster (``cut.lost-actor-grace-s``)."""
 
     policy: PolicySettings
     with_routes: bool
+    lost_actor_grace_s: float = 10.0
 
     @classmethod
     def from_config(cls, overrides: PolicySettings, with_routes: bool) -> PoolSettings:
-        """Reads ``token-capture.policy`` now, once."""
+        """Reads ``token-capture.policy`` and ``cut.lost-actor-grace-s`` now, once."""
         policy = dict(config.get("policy"))
         policy.update(overrides)
-        return cls(policy=MappingProxyType(policy), with_routes=bool(with_routes))
+        grace = float(config.get("cut.lost-actor-grace-s"))
+        if not grace >= 0:
+            raise DriverError(f"cut.lost-actor-grace-s {grace} must be >= 0 seconds")
+        return cls(policy=MappingProxyType(policy), with_routes=bool(with_routes), lost_actor_grace_s=grace)
 
 
 @dataclass(frozen=True)
