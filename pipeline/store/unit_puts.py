@@ -12,13 +12,13 @@ refused until the checkpoint ends.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Callable, Mapping, Protocol, Sequence
 
 from tasks.packed import PackedBatch
 
 from .adopted import root_nbytes
 from .losses import LossBook, lost_detail
-from .protocol import DTYPE_MISMATCH, INVALID_KEY, KEY_CONFLICT, LOST_KEY, MOVED, StoreResult, check_key
+from .protocol import DTYPE_MISMATCH, INVALID_KEY, KEY_CONFLICT, LOST_KEY, MOVED, StoreResult, check_key, same_row
 from .put_columns import Columns, batch_columns
 from .registry import PartitionRegistry
 from .spill import batch_row_nbytes
@@ -50,7 +50,11 @@ def put_rows(unit: StorageUnit, partition: str, batch: PackedBatch, adopt: bool,
     stored_rows: list[int] = []  # batch rows stored under a NEW slot
     stored_slots: list[str] = []
     deferred = unit.guard.deferred.get(partition) or {}  # keys deleted, held for an open checkpoint
+    torn = conflicting_duplicates(batch.keys, columns.row)
     for i, key in enumerate(batch.keys):
+        if key in torn:
+            result.failed[key] = (KEY_CONFLICT, f"{key!r} appears {torn[key]} times in this put with different content; none is stored")
+            continue
         why = (MOVED, unit.fence.detail(key)) if key in refused else refusal(unit, partition, key, columns.bad_field[i])  # type: ignore[union-attr]
         if why is not None:
             result.failed[key] = why
@@ -71,6 +75,19 @@ def put_rows(unit: StorageUnit, partition: str, batch: PackedBatch, adopt: bool,
     if stored_rows:
         columns.pin(reg, stored_rows)
     _adopt(unit, columns, stored_rows, stored_slots)
+
+
+def conflicting_duplicates(keys: Sequence[str], row: Callable[[int], Mapping]) -> dict[str, int]:
+    """Keys that appear more than once in one put with different content (``row(i)``: the
+    batch's row ``i``), with how often: none of their copies is stored, so the writer is
+    never told both ``ok`` and ``key_conflict`` for one key. Identical copies are one row."""
+    if len(set(keys)) == len(keys):
+        return {}
+    at: dict[str, list[int]] = {}
+    for i, key in enumerate(keys):
+        at.setdefault(key, []).append(i)
+    return {k: len(ix) for k, ix in at.items()
+            if len(ix) > 1 and not all(same_row(row(ix[0]), row(j)) for j in ix[1:])}
 
 
 def deferred_conflict(key: str, partition: str) -> tuple[str, str]:
