@@ -151,3 +151,38 @@ def test_finalize_step_with_a_hung_unit_rejects_only_its_rollouts(client, store,
         for i, b in enumerate(bs):
             assert g.status[i] == (reasons.MISSING_STAGING_ROW if b.rollout_id in on_hung else reasons.OK), (b.rollout_id, g.status[i])
     assert step.rejected == {reasons.MISSING_STAGING_ROW: len(on_hung)}
+
+
+def test_rows_a_slow_unit_did_not_serve_survive_the_step_clear(client, store, monkeypatch):
+    # A unit slow past finalize.fetch-timeout-s fails its keys unit_unavailable: its rollouts
+    # are rejected missing_staging_row and the step is delivered, but their rows were never
+    # read. The step's clear, which reaches the unit once it answers again, keeps them (a
+    # later step may finalize them); the delivered rollouts' rows go.
+    gs = groups("hc", seed=5)
+    builts = [b for bs in gs.values() for b in bs]
+    assert not store.put_many(pack_rows([r for b in builts for r in b.rows])).failed
+    on_hung = {b.rollout_id for b in builts if unit_for_rollout(b.rollout_id, 2) == HUNG}
+    assert 0 < len(on_hung) < len(builts)
+    release = threading.Event()
+    orig = StorageUnit.get_many
+
+    def slow(self, *a, **kw):
+        if self.unit_index == HUNG and not release.is_set():
+            release.wait(60)
+        return orig(self, *a, **kw)
+
+    monkeypatch.setattr(StorageUnit, "get_many", slow)
+    try:
+        with dask.config.set({"token-capture.finalize.fetch-timeout-s": 2.0, "token-capture.finalize.clear-staged": True,
+                              "token-capture.finalize.retries": 0}):
+            fin = Finalizer(client, store, vocab_size=VOCAB, num_experts=E)
+            handle = fin.submit_step({g: [b.receipt for b in bs] for g, bs in gs.items()}, step_id="slow-clear")
+            step = handle.result(timeout=60)
+    finally:
+        release.set()  # the unit answers again (slow, not lost)
+    assert step.rejected == {reasons.MISSING_STAGING_ROW: len(on_hung)}
+    handle.clear_future.result(timeout=60)
+    unread = [r.staging_key for b in builts if b.rollout_id in on_hung for r in b.rows]
+    served = [r.staging_key for b in builts if b.rollout_id not in on_hung for r in b.rows]
+    got = store.get_many(unread + served, list(STAGING_FIELDS))
+    assert set(got.batch.keys) == set(unread), f"deleted rows never read: {sorted(set(unread) - set(got.batch.keys))}"

@@ -455,3 +455,33 @@ def test_rows_of_a_rollout_the_verifier_failed_on_are_kept(inprocess_client, thr
     assert handle.result().groups["ierr"].status == ["internal_error", "ok", "ok"]
     assert handle.clear_future.result()["deleted"] == len(keys_of(bs[1:]))
     assert present(store, keys_of(bs)) == set(keys_of(bs[:1]))
+
+
+def test_other_rows_of_a_rollout_with_a_row_never_staged_are_cleared(inprocess_client, thread_store):
+    # A row the store answers absent (missing_key) rejects its rollout for good: unlike a
+    # row it could not read, its rollout's other rows go with the step.
+    store = thread_store
+    bs = make_group(np.random.default_rng(12), "absent", 3, n_calls=2)
+    stage(store, bs[1:])
+    stage(store, [dataclasses.replace(bs[0], rows=bs[0].rows[1:])])
+    fin = Finalizer(inprocess_client, store, vocab_size=VOCAB, num_experts=None)
+    fin.with_settings(clear_staged=True)
+    handle = fin.submit_step({"absent": [b.receipt for b in bs]})
+    group = handle.result().groups["absent"]
+    assert group.status == ["missing_staging_row", "ok", "ok"]
+    assert "store: missing_key" in group.details[0]
+    assert handle.clear_future.result()["deleted"] == len(keys_of(bs)) - 1
+    assert present(store, keys_of(bs)) == set()
+
+
+def test_a_row_the_store_answered_for_decides_over_one_it_could_not_read():
+    # One key absent, one unreachable: the rollout can never finalize, so its rows are not kept.
+    from pipeline.finalize.kept_rows import rows_unread
+    from tasks.finalize.verify import rejected_result
+
+    plan = dataclasses.make_dataclass("Plan", ["keys"])(["r/a", "r/b"])
+    unread = {"r/a": ("unit_unavailable", "timeout"), "r/b": ("store_error", "spill read")}
+    res = worker_tasks._with_store_reason(rejected_result("r", "missing_staging_row"), plan, unread)
+    assert res.store_reason == "unit_unavailable" and rows_unread(res)
+    res = worker_tasks._with_store_reason(rejected_result("r", "missing_staging_row"), plan, {**unread, "r/b": ("missing_key", "")})
+    assert res.store_reason == "missing_key" and not rows_unread(res)

@@ -5,9 +5,10 @@ tracks queue depth from the futures' client-side status; :meth:`StepHandle.resul
 gathers the groups, computes the step's metrics and publishes its finalize event.
 
 With ``finalize.clear-staged`` a step's staged rows (every key of its rollouts, rejected
-ones included) are deleted in ONE batched delete (one call per storage unit), decided
-and submitted by :meth:`StepHandle.result` only AFTER the groups' tensors were gathered
-into the caller's process: a controller that dies before delivering a step leaves all of
+ones included, but for rows a later step may still finalize: :mod:`.kept_rows`) are
+deleted in ONE batched delete (one call per storage unit), decided and submitted by
+:meth:`StepHandle.result` only AFTER the groups' tensors were gathered into the
+caller's process: a controller that dies before delivering a step leaves all of
 its rows staged, so the same receipts can be resubmitted (by another Finalizer, in
 another process: :meth:`Finalizer.attach`) and give the same tensors. A step whose
 groups failed or were cancelled clears nothing; keys another in-flight step of the same
@@ -20,18 +21,18 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypedDict
 
-from tasks import reasons as R
 from tasks.errors import MissingFinalizeResource
 from tasks.finalize.layout import HostMap
 from tasks.finalize.plan import ReceiptLike
 from tasks.finalize.staleness import step_staleness
 from tasks.finalize.step_batch import check_version, step_batch
-from tasks.keys import STAGING_PARTITION, staging_key
+from tasks.keys import STAGING_PARTITION
 
 from .. import config, events
 from ..store.protocol import PlacedStoreLike, StoreLike
 from . import collect, serializers, timing, transfers
 from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_assembly, submit_graph, task_key
+from .kept_rows import kept_rollouts, rejected_receipt_keys
 from .settings import FinalizeSettings
 
 if TYPE_CHECKING:
@@ -123,43 +124,6 @@ def clear_rows(store: StoreLike, keys: list[str], partition: str = STAGING_PARTI
     return {"deleted": len(res.ok), "deferred": len(getattr(res, "deferred", ())), "failed": dict(res.failed)}
 
 
-def _field(obj: object, name: str) -> object:
-    return obj.get(name) if isinstance(obj, Mapping) else getattr(obj, name, None)
-
-
-# Plan-time rejections whose rows are kept: a receipt submitted under another group may be
-# resubmitted under its own, and rows behind a duplicated rollout id cannot be told apart.
-KEEP_ROWS_OF = frozenset({R.WRONG_GROUP, R.DUPLICATE_STAGING_KEY})
-# Delivered verdicts whose rollouts' rows are kept: the verifier failed on them (a bug), so
-# nothing is known of their data and a resubmission may still finalize them.
-KEEP_ROWS_OF_VERDICT = frozenset({R.INTERNAL_ERROR})
-
-
-def rejected_receipt_keys(groups: Mapping[str, Sequence[object]], rejected: Mapping[str, tuple[str, str]]) -> list[str]:
-    """Staging keys of receipts rejected at plan time (``rejected``: rollout id ->
-    (reason, detail)), except those rejected for a reason in :data:`KEEP_ROWS_OF`.
-
-    Keys are derived as ``staging_key(rollout_id, model_call_id)`` from each readable call
-    record, never taken from the receipt's ``staging_key`` field, so a rejected receipt can
-    name only rows of its own rollout id. Unreadable receipts or records name no key."""
-    keys: dict[str, None] = {}
-    for receipts in groups.values():
-        for raw in receipts:
-            try:
-                rid = _field(raw, "rollout_id")
-                if not isinstance(rid, str) or rid not in rejected or rejected[rid][0] in KEEP_ROWS_OF:
-                    continue
-                calls = _field(raw, "calls")
-                for call in calls if isinstance(calls, (list, tuple)) else ():
-                    try:
-                        keys[staging_key(rid, _field(call, "model_call_id"))] = None
-                    except Exception:  # noqa: BLE001 - an unreadable record names no row
-                        continue
-            except Exception:  # noqa: BLE001 - a hostile receipt names no row
-                continue
-    return list(keys)
-
-
 class StepHandle:
     """One submitted step: Dask futures of its verify tasks; :meth:`result` gathers them,
     assembles the groups in the caller's process (:mod:`pipeline.finalize.collect`) and,
@@ -187,10 +151,10 @@ class StepHandle:
 
     def clear_keys(self) -> list[str]:
         """Every staged key of the step: all calls of every planned rollout (off-chain
-        ones and rejected rollouts included, internal errors not: see
-        :data:`KEEP_ROWS_OF_VERDICT`) and the rows of receipts rejected at plan time."""
-        groups = self._result.groups.values() if self._result is not None else ()
-        kept = {rid for g in groups for rid, s in zip(g.rollout_ids, g.status) if s in KEEP_ROWS_OF_VERDICT}
+        ones and rejected rollouts included, but not those of internal errors or of rows
+        the store could not read: :func:`~pipeline.finalize.kept_rows.kept_rollouts`) and
+        the rows of receipts rejected at plan time."""
+        kept = kept_rollouts(self._result.groups.values() if self._result is not None else ())
         keys = dict.fromkeys(k for p in self.graph.plan.rollouts if p.rollout_id not in kept for k in p.all_keys)
         keys.update(dict.fromkeys(self.rejected_keys))
         return list(keys)

@@ -68,7 +68,8 @@ class RowCounts(TypedDict):
 
 class GroupMetrics(RowCounts):
     """A group's ``kind: "group"`` finalize event (:data:`pipeline.events.FINALIZE`) and the
-    private ``_``-prefixed bookkeeping the step's aggregate reads (:func:`public` strips it)."""
+    private ``_``-prefixed bookkeeping the step's aggregate and clear read (:func:`public`
+    strips it)."""
 
     kind: str
     step_id: str
@@ -86,6 +87,7 @@ class GroupMetrics(RowCounts):
     _fetch_timings: list[FetchTiming]
     _calls: int
     _planned: int
+    _unread_rollouts: list[str]  # read by the step's clear (:mod:`pipeline.finalize.kept_rows`)
 
 
 class _StepFigures(TypedDict):

@@ -25,6 +25,7 @@ from ..store.deadline import takes_timeout
 from ..store.protocol import ABSENT_FIELD, LOST_KEY, StoreLike
 from . import serializers  # registers how Dask weighs and ships these tasks' outputs
 from . import timing
+from .kept_rows import UNREAD_REASONS, rows_unread
 from .serializers import verify_out_bytes
 from .task_outputs import Piece, ShippedPlans, VerifyOut
 
@@ -150,16 +151,20 @@ def verify_piece(
 def _with_store_reason(result: RolloutResult, plan: RolloutPlan, failed: Mapping[str, tuple[str, str]]) -> RolloutResult:
     """A ``missing_staging_row`` verdict with the store's own per-key reason appended
     (e.g. ``unit_unavailable`` when the unit holding the row was lost), so the operator
-    sees why the row is missing, not only that it is. A row the store reports
-    ``lost_key`` (staged, both copies lost) rejects the rollout ``lost_staging_row``."""
+    sees why the row is missing, not only that it is, and recorded as its
+    ``store_reason`` (the step's clear keeps the rows of a rollout whose rows could not be
+    read: :func:`~pipeline.finalize.kept_rows.rows_unread`). A row the store reports
+    ``lost_key`` (staged, both copies lost) rejects the rollout ``lost_staging_row``; a
+    row the store answered for (absent, lost) decides over one it could not read."""
     if result.status != reasons.MISSING_STAGING_ROW:
         return result
     hits = [failed[k] for k in plan.keys if k in failed]
-    why = next((h for h in hits if h[0] == LOST_KEY), hits[0] if hits else None)
-    if why is None:
+    if not hits:
         return result
+    why = min(hits, key=lambda h: 0 if h[0] == LOST_KEY else 2 if h[0] in UNREAD_REASONS else 1)
     if why[0] == LOST_KEY:
         result.status = reasons.LOST_STAGING_ROW
+    result.store_reason = why[0]
     result.detail = f"{result.detail} (store: {why[0]}: {why[1]})"
     return result
 
@@ -240,6 +245,7 @@ def assemble_outs(
         "_fetch_timings": list(fetch_timings.values()) if mine else [],
         "_calls": calls,
         "_planned": len(mine),
+        "_unread_rollouts": [r.rollout_id for r in rows if rows_unread(r)],
     }
     group_metrics = getattr(group, "metrics", None)
     if isinstance(group_metrics, dict):

@@ -36,6 +36,9 @@ class RolloutResult:
     n_calls: int = 0  # calls on the root -> terminal chain (0 if rejected before planning)
     # (oldest, newest) ``weight_version`` over the verified chain's calls; None unless ok.
     weight_versions: tuple[int, int] | None = None
+    # The store's reason for the row that decided a missing/lost-row verdict (e.g.
+    # ``unit_unavailable``, ``missing_key``); "" when the store reported none.
+    store_reason: str = ""
 
     @property
     def ok(self) -> bool:
