@@ -96,3 +96,30 @@ def test_a_key_staged_again_during_its_deferred_delete_outlives_the_checkpoint(t
     np.testing.assert_array_equal(got.batch.fields["token_ids"].row(0), rows[0].token_ids)
     assert not unit.put_many("staging", pack_rows([other])).failed  # the key is free once it ended
     unit.close()
+
+
+def test_a_checkpoint_begun_after_a_delete_does_not_write_the_deleted_row(tmp_path):
+    from pipeline.store import batch_file
+
+    unit = StorageUnit(0, memory_limit=1 << 20, capacity=1 << 30, spill_directory=str(tmp_path / "spill"),
+                       partitions=["staging", "cut"])
+    rows = make_rollout(np.random.default_rng(3), "ov", n_calls=3).rows
+    keys = [r.staging_key for r in rows]
+    assert not unit.put_many("staging", pack_rows(rows)).failed
+
+    def written(token: str) -> list[str]:
+        out = tmp_path / token
+        out.mkdir()
+        entries = unit.checkpoint_write(str(out), 1 << 20, token=token)
+        return [k for e in entries for k in batch_file.decode_batch((out / e["file"]).read_bytes()).keys]
+
+    unit.begin_checkpoint("A")
+    assert unit.delete("staging", keys[:1]).deferred == keys[:1]  # deleted while A is open
+    unit.begin_checkpoint("B")
+    assert unit.delete("staging", keys[1:2]).deferred == keys[1:2]  # deleted while A and B are open
+    assert written("B") == keys[1:]  # B began after the first delete: it never saw that row
+    assert written("A") == keys  # A began before both: it writes both
+    unit.end_checkpoint("A")
+    unit.end_checkpoint("B")
+    assert unit.keys("staging") == keys[2:] and unit.stats()["rows"] == 1
+    unit.close()

@@ -105,7 +105,7 @@ def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int, diges
             placement = store.placement
             primary_of = list(placement.unit_ids) if placement.replicas == 2 else None
             outcomes = settle_all([
-                unit.checkpoint_write(gen, int(chunk_bytes), primary_of, u, digest) for u, unit in enumerate(store.units)
+                unit.checkpoint_write(gen, int(chunk_bytes), primary_of, u, digest, token) for u, unit in enumerate(store.units)
             ])
             errors = [o for o in outcomes if isinstance(o, Exception)]
     finally:

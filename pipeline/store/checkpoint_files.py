@@ -181,14 +181,16 @@ def write_partition_files(
 def write_unit_files(
     target: "str | Location", me: int, held: "HeldRows", registry: Mapping[str, FieldRegistry], chunk_bytes: int,
     primary_of_units: int | Sequence[str] | None = None, digest: str = DEFAULT_ALGORITHM,
+    skip: Mapping[str, set[str]] | None = None,
 ) -> list[dict]:
     """A unit's checkpoint_write: every partition of ``held`` as files ``u<me>-<partition>-<n>.tcb``
     in ``target`` (:func:`write_partition_files`); with ``primary_of_units`` only the keys
-    unit ``me`` is the primary of; files hashed with ``digest``. Runs on the unit's actor
-    thread: a consistent snapshot."""
+    unit ``me`` is the primary of, never the keys of ``skip[partition]``; files hashed with
+    ``digest``. Runs on the unit's actor thread: a consistent snapshot."""
     entries: list[dict] = []
     for partition, index in held.index.items():
-        items = list(index.items())
+        left_out = (skip or {}).get(partition)
+        items = [(k, s) for k, s in index.items() if k not in left_out] if left_out else list(index.items())
         if primary_of_units is not None:
             items = primary_items(items, primary_of_units, me)
         rows = ((key, held.rows.peek(slot), held.weights[slot]) for key, slot in items)

@@ -19,7 +19,8 @@ class CheckpointGuard:
     open: dict[str, frozenset[str] | None] = field(default_factory=dict)
     began: dict[str, float] = field(default_factory=dict)
     expired: set[str] = field(default_factory=set)
-    deferred: dict[str, dict[str, None]] = field(default_factory=dict)
+    # Per partition: deleted keys whose removal waits -> the checkpoints open at the delete.
+    deferred: dict[str, dict[str, frozenset[str]]] = field(default_factory=dict)
     # Per partition: deferred keys a restore's put revived (provisional under its claim).
     revived: dict[str, dict[str, None]] = field(default_factory=dict)
 
@@ -54,7 +55,15 @@ class CheckpointGuard:
         return old
 
     def defer(self, partition: str, key: str) -> None:
-        self.deferred.setdefault(partition, {})[key] = None
+        """Hold back ``key``'s delete, noting the checkpoints open now (the first delete's)."""
+        waiting = self.deferred.setdefault(partition, {})
+        if key not in waiting:
+            waiting[key] = frozenset(t for t, parts in self.open.items() if parts is None or partition in parts)
+
+    def deleted_before(self, partition: str, token: str) -> set[str]:
+        """Deferred keys of ``partition`` deleted before checkpoint ``token`` began: held
+        for older checkpoints only, so ``token`` must not write them."""
+        return {k for k, tokens in self.deferred.get(partition, {}).items() if token not in tokens}
 
     def undefer(self, partition: str, key: str) -> bool:
         """Cancel ``key``'s deferred delete (it was staged again, identical); True if one waited."""

@@ -445,7 +445,7 @@ class StorageUnit:
 
     def checkpoint_write(
         self, directory: str | Location, chunk_bytes: int, primary_of_units: int | Sequence[str] | None = None, index: int | None = None,
-        digest: str = BLAKE3,
+        digest: str = BLAKE3, token: str | None = None,
     ) -> list[dict]:
         """Write every partition's rows as packed batch files (about ``chunk_bytes`` each)
         into ``directory`` (a local directory: atomically per file; or a generation at an
@@ -455,10 +455,13 @@ class StorageUnit:
         ``primary_of_units`` (a replicated store's unit ids, or count: default ids): write only
         the keys this unit is the primary of, so a checkpoint holds each key once, not twice.
         ``index``: this unit's position in the caller's table (default ``unit_index``).
-        ``digest``: the files' algorithm, ``"blake3"`` or ``"sha256"`` (the saver's ``capture.digest``)."""
+        ``digest``: the files' algorithm, ``"blake3"`` or ``"sha256"`` (the saver's ``capture.digest``).
+        ``token``: the checkpoint this write is for (opened by :meth:`begin_checkpoint`): rows
+        deleted before it began, held back only for older checkpoints, are left out."""
         self._check_open()
         me = self.unit_index if index is None else int(index)
-        return write_unit_files(directory, me, self.held, self.registry, chunk_bytes, primary_of_units, digest)
+        skip = {} if token is None else {p: self.guard.deleted_before(p, token) for p in self.held.index}
+        return write_unit_files(directory, me, self.held, self.registry, chunk_bytes, primary_of_units, digest, skip)
 
     # ---- lifecycle --------------------------------------------------------------
 
