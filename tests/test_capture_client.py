@@ -381,3 +381,22 @@ def test_stage_rollouts_poisons_a_refused_rollout_the_same_way(store_factory):
     receipts = stage_rollouts(store, [first, second])
     assert not receipts[0].poisoned
     assert receipts[1].poisoned and receipts[1].failure_reason.startswith("staging_failed: key_conflict: ")
+
+
+def test_a_rollout_with_other_routes_dimensions_does_not_fail_the_batch_it_is_flushed_with(store_factory):
+    # Rows of one flush are packed together; routes of another [L, K] cannot share the
+    # routes field. The odd rollout gets the store's own per-key answer; its neighbours
+    # in the same flush are stored.
+    store = store_factory(n_units=1)
+    with CaptureClient(store, flush_calls=10_000, flush_ms=600_000) as cap:
+        good, odd = open_rollout(cap, "shape-good"), open_rollout(cap, "shape-odd")
+        stage_chain(good, 2, seed=1)
+        d = delta(5)
+        d["routed_experts"] = np.zeros((len(d["token_ids"]), L + 1, K - 1), np.int16)
+        odd.stage("c0", None, **d)
+        assert cap.flush(timeout_s=60)  # one flush: the three rows together
+        rg, ro = good.finish(1.0), odd.finish(1.0)
+    assert not rg.poisoned, rg.failure_reason
+    got = store.get_many(rg.staging_keys, fields=["digest"])
+    assert not got.failed and len(got.batch) == 2
+    assert ro.poisoned and not ro.failure_reason.startswith("staging_failed: put_failed"), ro.failure_reason

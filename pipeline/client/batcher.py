@@ -3,8 +3,9 @@
 Engine threads :meth:`RowBatcher.add` rows; one background thread flushes every queued
 row as ONE ``put_many`` once ``capture-client.flush-calls`` rows are queued or
 ``capture-client.flush-ms`` milliseconds after the oldest queued row, whichever comes
-first (or at once on :meth:`flush` / :meth:`close`). While a put is in flight new rows
-queue for the next one. Each row's outcome (stored, refused, or its put raised) is
+first (or at once on :meth:`flush` / :meth:`close`); rollouts whose routes differ in
+``[L, K]`` cannot share a packed field, so such a flush puts once per ``[L, K]``
+(:func:`packable_parts`). While a put is in flight new rows queue for the next one. Each row's outcome (stored, refused, or its put raised) is
 reported to the row's owner; a put that raises fails only its own batch. A batcher never
 closed is closed at interpreter exit (its rows are put, with a warning naming the fix):
 the process's open batchers are an :class:`OpenBatchers` component of its
@@ -96,6 +97,20 @@ def row_bytes(row: StagedRow) -> int:
     """Payload bytes of one staged row's token fields (what dominates a put)."""
     n = row.token_ids.nbytes + row.token_mask.nbytes + row.logprobs.nbytes
     return n + (0 if row.routed_experts is None else row.routed_experts.nbytes)
+
+
+def packable_parts(rows: Sequence[StagedRow]) -> list[list[StagedRow]]:
+    """``rows`` split so each part packs into one batch: a packed routes field holds one
+    ``[L, K]``, so routed rows go by theirs; unrouted rows join the first part. One part
+    (all of ``rows``) when every routed row shares its ``[L, K]``."""
+    by_shape: dict[tuple[int, ...] | None, list[StagedRow]] = {}
+    for row in rows:
+        shape = None if row.routed_experts is None else tuple(row.routed_experts.shape[1:])
+        by_shape.setdefault(shape, []).append(row)
+    unrouted = by_shape.pop(None, [])
+    parts = list(by_shape.values()) or [[]]
+    parts[0].extend(unrouted)
+    return parts
 
 
 class RowBatcher:
@@ -252,13 +267,29 @@ class RowBatcher:
             if taken is None:
                 return
             outcome: dict[str, Refusal] | Refusal = put_error(RuntimeError("flusher stopped"))
+            raised = 0
             try:
-                outcome = self._put([q.row for q in taken])
-            except BaseException as e:  # noqa: BLE001 - a put that raises fails its batch only
-                logger.warning("capture client: a put of %d rows failed: %s: %s", len(taken), type(e).__name__, e)
-                outcome = put_error(e)
+                outcome, raised = self._put_parts([q.row for q in taken])
+            except BaseException as e:  # noqa: BLE001 - fails this flush only
+                logger.warning("capture client: a flush of %d rows failed: %s: %s", len(taken), type(e).__name__, e)
+                outcome, raised = put_error(e), 1
             finally:
-                self._settle(taken, outcome)
+                self._settle(taken, outcome, raised)
+
+    def _put_parts(self, rows: Sequence[StagedRow]) -> tuple[dict[str, Refusal], int]:
+        """One put per :func:`packable_parts` part of ``rows`` (one part unless routes
+        differ in ``[L, K]``); the refusals per key, and how many puts raised (a put that
+        raises fails its own part only)."""
+        failed: dict[str, Refusal] = {}
+        raised = 0
+        for part in packable_parts(rows):
+            try:
+                failed.update(self._put(part))
+            except Exception as e:  # noqa: BLE001 - a put that raises fails its part only
+                logger.warning("capture client: a put of %d rows failed: %s: %s", len(part), type(e).__name__, e)
+                failed.update(dict.fromkeys((r.staging_key for r in part), put_error(e)))
+                raised += 1
+        return failed, raised
 
     def _put(self, rows: Sequence[StagedRow]) -> dict[str, Refusal]:
         """ONE put of ``rows``; the refusals per key (a key without an answer is refused)."""
@@ -276,7 +307,7 @@ class RowBatcher:
             self.counters["bytes"] += batch.nbytes
         return failed
 
-    def _settle(self, taken: Sequence[_Queued], outcome: dict[str, Refusal] | Refusal) -> None:
+    def _settle(self, taken: Sequence[_Queued], outcome: dict[str, Refusal] | Refusal, raised: int) -> None:
         with self._cond:
             whole = outcome if isinstance(outcome, tuple) else None
             refused = 0
@@ -286,6 +317,6 @@ class RowBatcher:
                 q.owner._row_settled(q.row.staging_key, refusal)
             self.counters["rows"] += len(taken) - refused
             self.counters["refused"] += refused
-            self.counters["failed_puts"] += whole is not None
+            self.counters["failed_puts"] += raised
             self._settled_seq = taken[-1].seq + 1
             self._cond.notify_all()
