@@ -17,7 +17,7 @@ from tasks.receipts import Receipt
 from tasks.toy.rollouts import GeneratedRollout, RolloutSpec, generate_rollouts
 
 from . import config
-from .client.refusals import poison_refused
+from .client.refusals import poison_refused, refusals_of
 from .store.protocol import StoreLike
 
 if TYPE_CHECKING:
@@ -40,9 +40,10 @@ def policy_from_config(overrides: Mapping[str, object] | None = None) -> MoEPoli
 def stage_rollouts(store: StoreLike, rollouts: Sequence[GeneratedRollout]) -> list[Receipt]:
     """Stage every row of ``rollouts`` in ONE batched put; return their receipts.
 
-    A row the store refuses (``key_conflict``, ``store_full``, ...) poisons its rollout's
-    receipt with that reason (:func:`pipeline.client.refusals.poison_refused`), so the
-    finalizer rejects that rollout alone and nothing is silently missing.
+    A row the store refuses (``key_conflict``, ``store_full``, ...) or leaves out of its
+    answer (``missing_ack``) poisons its rollout's receipt with that reason
+    (:func:`pipeline.client.refusals.poison_refused`), so the finalizer rejects that
+    rollout alone and nothing is silently missing.
     """
     rows = [r for ro in rollouts for r in ro.rows]
     receipts = [ro.receipt for ro in rollouts]
@@ -50,7 +51,7 @@ def stage_rollouts(store: StoreLike, rollouts: Sequence[GeneratedRollout]) -> li
         return receipts
     batch: PackedBatch = pack_rows(rows)
     result = store.put_many(batch, partition=STAGING_PARTITION)
-    poison_refused(receipts, result.failed)
+    poison_refused(receipts, refusals_of(batch.keys, result.ok, result.failed))
     return receipts
 
 

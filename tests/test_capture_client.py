@@ -400,3 +400,17 @@ def test_a_rollout_with_other_routes_dimensions_does_not_fail_the_batch_it_is_fl
     got = store.get_many(rg.staging_keys, fields=["digest"])
     assert not got.failed and len(got.batch) == 2
     assert ro.poisoned and not ro.failure_reason.startswith("staging_failed: put_failed"), ro.failure_reason
+
+
+def test_stage_rollouts_poisons_a_rollout_whose_key_the_store_did_not_acknowledge(store_factory):
+    # The same rule as the capture client's: a key answered neither ok nor failed is not stored.
+    from pipeline.capture import policy_from_config, stage_rollouts
+    from tasks.toy.rollouts import generate_rollouts, make_group_specs
+
+    policy = policy_from_config()
+    specs = make_group_specs("sra", 2, turns=2, tokens_per_turn=4, tool_tokens=2, prompt_tokens=3, vocab_size=policy.vocab_size)
+    first, second = generate_rollouts(policy, specs)
+    faulty = FaultyStore(store_factory(n_units=1), FaultRules(drop_ack_keys=(second.rows[-1].staging_key,)))
+    receipts = stage_rollouts(faulty, [first, second])
+    assert not receipts[0].poisoned
+    assert receipts[1].poisoned and receipts[1].failure_reason.startswith("staging_failed: missing_ack: "), receipts[1].failure_reason

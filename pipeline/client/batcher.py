@@ -29,7 +29,7 @@ from tasks.schema import StagedRow
 from .. import config
 from ..process_state import process_state
 from ..store.protocol import StoreLike
-from .refusals import MISSING_ACK, Refusal, put_error
+from .refusals import Refusal, put_error, refusals_of
 
 logger = logging.getLogger(__name__)
 
@@ -296,12 +296,7 @@ class RowBatcher:
         batch = pack_rows(rows)
         # The batch is ours alone and never changes: units may keep views of it.
         result = self.store.put_many(batch, partition=self.partition, adopt=True)
-        failed = dict(result.failed)
-        if len(result.ok) + len(failed) != len(batch) or not failed.keys().isdisjoint(result.ok):
-            ok = set(result.ok)
-            for k in batch.keys:
-                if k not in ok and k not in failed:
-                    failed[k] = (MISSING_ACK, "the store answered neither ok nor failed for this key")
+        failed = refusals_of(batch.keys, result.ok, result.failed)
         with self._cond:
             self.counters["puts"] += 1
             self.counters["bytes"] += batch.nbytes

@@ -29,6 +29,17 @@ def put_error(error: BaseException) -> Refusal:
     return PUT_FAILED, f"{type(error).__name__}: {error}"
 
 
+def refusals_of(keys: Sequence[str], ok: Iterable[str], failed: Mapping[str, Refusal]) -> dict[str, Refusal]:
+    """The refusal of every key of a put of ``keys`` the store did not store: ``failed``,
+    plus :data:`MISSING_ACK` for a key in neither ``ok`` nor ``failed``."""
+    refused = dict(failed)
+    stored = set(ok)
+    for k in keys:
+        if k not in stored and k not in refused:
+            refused[k] = (MISSING_ACK, "the store answered neither ok nor failed for this key")
+    return refused
+
+
 def first_refusal(keys: Sequence[str], failed: Mapping[str, Refusal]) -> Refusal | None:
     """The first of ``keys`` (call order) the store refused, or ``None``."""
     if not failed:
