@@ -50,7 +50,10 @@ def merge_deletes(results: Iterable[StoreResult], keys: Sequence[str]) -> StoreR
         deferred.update(r.deferred)
         for k, f in r.failed.items():
             old = failed.get(k)
-            if old is None or (old[0] == MISSING_KEY and f[0] != MISSING_KEY) or _rank(f[0]) > _rank(old[0]):
+            # missing_key is no failure of the delete: any other answer of a copy outranks it
+            # (one copy missing and the other unreachable is unreachable: its row may remain).
+            if old is None or (old[0] == MISSING_KEY and f[0] != MISSING_KEY) or (
+                    f[0] != MISSING_KEY and _rank(f[0]) > _rank(old[0])):
                 failed[k] = f
     out = StoreResult()
     for k in keys:
