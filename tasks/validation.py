@@ -98,7 +98,8 @@ def check_routes(
 ) -> Problem:
     """Routes present iff encoding says so; the encoding's dtype (int16 for 1, uint8 for
     2, :data:`tasks.schema.ROUTES_ENCODINGS`); shape ``[delta_len, L, K]``; ids in
-    ``[0, num_experts)`` (an int16 id below 0 or either past the last expert)."""
+    ``[0, num_experts)`` (an int16 id below 0 or either past the last expert; no range
+    check when ``num_experts`` is None)."""
     if routes_encoding == ROUTES_NONE:
         if routed_experts is not None:
             return "invalid_routes", "routed_experts present but routes_encoding is 0"
@@ -139,15 +140,15 @@ def encode_routes(
     """A writer's routed expert ids (any integer array) in the dtype of ``routes_encoding``:
     ``(None, ids)`` (``ids`` is the given array when it already has that dtype, else a
     new one), or ``(problem, None)``: not an integer array, a shape :func:`check_routes_shape`
-    refuses, an id outside ``[0, num_experts)``, or (experts unknown) an id the encoding
-    cannot hold. The range is checked on the given values, before any cast, so a cast
-    never wraps an id into range."""
+    refuses, an id outside ``[0, num_experts)`` (below 0 when experts are unknown), or an
+    id the encoding cannot hold. The range is checked on the given values, before any
+    cast, so a cast never wraps an id into range."""
     dtype = ROUTES_ENCODINGS[routes_encoding][1]
     if not isinstance(routed_experts, np.ndarray) or routed_experts.dtype.kind not in "iu":
         got = getattr(routed_experts, "dtype", type(routed_experts).__name__)
         return ("invalid_routes", f"routed_experts dtype {got}, expected integer expert ids"), None
     problem = check_routes_shape(routed_experts, delta_len, routes_shape)
-    if problem is None and num_experts is not None:
+    if problem is None:
         problem = check_expert_range(routed_experts, num_experts, routes_encoding)
     if problem is None and routed_experts.dtype != dtype and routed_experts.size:
         info = np.iinfo(dtype)
@@ -160,17 +161,19 @@ def encode_routes(
     return None, routed_experts if routed_experts.dtype == dtype else routed_experts.astype(dtype)
 
 
-def check_expert_range(routed_experts: np.ndarray, num_experts: int, routes_encoding: int | None = None) -> Problem:
-    """Every id of the integer array ``routed_experts`` in ``[0, num_experts)``; the
-    problem names the first id outside (and the encoding, when given)."""
+def check_expert_range(routed_experts: np.ndarray, num_experts: int | None, routes_encoding: int | None = None) -> Problem:
+    """Every id of the integer array ``routed_experts`` in ``[0, num_experts)`` (``>= 0``
+    when ``num_experts`` is None: no expert is numbered below 0); the problem names the
+    first id outside (and the encoding, when given)."""
     if not routed_experts.size:
         return None
     lo, hi = int(routed_experts.min()), int(routed_experts.max())
-    if lo >= 0 and hi < num_experts:
+    if lo >= 0 and (num_experts is None or hi < num_experts):
         return None
     bad = lo if lo < 0 else hi
     how = "" if routes_encoding is None else f" (routes_encoding {routes_encoding}, {routed_experts.dtype.name} ids)"
-    return "invalid_routes", f"expert id {bad} outside [0, {num_experts}){how}"
+    span = "[0, ...) (expert ids start at 0)" if num_experts is None else f"[0, {num_experts})"
+    return "invalid_routes", f"expert id {bad} outside {span}{how}"
 
 
 def check_delta(

@@ -272,3 +272,15 @@ def test_gate_copies_caller_buffers():
     before = row.token_ids.copy()
     kw["token_ids"][:] = 0
     assert np.array_equal(row.token_ids, before)
+
+
+def test_a_negative_expert_id_is_refused_when_the_expert_count_is_unknown():
+    # No expert is numbered below 0: with num_experts unknown the gate still refuses -1,
+    # which a route replay would read as the last expert.
+    gate = CaptureGate("r0", vocab_size=VOCAB)
+    bad = good()["routed_experts"].astype(np.int64)
+    bad[-1, 0, 0] = -1
+    with pytest.raises(InvalidRecord, match="expert id -1") as err:
+        stage(gate, routed_experts=bad)
+    assert err.value.reason == "invalid_routes"
+    assert_nothing_kept(gate, 0, "c0", None)
