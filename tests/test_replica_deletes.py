@@ -17,6 +17,7 @@ from distributed import Client, LocalCluster
 from pipeline.store import StagingStore
 from pipeline.store.protocol import MISSING_KEY, UNIT_UNAVAILABLE
 from pipeline.store.unit import StorageUnit
+from tasks.errors import StoreUnavailable
 from rollout_factory import make_group
 from tasks.packed import pack_rows
 
@@ -79,3 +80,41 @@ def test_a_retried_delete_is_not_missing_while_a_copy_stays_on_a_hung_unit(clien
     finally:
         release.set()
         store.close()
+
+
+class _Answers:
+    """A unit handle whose ``keys`` call answers ``keys`` or raises ``error`` (an unreachable unit)."""
+
+    def __init__(self, keys: list[str] | None = None, error: Exception | None = None):
+        self._keys, self._error = keys or [], error
+
+    def keys(self, partition: str):
+        from concurrent.futures import Future
+
+        f: Future = Future()
+        f.set_exception(self._error) if self._error else f.set_result(list(self._keys))
+        return f
+
+
+def test_listing_during_a_drain_survives_the_leaving_unit_being_unreachable():
+    """Mid-move, the unit being drained (the last of the handle's units, outside the new
+    table) cannot be reached: every key it holds has another copy on a reachable unit of
+    the old table, so the listing is complete and returned (no IndexError from ranking a
+    unit the new table does not have)."""
+    from pipeline.store.moving import MovingTable
+    from pipeline.store.placement import Placement
+
+    workers = ("tcp://127.0.0.1:1", "tcp://127.0.0.1:2", "tcp://127.0.0.1:3")
+    old = Placement(1, workers, ("0", "1", "2"), 2)
+    new = old.without_unit("2")
+    keys = [f"r{i}/c0" for i in range(30)]
+    loc = old.locate(keys)
+    held = {u: [k for k, p, r in zip(keys, loc.primary, loc.replica) if u in (p, r)] for u in range(3)}
+    units = [_Answers(held[0]), _Answers(held[1]), _Answers(error=OSError("connection refused"))]
+    store = StagingStore(units[:2], new.workers, placement=new)
+    store.units, store.moving = units, MovingTable(new, old)  # as install_moving leaves a handle
+    assert sorted(store.keys()) == sorted(keys)
+    # Both copies' units unreachable: never a partial listing.
+    units[0] = _Answers(error=OSError("connection refused"))
+    with pytest.raises(StoreUnavailable):
+        store.keys()

@@ -317,9 +317,21 @@ class StagingStore:
             out.extend(ks if prefix is None else (k for k in ks if k.startswith(prefix)))
         one_copy = self.placement.replicas == 1
         for i, why in lost.items():
-            if one_copy or any(p in lost for p in self.placement.partners(i)):
+            if one_copy or any(p in lost for p in self._partners(i)):
                 raise StoreUnavailable(why)
         return out if one_copy else list(dict.fromkeys(out))
+
+    def _partners(self, i: int) -> set[int]:
+        """Indices into ``units`` that may hold the other copy of a key on unit ``i``:
+        while keys move, of either table (a unit being drained is in the old one only)."""
+        if self.moving is None:
+            return set(self.placement.partners(i))
+        ids = self.moving.unit_ids
+        out: set[int] = set()
+        for table in (self.moving.placement, self.moving.previous):
+            if ids[i] in table.unit_ids:
+                out.update(ids.index(table.unit_ids[v]) for v in table.partners(table.index_of(ids[i])))
+        return out
 
     def close(self) -> list[dict]:
         """Close every unit (drops rows, removes spill directories) and, in the creating
