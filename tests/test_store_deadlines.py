@@ -17,13 +17,13 @@ from distributed import Client, LocalCluster
 from pipeline.finalize import Finalizer
 from pipeline.generation import GenerationWorker
 from pipeline.store import StagingStore
-from pipeline.store.protocol import UNIT_UNAVAILABLE
+from pipeline.store.protocol import STORE_ERROR, UNIT_UNAVAILABLE, GetResult
 from pipeline.store.unit import StorageUnit
 from rollout_factory import make_group
 from tasks import reasons
 from tasks.cut.receipt import DURABLE_FAILURE, DURABLE_PREFIX
 from tasks.keys import unit_for_key, unit_for_rollout
-from tasks.packed import pack_rows
+from tasks.packed import PackedBatch, pack_rows
 from tasks.schema import STAGING_FIELDS
 from tasks.toy.policy import PolicyConfig
 
@@ -185,4 +185,36 @@ def test_rows_a_slow_unit_did_not_serve_survive_the_step_clear(client, store, mo
     unread = [r.staging_key for b in builts if b.rollout_id in on_hung for r in b.rows]
     served = [r.staging_key for b in builts if b.rollout_id not in on_hung for r in b.rows]
     got = store.get_many(unread + served, list(STAGING_FIELDS))
+    assert set(got.batch.keys) == set(unread), f"deleted rows never read: {sorted(set(unread) - set(got.batch.keys))}"
+
+
+def test_rows_whose_routes_a_unit_could_not_read_survive_the_step_clear(client, store, monkeypatch):
+    # The same for the routes fetch alone: one unit fails to read the routes of its rows
+    # (store_error, as a spill read gone bad answers), so its rollouts are rejected
+    # missing_routes, their routes never read; their rows are kept too.
+    gs = groups("hr", seed=6)
+    builts = [b for bs in gs.values() for b in bs]
+    assert not store.put_many(pack_rows([r for b in builts for r in b.rows])).failed
+    on_bad = {b.rollout_id for b in builts if unit_for_rollout(b.rollout_id, 2) == HUNG}
+    assert 0 < len(on_bad) < len(builts)
+    orig = StorageUnit.get_many
+
+    def unreadable_routes(self, partition, keys, fields=None, *a, **kw):
+        got = orig(self, partition, keys, fields, *a, **kw)
+        names = bytes(fields) if isinstance(fields, (bytes, bytearray)) else "".join(fields or ()).encode()
+        if self.unit_index == HUNG and b"routed_experts" in names and len(got.batch):
+            failed = {k: (STORE_ERROR, "reading the row failed (test)") for k in got.batch.keys}
+            return GetResult(PackedBatch([], {}), {**got.failed, **failed})
+        return got
+
+    monkeypatch.setattr(StorageUnit, "get_many", unreadable_routes)
+    with dask.config.set({"token-capture.finalize.clear-staged": True, "token-capture.finalize.retries": 0}):
+        fin = Finalizer(client, store, vocab_size=VOCAB, num_experts=E)
+        handle = fin.submit_step({g: [b.receipt for b in bs] for g, bs in gs.items()}, step_id="bad-routes")
+        step = handle.result(timeout=60)
+    assert step.rejected == {reasons.MISSING_ROUTES: len(on_bad)}
+    handle.clear_future.result(timeout=60)
+    unread = [r.staging_key for b in builts if b.rollout_id in on_bad for r in b.rows]
+    served = [r.staging_key for b in builts if b.rollout_id not in on_bad for r in b.rows]
+    got = store.get_many(unread + served, list(STAGING_FIELDS))  # no routes asked: read as usual
     assert set(got.batch.keys) == set(unread), f"deleted rows never read: {sorted(set(unread) - set(got.batch.keys))}"

@@ -3,8 +3,8 @@
 The clear deletes every key of the step's planned rollouts and of its plan-time rejected
 receipts, except rows a later step may still finalize or that cannot be told apart:
 receipts rejected for a reason in :data:`KEEP_ROWS_OF`, rollouts the verifier failed on
-(:data:`KEEP_ROWS_OF_VERDICT`), and rollouts rejected ``missing_staging_row`` because the
-store could not READ a row (:data:`UNREAD_REASONS`: a slow or lost unit, a failed spill
+(:data:`KEEP_ROWS_OF_VERDICT`), and rollouts rejected ``missing_staging_row`` or
+``missing_routes`` because the store could not READ a row (:data:`UNREAD_REASONS`: a slow or lost unit, a failed spill
 read), not because it holds none. The verify task records the store's reason on the
 verdict (:attr:`RolloutResult.store_reason`); each group's ``_unread_rollouts`` metric
 names those rollouts for the clear.
@@ -36,8 +36,9 @@ UNREAD_METRIC = "_unread_rollouts"  # a group's private metric: its rollouts wit
 
 
 def rows_unread(result: RolloutResult) -> bool:
-    """Whether ``result`` rejects its rollout only because the store could not read a row."""
-    return result.status == R.MISSING_STAGING_ROW and result.store_reason in UNREAD_REASONS
+    """Whether ``result`` rejects its rollout only because the store could not read a row
+    (its staging fields or its routes)."""
+    return result.status in (R.MISSING_STAGING_ROW, R.MISSING_ROUTES) and result.store_reason in UNREAD_REASONS
 
 
 def kept_rollouts(groups: Iterable[FinalizedGroup]) -> set[str]:

@@ -134,8 +134,9 @@ def verify_piece(
         except Exception as e:  # verify_many never raises on data: a bug, not a rejection
             logger.error("verify_many raised in verify task %d (internal error)", task, exc_info=True)
             results = [internal_error_result(p.rollout_id, e, len(p.chain)) for _, p in plans]
-    if staging is not None and staging.failed:
-        results = [_with_store_reason(res, p, staging.failed) for (_, p), res in zip(plans, results)]
+    failed = {**(routes.failed if routes is not None else {}), **(staging.failed if staging is not None else {})}
+    if failed:  # per key, the staging fetch's answer over the routes fetch's
+        results = [_with_store_reason(res, p, failed) for (_, p), res in zip(plans, results)]
     tokens = np.array([max(int(p.n_tokens), 1) for _, p in plans], dtype=np.float64)
     share = tokens / tokens.sum() if len(tokens) else tokens
     for (r, _), result, frac in zip(plans, results, share):
@@ -149,14 +150,14 @@ def verify_piece(
 
 
 def _with_store_reason(result: RolloutResult, plan: RolloutPlan, failed: Mapping[str, tuple[str, str]]) -> RolloutResult:
-    """A ``missing_staging_row`` verdict with the store's own per-key reason appended
-    (e.g. ``unit_unavailable`` when the unit holding the row was lost), so the operator
-    sees why the row is missing, not only that it is, and recorded as its
+    """A ``missing_staging_row`` or ``missing_routes`` verdict with the store's own per-key
+    reason appended (e.g. ``unit_unavailable`` when the unit holding the row was lost), so
+    the operator sees why the row is missing, not only that it is, and recorded as its
     ``store_reason`` (the step's clear keeps the rows of a rollout whose rows could not be
     read: :func:`~pipeline.finalize.kept_rows.rows_unread`). A row the store reports
     ``lost_key`` (staged, both copies lost) rejects the rollout ``lost_staging_row``; a
     row the store answered for (absent, lost) decides over one it could not read."""
-    if result.status != reasons.MISSING_STAGING_ROW:
+    if result.status not in (reasons.MISSING_STAGING_ROW, reasons.MISSING_ROUTES):
         return result
     hits = [failed[k] for k in plan.keys if k in failed]
     if not hits:
