@@ -4,9 +4,11 @@ worker is about to be retired), without losing or changing a row.
 :class:`Rebalancer` runs in the process that owns the store (the scheduler's store host),
 one change at a time (``store.owner.lock``, shared with the repairer): fence every unit
 early (tombstones), publish the moving table, **fence** (older calls answer ``moved``),
-**copy** in chunks (:func:`~pipeline.store.moves.plan_moves`; ``move_in`` skips
-tombstoned keys), **switch** to the final table and fence it, **drop** every copy it does
-not give (listed after that fence) and release a drained unit.
+**copy** in chunks (:func:`~pipeline.store.moves.plan_moves`; lost-key records ride with
+the rows, ``move_in`` skips tombstoned keys; names go to their new witness:
+:mod:`~pipeline.store.moved_names`), **switch** to the final table and fence it, **drop**
+every copy (and witnessed name) it does not give, listed after that fence, and release a
+drained unit.
 
 Refused before anything changes, naming the fix: a second unit on one worker, draining
 the last unit or one without which replicas=2 keeps a single failure domain
@@ -31,6 +33,7 @@ from .. import config
 from ..actors import current_workers, start_pinned_actors
 from .directory import UnitDirectory
 from .fence import Fence
+from .moved_names import HandedNames, names_to_drop, names_to_hand
 from .moves import Transfer, plan_moves, unheld
 from .moving import MovingTable
 from .pacing import Pacer, PhaseClock
@@ -183,12 +186,14 @@ class Rebalancer:
         self._all(live, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old)))  # 1. fence: older calls refused
         clock.lap("fence")
         moved = moved_bytes = 0
+        handed: dict[str, HandedNames] = {}
         for partition in self.store.partitions or []:  # 2. copy
             held = dict(zip(live, self._all(live, lambda uid, h, p=partition: h.keys(p))))
             clock.lap("list")
             plan = plan_moves(old, new, held, self.settings.chunk_keys, unreachable=sorted(dead))
             clock.lap("plan")
             rows, nbytes = self._copy(live, partition, plan.transfers)
+            handed[partition] = self._hand_names(live, partition, new, held)
             moved, moved_bytes = moved + rows, moved_bytes + nbytes
             clock.lap("copy")
         final = Placement(new.version + 1, new.workers, new.unit_ids, new.replicas, new.homes)
@@ -196,7 +201,7 @@ class Rebalancer:
         self._all(live, lambda uid, h: h.set_fence(Fence.message(final, uid, False)))
         clock.lap("switch")
         leaving = [uid for uid in moving.unit_ids if uid not in new.unit_ids]
-        dropped = self._drop_unheld({u: h for u, h in live.items() if u not in leaving}, final)  # 4. drop
+        dropped = self._drop_unheld({u: h for u, h in live.items() if u not in leaving}, final, handed)  # 4. drop
         self._all({u: live[u] for u in leaving if u in live}, lambda uid, h: h.close())  # they hold nothing of their own now
         self._release_futures([units[u] for u in leaving])
         clock.lap("drop")
@@ -207,18 +212,45 @@ class Rebalancer:
         logger.info("store %s of unit %s: %d rows moved, %d copies dropped in %.2fs", kind, unit_id, moved, dropped, record["seconds"])
         return record
 
-    def _drop_unheld(self, units: dict[str, Actor], final: Placement) -> int:
-        """Each unit's copies ``final`` does not give it, listed after its fence (no write
-        adds one since): the move's sources' and those a writer on the moving table put on
-        an old holder during the copy (left, a later move would bring them back after a
-        delete). Rows removed."""
+    def _drop_unheld(self, units: dict[str, Actor], final: Placement, handed: dict[str, HandedNames]) -> int:
+        """Each unit's copies (rows, lost-key records) ``final`` does not give it, listed
+        after its fence (no write adds one since): the move's sources' and those a writer
+        on the moving table put on an old holder during the copy (left, a later move would
+        bring them back after a delete); then the names it must no longer witness
+        (:func:`names_to_drop`). Rows removed."""
         dropped = 0
         for partition in self.store.partitions or []:
             held = dict(zip(units, self._all(units, lambda uid, h, p=partition: h.keys(p))))
             extra = unheld(final, held)
             drops = {uid: units[uid] for uid in extra}
             dropped += sum(self._all(drops, lambda uid, h, p=partition: h.drop(p, pack_names(list(extra[uid])))))
+            if final.replicas == 2:
+                self._drop_names(units, partition, final, held, handed.get(partition))
         return dropped
+
+    def _drop_names(self, units: dict[str, Actor], partition: str, final: Placement, held: dict[str, list[str]],
+                    handed: HandedNames | None) -> None:
+        """Unwitness on each unit the names :func:`names_to_drop` lists (``held``: unit id
+        -> keys listed after the final fence; ``handed``: what the copy handed)."""
+        witnessed = dict(zip(units, self._all(units, lambda uid, h: h.witnessed_keys(partition))))
+        stale = names_to_drop(final, witnessed, handed, held)
+        self._all({u: units[u] for u in stale}, lambda uid, h: h.witness(partition, None, pack_names(stale[uid])))
+
+    def _hand_names(self, units: dict[str, Actor], partition: str, new: Placement,
+                    held: dict[str, list[str]]) -> HandedNames:
+        """Hand each unit the names ``new`` makes it witness and it lacks, of the keys
+        ``held`` (unit id -> keys listed after the fence) and the names the units witness
+        (listed now), in chunks of ``settings.chunk_keys`` names; what was handed."""
+        if new.replicas != 2:
+            return HandedNames({}, frozenset())
+        witnessed = dict(zip(units, self._all(units, lambda uid, h: h.witnessed_keys(partition))))
+        hand = names_to_hand(new, held, witnessed)
+        step = self.settings.chunk_keys
+        futures = [units[u].witness(partition, pack_names(names[i : i + step]))
+                   for u, names in hand.items() for i in range(0, len(names), step)]
+        for f in futures:
+            f.result(timeout=self.settings.call_timeout_s)
+        return HandedNames(hand, frozenset(k for keys in held.values() for k in keys))
 
     def _copy(self, by_id: dict[str, Actor], partition: str, transfers: Sequence[Transfer]) -> tuple[int, int]:
         """Each transfer as one ``send`` from its source unit straight to its target

@@ -403,9 +403,9 @@ class StorageUnit:
         """Take the next table of a move (older ones refused); see :mod:`.fence`."""
         return take_fence(self, table)
 
-    def move_in(self, partition: str, batch: PackedBatch) -> int:
-        """Rows moved here by a move, except keys deleted meanwhile; rows written."""
-        return move_in(self, partition, batch)
+    def move_in(self, partition: str, batch: PackedBatch, lost: dict[str, str] | None = None) -> int:
+        """Rows (and lost keys: key -> how) moved here, except keys deleted meanwhile; rows written."""
+        return move_in(self, partition, batch, lost)
 
     def drop(self, partition: str, keys: Sequence[str] | bytes) -> int:
         """Remove this unit's copies of ``keys`` (they live elsewhere now); rows removed."""

@@ -1,4 +1,5 @@
-"""A storage unit's side of a move: taking a fence, rows moved in, copies dropped.
+"""A storage unit's side of a move: taking a fence, rows (and lost-key records) moved in,
+copies dropped.
 
 The unit's actor methods ``set_fence``, ``move_in`` and ``drop`` call the functions here
 (a fence of the final table, not moving, ends the move and its tombstones); its put, get and delete consult the :class:`~pipeline.store.fence.Fence`
@@ -24,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .checkpoint_guard import CheckpointGuard
     from .held_rows import HeldRows
+    from .losses import LossBook
 
 
 class StorageUnit(Protocol):
@@ -33,6 +35,7 @@ class StorageUnit(Protocol):
     fence: Fence | None
     guard: CheckpointGuard
     held: HeldRows
+    losses: LossBook
     partitions: list[str] | None
     counters: dict[str, int]
 
@@ -74,12 +77,15 @@ def take_fence(unit: StorageUnit, msg: Mapping[str, object]) -> dict:
     return {"version": fence.version, "unit_id": fence.unit_id}
 
 
-def move_in(unit: StorageUnit, partition: str, batch: PackedBatch) -> int:
-    """Store the moved rows of ``batch`` except keys deleted during the move; rows written
-    (a key already held identically counts as written: the copy is there)."""
+def move_in(unit: StorageUnit, partition: str, batch: PackedBatch, lost: Mapping[str, str] | None = None) -> int:
+    """Store the moved rows of ``batch`` and record the moved lost keys ``lost`` (key ->
+    how it was lost), except keys deleted during the move; rows written (a key already
+    held identically counts as written: the copy is there)."""
     unit._check_open()
     check_partition(partition, unit.partitions)
     fence = unit.fence
+    if lost:
+        _mark_moved_lost(unit, partition, lost)
     buried = set() if fence is None else fence.buried(partition, batch.keys)
     if buried:
         keep = np.asarray([i for i, k in enumerate(batch.keys) if k not in buried], dtype=np.int64)
@@ -87,33 +93,57 @@ def move_in(unit: StorageUnit, partition: str, batch: PackedBatch) -> int:
         if not len(keep):
             return 0
         batch = take_rows([batch], np.zeros(len(keep), np.int64), keep)
+    if not len(batch):
+        return 0
     res = unit.put_many(partition, batch, adopt=True, moving=True)
     unit.counters["moved_in_rows"] += len(res.ok)
     return len(res.ok)
 
 
+def _mark_moved_lost(unit: StorageUnit, partition: str, lost: Mapping[str, str]) -> None:
+    """Record the moved lost keys ``lost`` (key -> how) but those deleted during the move
+    (a delete forgets a loss; a late copy must not bring it back) and those held here."""
+    buried = set() if unit.fence is None else unit.fence.buried(partition, list(lost))
+    by_how: dict[str, list[str]] = {}
+    for key, how in lost.items():
+        if key not in buried:
+            by_how.setdefault(how, []).append(key)
+    index = unit.held.index.get(partition, {})
+    for how, keys in by_how.items():
+        unit.losses.mark(partition, keys, how, index)
+
+
 async def send(unit: StorageUnit, partition: str, keys: bytes, target: Actor) -> dict[str, int]:
     """A move's copy, unit to unit: read ``keys`` here on the worker's actor thread (a
-    consistent snapshot, in line with this unit's puts and deletes), then hand the rows to
-    ``target.move_in`` from the worker's event loop, worker to worker. The actor thread is
-    free while the rows travel and the target writes them. Keys no longer held (deleted
-    since they were listed) are skipped. ``{"rows": rows the target wrote, "bytes": bytes
-    of row data sent}``. Runs as the unit's async actor method on a worker."""
+    consistent snapshot, in line with this unit's puts and deletes), then hand the rows and
+    the lost-key records of ``keys`` to ``target.move_in`` from the worker's event loop,
+    worker to worker. The actor thread is free while the rows travel and the target writes
+    them. Keys no longer held (deleted since they were listed) are skipped. ``{"rows":
+    rows the target wrote, "bytes": bytes of row data sent}``. Runs as the unit's async
+    actor method on a worker."""
     from distributed import get_worker
 
     thread = dask_compat.actor_executor(get_worker())
-    got = await asyncio.get_running_loop().run_in_executor(thread, unit.get_many, partition, keys, None)
-    if not len(got.batch):
+    got, lost = await asyncio.get_running_loop().run_in_executor(thread, _read_moved, unit, partition, keys)
+    if not len(got.batch) and not lost:
         return {"rows": 0, "bytes": 0}
-    written, nbytes = int(await target.move_in(partition, got.batch)), int(got.batch.nbytes)
+    written, nbytes = int(await target.move_in(partition, got.batch, lost or None)), int(got.batch.nbytes)
     unit.counters["sent_rows"] += written
     unit.counters["sent_bytes"] += nbytes
     return {"rows": written, "bytes": nbytes}
 
 
+def _read_moved(unit: StorageUnit, partition: str, keys: bytes) -> tuple[GetResult, dict[str, str]]:
+    """The rows of ``keys`` and the lost ones with how each was lost (one snapshot: runs
+    on the unit's actor thread; lost keys are not read, so no ``lost_reads`` counted)."""
+    names = unpack_names(keys, "keys")
+    lost = {k: how for k in names if (how := unit.losses.how(partition, k)) is not None}
+    return unit.get_many(partition, [k for k in names if k not in lost] if lost else keys, None), lost
+
+
 def drop(unit: StorageUnit, partition: str, keys: Sequence[str] | bytes) -> int:
-    """Remove this unit's copies of ``keys`` (they live elsewhere now); rows removed. A
-    key deleted meanwhile is simply absent."""
+    """Remove this unit's copies of ``keys`` (they live elsewhere now), rows and lost-key
+    records; rows removed. A key deleted meanwhile is simply absent."""
     unit._check_open()
     check_partition(partition, unit.partitions)
     names = unpack_names(keys, "keys")
@@ -122,6 +152,8 @@ def drop(unit: StorageUnit, partition: str, keys: Sequence[str] | bytes) -> int:
     for key in names:
         if key in index:
             removed += unit.held.remove(partition, key)
+        else:
+            unit.losses.forget(partition, key)
     unit.counters["moved_out_rows"] += removed
     unit.held.compact()
     return removed
