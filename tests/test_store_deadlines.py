@@ -134,12 +134,28 @@ def test_cut_with_a_hung_unit_returns_by_its_deadline_and_a_retry_is_not_blocked
     assert r2.checkpoint_id == "dl-b"
 
 
-def test_finalize_step_with_a_hung_unit_rejects_only_its_rollouts(client, store, hang):
-    gs = groups("fin", seed=3)
+def staged(store, tag: str, seed: int):
+    """Groups ``tag`` staged in ``store``: (groups, their built rollouts, the ids of those
+    on unit ``HUNG``: some but not all)."""
+    gs = groups(tag, seed=seed)
     builts = [b for bs in gs.values() for b in bs]
     assert not store.put_many(pack_rows([r for b in builts for r in b.rows])).failed
     on_hung = {b.rollout_id for b in builts if unit_for_rollout(b.rollout_id, 2) == HUNG}
     assert 0 < len(on_hung) < len(builts)
+    return gs, builts, on_hung
+
+
+def assert_only_unread_kept(store, builts, unread_rollouts) -> None:
+    """After a step's clear: the rows of ``unread_rollouts`` are all still staged, every
+    other rollout's are gone."""
+    unread = [r.staging_key for b in builts if b.rollout_id in unread_rollouts for r in b.rows]
+    served = [r.staging_key for b in builts if b.rollout_id not in unread_rollouts for r in b.rows]
+    got = store.get_many(unread + served, list(STAGING_FIELDS))
+    assert set(got.batch.keys) == set(unread), f"deleted rows never read: {sorted(set(unread) - set(got.batch.keys))}"
+
+
+def test_finalize_step_with_a_hung_unit_rejects_only_its_rollouts(client, store, hang):
+    gs, builts, on_hung = staged(store, "fin", seed=3)
     hang("get_many")
     with dask.config.set({"token-capture.finalize.fetch-timeout-s": 1.0, "token-capture.finalize.clear-staged": False,
                           "token-capture.finalize.retries": 0}):
@@ -158,11 +174,7 @@ def test_rows_a_slow_unit_did_not_serve_survive_the_step_clear(client, store, mo
     # are rejected missing_staging_row and the step is delivered, but their rows were never
     # read. The step's clear, which reaches the unit once it answers again, keeps them (a
     # later step may finalize them); the delivered rollouts' rows go.
-    gs = groups("hc", seed=5)
-    builts = [b for bs in gs.values() for b in bs]
-    assert not store.put_many(pack_rows([r for b in builts for r in b.rows])).failed
-    on_hung = {b.rollout_id for b in builts if unit_for_rollout(b.rollout_id, 2) == HUNG}
-    assert 0 < len(on_hung) < len(builts)
+    gs, builts, on_hung = staged(store, "hc", seed=5)
     release = threading.Event()
     orig = StorageUnit.get_many
 
@@ -182,21 +194,14 @@ def test_rows_a_slow_unit_did_not_serve_survive_the_step_clear(client, store, mo
         release.set()  # the unit answers again (slow, not lost)
     assert step.rejected == {reasons.MISSING_STAGING_ROW: len(on_hung)}
     handle.clear_future.result(timeout=60)
-    unread = [r.staging_key for b in builts if b.rollout_id in on_hung for r in b.rows]
-    served = [r.staging_key for b in builts if b.rollout_id not in on_hung for r in b.rows]
-    got = store.get_many(unread + served, list(STAGING_FIELDS))
-    assert set(got.batch.keys) == set(unread), f"deleted rows never read: {sorted(set(unread) - set(got.batch.keys))}"
+    assert_only_unread_kept(store, builts, on_hung)
 
 
 def test_rows_whose_routes_a_unit_could_not_read_survive_the_step_clear(client, store, monkeypatch):
     # The same for the routes fetch alone: one unit fails to read the routes of its rows
     # (store_error, as a spill read gone bad answers), so its rollouts are rejected
     # missing_routes, their routes never read; their rows are kept too.
-    gs = groups("hr", seed=6)
-    builts = [b for bs in gs.values() for b in bs]
-    assert not store.put_many(pack_rows([r for b in builts for r in b.rows])).failed
-    on_bad = {b.rollout_id for b in builts if unit_for_rollout(b.rollout_id, 2) == HUNG}
-    assert 0 < len(on_bad) < len(builts)
+    gs, builts, on_bad = staged(store, "hr", seed=6)
     orig = StorageUnit.get_many
 
     def unreadable_routes(self, partition, keys, fields=None, *a, **kw):
@@ -214,7 +219,4 @@ def test_rows_whose_routes_a_unit_could_not_read_survive_the_step_clear(client, 
         step = handle.result(timeout=60)
     assert step.rejected == {reasons.MISSING_ROUTES: len(on_bad)}
     handle.clear_future.result(timeout=60)
-    unread = [r.staging_key for b in builts if b.rollout_id in on_bad for r in b.rows]
-    served = [r.staging_key for b in builts if b.rollout_id not in on_bad for r in b.rows]
-    got = store.get_many(unread + served, list(STAGING_FIELDS))  # no routes asked: read as usual
-    assert set(got.batch.keys) == set(unread), f"deleted rows never read: {sorted(set(unread) - set(got.batch.keys))}"
+    assert_only_unread_kept(store, builts, on_bad)  # no routes asked: read as usual
