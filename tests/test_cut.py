@@ -552,3 +552,25 @@ def test_call_with_nothing_to_save_is_not_written():
     buf.append(np.array([3], np.int64), np.array([-0.5], np.float32))
     frozen = buf.freeze("ck-empty-2")
     assert getattr(frozen, "tokens", None) == 1  # once a token exists, it is cut
+
+
+def test_a_row_that_cannot_be_packed_fails_alone(store, monkeypatch):
+    # Packing never raises for rows a CallBuffer froze; if it did (a bug), the batch is
+    # retried one row per put like a refused batch, so only the row that cannot be packed
+    # fails (cut_error) and the others of its batch are sealed.
+    real = cut_module.pack_chunks
+
+    def pack(chunks, allocate=None):
+        if any(c.rollout_id == "bad2" for c in chunks):
+            raise ValueError("cannot pack (test)")
+        return real(chunks, allocate)
+
+    monkeypatch.setattr(cut_module, "pack_chunks", pack)
+    bufs = buffers(4, prefix="bad")
+    receipt, _ = cut(bufs, store)  # one batch of 4
+    assert receipt.ack("bad2", "call-0").reason == CUT_ERROR and "packing raised ValueError" in receipt.ack("bad2", "call-0").detail
+    for i in (0, 1, 3):
+        ack = receipt.ack(f"bad{i}", "call-0")
+        assert ack.durable, ack
+        assert_verifies(store, ack)
+    assert_rolled_back(bufs[2])

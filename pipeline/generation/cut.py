@@ -12,6 +12,7 @@ controller. Deadlines are clock seconds; stats ms and bytes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from dataclasses import dataclass, field
 from statistics import fmean
@@ -43,6 +44,7 @@ from .cpu_gate import cpu_gate
 if TYPE_CHECKING:
     from ..store.protocol import StoreResult
 
+logger = logging.getLogger(__name__)
 Clock = Callable[[], float]  # seconds
 
 
@@ -181,7 +183,12 @@ class _Cut:
             return out
 
         self.take_gate()
-        batch = pack_chunks([c.chunk for c in chunks], allocate)
+        try:
+            batch = pack_chunks([c.chunk for c in chunks], allocate)
+        except Exception as e:  # a row that cannot be packed fails its batch, then itself alone
+            logger.error("cut %s: packing %d rows raised (a bug: rows are valid by construction)",
+                         self.checkpoint_id, len(chunks), exc_info=True)
+            return None, f"packing raised {type(e).__name__}: {e}", 0
         # Fresh buffers nobody else holds: a unit may keep views into them instead of
         # copying each row (adopt). A pooled slab is the next batches' memory once this
         # put is done: an in-process unit copies it (one over the wire keeps what it received).
