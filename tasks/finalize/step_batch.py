@@ -105,13 +105,14 @@ def _check_options(eps: float, pad_id: int, routes_dtype: torch.dtype | None) ->
 
 def _routes_dtype(groups: Sequence[FinalizedGroup], asked: torch.dtype | None) -> torch.dtype:
     """The batch's routes dtype: ``asked``, or the widest the groups store; uint8 asked of
-    int16-stored routes only when every id fits a byte (else :class:`InvalidInput`)."""
+    int16-stored routes only when every id fits a byte, ``[0, 255]`` (else
+    :class:`InvalidInput`: a negative id would wrap)."""
     stored = [g.routed_experts for g in groups if g.routed_experts is not None]
     widest = torch.uint8 if all(r.dtype == torch.uint8 for r in stored) else torch.int16
     if asked is None:
         return widest
-    if asked == torch.uint8 and any(r.dtype != torch.uint8 and r.numel() and int(r.max()) > 255 for r in stored):
-        raise InvalidInput("step_batch: routes_dtype uint8 asked, but int16-stored routes hold expert ids above 255")
+    if asked == torch.uint8 and any(r.dtype != torch.uint8 and r.numel() and (int(r.max()) > 255 or int(r.min()) < 0) for r in stored):
+        raise InvalidInput("step_batch: routes_dtype uint8 asked, but int16-stored routes hold expert ids above 255 or below 0")
     return asked
 
 
