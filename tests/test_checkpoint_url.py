@@ -540,6 +540,24 @@ def test_location_parsing_and_names(tmp_path):
             loc.path(bad)
 
 
+def test_s3_root_that_fsspec_would_glob_or_split_is_refused(s3_env):
+    """fsspec globs ``*``, ``?`` and ``[`` in removes (``[1]`` matches only ``1``, ``*``
+    anything), s3fs reads ``?`` as a version id, and an empty part lists empty: such a
+    root would never release its lease, or release another location's, or write every
+    object to one key. Each is refused in one line naming the URL; ``S3://`` is ``s3://``."""
+    other = parse(f"s3://{BUCKET}/aXb/ckpt", options={})
+    assert other.create(LEASE_NAME, json.dumps({"owner": "other-save", "expires_unix_s": None}).encode())
+    for bad in [f"s3://{BUCKET}/a*b/ckpt", f"s3://{BUCKET}/run[1]/ckpt", f"s3://{BUCKET}/x?versionId=3",
+                f"s3://{BUCKET}//ckpt", f"s3://{BUCKET}/a//ckpt"]:
+        with pytest.raises(CheckpointError, match="refused") as info:
+            Lease(parse(bad, options={}), 600).acquire(0)
+        assert repr(bad) in str(info.value) and "\n" not in str(info.value), bad
+    assert other.read(LEASE_NAME, 1 << 10, None, CheckpointError), "another location's lease is never touched"
+    other.remove(LEASE_NAME)
+    upper = parse(f"S3://{BUCKET}/up/ckpt", options={})
+    assert (upper.protocol, upper.root) == ("s3", f"{BUCKET}/up/ckpt")
+
+
 def test_storage_options_and_probe_timeout_settings_are_checked(tmp_path):
     from pipeline.store.location_probe import probe_timeout_s
 

@@ -31,6 +31,7 @@ LOCAL_PROTOCOLS = frozenset({"file", "local"})
 _PRIVATE_PROTOCOLS = frozenset({"memory"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+_GLOB_RE = re.compile(r"[*?\[]")  # what fsspec.asyn.has_magic looks for
 
 
 def _one_line(text: object) -> str:
@@ -240,9 +241,14 @@ def parse(where: "str | os.PathLike | Location", options: Mapping[str, Any] | No
             "from their own; use a local path or a shared store's URL (s3://bucket/prefix)"
         )
     cls = _backend(text, protocol)
-    root = str(cls._strip_protocol(text)).rstrip("/")
-    if not root or any(p in (".", "..") for p in root.split("/")):
-        raise CheckpointError(f"checkpoint location {text!r}: needs a bucket or directory without '.' or '..' parts")
+    root = str(cls._strip_protocol(f"{protocol}://{rest}")).rstrip("/")  # S3:// is s3://
+    if not root or any(p in ("", ".", "..") for p in root.split("/")):
+        raise CheckpointError(f"checkpoint location {text!r}: needs a bucket or directory without '.', '..' or empty parts; refused")
+    if _GLOB_RE.search(root):  # fsspec globs them in removes; s3fs reads '?' as a version id
+        raise CheckpointError(
+            f"checkpoint location {text!r}: '*', '?' and '[' are refused in a remote location (fsspec would match "
+            "other objects when removing); use a prefix without them"
+        )
     return Location(text.rstrip("/"), protocol, root, dict(storage_options() if options is None else options))
 
 
