@@ -41,7 +41,7 @@ from pipeline.store.client import StagingStore
 from tasks.engines.hf_moe import LOGPROB_TOLERANCE, HFMoEEngine
 from tasks.engines.route_replay import RoutedForward, batch_logprobs
 from tasks.engines.weights import WeightSnapshot
-from tasks.mismatch import mismatch_stats
+from tasks.mismatch import MismatchReport, mismatch_stats
 from tasks.toy.rewards import TargetTokensReward
 from tasks.toy.rollouts import make_step_specs
 
@@ -156,6 +156,27 @@ def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: dict[s
     return losses[0]
 
 
+def trainer_step(model: torch.nn.Module, opt: torch.optim.Optimizer, result: Any, step: int, args: argparse.Namespace,
+                 replay: bool) -> tuple[dict[str, torch.Tensor], MismatchReport, dict[bool, float], float]:
+    """The trainer at version ``step`` on one finalized step (``result``): its batch, the
+    monitor's report, the paired mean |trainer - sampler| (nats) keyed by replay, and the
+    loss. A step whose every rollout was rejected (no loss-mask token, no routes) gets no
+    forward and no update: an empty report (still published) and loss 0.0."""
+    batch = result.to_batch(routes_dtype=torch.int64, trainer_version=step)
+    if not bool(batch["loss_mask"].any()):
+        rep = result.report_mismatch(batch["old_logprobs"], weight_version=step, batch=batch)
+        return batch, rep, {True: 0.0, False: 0.0}, 0.0
+    fwd = batch_logprobs(model, batch, replay=replay)
+    # The monitor: this version's logprobs (and routes) of the batch against the sampler's.
+    rep = result.report_mismatch(fwd.token_logprobs.detach(), weight_version=step, trainer_routes=fwd.routes, batch=batch)
+    with torch.no_grad():  # the other mode, for the paired figures
+        other = batch_logprobs(model, batch, replay=not replay)
+    # The run's own mode is the monitor's figure; only the other forward is measured here.
+    paired = {replay: rep.mean_abs_delta,
+              not replay: mismatch_stats(batch["old_logprobs"], other.token_logprobs, batch["loss_mask"]).mean_abs_delta}
+    return batch, rep, paired, train_step(model, opt, batch, fwd, args, replay)
+
+
 def train_run(client: Any, store: Any, args: argparse.Namespace, overrides: dict[str, object], name: str) -> list[StepFigures]:
     """One asynchronous GRPO run (``name`` in RUNS); returns its figures per step.
 
@@ -195,16 +216,7 @@ def train_run(client: Any, store: Any, args: argparse.Namespace, overrides: dict
         if step + 1 < args.steps:
             handle, next_wait_s = finalize(step + 1)
         t2 = time.perf_counter()
-        batch = result.to_batch(routes_dtype=torch.int64, trainer_version=step)
-        fwd = batch_logprobs(model, batch, replay=replay)
-        # The monitor: this version's logprobs (and routes) of the batch against the sampler's.
-        rep = result.report_mismatch(fwd.token_logprobs.detach(), weight_version=step, trainer_routes=fwd.routes, batch=batch)
-        with torch.no_grad():  # the other mode, for the paired figures
-            other = batch_logprobs(model, batch, replay=not replay)
-        # The run's own mode is the monitor's figure; only the other forward is measured here.
-        paired = {replay: rep.mean_abs_delta,
-                  not replay: mismatch_stats(batch["old_logprobs"], other.token_logprobs, batch["loss_mask"]).mean_abs_delta}
-        loss = train_step(model, opt, batch, fwd, args, replay)
+        batch, rep, paired, loss = trainer_step(model, opt, result, step, args, replay)
         if step + 2 < args.steps:
             weights = hf_weights.publish(client, WeightSnapshot.of(model, step + 1))
             generating[step + 2] = generate(step + 2, weights)
@@ -230,7 +242,7 @@ def train_run(client: Any, store: Any, args: argparse.Namespace, overrides: dict
             k3_mean=rep.k3_mean,
             frac_outside_0_1=rep.frac_outside[0.1],
             frac_outside_0_2=rep.frac_outside[0.2],
-            route_agreement=rep.route_agreement,
+            route_agreement=float("nan") if rep.route_agreement is None else rep.route_agreement,  # None: no token
             replay_mean_abs_delta=paired[True],
             free_mean_abs_delta=paired[False],
         )
