@@ -458,3 +458,18 @@ def test_to_batch_through_a_real_finalizer(cluster_client, store_factory):
         np.testing.assert_array_equal(b["loss_mask"][r, :n].numpy(), mask)
         assert int(b["attention_mask"][r].sum()) == n and int(b["position_ids"][r, n - 1]) == n - 1
     assert_all_finite(b)
+
+
+def test_one_rollout_of_other_routes_dimensions_is_the_one_rejected_in_its_group():
+    # Whichever position the odd rollout has, the group's [L, K] is the one most rows have:
+    # it is rejected invalid_routes, its group-mates are trained on.
+    good = verified(40, n=3, routes=(2, 2, 8))
+    rogue = verified(41, n=1, routes=(3, 2, 8))
+    for rows in (rogue + good, good[:1] + rogue + good[1:]):
+        g = group(rows, [0.0, 1.0, 0.5, 0.2])
+        want = [R.INVALID_ROUTES if r is rogue[0] else R.OK for r in rows]
+        assert g.status == want, g.status
+        assert tuple(g.routed_experts.shape[2:]) == (2, 2)
+    # A tie keeps the first routed row's dimensions (as before).
+    tie = group(verified(42, n=1, routes=(2, 2, 8)) + verified(43, n=1, routes=(3, 2, 8)), [0.0, 1.0])
+    assert tie.status == [R.OK, R.INVALID_ROUTES]

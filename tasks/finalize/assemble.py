@@ -145,7 +145,7 @@ def _training_rows(
     results: Sequence[RolloutResult], staleness: Staleness | None = None,
 ) -> tuple[list[str], list[str], list[Linearized | None], tuple[int, ...] | None]:
     """Each row's status, detail and training row (None: rejected), and the group's routes
-    ``[L, K]`` (that of its first routed row; None: no routes).
+    ``[L, K]`` (:func:`group_route_shape`; None: no routes).
 
     An accepted result without a training row becomes empty_training_row; one too stale
     for ``staleness`` becomes stale; an accepted row whose routes' ``[L, K]`` differs from
@@ -160,13 +160,24 @@ def _training_rows(
             details[i] = "accepted without a training row"
     if staleness is not None:
         _drop_stale(results, status, details, lins, staleness)
-    route_shape = next((lin.routed_experts.shape[1:] for lin in lins if lin is not None and lin.routed_experts is not None), None)
+    route_shape = group_route_shape(lins)
     for i, lin in enumerate(lins):
         if lin is not None and lin.routed_experts is not None and lin.routed_experts.shape[1:] != route_shape:
             status[i] = R.INVALID_ROUTES
-            details[i] = f"routes [L, K] = {list(lin.routed_experts.shape[1:])}, the group's first routed row has {list(route_shape)}"
+            details[i] = f"routes [L, K] = {list(lin.routed_experts.shape[1:])}, the group's routed rows mostly have {list(route_shape)}"
             lins[i] = None
     return status, details, lins, route_shape
+
+
+def group_route_shape(lins: Sequence[Linearized | None]) -> tuple[int, ...] | None:
+    """The routes ``[L, K]`` most of the group's routed rows have (ties: the first row's
+    of them), so one rollout of other dimensions is the one rejected, never its
+    group-mates; None when no row is routed."""
+    shapes = [lin.routed_experts.shape[1:] for lin in lins if lin is not None and lin.routed_experts is not None]
+    if not shapes:
+        return None
+    counts = Counter(shapes)
+    return max(counts, key=lambda shape: (counts[shape], -shapes.index(shape)))
 
 
 def routes_dtype(lins: Sequence[Linearized | None]) -> np.dtype:
@@ -269,8 +280,8 @@ def assemble_group(
 ) -> FinalizedGroup:
     """Pad and stack one group's results (submission order) into a :class:`FinalizedGroup`.
 
-    An accepted row whose routes' ``[L, K]`` differs from the group's first routed row is
-    rejected ``invalid_routes`` here rather than failing the whole group.
+    An accepted row whose routes' ``[L, K]`` differs from the one most of the group's routed
+    rows have is rejected ``invalid_routes`` here rather than failing the whole group.
     ``metrics``: accepted, rejected (rows rejected for their data), rejected_by_reason,
     internal_errors (rows the verifier failed on: counted apart, never a reason), tokens
     (accepted tokens), calls_per_rollout (mean chain calls over accepted rows), max_len.
