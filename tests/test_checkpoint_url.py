@@ -288,7 +288,18 @@ def test_older_generations_go_only_after_the_manifest_reads_back(client, make, w
             buffers = [bytes(data)]
         return real(self, name, buffers, *rest)
 
+    real_replace = Location.replace
+
+    def garbled_replace(self, name, data, expected):  # the same on a conditional (S3) location
+        return real_replace(self, name, garbled_bytes(data) if name == ck.MANIFEST else data, expected)
+
+    def garbled_bytes(data: bytes) -> bytes:
+        out = bytearray(data)
+        out[len(out) // 2] ^= 0x55
+        return bytes(out)
+
     monkeypatch.setattr(Location, "write", garbled)
+    monkeypatch.setattr(Location, "replace", garbled_replace)
     with pytest.raises(CheckpointError, match="did not read back"):
         store.checkpoint(where, chunk_bytes=4096)
     monkeypatch.undo()
@@ -571,3 +582,49 @@ def test_storage_options_and_probe_timeout_settings_are_checked(tmp_path):
         with dask.config.set({PROBE_SETTING: value}):
             with pytest.raises(CheckpointError, match="checkpoint-probe-timeout-s must be"):
                 probe_timeout_s()
+
+
+def test_s3_a_save_paused_past_its_lease_cannot_overwrite_the_next_saves_manifest(make, s3_env, monkeypatch):
+    # Save A passes its lease check, then stalls until its lease expires; save B takes the
+    # expired lease, saves and removes A's generation. A then resumes: its manifest write is
+    # conditional on the manifest A saw when it took its lease, so it fails instead of
+    # overwriting B's; B's checkpoint stays current and restorable.
+    import threading
+    import time as _time
+
+    from pipeline.store import checkpoint as ck
+
+    where = s3_where()
+    with dask.config.set({"token-capture.store.checkpoint-lease-s": 3}):
+        store, first, rows = saved(make, where)
+        paused, resume = threading.Event(), threading.Event()
+        real = ck._write_sequenced
+
+        def slow(*args, **kwargs):
+            if threading.current_thread().name == "A":  # A passed its lease check, then stalls
+                paused.set()
+                resume.wait(60)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(ck, "_write_sequenced", slow)
+        out = {}
+
+        def a():
+            try:
+                out["a"] = store.checkpoint(where)
+            except Exception as e:  # noqa: BLE001 - reported below
+                out["a"] = e
+
+        t = threading.Thread(target=a, name="A")
+        t.start()
+        assert paused.wait(60)
+        _time.sleep(3.5)  # A's lease expires while it stalls
+        out["b"] = store.checkpoint(where)  # B takes the expired lease, saves, removes A's generation
+        resume.set()
+        t.join(60)
+    assert isinstance(out["a"], CheckpointError) and "another save" in str(out["a"]), out["a"]
+    current = ck.read_manifest(where)
+    assert current["generation"] == out["b"]["generation"]
+    fs, root = raw(where)
+    fs.invalidate_cache()
+    assert all(fs.exists(f"{root}/{e['file']}") for e in current["files"])

@@ -41,7 +41,9 @@ from .manifest import (  # noqa: F401 (the checkpoint's public names, re-exporte
     HMAC_FIELD,
     MANIFEST,
     MANIFEST_FORMAT,
+    _ANY as _ANY_MANIFEST,
     _FROM_CONFIG,
+    ManifestReplaced,
     Where,
     _manifest_digest,
     _record_file,
@@ -140,6 +142,9 @@ def _missing_files(gen: Location, files: list[dict]) -> list[str]:
 def _save_locked(store: "StoreLike", loc: Location, chunk_bytes: int, key: bytes | None, lease: Lease | None) -> dict:
     """:func:`save` with the location's lock or lease held: write a generation, check
     every file is there, write the manifest, read it back, then drop older generations."""
+    # Under a lease (a remote location): the manifest this save may replace, as it is now
+    # that the lease is ours; a save that outlived its lease cannot overwrite a newer one.
+    replacing = loc.etag(MANIFEST) if lease is not None and loc.conditional else _ANY_MANIFEST
     generation = f"gen-{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
     gen = loc.child(generation)
     if loc.local:
@@ -173,7 +178,14 @@ def _save_locked(store: "StoreLike", loc: Location, chunk_bytes: int, key: bytes
     }
     if lease is not None:
         lease.check()  # still this save's: no other save may be writing here
-    _write_sequenced(loc, manifest, key)
+    try:
+        _write_sequenced(loc, manifest, key, replacing)
+    except ManifestReplaced as e:
+        _remove_quietly(loc, generation)
+        raise CheckpointError(
+            f"checkpoint to {loc.url!r} failed: it outlived its lease and another save has written the checkpoint "
+            f"since ({e}); that one is kept; raise token-capture.store.checkpoint-lease-s and save again"
+        ) from None
     _read_back(loc, manifest, key)
     # Only now is the new checkpoint current: drop older and half-written generations
     # (never one a concurrent save is writing: saves to one location hold its lock or lease).
@@ -215,24 +227,25 @@ def _previous_sequence(path: Location, key: bytes | None) -> int:
         return 0
 
 
-def _write_sequenced(path: Location, manifest: dict, key: bytes | None) -> None:
+def _write_sequenced(path: Location, manifest: dict, key: bytes | None, replacing: object = _ANY_MANIFEST) -> None:
     """Set ``manifest["sequence"]`` and write the manifest (:func:`write_manifest`).
 
     Signed (``key``): one more than the highest of the sequence recorded for its store
     name and the checkpoint now at ``path``, allocated, written and recorded under the
     sequence record's lock. Unsigned: one more than the checkpoint now at ``path``; an
     unsigned checkpoint cannot be defended against replay (anyone can rewrite it), so no
-    record is kept and none is checked; the sequence is informational only."""
+    record is kept and none is checked; the sequence is informational only. ``replacing``:
+    :func:`write_manifest`'s condition (default: any manifest)."""
     previous = _previous_sequence(path, key)
     record = _record_file() if key is not None else None
     if record is None:
         manifest["sequence"] = previous + 1
-        write_manifest(path, manifest, key)
+        write_manifest(path, manifest, key, replacing)
         return
     with sequence.updating(record) as stores:
         name = manifest["store"]
         manifest["sequence"] = max(stores.get(name, 0), previous) + 1
-        write_manifest(path, manifest, key)
+        write_manifest(path, manifest, key, replacing)
         stores[name] = manifest["sequence"]
 
 

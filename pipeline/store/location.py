@@ -29,6 +29,8 @@ from .regular_file import read_regular_bounded
 OPTIONS_CONFIG = "store.checkpoint-storage-options"
 LOCAL_PROTOCOLS = frozenset({"file", "local"})
 _PRIVATE_PROTOCOLS = frozenset({"memory"})
+# Backends whose whole-object puts take S3's conditions (If-Match, If-None-Match).
+CONDITIONAL_PROTOCOLS = frozenset({"s3", "s3a"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,255}$")
 _URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 _GLOB_RE = re.compile(r"[*?\[]")  # what fsspec.asyn.has_magic looks for
@@ -106,6 +108,40 @@ class Location:
             self.fs().pipe_file(self.path(name), data, mode="create")
         except FileExistsError:
             return False
+        return True
+
+    @property
+    def conditional(self) -> bool:
+        """Whether :meth:`replace` is compare-and-swap here (S3's ``If-Match``)."""
+        return self.protocol in CONDITIONAL_PROTOCOLS
+
+    def etag(self, name: str) -> str | None:
+        """The entity tag of object ``name`` now (None: no such object, or a local location)."""
+        if self.local:
+            return None
+        fs = self.fs()
+        try:
+            fs.invalidate_cache(self.path(name))
+            info = fs.info(self.path(name))
+        except FileNotFoundError:
+            return None
+        return info.get("ETag") or info.get("etag")
+
+    def replace(self, name: str, data: bytes, expected: str | None) -> bool:
+        """Write ``name`` whole only if it is still the object of entity tag ``expected``
+        (None: only if there is none): True, else False (another writer replaced it). Only
+        where :attr:`conditional`; elsewhere a plain whole-object write."""
+        if not self.conditional:
+            self.write(name, [data])
+            return True
+        fs, path = self.fs(), self.path(name)
+        condition = {"mode": "create"} if expected is None else {"IfMatch": expected}
+        try:
+            fs.pipe_file(path, data, **condition)
+        except (FileExistsError, OSError) as e:
+            if self.etag(name) != expected:
+                return False
+            raise CheckpointError(f"{self.url.rstrip('/')}/{name}: conditional write failed: {_one_line(e)}") from None
         return True
 
     def read(self, name: str, limit_bytes: int, knob: str | None, error: type[CheckpointError]) -> bytes:

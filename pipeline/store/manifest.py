@@ -49,6 +49,11 @@ _GENERATION_RE = re.compile(r"^gen-[A-Za-z0-9_-]{1,200}$")
 _DATA_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,250}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _FROM_CONFIG: Final = object()  # "the key from config" (a default no caller passes)
+_ANY: Final = object()  # "replace whatever manifest is there" (write_manifest's default)
+
+
+class ManifestReplaced(CheckpointError):
+    """A conditional manifest write found another save's manifest in its place."""
 Where = Union[str, "os.PathLike[str]", Location]  # a checkpoint location: a path, a URL or a parsed one
 
 
@@ -103,9 +108,12 @@ def manifest_key() -> bytes | None:
     return key
 
 
-def write_manifest(path: Where, manifest: dict, key: bytes | None = _FROM_CONFIG) -> None:
+def write_manifest(path: Where, manifest: dict, key: bytes | None = _FROM_CONFIG, replacing: object = _ANY) -> None:
     """Write ``MANIFEST.json`` at location ``path`` whole (local: temp, fsync, rename, fsync
-    dir; remote: one put), signed with ``key`` (default: :func:`manifest_key`) when there is one."""
+    dir; remote: one put), signed with ``key`` (default: :func:`manifest_key`) when there is one.
+    ``replacing``: the entity tag of the manifest this one may replace (None: only where
+    there is none), checked by the put where the location is conditional: another writer's
+    manifest since raises :class:`ManifestReplaced`."""
     if key is _FROM_CONFIG:
         key = manifest_key()
     manifest = {k: v for k, v in manifest.items() if k not in _DIGEST_FIELDS}
@@ -114,7 +122,10 @@ def write_manifest(path: Where, manifest: dict, key: bytes | None = _FROM_CONFIG
     manifest["manifest_sha256"] = _manifest_digest(manifest)
     data = json.dumps(manifest, indent=1, sort_keys=True).encode()
     loc = parse(path)
-    loc.write(MANIFEST, [data])
+    if replacing is _ANY:
+        loc.write(MANIFEST, [data])
+    elif not loc.replace(MANIFEST, data, replacing):  # type: ignore[arg-type]
+        raise ManifestReplaced(f"{loc.url}: another save wrote the manifest since this save took its lease")
     loc.sync()
 
 
