@@ -199,6 +199,11 @@ class CheckpointCorrupt(CheckpointError):
     """A checkpoint's manifest or data files fail their digests or do not parse."""
 
 
+class ManifestReplaced(CheckpointError):
+    """A conditional manifest write found another save's manifest in its place (the save
+    outlived its lease); the newer checkpoint is kept."""
+
+
 class CheckpointReplayed(CheckpointCorrupt):
     """A signed checkpoint older than one already saved or restored for its store name.
 

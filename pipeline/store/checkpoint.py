@@ -25,7 +25,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from tasks.errors import CheckpointCorrupt, CheckpointError, RestoreIncomplete
+from tasks.errors import CheckpointCorrupt, CheckpointError, ManifestReplaced, RestoreIncomplete
 
 from .. import config
 from . import sequence
@@ -43,7 +43,6 @@ from .manifest import (  # noqa: F401 (the checkpoint's public names, re-exporte
     MANIFEST_FORMAT,
     _ANY as _ANY_MANIFEST,
     _FROM_CONFIG,
-    ManifestReplaced,
     Where,
     _manifest_digest,
     _record_file,

@@ -25,7 +25,7 @@ import re
 from typing import Final, Union
 
 from tasks.digests import ALGORITHMS, SHA256
-from tasks.errors import CheckpointCorrupt, CheckpointError, CheckpointReplayed
+from tasks.errors import CheckpointCorrupt, CheckpointError, CheckpointReplayed, ManifestReplaced
 
 from .. import config
 from . import sequence
@@ -50,10 +50,6 @@ _DATA_NAME_RE = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]{0,250}$")
 _SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 _FROM_CONFIG: Final = object()  # "the key from config" (a default no caller passes)
 _ANY: Final = object()  # "replace whatever manifest is there" (write_manifest's default)
-
-
-class ManifestReplaced(CheckpointError):
-    """A conditional manifest write found another save's manifest in its place."""
 Where = Union[str, "os.PathLike[str]", Location]  # a checkpoint location: a path, a URL or a parsed one
 
 
