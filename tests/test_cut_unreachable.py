@@ -15,7 +15,7 @@ from distributed.comm.core import CommClosedError
 
 from pipeline.capture import policy_from_config
 from pipeline.driver import RolloutDriver, cut_round
-from pipeline.store.client import StagingStore
+from support import store_maker
 from tasks.cut.prefix import verify_prefix
 from tasks.cut.receipt import DURABLE_PREFIX, GENERATION_LOST
 from tasks.keys import CUT_PARTITION
@@ -61,9 +61,8 @@ def _driver(client, store, prefix):
 
 @pytest.fixture
 def store(inprocess_client, tmp_path):
-    s = StagingStore.start(inprocess_client, n_units=2, memory_limit="1MiB", spill_directory=str(tmp_path / "spill"))
-    yield s
-    s.close()
+    with store_maker(inprocess_client, tmp_path / "spill") as make:
+        yield make(n_units=2, memory_limit="1MiB")
 
 
 def _advertised(acks) -> set[str]:
