@@ -2,8 +2,10 @@
 
 A row's, receipt record's and cut acknowledgement's ``digest_version`` names the
 algorithm of its hashes: 1 SHA-256 (tags ``token-capture/<kind>/v1\x00``), 2 BLAKE3
-(tags ``.../v2\x00``); the byte layouts (:mod:`tasks.hashing`) are the same for both.
-Writers pick one from ``capture.digest`` (``blake3``, the default, or ``sha256``);
+(tags ``.../v2\x00``), 3 BLAKE3 with field digests (``.../v3\x00``: the call digest
+hashes each token field's keyed digest instead of its bytes, so writers feed those as
+tokens arrive; :mod:`tasks.hashing` has both layouts). Writers pick one from
+``capture.digest`` (``blake3``, the default, writes version 3, or ``sha256``);
 verifiers recompute with the version each record declares. An unknown version is an
 :class:`UnsupportedDigest` (a ``ValueError``). :func:`scheme` hands out a
 :class:`DigestScheme` whose ``new(data)`` starts a running state (``update``,
@@ -14,6 +16,7 @@ algorithms".
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -26,7 +29,8 @@ SHA256 = "sha256"
 BLAKE3 = "blake3"
 ALGORITHMS: tuple[str, ...] = (SHA256, BLAKE3)
 DIGEST_SHA256 = 1  # digest_version of rows hashed with SHA-256 (every row before BLAKE3)
-DIGEST_BLAKE3 = 2  # digest_version of rows hashed with BLAKE3
+DIGEST_BLAKE3 = 2  # digest_version of rows hashed with BLAKE3 (one stream over every field)
+DIGEST_BLAKE3_FIELDS = 3  # digest_version of rows hashed with BLAKE3 over field digests
 DEFAULT_ALGORITHM = BLAKE3
 DIGEST_BYTES = 32
 
@@ -51,6 +55,8 @@ class DigestScheme:
     are the first bytes of each hash kind, so a value of one kind (or version) is never
     another's. ``chain_root`` / ``chain_link`` are ``tag_chain`` followed by the root
     marker ``\\x00`` / the link marker ``\\x01`` (a parent chain hash follows the latter).
+    ``field_new`` (field-digest layout only, else None) starts a running field digest: keyed,
+    no tag, so a field's bytes start on the hash's own block boundary.
     """
 
     version: int
@@ -60,6 +66,7 @@ class DigestScheme:
     tag_prefix: bytes
     tag_call: bytes
     tag_cut_prefix: bytes
+    field_new: Callable[..., Hasher] | None = None
     chain_root: bytes = field(init=False, repr=False)
     chain_link: bytes = field(init=False, repr=False)
 
@@ -73,13 +80,17 @@ def _tags(v: int) -> dict[str, bytes]:
             for kind in ("chain", "prefix", "call", "cut-prefix")}
 
 
+# The key of version 3's field digests: BLAKE3's key derivation of a fixed context string.
+FIELD_KEY = blake3.blake3(b"field digest v3", derive_key_context="token-capture 2026-12 field digest").digest()
 SCHEMES: dict[int, DigestScheme] = {
     DIGEST_SHA256: DigestScheme(DIGEST_SHA256, SHA256, hashlib.sha256, **_tags(1)),
     DIGEST_BLAKE3: DigestScheme(DIGEST_BLAKE3, BLAKE3, blake3.blake3, **_tags(2)),
+    DIGEST_BLAKE3_FIELDS: DigestScheme(DIGEST_BLAKE3_FIELDS, BLAKE3, blake3.blake3, **_tags(3),
+                                       field_new=functools.partial(blake3.blake3, key=FIELD_KEY)),
 }
 SUPPORTED_VERSIONS: tuple[int, ...] = tuple(SCHEMES)
-DEFAULT_VERSION = DIGEST_BLAKE3
-_BY_NAME = {s.algorithm: s for s in SCHEMES.values()}
+DEFAULT_VERSION = DIGEST_BLAKE3_FIELDS
+_BY_NAME = {s.algorithm: s for s in SCHEMES.values()}  # the newest version of each algorithm
 _FILE_HASHES: dict[str, Callable[..., Hasher]] = {SHA256: hashlib.sha256, BLAKE3: blake3.blake3}
 
 
@@ -94,12 +105,13 @@ def scheme(version: int) -> DigestScheme:
 
 
 def described() -> str:
-    """``"1 (sha256), 2 (blake3)"``: the versions this build computes, for messages."""
-    return ", ".join(f"{v} ({s.algorithm})" for v, s in SCHEMES.items())
+    """``"1 (sha256), 2 (blake3), 3 (blake3, field digests)"``: the versions this build
+    computes, for messages."""
+    return ", ".join(f"{v} ({s.algorithm}{', field digests' if s.field_new else ''})" for v, s in SCHEMES.items())
 
 
 def version_of(algorithm: str) -> int:
-    """The digest version written under setting ``algorithm`` (``"blake3"``/``"sha256"``)."""
+    """The digest version written under setting ``algorithm`` (``"blake3"``: 3, ``"sha256"``: 1)."""
     s = _BY_NAME.get(algorithm) if isinstance(algorithm, str) else None
     if s is None:
         raise UnsupportedDigest(f"digest algorithm {algorithm!r} is not one of {', '.join(ALGORITHMS)}")

@@ -1,7 +1,7 @@
-"""The three hashes of token capture, with their byte layout, for both digest versions.
+"""The three hashes of token capture, with their byte layout, for every digest version.
 
-Digest version 1 hashes with SHA-256, version 2 with BLAKE3 (:mod:`tasks.digests`);
-both use the layouts below, each version with its own domain tags (``TAG_*`` below is
+Digest version 1 hashes with SHA-256, versions 2 and 3 with BLAKE3 (:mod:`tasks.digests`);
+all use the layouts below (version 3 the digest's field-digest layout), each version with its own domain tags (``TAG_*`` below is
 ``token-capture/<kind>/v<version>\x00``, e.g. ``token-capture/chain/v2\x00`` for a
 BLAKE3 chain hash). Every hash starts with its tag, so a value of one kind (or of one
 version) can never be passed off as another; the digest also carries its version in
@@ -31,6 +31,17 @@ digest (v1: SHA-256, v2: BLAKE3)
     if routes_encoding == 1: <I L> <I K> <Q nbytes> routed_experts raw bytes (<i2, 2 per id)
     if routes_encoding == 2: <I L> <I K> <Q nbytes> routed_experts raw bytes (u1, 1 per id)
     chain_hash (32 bytes) cumulative_hash (32 bytes)
+
+digest, field-digest layout (v3: BLAKE3)
+    the v1/v2 header above, from TAG_CALL through <b routes_encoding>, then
+    <Q nbytes> F(token_ids) <Q nbytes> F(token_mask) <Q nbytes> F(logprobs)
+    if routes_encoding != 0: <I L> <I K> <Q nbytes> F(routed_experts)
+    chain_hash (32 bytes) cumulative_hash (32 bytes)
+  where F(x) is the field digest of x's raw bytes (the same bytes v1/v2 hash): keyed
+  BLAKE3 (key ``tasks.digests.FIELD_KEY``, nothing before the bytes), 32 bytes. A field
+  digest depends on the field's bytes alone, so a writer feeds it as tokens arrive and a
+  cut hashes only the ~200-byte outer layout (:func:`field_state`,
+  :func:`digest_of_fields`); a verifier hashes each field from a block boundary.
 
 Routes encodings (``tasks.schema``): 0 no routes (nothing hashed after logprobs but the
 hashes); 1 int16 ids (field ``routed_experts``); 2 uint8 ids (field
@@ -189,7 +200,13 @@ def digest_raw(
     header's ``routes_encoding`` carries routes (``<i2`` bytes for 1, ``u1`` for 2), else
     ``None``. Byte-identical to :func:`digest`.
     """
-    h = scheme(digest_version).new(header + _NBYTES.pack(len(token_ids)))
+    s = scheme(digest_version)
+    if s.field_new is not None:
+        new = s.field_new
+        routes_fd = None if routes is None else (routes[0], routes[1], len(routes[2]), new(routes[2]).digest())
+        return digest_of_fields(header, (len(token_ids), new(token_ids).digest()), (len(token_mask), new(token_mask).digest()),
+                                (len(logprobs), new(logprobs).digest()), routes_fd, chain_hash, cumulative_hash, digest_version)
+    h = s.new(header + _NBYTES.pack(len(token_ids)))
     h.update(token_ids)
     h.update(_NBYTES.pack(len(token_mask)))
     h.update(token_mask)
@@ -201,6 +218,39 @@ def digest_raw(
         h.update(buf)
     h.update(chain_hash + cumulative_hash)
     return h.digest()
+
+
+FieldDigest = tuple[int, bytes]  # (the field's size in bytes, its 32-byte field digest)
+
+
+def field_state(version: int = DIGEST_VERSION) -> Hasher:
+    """A running field digest of ``version`` (one of the field-digest layout): fed a
+    field's raw bytes in any number of updates, ``digest()`` gives F(field)."""
+    new = scheme(version).field_new
+    if new is None:
+        raise ValueError(f"digest_version {version} hashes fields inline: it has no field digests")
+    return new()
+
+
+def digest_of_fields(
+    header: bytes,
+    token_ids: FieldDigest,
+    token_mask: FieldDigest,
+    logprobs: FieldDigest,
+    routes: tuple[int, int, int, bytes] | None,
+    chain_hash: bytes,
+    cumulative_hash: bytes,
+    digest_version: int = DIGEST_VERSION,
+) -> bytes:
+    """The field-digest layout's digest from :func:`digest_header`'s bytes, each token
+    field's ``(nbytes, field digest)`` and ``routes`` ``(L, K, nbytes, field digest)``
+    (None: no routes). One small hash: no token byte is read here."""
+    parts = [header, _NBYTES.pack(token_ids[0]), token_ids[1], _NBYTES.pack(token_mask[0]), token_mask[1],
+             _NBYTES.pack(logprobs[0]), logprobs[1]]
+    if routes is not None:
+        parts += [_ROUTES_HEAD.pack(routes[0], routes[1], routes[2]), routes[3]]
+    parts += [chain_hash, cumulative_hash]
+    return scheme(digest_version).new(b"".join(parts)).digest()
 
 
 def digest(

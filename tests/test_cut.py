@@ -18,6 +18,7 @@ from distributed import Client, Event, LocalCluster
 from pipeline.generation import CallBuffer, GenerationWorker, run_cut
 from pipeline.testing.faults import FaultRules, FaultyStore, ManualClock
 from pipeline.store import StagingStore
+from tasks.digests import DEFAULT_VERSION
 from tasks.cut.batching import BatchLimits
 from tasks.cut.receipt import (
     COMPLETED,
@@ -358,7 +359,7 @@ def test_actor_cut_follows_the_digest_setting_read_when_built(client, store):
     blake = _start(client, store, 1, name="gen-blake3")  # the default
     blake.step(3).result()
     (ack,) = blake.checkpoint_cut("dg2").result().acks
-    assert ack.digest_version == 2
+    assert ack.digest_version == DEFAULT_VERSION == 3
     assert_verifies(store, ack)
 
 

@@ -49,10 +49,11 @@ class FrozenChunk:
     """
 
     __slots__ = ("buffer", "seq", "key", "parts", "chunk", "prefix_tokens", "prefix_digest", "_chain_state",
-                 "frozen_at", "tokens", "nbytes", "signature", "_row")
+                 "_field_states", "frozen_at", "tokens", "nbytes", "signature", "_row")
 
     def __init__(self, buffer: CallBuffer, seq: int, parts: list[Part], chain_state: digests.Hasher,
-                 tokens: int = 0, prefix_tokens: int = 0, prefix_digest: bytes = b""):
+                 tokens: int = 0, prefix_tokens: int = 0, prefix_digest: bytes = b"",
+                 field_states: list[digests.Hasher] | None = None):
         self.buffer = buffer
         self.seq = seq
         self.key = ""
@@ -61,6 +62,7 @@ class FrozenChunk:
         self.prefix_tokens = prefix_tokens  # prefix length once sealed (tokens)
         self.prefix_digest = prefix_digest  # prefix digest through this chunk (committed on seal)
         self._chain_state = chain_state  # the chunk's running chain state (for rollback)
+        self._field_states = field_states  # the chunk's running field digests (for rollback), or None
         self.frozen_at = 0.0  # time.perf_counter() when frozen (s), for row-wait stats
         self.tokens = tokens  # tokens in this chunk
         self.nbytes = 0  # packed row size (bytes), for batch limits
@@ -155,6 +157,14 @@ class CallBuffer:
         self._run_pdig = prefix_state(v)
         self._run_chain = hashing.chain_state(None, v)
         self._feed(self.context_ids)
+        # Field-digest layout (digest version 3): the open chunk's field digests (ids,
+        # mask, logprobs[, routes]), fed on every append, so a cut hashes no token again.
+        self._field_new = digests.scheme(v).field_new
+        self._run_fields = self._new_field_states()
+        if self._run_fields is not None:
+            n_ctx = len(self.context_ids)
+            zeros = memoryview(np.zeros(n_ctx, dtype="<f4")).cast("B")
+            self._feed_fields(self._run_fields, _bytes(self.context_ids), zeros, zeros, self.context_routes)
         # What every chunk of the call shares, made once (a freeze only reads them).
         self._identity = CallIdentity.of(self.rollout_id, self.model_call_id, self.parent_call_id, v)
         self._key_stem = f"{self.rollout_id}/{self.model_call_id}/"  # cut key after the checkpoint root
@@ -213,6 +223,8 @@ class CallBuffer:
                 self._active.append((ids, logprobs, routes))
                 self.generated += len(ids)
                 self._feed(ids)
+                if self._run_fields is not None:
+                    self._feed_fields(self._run_fields, _bytes(ids), _ones(len(ids)), memoryview(logprobs).cast("B"), routes)
             if self.max_new_tokens is not None and self.generated >= self.max_new_tokens:
                 self.state = COMPLETED_STATE
             return self.state == COMPLETED_STATE
@@ -308,6 +320,7 @@ class CallBuffer:
             self.generated = len(gen_ids)
             self._prefix_digest = pdigest
             self._run_cum, self._run_pdig, self._run_chain = cum, pdig, hashing.chain_state(chain, v)
+            self._run_fields = self._new_field_states()  # the next chunk starts after the prefix
             self.cut_keys = list(keys)
             self.cut_tokens = len(ids)
             if self.max_new_tokens is not None and self.generated >= self.max_new_tokens:
@@ -351,7 +364,14 @@ class CallBuffer:
             chain = self._run_chain.digest()
             cumulative = self._run_cum.digest()
             chain_state, self._run_chain = self._run_chain, hashing.chain_state(chain, self.digest_version)  # next chunk extends this one
-            frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state, tokens, prev + tokens, self._run_pdig.digest())
+            field_states = self._run_fields
+            if field_states is not None:
+                fields = tuple(f.digest() for f in field_states)
+                self._run_fields = self._new_field_states()
+            else:
+                fields = None
+            frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state, tokens, prev + tokens, self._run_pdig.digest(),
+                                                field_states)
         # Outside the lock: describe the row (no copy, no hashing: pack_chunks does both
         # once). Its pieces are valid by construction (converted on append): no re-check.
         # The key == cut_key(...): ids checked when the buffer was made, the checkpoint's in key_root.
@@ -359,7 +379,7 @@ class CallBuffer:
         frozen.chunk = PrefixChunk.trusted(
             key, self.rollout_id, self.model_call_id, self.parent_call_id, prev, self.weight_version,
             self.context_ids if n_ctx else None, self.context_routes if n_ctx else None, parts, self.routes_shape,
-            chain, cumulative, tokens, self._identity, self.routes_dtype,
+            chain, cumulative, tokens, self._identity, self.routes_dtype, fields,
         )
         frozen.nbytes = tokens * self._token_nbytes + self._identity.id_nbytes + ROW_FIXED_BYTES
         frozen.signature = self._signature
@@ -401,6 +421,11 @@ class CallBuffer:
             for ids, _, _ in self._active:
                 state.update(_bytes(ids))
             self._run_chain = state
+            if frozen._field_states is not None:
+                fields = [f.copy() for f in frozen._field_states]
+                for ids, lps, routes in self._active:
+                    self._feed_fields(fields, _bytes(ids), _ones(len(ids)), memoryview(lps).cast("B"), routes)
+                self._run_fields = fields
             self._active[0:0] = frozen.parts
             self._frozen = None
 
@@ -409,6 +434,22 @@ class CallBuffer:
         self._run_cum.update(b)
         self._run_pdig.update(b)
         self._run_chain.update(b)
+
+    def _new_field_states(self) -> list[digests.Hasher] | None:
+        """Fresh field digests for a chunk (ids, mask, logprobs[, routes]); None unless
+        the call's digest version has the field-digest layout."""
+        if self._field_new is None:
+            return None
+        return [self._field_new() for _ in range(3 if self.routes_shape is None else 4)]
+
+    @staticmethod
+    def _feed_fields(states: list[digests.Hasher], ids: memoryview, mask: memoryview, lps: memoryview,
+                     routes: np.ndarray | None) -> None:
+        states[0].update(ids)
+        states[1].update(mask)
+        states[2].update(lps)
+        if routes is not None:
+            states[3].update(memoryview(routes.reshape(-1)).cast("B"))
 
     def _durable_ack_locked(self) -> CallAck:
         return CallAck(self.rollout_id, self.model_call_id, DURABLE_PREFIX, tuple(self.cut_keys),
@@ -428,6 +469,18 @@ def cut_key_root(checkpoint_id: str) -> str:
 def _bytes(ids: np.ndarray) -> memoryview:
     """The ids' ``<i8`` bytes (a view; copies only if not already contiguous ``<i8``)."""
     return memoryview(np.ascontiguousarray(ids, dtype="<i8")).cast("B")
+
+
+_ONES = np.ones(4096, dtype="<f4")  # the generated tokens' mask bytes, shared (read-only)
+
+
+def _ones(n: int) -> memoryview:
+    """``n`` tokens of mask 1 as ``<f4`` bytes (a view of a shared buffer, grown once if short)."""
+    global _ONES
+    ones = _ONES
+    if len(ones) < n:
+        ones = _ONES = np.ones(max(n, 2 * len(ones)), dtype="<f4")
+    return memoryview(ones[:n]).cast("B")
 
 
 def _concat_parts(parts: Sequence[Part], routes_shape: tuple[int, int] | None, routes_dtype: np.dtype = ROUTES_DTYPE) -> Part:

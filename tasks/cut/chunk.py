@@ -34,6 +34,8 @@ class PrefixChunk:
     encodes the ids as given at construction: a chunk's ids are not reassigned after it.
     ``routes_dtype``: the dtype of every routes piece, int16 or uint8 (a routes encoding's,
     :data:`tasks.schema.ROUTES_ENCODINGS`): the row is staged in that encoding.
+    ``field_digests``: the row's field digests (ids, mask, logprobs[, routes]) when the
+    writer fed them as tokens arrived (field-digest layout); None: computed when packed.
     """
 
     key: str
@@ -51,6 +53,7 @@ class PrefixChunk:
     delta_len: int = 0  # tokens (filled by __post_init__)
     identity: CallIdentity | None = field(default=None, repr=False)  # the ids encoded (filled by __post_init__)
     routes_dtype: np.dtype = ROUTES_DTYPE
+    field_digests: tuple[bytes, ...] | None = None
 
     @classmethod
     def trusted(
@@ -70,10 +73,13 @@ class PrefixChunk:
         delta_len: int,
         identity: CallIdentity,
         routes_dtype: np.dtype = ROUTES_DTYPE,
+        field_digests: tuple[bytes, ...] | None = None,
     ) -> "PrefixChunk":
         """A chunk built without :meth:`__post_init__`'s checks, for a writer whose pieces
         are valid by construction (:class:`~pipeline.generation.call_buffer.CallBuffer`
-        converts every piece on append): ``delta_len`` (tokens) and ``identity`` given."""
+        converts every piece on append): ``delta_len`` (tokens) and ``identity`` given,
+        ``field_digests`` as the writer fed them (it vouches for them: a wrong one makes
+        a row that fails verification, never a silent change)."""
         # Plain attribute stores: the instance keeps its values inline (reading
         # ``__dict__`` would allocate a dict per chunk, one more object for the GC).
         self = object.__new__(cls)
@@ -81,6 +87,7 @@ class PrefixChunk:
         self.prev_len, self.weight_version, self.context_ids, self.context_routes = prev_len, weight_version, context_ids, context_routes
         self.parts, self.routes_shape, self.chain_hash, self.cumulative_hash = parts, routes_shape, chain_hash, cumulative_hash
         self.delta_len, self.identity, self.routes_dtype = delta_len, identity, routes_dtype
+        self.field_digests = field_digests
         return self
 
     def __post_init__(self) -> None:

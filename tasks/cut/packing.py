@@ -4,7 +4,9 @@
 (optionally views of a pooled slab), and digests each row over its slices of those
 buffers, from its call's identity encoded once (:class:`CallIdentity`: the digest
 header up to its lengths, the one layout written here beside tasks/hashing.py, and the
-hash constructor of the call's digest version).
+hash constructor of the call's digest version). Under the field-digest layout (digest
+version 3) a chunk brings its fields' digests, fed as its tokens arrived: its row's
+digest is then one small hash, no token byte read again.
 Per-row Python only, never per token: a copy is one ``concatenate`` per field, the mask
 one vectorized fill, a digest a few ``update`` calls per row. docs/design.md,
 "Checkpoint cuts".
@@ -48,7 +50,8 @@ _NBYTES = struct.Struct("<Q")
 _ROUTES_HEAD = struct.Struct("<IIQ")
 # What pack_chunks reads of every chunk, in one C-level call per chunk.
 _CHUNK_FIELDS = operator.attrgetter(
-    "key", "delta_len", "identity", "prev_len", "weight_version", "chain_hash", "cumulative_hash", "context_ids"
+    "key", "delta_len", "identity", "prev_len", "weight_version", "chain_hash", "cumulative_hash", "context_ids",
+    "field_digests",
 )
 _HASH_LEN = {HASH_BYTES}
 
@@ -65,7 +68,8 @@ class CallIdentity:
     (``parent_call_id`` ``None`` for a root); ``digest_head`` is the digest header up to
     its lengths (tag, versions, ids, parent marker); ``id_nbytes`` the ids' bytes a
     packed row carries; ``digest_version`` the version every hash of the call's chunks
-    uses (:mod:`tasks.digests`) and ``new`` its hash constructor.
+    uses (:mod:`tasks.digests`) and ``new`` its hash constructor; ``field_new`` its
+    field-digest constructor (None: the version hashes fields inline).
     """
 
     rollout_id: bytes
@@ -75,6 +79,7 @@ class CallIdentity:
     id_nbytes: int
     digest_version: int
     new: Callable[..., Hasher]
+    field_new: Callable[..., Hasher] | None = None
 
     @classmethod
     def of(
@@ -86,7 +91,8 @@ class CallIdentity:
         pid = None if parent_call_id is None else parent_call_id.encode("utf-8")
         head = hashing.digest_header(SCHEMA_VERSION, digest_version, rid, mid, pid, 0, 0, 0, 0, 0)
         ids_nbytes = len(rid) + len(mid) + len(pid or b"")
-        return cls(rid, mid, pid, head[: -_DIGEST_LENGTHS.size], ids_nbytes, digest_version, scheme(digest_version).new)
+        s = scheme(digest_version)
+        return cls(rid, mid, pid, head[: -_DIGEST_LENGTHS.size], ids_nbytes, digest_version, s.new, s.field_new)
 
 
 class PackableChunk(Protocol):
@@ -105,6 +111,9 @@ class PackableChunk(Protocol):
     parts: Sequence[Part]  # generated pieces, in order
     routes_shape: tuple[int, int] | None  # (layers, top_k)
     routes_dtype: np.dtype  # of every routes piece: int16 or uint8 (the row's routes encoding)
+    # Field digests (ids, mask, logprobs[, routes]) of the field-digest layout, fed as the
+    # tokens arrived; None: hashed here from the row's slices.
+    field_digests: tuple[bytes, ...] | None
 
 
 class _Columns(NamedTuple):
@@ -118,6 +127,7 @@ class _Columns(NamedTuple):
     chain_hashes: list[bytes]  # 32 bytes each
     cumulative_hashes: list[bytes]  # 32 bytes each
     contexts: list[np.ndarray | None]  # context_ids (a call's first chunk only)
+    field_digests: list[tuple[bytes, ...] | None]  # streamed field digests (field-digest layout), or None
 
 
 class _TokenBuffers(NamedTuple):
@@ -248,7 +258,7 @@ def _row_digests(
 ) -> list[bytes]:
     """One digest per row over its slices of the batch buffers (tasks/hashing.py, with
     the hash constructor of the row's call): the call's encoded identity head, then
-    lengths and buffers; a few calls per row."""
+    lengths and buffers (or, field-digest layout, the fields' digests); a few calls per row."""
     ids_b = memoryview(tokens.token_ids).cast("B")
     mask_b = memoryview(tokens.token_mask).cast("B")
     lps_b = memoryview(tokens.logprobs).cast("B")
@@ -257,13 +267,23 @@ def _row_digests(
     digests: list[bytes] = []
     add_digest = digests.append
     lengths_ids, nbytes = _DIGEST_LENGTHS_IDS.pack, _NBYTES.pack
+    routes_head = None if routes_b is None else _ROUTES_HEAD.pack(routes_shape[0], routes_shape[1], 0)[:8]  # <I L> <I K>
     starts, ends = offsets[:-1].tolist(), offsets[1:].tolist()
-    for ident, p, version, chain, cum, a, b in zip(
+    for ident, p, version, chain, cum, fds, a, b in zip(
         columns.identities, columns.prev_lens, columns.weight_versions, columns.chain_hashes, columns.cumulative_hashes,
-        starts, ends,
+        columns.field_digests, starts, ends,
     ):
         k = b - a
-        h = ident.new(ident.digest_head + lengths_ids(p, k, p + k, version, encoding, 8 * k))
+        head = ident.digest_head + lengths_ids(p, k, p + k, version, encoding, 8 * k)
+        if ident.field_new is not None:  # field-digest layout: one small hash
+            if fds is None:
+                fds = _field_digests(ident.field_new, ids_b[8 * a : 8 * b], mask_b[4 * a : 4 * b], lps_b[4 * a : 4 * b],
+                                     None if routes_b is None else routes_b[per_route * a : per_route * b])
+            q = nbytes(4 * k)
+            tail = (routes_head + nbytes(per_route * k) + fds[3]) if routes_b is not None else b""
+            add_digest(ident.new(b"".join((head, fds[0], q, fds[1], q, fds[2], tail, chain, cum))).digest())
+            continue
+        h = ident.new(head)
         h.update(ids_b[8 * a : 8 * b])
         q = nbytes(4 * k)
         h.update(q)
@@ -276,6 +296,11 @@ def _row_digests(
         h.update(chain + cum)
         add_digest(h.digest())
     return digests
+
+
+def _field_digests(new: Callable[..., Hasher], *fields: memoryview | None) -> tuple[bytes, ...]:
+    """The field digests of a row's slices (those not None), in field order."""
+    return tuple(new(f).digest() for f in fields if f is not None)
 
 
 def _fixed_fields(columns: _Columns, digests: list[bytes], encoding: int) -> dict[str, PackedField]:

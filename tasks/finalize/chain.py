@@ -284,7 +284,7 @@ def _lean_match(rows: RowTable, routes: RoutesTable) -> LeanMatch:
 def _lean_hashes(rows: RowTable, routes: RoutesTable) -> Callable[[CallRecord, int, ChainCheck, LeanRow], None]:
     """corrupt_digest -> parent_length_mismatch -> chain_hash_mismatch for a matched row.
 
-    The digest (v1, the layout of :func:`tasks.hashing.digest_raw`; its header built
+    The digest (the layout of :func:`tasks.hashing.digest_raw`, field digests for version 3; its header built
     inline, as :func:`tasks.hashing.digest_header` would, whose checks a cleared row
     already passed) and the chain hash are fed byte views of the batch buffers, in as
     few updates as it takes. Sets ``st.parent_chain``.
@@ -311,14 +311,15 @@ def _lean_hashes(rows: RowTable, routes: RoutesTable) -> Callable[[CallRecord, i
             linked + u32(len(row_par)) + row_par if row_par else root,
             lengths(prev, delta, cum, wv, enc), nbytes(len(ids_b)),
         )))
-        h.update(ids_b)
+        f = sc.field_new  # field-digest layout: each field's digest stands for its bytes
+        h.update(ids_b if f is None else f(ids_b).digest())
         h.update(nbytes(len(mask_b)))
-        h.update(mask_b)
+        h.update(mask_b if f is None else f(mask_b).digest())
         h.update(nbytes(len(lps_b)))
-        h.update(lps_b)
+        h.update(lps_b if f is None else f(lps_b).digest())
         if route_buf is not None:
             h.update(routes_head(r_shape[0], r_shape[1], len(route_buf)))
-            h.update(route_buf)
+            h.update(route_buf if f is None else f(route_buf).digest())
         h.update(chh + cuh)
         if h.digest() != dig:
             raise RuleFailed(R.CORRUPT_DIGEST, f"call {rec.model_call_id!r}: recomputed digest differs from the stored one")

@@ -5,7 +5,8 @@ Written independently of ``tasks.finalize.verify`` / ``tasks.hashing`` /
 Python loop over them; each hash input is built by hand from the layout in
 ``tasks/hashing.py``'s docstring (parts joined once; float and routes buffers hashed as
 one contiguous buffer each), with the hash function and tags of the row's digest version
-(1: ``hashlib.sha256``, 2: ``blake3.blake3``), spelled out here. It is the tests'
+(1: ``hashlib.sha256``, 2: ``blake3.blake3``, 3: ``blake3.blake3`` over keyed field
+digests), spelled out here. It is the tests'
 oracle and, as the per-token path the published system runs, the finalize benchmark's
 baseline.
 
@@ -47,7 +48,11 @@ TAG_CALL = b"token-capture/call/v1\x00"
 ALGORITHMS = {
     1: (hashlib.sha256, TAG_CHAIN, TAG_PREFIX, TAG_CALL),
     2: (blake3.blake3, b"token-capture/chain/v2\x00", b"token-capture/prefix/v2\x00", b"token-capture/call/v2\x00"),
+    3: (blake3.blake3, b"token-capture/chain/v3\x00", b"token-capture/prefix/v3\x00", b"token-capture/call/v3\x00"),
 }
+# Version 3 hashes each token field's keyed BLAKE3 digest in its place (key: BLAKE3's key
+# derivation of this context and material).
+FIELD_KEY_V3 = blake3.blake3(b"field digest v3", derive_key_context="token-capture 2026-12 field digest").digest()
 
 ID_NAMES = ["rollout_id", "model_call_id", "parent_call_id"]
 SCALAR_NAMES = {
@@ -278,18 +283,22 @@ def _call_digest(rid: str, row: dict[str, Any], ids_b: bytes, experts: np.ndarra
     """The row's digest recomputed by hand (``tasks/hashing.py``'s layout, parts joined once)."""
     parent_marker = b"\x00" if row["parent_call_id"] is None else b"\x01" + framed(row["parent_call_id"])
     new, _, _, tag_call = ALGORITHMS[row["digest_version"]]
+
+    def field(b: Any) -> Any:  # version 3: the field's keyed digest stands for its bytes
+        return blake3.blake3(b, key=FIELD_KEY_V3).digest() if row["digest_version"] == 3 else b
+
     parts = [
         tag_call, u(row["schema_version"] & 0xFFFF, 2), u(row["digest_version"], 2),
         framed(rid), framed(row["model_call_id"]), parent_marker,
         s(row["prev_len"], 8), s(row["delta_len"], 8), s(row["cum_len"], 8), s(row["weight_version"], 8),
-        s(row["routes_encoding"], 1), u(len(ids_b), 8), ids_b,
+        s(row["routes_encoding"], 1), u(len(ids_b), 8), field(ids_b),
     ]
     for name in ("token_mask", "logprobs"):
         b = _raw(row[name])
-        parts += [u(b.nbytes, 8), b]
+        parts += [u(b.nbytes, 8), field(b)]
     if experts is not None:
         b = _raw(experts)
-        parts += [u(experts.shape[1], 4), u(experts.shape[2], 4), u(b.nbytes, 8), b]
+        parts += [u(experts.shape[1], 4), u(experts.shape[2], 4), u(b.nbytes, 8), field(b)]
     parts += [row["chain_hash"], row["cumulative_hash"]]
     return new(b"".join(parts)).digest()
 
