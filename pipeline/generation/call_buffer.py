@@ -49,11 +49,10 @@ class FrozenChunk:
     """
 
     __slots__ = ("buffer", "seq", "key", "parts", "chunk", "prefix_tokens", "prefix_digest", "_chain_state",
-                 "_field_states", "frozen_at", "tokens", "nbytes", "signature", "_row")
+                 "frozen_at", "tokens", "nbytes", "signature", "_row")
 
     def __init__(self, buffer: CallBuffer, seq: int, parts: list[Part], chain_state: digests.Hasher,
-                 tokens: int = 0, prefix_tokens: int = 0, prefix_digest: bytes = b"",
-                 field_states: list[digests.Hasher] | None = None):
+                 tokens: int = 0, prefix_tokens: int = 0, prefix_digest: bytes = b""):
         self.buffer = buffer
         self.seq = seq
         self.key = ""
@@ -62,7 +61,6 @@ class FrozenChunk:
         self.prefix_tokens = prefix_tokens  # prefix length once sealed (tokens)
         self.prefix_digest = prefix_digest  # prefix digest through this chunk (committed on seal)
         self._chain_state = chain_state  # the chunk's running chain state (for rollback)
-        self._field_states = field_states  # the chunk's running field digests (for rollback), or None
         self.frozen_at = 0.0  # time.perf_counter() when frozen (s), for row-wait stats
         self.tokens = tokens  # tokens in this chunk
         self.nbytes = 0  # packed row size (bytes), for batch limits
@@ -158,13 +156,10 @@ class CallBuffer:
         self._run_chain = hashing.chain_state(None, v)
         self._feed(self.context_ids)
         # Field-digest layout (digest version 3): the open chunk's field digests (ids,
-        # mask, logprobs[, routes]), fed on every append, so a cut hashes no token again.
+        # mask, logprobs[, routes]), fed on every append, so a cut hashes no token again
+        # (None: no token since the last freeze, or a version without field digests).
         self._field_new = digests.scheme(v).field_new
-        self._run_fields = self._new_field_states()
-        if self._run_fields is not None:
-            n_ctx = len(self.context_ids)
-            zeros = memoryview(np.zeros(n_ctx, dtype="<f4")).cast("B")
-            self._feed_fields(self._run_fields, _bytes(self.context_ids), zeros, zeros, self.context_routes)
+        self._run_fields = self._refed_field_states()  # the first chunk starts with the context
         # What every chunk of the call shares, made once (a freeze only reads them).
         self._identity = CallIdentity.of(self.rollout_id, self.model_call_id, self.parent_call_id, v)
         self._key_stem = f"{self.rollout_id}/{self.model_call_id}/"  # cut key after the checkpoint root
@@ -223,8 +218,11 @@ class CallBuffer:
                 self._active.append((ids, logprobs, routes))
                 self.generated += len(ids)
                 self._feed(ids)
-                if self._run_fields is not None:
-                    self._feed_fields(self._run_fields, _bytes(ids), _ones(len(ids)), memoryview(logprobs).cast("B"), routes)
+                fields = self._run_fields
+                if fields is None and self._field_new is not None:  # the chunk's first tokens
+                    fields = self._run_fields = self._new_field_states()
+                if fields is not None:
+                    self._feed_fields(fields, _bytes(ids), _ones(len(ids)), memoryview(logprobs).cast("B"), routes)
             if self.max_new_tokens is not None and self.generated >= self.max_new_tokens:
                 self.state = COMPLETED_STATE
             return self.state == COMPLETED_STATE
@@ -320,7 +318,7 @@ class CallBuffer:
             self.generated = len(gen_ids)
             self._prefix_digest = pdigest
             self._run_cum, self._run_pdig, self._run_chain = cum, pdig, hashing.chain_state(chain, v)
-            self._run_fields = self._new_field_states()  # the next chunk starts after the prefix
+            self._run_fields = None  # the next chunk starts after the prefix (made by its first append)
             self.cut_keys = list(keys)
             self.cut_tokens = len(ids)
             if self.max_new_tokens is not None and self.generated >= self.max_new_tokens:
@@ -364,14 +362,11 @@ class CallBuffer:
             chain = self._run_chain.digest()
             cumulative = self._run_cum.digest()
             chain_state, self._run_chain = self._run_chain, hashing.chain_state(chain, self.digest_version)  # next chunk extends this one
-            field_states = self._run_fields
-            if field_states is not None:
-                fields = tuple(f.digest() for f in field_states)
-                self._run_fields = self._new_field_states()
-            else:
-                fields = None
-            frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state, tokens, prev + tokens, self._run_pdig.digest(),
-                                                field_states)
+            # The next chunk's field digests start with its first append (None until then);
+            # none here (a version without them): pack_chunks hashes the row's slices.
+            fields = None if self._run_fields is None else tuple(f.digest() for f in self._run_fields)
+            self._run_fields = None
+            frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state, tokens, prev + tokens, self._run_pdig.digest())
         # Outside the lock: describe the row (no copy, no hashing: pack_chunks does both
         # once). Its pieces are valid by construction (converted on append): no re-check.
         # The key == cut_key(...): ids checked when the buffer was made, the checkpoint's in key_root.
@@ -421,19 +416,27 @@ class CallBuffer:
             for ids, _, _ in self._active:
                 state.update(_bytes(ids))
             self._run_chain = state
-            if frozen._field_states is not None:
-                fields = [f.copy() for f in frozen._field_states]
-                for ids, lps, routes in self._active:
-                    self._feed_fields(fields, _bytes(ids), _ones(len(ids)), memoryview(lps).cast("B"), routes)
-                self._run_fields = fields
             self._active[0:0] = frozen.parts
             self._frozen = None
+            self._run_fields = self._refed_field_states()  # field digests: the whole chunk again
 
     def _feed(self, ids: np.ndarray) -> None:
         b = _bytes(ids)
         self._run_cum.update(b)
         self._run_pdig.update(b)
         self._run_chain.update(b)
+
+    def _refed_field_states(self) -> list[digests.Hasher] | None:
+        """The open chunk's field digests fed again from its tokens (a rolled-back
+        chunk: the context if it is the call's first, then every active part)."""
+        states = self._new_field_states()
+        if states is not None:
+            if not self.cut_keys:
+                zeros = memoryview(np.zeros(len(self.context_ids), dtype="<f4")).cast("B")
+                self._feed_fields(states, _bytes(self.context_ids), zeros, zeros, self.context_routes)
+            for ids, lps, routes in self._active:
+                self._feed_fields(states, _bytes(ids), _ones(len(ids)), memoryview(lps).cast("B"), routes)
+        return states
 
     def _new_field_states(self) -> list[digests.Hasher] | None:
         """Fresh field digests for a chunk (ids, mask, logprobs[, routes]); None unless
