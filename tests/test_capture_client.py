@@ -19,6 +19,7 @@ from pipeline.client import CaptureClient, lookup_store, publish_store, unpublis
 from pipeline.finalize.controller import Finalizer
 from pipeline.testing.faults import FaultRules, FaultyStore
 from support import wait_until
+from tasks.digests import DEFAULT_VERSION
 from tasks.errors import InvalidInput, InvalidRecord, StoreUnavailable, UnsupportedDigest
 from tasks.gate import CaptureGate
 from tasks.keys import STAGING_PARTITION
@@ -202,9 +203,9 @@ def test_rows_follow_the_digest_setting_read_when_the_client_is_built(cluster_cl
         stage_chain(rc, 2, seed=7)
         receipts.append(rc.finish(1.0))
         cap.close()
-    assert [{c.digest_version for c in r.calls} for r in receipts] == [{1}, {2}]
+    assert [{c.digest_version for c in r.calls} for r in receipts] == [{1}, {DEFAULT_VERSION}] and DEFAULT_VERSION == 3
     got = store.get_many([c.staging_key for r in receipts for c in r.calls])
-    assert [row.digest_version for row in unpack_rows(got.batch)] == [1, 1, 2, 2]
+    assert [row.digest_version for row in unpack_rows(got.batch)] == [1, 1, DEFAULT_VERSION, DEFAULT_VERSION]
     assert finalize(cluster_client, store, {"g": receipts}).groups["g"].status == ["ok", "ok"]
 
 

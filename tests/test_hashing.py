@@ -1,10 +1,12 @@
 """tasks.hashing: known-answer vectors, the documented byte layout, and tamper evidence,
-for both digest versions (1: SHA-256, 2: BLAKE3).
+for every digest version (1: SHA-256, 2: BLAKE3, 3: BLAKE3 over keyed field digests).
 
 The hex strings below were computed once with tasks/hashing.py and are FIXED: a change
 to any of them is a change of the on-disk/wire format and must come with a new
 digest_version, not a new expected value. Version 1's are the values every row written
-before BLAKE3 carries.
+before BLAKE3 carries. Version 3's were also derived independently (here, from the
+documented layout and key context, never through tasks.digests): see
+test_version_3_known_answers_match_an_independent_derivation.
 """
 from __future__ import annotations
 
@@ -41,10 +43,27 @@ KATS = {
         "88d7d695c9fc8fb5897ff7c419f7ddb1a62b69c4b529d2d34c83f2f049c69bee",
         "688dd83b13d4dbf8751257bb8ce06c0aa95c2e43038ad21fd3f87efbec873e0a",
     ),
+    3: (
+        "a4e38d7870c191453142fa989007e8ee7482369edf1b155ffb2aa25ca08a6596",
+        "fc6465644b276970e6398cdfef9399f225534a361db26407a3451ec9f57682d9",
+        "de86fcc384e9654eda9904c5efa40d25644d89cc26c1317c3da47d4a92323557",
+        "7e8e35c3330b7b6ab1c002fd3541fbd56a84933dd8d35e7e8f8df800717b49bb",
+        "e39fe001ec7a4f19e288f2978ccd6dca2391f6ded189b18f8ebc3cc4151383ef",
+        "ee2705a45d45c0a4619b2376570c6e7c0d134b3d92ec7aaa19f68414761d7a89",
+    ),
 }
 VERSIONS = sorted(KATS)
 # The documented hash function of each version, called directly (not through tasks.digests).
-HASH_OF = {1: hashlib.sha256, 2: blake3.blake3}
+HASH_OF = {1: hashlib.sha256, 2: blake3.blake3, 3: blake3.blake3}
+# Version 3's field-digest key, derived here from the documented context string and key
+# material (BLAKE3's key derivation mode), not read from tasks.digests.
+FIELD_KEY_CONTEXT = "token-capture 2026-12 field digest"
+FIELD_KEY = blake3.blake3(b"field digest v3", derive_key_context=FIELD_KEY_CONTEXT).digest()
+
+
+def field_digest(b: bytes) -> bytes:
+    """F(b) of version 3: keyed BLAKE3 of the field's raw bytes, nothing before them."""
+    return blake3.blake3(b, key=FIELD_KEY).digest()
 
 
 def call_kwargs(**over):
@@ -88,9 +107,9 @@ def test_known_answers(v):
     assert H.digest(**root_kwargs(), digest_version=v).hex() == digest_root
 
 
-def test_default_version_is_blake3_and_versions_never_collide():
-    assert H.DIGEST_VERSION == 2
-    assert H.chain_hash(None, IDS).hex() == KATS[2][0] and H.digest(**call_kwargs()).hex() == KATS[2][4]
+def test_default_version_is_blake3_fields_and_versions_never_collide():
+    assert H.DIGEST_VERSION == 3
+    assert H.chain_hash(None, IDS).hex() == KATS[3][0] and H.digest(**call_kwargs()).hex() == KATS[3][4]
     assert len({kat for v in VERSIONS for kat in KATS[v]}) == 6 * len(VERSIONS)
 
 
@@ -112,7 +131,8 @@ def test_known_answers_are_layout_independent_of_input_dtype_and_order(v):
 
 
 def reference_digest(kw, v: int = 1) -> bytes:
-    """The digest of version ``v`` exactly as the tasks/hashing.py docstring describes it."""
+    """The digest of version ``v`` exactly as the tasks/hashing.py docstring describes it
+    (version 3: each token field's bytes replaced by their field digest F)."""
 
     def framed(s: str) -> bytes:
         b = s.encode("utf-8")
@@ -124,12 +144,13 @@ def reference_digest(kw, v: int = 1) -> bytes:
     parts.append(
         struct.pack("<qqqqb", kw["prev_len"], kw["delta_len"], kw["cum_len"], kw["weight_version"], kw["routes_encoding"])
     )
+    field = field_digest if v == 3 else (lambda b: b)
     for name, dt in (("token_ids", "<i8"), ("token_mask", "<f4"), ("logprobs", "<f4")):
         b = np.asarray(kw[name], dtype=dt).tobytes()
-        parts += [struct.pack("<Q", len(b)), b]
-    if kw["routes_encoding"] == 1:
-        r = np.asarray(kw["routed_experts"], dtype="<i2")
-        parts += [struct.pack("<IIQ", r.shape[1], r.shape[2], r.nbytes), r.tobytes()]
+        parts += [struct.pack("<Q", len(b)), field(b)]
+    if kw["routes_encoding"] in (1, 2):
+        r = np.asarray(kw["routed_experts"], dtype="<i2" if kw["routes_encoding"] == 1 else "u1")
+        parts += [struct.pack("<IIQ", r.shape[1], r.shape[2], r.nbytes), field(r.tobytes())]
     parts += [kw["chain_hash"], kw["cumulative_hash"]]
     return HASH_OF[v](b"".join(parts)).digest()
 
@@ -303,14 +324,81 @@ def test_any_single_byte_flip_changes_chain_and_cumulative(v):
     assert H.chain_hash(None, IDS, v) != H.cumulative_hash(IDS, v)
 
 
-def test_the_digest_version_is_hashed():
-    # A row relabelled from one version to the other fails its digest under either.
-    d1, d2 = (H.digest(**call_kwargs(), digest_version=v) for v in (1, 2))
-    assert d1 != d2
-    assert reference_digest(call_kwargs(), 1) == d1 and reference_digest(call_kwargs(), 2) == d2
+@pytest.mark.parametrize("make", [call_kwargs, root_kwargs], ids=["child_with_routes", "root_without_routes"])
+def test_the_digest_version_is_hashed(make):
+    # A row relabelled from one version to another fails its digest under either: every
+    # pair of versions differs, and each agrees with the documented layout of its own.
+    d = {v: H.digest(**make(), digest_version=v) for v in VERSIONS}
+    assert VERSIONS == [1, 2, 3]
+    for a in VERSIONS:
+        assert reference_digest(make(), a) == d[a]
+        for b in VERSIONS:
+            if a != b:
+                assert d[a] != d[b], (a, b)
+                assert reference_digest(make(), b) != d[a], (a, b)
 
 
-@pytest.mark.parametrize("bad", [0, 3, 0xFFFF, -1, None, "2"])
+def test_version_3_known_answers_match_an_independent_derivation():
+    # Every version-3 known answer, derived from the documented layout with the key made
+    # here (not the FIXED hex above re-read through tasks.hashing).
+    chain_root, chain_child, cumulative, cumulative_empty, digest_routes, digest_root = KATS[3]
+    b = blake3.blake3
+    assert b(b"token-capture/chain/v3\x00" + b"\x00" + IDS.tobytes()).hexdigest() == chain_root
+    assert b(b"token-capture/chain/v3\x00" + b"\x01" + PARENT_CHAIN + IDS.tobytes()).hexdigest() == chain_child
+    assert b(b"token-capture/prefix/v3\x00" + IDS.tobytes()).hexdigest() == cumulative
+    assert b(b"token-capture/prefix/v3\x00").hexdigest() == cumulative_empty
+    assert reference_digest(call_kwargs(), 3).hex() == digest_routes
+    assert reference_digest(root_kwargs(), 3).hex() == digest_root
+    # The field key is the keyed mode's: unkeyed BLAKE3 (version 2's hash) of a field differs.
+    assert field_digest(IDS.tobytes()) != b(IDS.tobytes()).digest()
+    assert len(FIELD_KEY) == 32
+
+
+@pytest.mark.parametrize("routes_encoding", [0, 1, 2])
+@pytest.mark.parametrize("sizes", [[1], [3, 1, 2], [0, 5, 0, 1], [2, 2, 2]])
+def test_v3_digest_raw_equals_digest_of_fields_fed_in_uneven_updates(routes_encoding, sizes):
+    rng = np.random.default_rng(sum(sizes) * 3 + routes_encoding)
+    n = sum(sizes)
+    ids = rng.integers(0, 2**40, n).astype("<i8")
+    mask = (rng.random(n) < 0.5).astype("<f4")
+    lps = (-rng.random(n)).astype("<f4")
+    routes = None
+    if routes_encoding:
+        routes = rng.integers(0, 200, (n, 3, 2)).astype("<i2" if routes_encoding == 1 else "u1")
+    header = H.digest_header(1, 3, b"roll", b"call", b"par", 4, n, 4 + n, 7, routes_encoding)
+    chain, cum = rng.bytes(32), rng.bytes(32)
+    raw_routes = None if routes is None else (3, 2, routes.tobytes())
+    want = H.digest_raw(header, ids.tobytes(), mask.tobytes(), lps.tobytes(), raw_routes, chain, cum, 3)
+    # Each field fed piece by piece, as a writer feeds tokens as they arrive (uneven
+    # pieces, empty ones included), routes as whole tokens' bytes.
+    states = [H.field_state(3) for _ in range(3 if routes is None else 4)]
+    edges = np.cumsum([0] + sizes)
+    for a, b in zip(edges[:-1], edges[1:]):
+        states[0].update(ids[a:b].tobytes())
+        states[1].update(memoryview(mask[a:b]).cast("B"))
+        states[2].update(lps[a:b].tobytes())
+        if routes is not None:
+            states[3].update(routes[a:b].tobytes())
+    fds = [s.digest() for s in states]
+    for f, arr in zip(fds, (ids, mask, lps, routes)):
+        assert f == field_digest(arr.tobytes())  # the independent F
+    got = H.digest_of_fields(header, (8 * n, fds[0]), (4 * n, fds[1]), (4 * n, fds[2]),
+                             None if routes is None else (3, 2, routes.nbytes, fds[3]), chain, cum, 3)
+    assert got == want
+    # And equal to the documented layout, written out independently.
+    kw = dict(rollout_id="roll", model_call_id="call", parent_call_id="par", prev_len=4, delta_len=n, cum_len=4 + n,
+              weight_version=7, token_ids=ids, token_mask=mask, logprobs=lps, routes_encoding=routes_encoding,
+              routed_experts=routes, chain_hash=chain, cumulative_hash=cum)
+    assert reference_digest(kw, 3) == got == H.digest(**kw, digest_version=3)
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_inline_versions_have_no_field_digests(v):
+    with pytest.raises(ValueError, match="no field digests"):
+        H.field_state(v)
+
+
+@pytest.mark.parametrize("bad", [0, 4, 0xFFFF, -1, None, "2"])
 def test_unknown_digest_version_is_a_typed_rejection(bad):
     for call in (
         lambda: H.digest(**call_kwargs(), digest_version=bad),

@@ -30,8 +30,8 @@ VOCAB = 512
 L, K, E = 2, 2, 8
 
 
-def cut_prefix(rollout="r0", call="c0", *, chunks=(5, 3, 4), context=6, routes=False, seed=0, big_token=None, digest_version=2,
-               routes_dtype=np.int16):
+def cut_prefix(rollout="r0", call="c0", *, chunks=(5, 3, 4), context=6, routes=False, seed=0, big_token=None,
+               digest_version=hashing.DIGEST_VERSION, routes_dtype=np.int16):
     """Cut a call ``len(chunks)`` times (chunk i adds chunks[i] generated tokens), hashed
     with ``digest_version``; routes (int16 ids handed over) kept as ``routes_dtype``.
 
@@ -135,8 +135,8 @@ def test_continuation_from_dict_and_single_chunk():
     assert Continuation.of(d) == Continuation(ack.staging_keys, ack.prefix_tokens, ack.prefix_digest)
 
 
-@pytest.mark.parametrize("v", [1, 2])
-def test_prefix_of_either_digest_version_verifies_and_a_resumed_call_keeps_it(v):
+@pytest.mark.parametrize("v", [1, 2, 3])
+def test_prefix_of_every_digest_version_verifies_and_a_resumed_call_keeps_it(v):
     batch, ack, _ = cut_prefix(digest_version=v)
     assert ack.digest_version == v and set(batch.fields["digest_version"].values.tolist()) == {v}
     verdict = verify_prefix(batch, ack, vocab_size=VOCAB)

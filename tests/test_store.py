@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.store import GetResult, StagingStore, StoreError, StoreResult
+from tasks.digests import DEFAULT_VERSION
 from tasks.gate import CaptureGate
 from tasks.keys import unit_for_key
 from tasks.packed import PackedBatch, PackedField, pack_rows, unpack_rows
@@ -20,9 +21,10 @@ RF = "routed_experts_u8"  # the routes field of these rows: 8 experts, one-byte 
 
 
 def make_rows(n_rollouts: int, calls: int = 2, tokens: int = 64, routes: bool = True, seed: int = 0, prefix: str = "r",
-              digest_version: int = 2) -> list[StagedRow]:
+              digest_version: int = DEFAULT_VERSION) -> list[StagedRow]:
     """Chains of ``calls`` model calls per rollout, built by the real capture gate
-    (hashed with ``digest_version``: 2 BLAKE3, 1 SHA-256)."""
+    (hashed with ``digest_version``: by default the writers' default, 3 BLAKE3 over field
+    digests; 1 SHA-256)."""
     rng = np.random.default_rng(seed)
     rows = []
     for r in range(n_rollouts):

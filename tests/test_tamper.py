@@ -3,20 +3,22 @@
 * Exhaustive, pure: every byte of every field of every chain row a finalizer fetches
   (and of a long rollout, sampled), flipped with three masks in turn, through
   ``verify_many``; every byte of every digest/chain/cumulative hash of the receipt. Each
-  for both digest versions: BLAKE3 (2, the default) with every mask, SHA-256 (1) with one
-  mask per byte in turn (every byte still flipped, at a third of the cost).
+  for every digest version: BLAKE3 over field digests (3, the default) and inline BLAKE3
+  (2) with every mask, SHA-256 (1) with one mask per byte in turn (every byte still
+  flipped, at a third of the cost).
 * At rest, on a real cluster: bytes flipped inside the zict spill files of staged rows
   (bit rot on the storage unit's disk), one flip per rollout, all judged in ONE
-  finalization step (rollouts of both digest versions side by side); receipts with a
+  finalization step (rollouts of every digest version side by side); receipts with a
   flipped hash byte in the same step.
 * Replay: a row staged under another rollout's (or another call's) key, and rows of an
   older checkpoint restored under the same keys, are rejected; that checkpoint's own
-  rows (SHA-256, int16 routes) still finalize, beside new uint8 ones, to the same values.
+  rows (SHA-256, int16 routes) still finalize, beside uint8 ones of versions 2 and 3, to
+  the same values; cut rows of every version restore and verify.
 
 Expected reason of a flip in field ``f`` (first failing rule, see ``tasks.reasons``):
 ids -> ``identity_mismatch`` / ``wrong_parent_call_id`` (``invalid_staging_row`` if the
 bytes stop being UTF-8); a receipt-compared scalar or hash -> ``wrong_<f>``; versions ->
-``invalid_staging_row`` (a digest version flipped to the other supported one:
+``invalid_staging_row`` (a digest version flipped to another supported one:
 ``wrong_digest_version``); token and routes buffers -> ``corrupt_digest``.
 """
 from __future__ import annotations
@@ -116,38 +118,43 @@ def flip_all(built, sample: int | None = None, seed: int = 0, every_mask: bool =
 # ---- pure, exhaustive --------------------------------------------------------------------
 
 
-# (digest version, every mask at every byte): BLAKE3 every mask, SHA-256 one per byte in turn.
-VERSION_CASES = pytest.mark.parametrize("v, every_mask", [(2, True), (1, False)], ids=["blake3", "sha256"])
-assert {2, 1} == set(SUPPORTED_VERSIONS)
-# Routes encoding of each case's rows: BLAKE3 rows as written now (uint8 ids, 8 experts),
-# SHA-256 rows as written before both (int16 ids): each routes buffer is flipped whole.
-ROUTES_ENCODING = {2: 2, 1: 1}
+# (digest version, every mask at every byte, routes encoding of the rows): BLAKE3 (field
+# digests, as written now, and inline) every mask, SHA-256 one mask per byte in turn.
+# Routes: uint8 ids (8 experts) as written now; int16 ids as SHA-256 rows were written
+# before uint8 existed, and field-digest rows of int16 too: each routes buffer is flipped
+# whole.
+VERSION_CASES = pytest.mark.parametrize(
+    "v, every_mask, encoding", [(3, True, 2), (3, True, 1), (2, True, 2), (1, False, 1)],
+    ids=["blake3-fields-u8", "blake3-fields-i16", "blake3", "sha256"],
+)
+assert {3, 2, 1} == set(SUPPORTED_VERSIONS)
 
 
 @VERSION_CASES
-def test_every_byte_of_every_fetched_row_flipped_is_detected_with_its_reason(v, every_mask):
+def test_every_byte_of_every_fetched_row_flipped_is_detected_with_its_reason(v, every_mask, encoding):
     rng = np.random.default_rng(11)
     built = make_rollout(rng, "tamper-all", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=v,
-                         routes_encoding=ROUTES_ENCODING[v])
+                         routes_encoding=encoding)
     n, misses = flip_all(built, every_mask=every_mask)
     assert n > (2500 if every_mask else 1000)  # uint8 routes: half the routes bytes of int16
     assert misses == [], misses[:10]
 
 
 @VERSION_CASES
-def test_long_rollout_flips_sampled_are_detected(v, every_mask):
+def test_long_rollout_flips_sampled_are_detected(v, every_mask, encoding):
     rng = np.random.default_rng(12)
     built = make_rollout(rng, "tamper-long", n_calls=4, gen_len=(200, 400), routes=(L, K, E), vocab_size=VOCAB, digest_version=v,
-                         routes_encoding=ROUTES_ENCODING[v])
+                         routes_encoding=encoding)
     n, misses = flip_all(built, sample=800, seed=3, every_mask=every_mask)
     assert n == 800 * (len(MASKS) if every_mask else 1)
     assert misses == [], misses[:10]
 
 
 @VERSION_CASES
-def test_every_byte_of_every_receipt_hash_flipped_is_detected(v, every_mask):
+def test_every_byte_of_every_receipt_hash_flipped_is_detected(v, every_mask, encoding):
     rng = np.random.default_rng(13)
-    built = make_rollout(rng, "tamper-receipt", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=v)
+    built = make_rollout(rng, "tamper-receipt", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=v,
+                         routes_encoding=encoding)
     plan = plan_step([built.receipt]).rollouts[0]
     rows, routes = fetch([built], plan.keys, plan.routes_keys)
     n, misses = 0, []
@@ -239,14 +246,16 @@ def test_bytes_flipped_in_spill_files_and_receipts_are_rejected_in_one_step(clus
     rng = np.random.default_rng(21)
     fields = list(STAGING_FIELDS) + list(ROUTES_FIELDS)
     cases = [(c, f) for c in range(3) for f in fields]  # every (chain row, field) pair
-    # Alternate rollouts hashed with SHA-256 (1) and BLAKE3 (2), routes staged as int16
+    # Rollouts hashed with SHA-256 (1), BLAKE3 (2) and BLAKE3 over field digests (3) in
+    # turn, routes staged as int16
     # (as before uint8 existed) and as uint8: one step judges them all. A routes field's
     # case is a rollout of that field's encoding.
     encoding = {name: enc for enc, name in ((1, ROUTES_FIELDS[0]), (2, ROUTES_FIELDS[1]))}
-    builts = [make_rollout(rng, f"rest{i}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=1 + i % 2,
+    builts = [make_rollout(rng, f"rest{i}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=1 + i % 3,
                            routes_encoding=encoding.get(cases[i][1] if i < len(cases) else None, 1 + (i // 2) % 2))
               for i in range(len(cases) + 12)]
     assert {r.routes_encoding for b in builts for r in b.rows} == {1, 2}
+    assert {r.digest_version for b in builts for r in b.rows} == {1, 2, 3}
     res = disk_store.put_many(pack_rows([r for b in builts for r in b.rows]))
     assert not res.failed
     assert all(s["memory_bytes"] == 0 for s in disk_store.stats())  # everything is on disk
@@ -337,15 +346,20 @@ def test_rows_replayed_from_another_rollout_or_call_are_rejected(cluster_client,
 def test_rows_of_an_older_checkpoint_are_rejected_for_the_newer_receipt(cluster_client, store, tmp_path):
     rng = np.random.default_rng(41)
     # The older checkpoint's rows were hashed with SHA-256 and routes staged as int16 (as
-    # before uint8 existed); the newer captures hash with BLAKE3 and stage uint8 routes.
-    # Both kinds, and cut rows of both routes dtypes, share the store and its checkpoint.
+    # before uint8 existed); later ones with BLAKE3 (inline, version 2) and uint8 routes;
+    # the newer captures hash with BLAKE3 over field digests (version 3, the default) and
+    # stage uint8 routes. All three kinds, and cut rows of every version and both routes
+    # dtypes, share the store and its checkpoint.
     old = [make_rollout(np.random.default_rng(100 + i), f"ck{i}", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=1,
                        routes_encoding=1) for i in range(3)]
     new = make_rollout(np.random.default_rng(100 + 2), "ck3", n_calls=3, routes=(L, K, E), vocab_size=VOCAB)
-    assert {r.routes_encoding for r in old[2].rows} == {1} and {r.routes_encoding for r in new.rows} == {2}
+    mid = make_rollout(np.random.default_rng(100 + 2), "ck4", n_calls=3, routes=(L, K, E), vocab_size=VOCAB, digest_version=2)
+    assert {r.routes_encoding for r in old[2].rows} == {1} and {r.routes_encoding for r in new.rows + mid.rows} == {2}
+    assert [{r.digest_version for r in b.rows} for b in (old[2], mid, new)] == [{1}, {2}, {3}]
     assert not store.put_many(pack_rows([r for b in old for r in b.rows])).failed
-    assert not store.put_many(pack_rows(new.rows)).failed
-    cuts = {dt: cut_rows(f"cut-{np.dtype(dt).name}", dt) for dt in (np.int16, np.uint8)}
+    assert not store.put_many(pack_rows(new.rows + mid.rows)).failed
+    cuts = {(dt, v): cut_rows(f"cut-{np.dtype(dt).name}-v{v}", dt, v)
+            for dt, v in ((np.int16, 3), (np.uint8, 3), (np.uint8, 2), (np.int16, 1))}
     for batch, _ in cuts.values():
         assert not store.put_many(batch, partition="cut").failed
     store.checkpoint(str(tmp_path / "old"))
@@ -361,31 +375,33 @@ def test_rows_of_an_older_checkpoint_are_rejected_for_the_newer_receipt(cluster_
         assert {r for r, _ in clash.failed.values()} == {"key_conflict"}
         # ...and the finalizer rejects the newer receipts against the replayed old rows.
         fin = Finalizer(cluster_client, restored, vocab_size=VOCAB, num_experts=E)
-        receipts = [newer_version.receipt, newer_tokens.receipt, untouched.receipt, new.receipt]
+        receipts = [newer_version.receipt, newer_tokens.receipt, untouched.receipt, new.receipt, mid.receipt]
         step = fin.submit_step({"g": receipts}, step_id="old-ckpt").result(timeout=60)
         g = step.groups["g"]
-        assert g.status == [R.wrong("weight_version"), R.wrong("digest"), R.OK, R.OK]
-        # The old int16 rollout and the new uint8 one (same ids: same seed) restore and
-        # finalize to the same values, in one group (int16: the widest stored).
+        assert g.status == [R.wrong("weight_version"), R.wrong("digest"), R.OK, R.OK, R.OK]
+        # The old int16 rollout and the uint8 ones of versions 2 and 3 (same ids: same
+        # seed) restore and finalize to the same values, in one group (int16: the widest stored).
         assert g.routed_experts.dtype == torch.int16
-        for i, b in ((2, untouched), (3, new)):
+        for i, b in ((2, untouched), (3, new), (4, mid)):
             want = np.concatenate([b.row(c).routed_experts for c in b.chain_ids])
             np.testing.assert_array_equal(g.routed_experts[i, : len(want)].numpy(), want)
-        assert torch.equal(g.routed_experts[2], g.routed_experts[3])
-        # Cut rows of both routes dtypes come back from the checkpoint and verify.
-        for dt, (batch, ack) in cuts.items():
+        assert torch.equal(g.routed_experts[2], g.routed_experts[3]) and torch.equal(g.routed_experts[2], g.routed_experts[4])
+        # Cut rows of every version and both routes dtypes come back from the checkpoint and verify.
+        for (dt, v), (batch, ack) in cuts.items():
             verdict = verify_prefix(restored.get_many(list(ack.staging_keys), partition="cut").batch, ack, num_experts=E)
             assert verdict.usable and verdict.prefix.routed_experts.dtype == dt, verdict
+            assert ack.digest_version == verdict.prefix.digest_version == v
     finally:
         restored.close()
     del rng
 
 
-def cut_rows(rollout: str, dtype) -> tuple[PackedBatch, object]:
-    """Two cut chunks of one call whose routes are kept as ``dtype`` (rows in chain order, last ack)."""
+def cut_rows(rollout: str, dtype, digest_version: int) -> tuple[PackedBatch, object]:
+    """Two cut chunks of one call whose routes are kept as ``dtype``, hashed with
+    ``digest_version`` (rows in chain order, last ack)."""
     rng = np.random.default_rng(7)
     buf = CallBuffer(rollout, "c0", rng.integers(0, VOCAB, 4), routes_shape=(L, K),
-                     context_routes=rng.integers(0, E, (4, L, K)), routes_dtype=dtype)
+                     context_routes=rng.integers(0, E, (4, L, K)), routes_dtype=dtype, digest_version=digest_version)
     rows, ack = [], None
     for i in range(2):
         buf.append(rng.integers(0, VOCAB, 3), -rng.random(3).astype(np.float32), rng.integers(0, E, (3, L, K)))

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from tasks import reasons as R
+from tasks.digests import DEFAULT_VERSION, SUPPORTED_VERSIONS
 from tasks.finalize.assemble import assemble_group
 from tasks.finalize.plan import plan_group
 from tasks.finalize.verify import merge_results, verify_many, verify_rollout
@@ -155,7 +156,7 @@ def test_missing_staging_row():
         ("token_ids", np.zeros(1, np.int64)),  # length != delta_len
         ("logprobs", None),  # field absent for this row
         ("schema_version", np.array([2], np.int64)),  # unsupported version
-        ("digest_version", np.array([3], np.int64)),  # digest version this build cannot recompute
+        ("digest_version", np.array([4], np.int64)),  # digest version this build cannot recompute
         ("token_mask", np.ones(40, np.float32)),  # length != delta_len
     ],
 )
@@ -174,7 +175,8 @@ def test_identity_mismatch_swapped_keys():
 @pytest.mark.parametrize("field", R.RECEIPT_COMPARED_FIELDS)
 def test_wrong_field(field):
     b = group(3, ROUTES)
-    mask = 0x03 if field == "digest_version" else 0x01  # 2 <-> 1: the other supported version
+    # The rows' (default) digest version flipped to another supported one: 3 <-> 2.
+    mask = DEFAULT_VERSION ^ next(v for v in SUPPORTED_VERSIONS if v != DEFAULT_VERSION) if field == "digest_version" else 0x01
     fn = lambda rows: flip_byte(rows, field, at(rows, key(b)), 0, mask)  # noqa: E731
     assert_only_bad(*finalize(b, rows_fn=fn), R.wrong(field))
 
@@ -345,7 +347,7 @@ def test_empty_routes_batch_is_missing_routes_not_a_crash():
     assert not any("unreadable" in r.detail for r in merged)
 
 
-# ---- digest versions (1: SHA-256, 2: BLAKE3) ---------------------------------------------------
+# ---- digest versions (1: SHA-256, 2: BLAKE3, 3: BLAKE3 over field digests) ----------------------
 
 
 def two_versions(seed: int = 40):
@@ -355,11 +357,14 @@ def two_versions(seed: int = 40):
             for i in range(4)]
 
 
-def test_rollouts_of_both_digest_versions_verify_in_one_step():
-    b = two_versions()
-    assert [x.receipt.calls[0].digest_version for x in b] == [1, 2, 1, 2]
+def test_rollouts_of_every_digest_version_verify_in_one_step():
+    rng = np.random.default_rng(40)
+    b = [make_group(rng, "g", 1, rollout_prefix=f"g{i}", n_calls=3, routes=ROUTES, digest_version=SUPPORTED_VERSIONS[i % 3])[0]
+         for i in range(6)]
+    assert sorted(SUPPORTED_VERSIONS) == [1, 2, 3]
+    assert sorted(x.receipt.calls[0].digest_version for x in b) == [1, 1, 2, 2, 3, 3]
     merged, fg = finalize(b)
-    assert [r.status for r in merged] == [R.OK] * 4 and fg.metrics["accepted"] == 4
+    assert [r.status for r in merged] == [R.OK] * 6 and fg.metrics["accepted"] == 6
 
 
 def test_a_receipt_without_digest_versions_is_sha256():
@@ -377,7 +382,7 @@ def test_a_receipt_without_digest_versions_is_sha256():
 def test_a_receipt_of_mixed_or_unknown_digest_versions_is_invalid(change):
     b = two_versions(42)
     receipts = [receipt_dict(x) for x in b]
-    receipts[BAD]["calls"][-1]["digest_version"] = 1 if change == "mixed" else 3
+    receipts[BAD]["calls"][-1]["digest_version"] = 1 if change == "mixed" else 7
     merged, fg = finalize(b, receipts=receipts)
     assert [r.status for r in merged] == [R.OK, R.INVALID_RECEIPT, R.OK, R.OK]
     assert ("mix digest versions" if change == "mixed" else "digest_version") in merged[BAD].detail

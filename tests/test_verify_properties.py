@@ -3,7 +3,7 @@
 Hypothesis draws valid rollouts (calls, delta lengths, routes, branches) and one
 corruption of many kinds; the two implementations must give the same verdict for every
 rollout and bitwise-identical training rows, whichever digest version (1: SHA-256, 2:
-BLAKE3) hashed the rollouts. Receipt parsing is held to the reference receipt rules the
+BLAKE3, 3: BLAKE3 over field digests) hashed the rollouts. Receipt parsing is held to the reference receipt rules the
 same way.
 """
 from __future__ import annotations
@@ -36,7 +36,7 @@ from rollout_factory import (
 from test_verify import same_rows
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-DIGEST_VERSIONS = st.sampled_from([1, 2])
+DIGEST_VERSIONS = st.sampled_from([1, 2, 3])
 
 ROW_FIELDS = (
     "rollout_id", "model_call_id", "parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version",
@@ -199,9 +199,9 @@ def receipt_scenario(draw):
             c["parent_call_id"] = draw(st.sampled_from([None, "ghost"] + [x.get("model_call_id") for x in calls]))
         elif kind == "terminal":
             d["terminal_model_call_id"] = draw(st.sampled_from([None, "ghost"] + [x.get("model_call_id") for x in calls]))
-        elif kind == "version":  # another (or no: SHA-256) digest version on one call
+        elif kind == "version":  # another (or no: SHA-256, or an unknown: 4) digest version on one call
             c = calls[draw(st.integers(0, len(calls) - 1))]
-            v = draw(st.sampled_from([None, 1, 2, 3]))
+            v = draw(st.sampled_from([None, 1, 2, 3, 4]))
             if v is None:
                 c.pop("digest_version", None)
             else:

@@ -13,8 +13,9 @@ from typing import Any
 
 RECORD_KEYS = ["model_call_id", "parent_call_id", "prev_len", "delta_len", "cum_len", "weight_version",
                "digest", "chain_hash", "cumulative_hash", "routes_encoding", "staging_key"]
-# A record may also say which algorithm hashed it (1 SHA-256, 2 BLAKE3); without it: 1.
-DIGEST_VERSIONS = (1, 2)
+# A record may also say which algorithm hashed it (1 SHA-256, 2 BLAKE3, 3 BLAKE3 over
+# field digests); without it: 1.
+DIGEST_VERSIONS = (1, 2, 3)
 
 
 def _good_id(v: object) -> bool:
