@@ -41,3 +41,25 @@ def call_buffers(rng: np.random.Generator, rollout_ids: Sequence[str], call_id: 
         b.append(rng.integers(0, VOCAB, gen_n), -rng.random(gen_n, dtype=np.float32), routes(gen_n))
         calls.append(b)
     return calls
+
+
+def refill_cpu_s(calls: Sequence[CallBuffer]) -> float:
+    """CPU seconds (this thread) to build ``calls`` again from their tokens as a generation
+    worker does: the constructor (context) and one append each, with every running hash
+    they feed (the part of the capture cost paid as tokens arrive, not at a cut)."""
+    import time
+
+    from ..generation.call_buffer import CallBuffer
+
+    jobs = []
+    for b in calls:
+        out, n_ctx = b.output(), len(b.context_ids)
+        routes = out.get("routed_experts")
+        jobs.append(((b.rollout_id, b.model_call_id, out["token_ids"][:n_ctx]),
+                     dict(max_new_tokens=b.max_new_tokens, routes_shape=b.routes_shape, digest_version=b.digest_version,
+                          routes_dtype=b.routes_dtype, context_routes=None if routes is None else routes[:n_ctx]),
+                     (out["token_ids"][n_ctx:], out["logprobs"][n_ctx:], None if routes is None else routes[n_ctx:])))
+    t0 = time.thread_time()
+    for args, kwargs, piece in jobs:
+        CallBuffer(*args, **kwargs).append(*piece)
+    return time.thread_time() - t0

@@ -6,18 +6,18 @@ against a real StagingStore, at 1,024- and 16,384-token prefixes, one row per pu
 calls: ``cut_vs_raw_put_T`` is the batched cut's rows/s over that (1.0: the cut's
 bookkeeping costs nothing). ``cut_vs_raw_put_cpu_bound_T``: the ratio the cut's own CPU
 allows in one interpreter (:func:`cpu_bound_ratio`; ``cut_own_cpu_s``: the cut of the
-same calls against a recording store, one thread, no store work), measured in the same run. ``cpu_s``: CPU seconds of the controller and each worker.
+same calls against a recording store, one thread, no store work), measured in the same run;
+``fill_cpu_s``: building those calls (constructor and appends, with the running hashes
+they feed as tokens arrive). ``cpu_s``: CPU seconds of the controller and each worker.
 Each mode runs ``--repeats`` times (interleaved, each on a fresh store); ``wall_s`` and
 ``rows_per_s`` are medians. Rows carry the routes of ``--profile`` (in the dtype an engine
 picks for its expert count: ``route_id_bytes``; ``--no-routes``: earlier rounds' rows);
 a bigger profile scales the default row counts down to toy's bytes. Rows report ``gb_s``
-beside ``rows_per_s``. A cut that raises, a ``durable_failure`` ack, a refused row or a
-sampled row read back not bit-exact fails the run: ``ok`` false, ``failures`` say what,
-no ratio, exit 1. docs/performance.md, "Checkpoint cuts".
+beside ``rows_per_s``. A cut that raises, a refused row or a sampled row read back not
+bit-exact fails the run (``ok`` false, no ratio, exit 1). docs/performance.md, section 4.
 
     python -m pipeline bench cut --json
     python -m pipeline bench cut --json --profile qwen3-moe --tokens 1024
-    python -m pipeline.bench.cut --json --rows 2048 --rows-16384 512
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypedDict, TypeVar
 
 import numpy as np
 
-from .call_buffers import call_buffers
+from .call_buffers import call_buffers, refill_cpu_s
 from .common import add_cluster_arguments, bench_client, main, notes
 from .profile_args import (add_profile_argument, payload_figures, profile_from_args, rounded_gb_s, route_id_bytes,
                            routes_profile, toy_bytes_scale)
@@ -76,6 +76,7 @@ class CutRow(TypedDict, total=False):
     durable: int  # the cut's only
     written: int  # the raw put's only
     cut_own_cpu_s: float  # the raw put's only: CPU s of cutting its calls against a recorder (no store, one thread)
+    fill_cpu_s: float  # the raw put's only: CPU s of building its calls (constructor + appends, running hashes), one thread
     failed: int
     bytes_written: int
     problems: list[str]  # a run's only, popped once said
@@ -245,6 +246,7 @@ def _raw_put_config(store: StagingStore, tokens: int, rows: int, rows_per_put: i
     per_client = _all_client_calls(rows, tokens, args, tag)
     limits = _limits(rows_per_put)
     batches: list[list[PackedBatch]] = []
+    fill_cpu = sum(refill_cpu_s(calls) for calls in per_client)  # what the appends cost, paid as tokens arrive
     cpu0 = time.thread_time()
     for c, calls in enumerate(per_client):
         rec = _Recorder(store.units)
@@ -274,6 +276,7 @@ def _raw_put_config(store: StagingStore, tokens: int, rows: int, rows_per_put: i
         "failed": rows - written,
         "bytes_written": sum(b.nbytes for bs in batches for b in bs),
         "cut_own_cpu_s": round(cut_own_cpu, 3),
+        "fill_cpu_s": round(fill_cpu, 3),
         "problems": problems,
     }
 
@@ -426,8 +429,9 @@ def _median_row(runs: list[CutRow]) -> CutRow:
     row["wall_s"] = row["wall_s_median"] = round(statistics.median(walls), 4)
     row["rows_per_s"] = row["rows_per_s_median"] = round(statistics.median(r["rows_per_s"] for r in runs), 1)
     row["wall_s_runs"] = walls
-    if "cut_own_cpu_s" in row:
-        row["cut_own_cpu_s"] = round(statistics.median(r["cut_own_cpu_s"] for r in runs), 3)
+    for name in ("cut_own_cpu_s", "fill_cpu_s"):
+        if name in row:
+            row[name] = round(statistics.median(r[name] for r in runs), 3)
     row["runs"] = len(runs)
     row["failed"] = max(r["failed"] for r in runs)
     return row
