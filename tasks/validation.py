@@ -98,8 +98,8 @@ def check_routes(
 ) -> Problem:
     """Routes present iff encoding says so; the encoding's dtype (int16 for 1, uint8 for
     2, :data:`tasks.schema.ROUTES_ENCODINGS`); shape ``[delta_len, L, K]``; ids in
-    ``[0, num_experts)`` (an int16 id below 0 or either past the last expert; no range
-    check when ``num_experts`` is None)."""
+    ``[0, num_experts)`` (an int16 id below 0 or either past the last expert; ``>= 0``
+    when ``num_experts`` is None: :func:`check_expert_range`, the one range rule)."""
     if routes_encoding == ROUTES_NONE:
         if routed_experts is not None:
             return "invalid_routes", "routed_experts present but routes_encoding is 0"
@@ -113,7 +113,7 @@ def check_routes(
     if not isinstance(routed_experts, np.ndarray) or routed_experts.dtype != dtype:
         return "invalid_routes", f"routed_experts dtype {getattr(routed_experts, 'dtype', None)}, routes_encoding {routes_encoding} expects {dtype.name}"
     problem = check_routes_shape(routed_experts, delta_len, routes_shape)
-    if problem is None and num_experts is not None:
+    if problem is None:
         return check_expert_range(routed_experts, num_experts, routes_encoding)
     return problem
 

@@ -12,9 +12,11 @@ import pytest
 from tasks import reasons as R
 from tasks.digests import DEFAULT_VERSION, SUPPORTED_VERSIONS
 from tasks.finalize.assemble import assemble_group
+from tasks.finalize.chain import CallRules
 from tasks.finalize.plan import plan_group
 from tasks.finalize.verify import merge_results, verify_many, verify_rollout
 from tasks.finalize.reference import reference_verify_rollout
+from tasks.finalize.tables import routes_tables
 from tasks.schema import ROUTES_INT16, ROUTES_UINT8, routes_field
 from rollout_factory import (
     VOCAB,
@@ -295,6 +297,27 @@ def test_invalid_routes_expert_out_of_range(enc, expert):
 def test_expert_range_unchecked_without_num_experts():
     merged, _ = finalize(forged(set_expert("c1", E), ROUTES), num_experts=None)
     assert all(r.ok for r in merged)
+
+
+@pytest.mark.parametrize("path", ["lean", "named"])
+def test_negative_expert_rejected_without_num_experts(path, monkeypatch):
+    """No upper bound without num_experts, but an int16 id below 0 is still invalid_routes
+    (the gate's rule): on the verifier's lean path (routes pre-scan) and its named checks,
+    and by the reference (``finalize`` asserts both verdicts agree)."""
+    if path == "named":  # every row through its named checks
+        monkeypatch.setattr(CallRules, "lean_for", lambda self, encoding: None)
+    good, _ = finalize(group(5, ROUTES, ROUTES_INT16), num_experts=None)
+    assert all(r.ok for r in good)
+    b = forged(set_expert("c1", -1), ROUTES, ROUTES_INT16)
+    merged, fg = finalize(b, num_experts=None)
+    assert_only_bad(merged, fg, R.INVALID_ROUTES)
+    assert "expert id -1 outside [0, ...)" in merged[BAD].detail
+    step = plan_group([x.receipt for x in b])
+    rows, routes = fetch(b, step.staging_keys, step.routes_keys)
+    ref = reference_verify_rollout(step.rollouts[BAD], rows, routes, vocab_size=VOCAB, num_experts=None)
+    assert (ref.rollout_id, ref.status) == (b[BAD].rollout_id, R.INVALID_ROUTES)
+    table = routes_tables(routes, None)[ROUTES_INT16]  # the pre-scan flags that row alone
+    assert [k for k, j in table.index.items() if not table.in_range[j]] == [key(b)]
 
 
 def test_invalid_routes_mixed_encoding():

@@ -182,7 +182,7 @@ class CallRules:
         if st.parent_chain != row["chain_hash"]:
             raise RuleFailed(R.CHAIN_HASH_MISMATCH, f"{where}: recomputed chain hash differs")
         check_content(rec, rows, i, row["token_ids"], row["token_mask"], row["logprobs"], self.vocab_size)
-        if experts is not None and num_experts is not None and (routes.in_range is None or not routes.in_range[j]):
+        if experts is not None and (routes.in_range is None or not routes.in_range[j]):
             problem = check_routes(enc, experts, row["delta_len"], num_experts, st.routes_shape)
             if problem:
                 raise RuleFailed(problem[0], f"{where}: {problem[1]}")
@@ -356,7 +356,7 @@ def _lean_content(
             check_content(rec, rows, i, ids_a, mask_a, lps_v[a_lps : a_lps + delta], vocab_size)
         if j >= 0:
             st.routes_shape = st.routes_shape or r_shape
-            if num_experts is not None and (r_in_range is None or not r_in_range[j]):
+            if r_in_range is None or not r_in_range[j]:
                 problem = check_routes(enc, routes.field.row(j), delta, num_experts, st.routes_shape)
                 if problem:
                     raise RuleFailed(problem[0], f"call {rec.model_call_id!r}: {problem[1]}")

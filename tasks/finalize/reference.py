@@ -323,12 +323,15 @@ def _check_hashes(
 def _check_delta_content(
     ids: list[int], mask: list[float], lps: list[float], experts: np.ndarray | None, vocab_size: int, num_experts: int | None
 ) -> None:
-    """The content rules (:func:`content_reason`), then invalid_routes (expert id range)."""
+    """The content rules (:func:`content_reason`), then invalid_routes: a token routed to
+    an expert id below 0, or (``num_experts`` given) at or past ``num_experts``."""
     reason = content_reason(ids, mask, lps, vocab_size)
     if reason:
         raise _Reject(reason)
-    if experts is not None and num_experts is not None and experts.size:
-        if int(experts.min()) < 0 or int(experts.max()) >= num_experts:
+    if experts is None:
+        return
+    for token in experts.reshape(experts.shape[0], -1).tolist():
+        if token and (min(token) < 0 or (num_experts is not None and max(token) >= num_experts)):
             raise _Reject("invalid_routes")
 
 

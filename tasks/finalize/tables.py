@@ -273,6 +273,14 @@ def _all_below(v: np.ndarray, bound: int) -> bool:
     return bool(v.min() >= 0 and v.max() < bound)
 
 
+def _ids_in_range(v: np.ndarray, num_experts: int | None) -> bool:
+    """Every expert id of the integer array ``v`` is in ``[0, num_experts)``, or ``>= 0``
+    when ``num_experts`` is None (:func:`tasks.validation.check_expert_range`'s rule)."""
+    if num_experts is not None:
+        return _all_below(v, num_experts)
+    return v.dtype.kind == "u" or bool(v.min() >= 0)
+
+
 class RoutesTable:
     """The routes of one encoding in a fetched routes batch (or ``None``), indexed by
     key, range pre-scanned.
@@ -288,8 +296,9 @@ class RoutesTable:
       presence, dtype and shape rules without calling it. Only then are these set:
       ``values`` (the contiguous buffer), ``mv`` (its flat byte view), ``route_shape``
       (``(L, K)``), ``bytes_per_token``, ``offsets`` and ``present`` (Python lists).
-    - ``in_range[j]``: every expert id of row ``j`` is in ``[0, num_experts)`` (None: not
-      scanned).
+    - ``in_range[j]``: every expert id of row ``j`` is in ``[0, num_experts)`` (``>= 0``
+      when ``num_experts`` is None, as :func:`tasks.validation.check_expert_range`; None:
+      not scanned, the field is not integer ``[total, L, K]``).
     """
 
     def __init__(self, batch: PackedBatch | None, num_experts: int | None, encoding: int = ROUTES_INT16,
@@ -328,11 +337,12 @@ class RoutesTable:
             self.bytes_per_token = int(v.shape[1] * v.shape[2] * v.itemsize)
             self.offsets = f.offsets.tolist()
             self.present = [True] * n if f.present is None else f.present.tolist()
-        if num_experts is not None and v.ndim == 3 and v.dtype.kind in "iu":
-            if not v.size or _all_below(v, num_experts):
+        if v.ndim == 3 and v.dtype.kind in "iu":
+            if not v.size or _ids_in_range(v, num_experts):
                 self.in_range = [True] * n  # one pass over the whole buffer: the common case
             else:
-                bad = ((v < 0) | (v >= num_experts)).any(axis=(1, 2))  # per token
+                bad = v < 0 if num_experts is None else (v < 0) | (v >= num_experts)
+                bad = bad.any(axis=(1, 2))  # per token
                 cb = np.concatenate(([0], np.cumsum(bad)))
                 self.in_range = (cb[f.offsets[1:]] - cb[f.offsets[:-1]] == 0).tolist()
 

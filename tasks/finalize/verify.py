@@ -144,7 +144,7 @@ def verify_rollout(
 
     ``rows``: a batch holding (at least) ``plan.keys`` with the STAGING_FIELDS;
     ``routes``: a batch of ``routed_experts`` for ``plan.routes_keys`` (or ``None``).
-    ``num_experts=None`` skips the expert-id range check.
+    ``num_experts=None``: expert ids need only be ``>= 0`` (no upper bound is known).
     """
     return verify_many([plan], rows, routes, vocab_size=vocab_size, num_experts=num_experts)[0]
 
