@@ -48,8 +48,8 @@ class CaptureGate:
         ``num_experts`` (:func:`tasks.schema.routes_encoding_for`: uint8 ids up to 256
         experts, else int16). Routes may be given as any integer array: the gate checks
         their range, then converts them. ``digest_version``: the algorithm of every hash
-        of the rollout (:mod:`tasks.digests`: 1 SHA-256, 2 BLAKE3, the default); an
-        unknown one raises :class:`~tasks.digests.UnsupportedDigest`."""
+        of the rollout (:mod:`tasks.digests`: 1 SHA-256, 2 BLAKE3, 3 BLAKE3 over field
+        digests, the default); an unknown one raises :class:`~tasks.digests.UnsupportedDigest`."""
         self.rollout_id = check_id(rollout_id, "rollout_id")
         self.digest_version = digests.scheme(digest_version).version
         self.vocab_size = vocab_size

@@ -30,7 +30,8 @@ class CallRecord:
     routes_encoding: int
     staging_key: str
     # The algorithm of digest, chain_hash and cumulative_hash (tasks.digests: 1 SHA-256,
-    # 2 BLAKE3). A record without it was written before BLAKE3 existed: SHA-256.
+    # 2 BLAKE3, 3 BLAKE3 over field digests). A record without it was written before
+    # BLAKE3 existed: SHA-256.
     digest_version: int = 1
 
 

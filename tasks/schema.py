@@ -116,7 +116,7 @@ class StagedRow:
     routes_encoding: int = ROUTES_NONE
     routed_experts: np.ndarray | None = None  # [delta_len, L, K]: int16 (encoding 1) or uint8 (2)
     schema_version: int = SCHEMA_VERSION
-    digest_version: int = DEFAULT_VERSION  # tasks.digests: 1 SHA-256, 2 BLAKE3
+    digest_version: int = DEFAULT_VERSION  # tasks.digests: 1 SHA-256, 2 BLAKE3, 3 BLAKE3 over field digests
     extra: dict = field(default_factory=dict, repr=False)
 
     @property

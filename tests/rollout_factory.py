@@ -77,8 +77,9 @@ def make_rollout(
     Lengths are inclusive ranges in tokens; ``routes=(L, K, E)`` adds routed experts,
     staged in ``routes_encoding`` (None: the gate's choice from ``E``, uint8 up to 256
     experts; 1: int16, as rows staged before uint8 existed), hashed with
-    ``digest_version`` (1: SHA-256, 2: BLAKE3, the default). ``weight_version``: one for
-    every call, or one per chain call (off-chain calls take the first).
+    ``digest_version`` (1: SHA-256, 2: BLAKE3, 3: BLAKE3 over field digests, the default).
+    ``weight_version``: one for every call, or one per chain call (off-chain calls take
+    the first).
     """
     versions = [weight_version] * n_calls if isinstance(weight_version, (int, np.integer)) else list(weight_version)
     assert len(versions) == n_calls, "one weight_version per chain call"

@@ -5,7 +5,7 @@ digest), ``durable_failure`` with a reason (it regenerates after a restore) or
 ``completed``. Receipts are cached by (checkpoint_id, inventory digest) so a retried cut
 answers the same receipt. Digest byte layouts: docs/design.md, "Checkpoint cuts". The
 prefix digest is hashed with the call's digest version (:mod:`tasks.digests`: 1 SHA-256,
-2 BLAKE3, each with its own tag), which the ack names; the inventory digest (a cache key
+2 and 3 BLAKE3, each with its own tag), which the ack names; the inventory digest (a cache key
 over a few ids) stays SHA-256.
 """
 from __future__ import annotations
