@@ -9,9 +9,11 @@
   buffer on one core, bytes/s; ``sha256_4k`` / ``blake3_4k``: the same 64 MiB as 4 KiB
   messages, each hashed on its own (a short row's cost); ``blake3_vs_sha256``: the ratio
   of the large-buffer medians;
-- ``row_digest_<profile>_<algorithm>``: :func:`tasks.hashing.digest` (the layout the
-  gate, the cut and the verifier hash, field by field) of 1,024-token rows with the
-  ``toy`` and ``qwen3-moe`` profiles' one-byte routes, bytes/s of row payload.
+- ``row_digest_<profile>_<version>``: :func:`tasks.hashing.digest` of 1,024-token rows
+  (``toy`` and ``qwen3-moe`` profiles' one-byte routes) per :data:`ROW_VERSIONS` entry,
+  every field hashed from scratch as a verifier does, bytes/s of payload; of
+  ``blake3_fields`` (version 3) a cut makes only the small outer hash (the field digests
+  are fed as tokens arrive: ``bench cut``'s ``fill_cpu_s``).
 
 Each figure is the median of ``--repeats`` runs (default 3).
 
@@ -30,7 +32,7 @@ import blake3
 import numpy as np
 
 from tasks import hashing
-from tasks.digests import DIGEST_BLAKE3, DIGEST_SHA256
+from tasks.digests import DIGEST_BLAKE3, DIGEST_BLAKE3_FIELDS, DIGEST_SHA256
 from tasks.profiles import profile
 
 from . import loopback
@@ -41,7 +43,8 @@ MESSAGE = 4 << 10  # bytes per small message (the *_4k figures)
 HASHES = {"sha256": hashlib.sha256, "blake3": blake3.blake3}  # single-threaded, as the pipeline hashes
 ROW_TOKENS = 1024  # tokens per row of the row_digest figures
 ROW_PROFILES = ("toy", "qwen3-moe")
-ROW_VERSIONS = {"sha256": DIGEST_SHA256, "blake3": DIGEST_BLAKE3}
+# The digest versions of the row_digest figures, by the name their keys carry.
+ROW_VERSIONS = {"sha256": DIGEST_SHA256, "blake3": DIGEST_BLAKE3, "blake3_fields": DIGEST_BLAKE3_FIELDS}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -117,7 +120,8 @@ def _row(name: str) -> tuple[dict[str, Any], int]:
 
 
 def _digests(kw: dict[str, Any], version: int, n: int) -> None:
-    """``n`` digests of one row (each a fresh hash of every field, as a verifier does)."""
+    """``n`` digests of one row (each a fresh hash of every field, as a verifier does;
+    version 3: every field digest, then the outer hash)."""
     for _ in range(n):
         hashing.digest(**kw, digest_version=version)
 
