@@ -1,8 +1,9 @@
-"""One in-flight model call's captured tokens: :class:`CallBuffer` and :class:`FrozenChunk`.
+"""One in-flight model call's captured tokens: :class:`CallBuffer`.
 
 A buffer holds a call's context and generated tokens (sealed, frozen, active parts) under
 a lifecycle lock, plus running hash states fed on every append, so a checkpoint cut
-freezes a chunk in O(1) under the lock and describes its row outside it. The cut
+freezes a chunk (:class:`~pipeline.generation.frozen_chunk.FrozenChunk`) in O(1) under
+the lock and describes its row outside it. The cut
 transaction that writes frozen chunks is :func:`pipeline.generation.cut.run_cut`.
 Lengths are in tokens; hashes are 32-byte digests of the buffer's digest version
 (:mod:`tasks.digests`: BLAKE3 by default, SHA-256 under ``capture.digest: sha256``).
@@ -16,7 +17,7 @@ from typing import Any, Literal, Sequence
 import numpy as np
 
 from tasks import digests, hashing
-from tasks.cut.batching import ROW_FIXED_BYTES, CallIdentity, Part, PrefixChunk, Signature, chunk_signature, token_nbytes
+from tasks.cut.batching import ROW_FIXED_BYTES, CallIdentity, Part, chunk_signature, token_nbytes
 from tasks.cut.receipt import (
     COMPLETED,
     CUT_ERROR,
@@ -30,61 +31,15 @@ from tasks.cut.receipt import (
 )
 from tasks.errors import InvalidCall
 from tasks.keys import CUT_PREFIX, check_id
-from tasks.schema import ROUTES_DTYPE, StagedRow, routes_encoding_of
+from tasks.schema import ROUTES_DTYPE, routes_encoding_of
+
+from .frozen_chunk import FrozenChunk
 
 # A call's lifecycle state: plain strings (they appear as such in ``info()``/``output()``).
 CallLifecycle = Literal["active", "completed", "failed"]
 ACTIVE: CallLifecycle = "active"
 COMPLETED_STATE: CallLifecycle = "completed"  # not COMPLETED: that is the ack status
 FAILED: CallLifecycle = "failed"
-
-
-class FrozenChunk:
-    """What a cut froze of one call: the chunk to write and what sealing it will commit.
-
-    ``parts`` are the generated pieces moved out of the call's active list (not copied);
-    ``chunk`` describes the row (:class:`~tasks.cut.batching.PrefixChunk`), packed with
-    its batch by :func:`~tasks.cut.batching.pack_chunks` (one copy, digest over the batch
-    buffer). ``row`` builds the :class:`StagedRow` on demand (tools, not the cut path).
-    """
-
-    __slots__ = ("buffer", "seq", "key", "parts", "chunk", "prefix_tokens", "prefix_digest", "_chain_state",
-                 "frozen_at", "tokens", "nbytes", "signature", "_row")
-
-    def __init__(self, buffer: CallBuffer, seq: int, parts: list[Part], chain_state: digests.Hasher,
-                 tokens: int = 0, prefix_tokens: int = 0, prefix_digest: bytes = b""):
-        self.buffer = buffer
-        self.seq = seq
-        self.key = ""
-        self.parts = parts  # generated (ids, logprobs, routes) pieces of this chunk, in order
-        self.chunk: PrefixChunk | None = None
-        self.prefix_tokens = prefix_tokens  # prefix length once sealed (tokens)
-        self.prefix_digest = prefix_digest  # prefix digest through this chunk (committed on seal)
-        self._chain_state = chain_state  # the chunk's running chain state (for rollback)
-        self.frozen_at = 0.0  # time.perf_counter() when frozen (s), for row-wait stats
-        self.tokens = tokens  # tokens in this chunk
-        self.nbytes = 0  # packed row size (bytes), for batch limits
-        self.signature: Signature = None
-        self._row: StagedRow | None = None
-
-    @property
-    def row(self) -> StagedRow:
-        """The prefix row as a :class:`StagedRow` (concatenated, digest set; built once)."""
-        if self._row is None:
-            self._row = self.chunk.to_row()
-        return self._row
-
-    @property
-    def gen_ids(self) -> np.ndarray:
-        return _concat_parts(self.parts, self.buffer.routes_shape, self.buffer.routes_dtype)[0]
-
-    @property
-    def gen_logprobs(self) -> np.ndarray:
-        return _concat_parts(self.parts, self.buffer.routes_shape, self.buffer.routes_dtype)[1]
-
-    @property
-    def gen_routes(self) -> np.ndarray | None:
-        return _concat_parts(self.parts, self.buffer.routes_shape, self.buffer.routes_dtype)[2]
 
 
 class CallBuffer:
@@ -153,7 +108,8 @@ class CallBuffer:
         self._prefix_digest = prefix_state(v).digest()  # of the sealed prefix
         self._run_cum = hashing.prefix_state(None, v)
         self._run_pdig = prefix_state(v)
-        self._run_chain = hashing.chain_state(None, v)
+        self._run_chain: digests.Hasher | None = hashing.chain_state(None, v)  # None: made by the next append
+        self._chain_parent: bytes | None = None  # the chain hash the next chunk extends
         self._feed(self.context_ids)
         # Field-digest layout (digest version 3): the open chunk's field digests (ids,
         # mask, logprobs[, routes]), fed on every append, so a cut hashes no token again
@@ -161,9 +117,9 @@ class CallBuffer:
         self._field_new = digests.scheme(v).field_new
         self._run_fields = self._refed_field_states()  # the first chunk starts with the context
         # What every chunk of the call shares, made once (a freeze only reads them).
-        self._identity = CallIdentity.of(self.rollout_id, self.model_call_id, self.parent_call_id, v)
+        self.identity = CallIdentity.of(self.rollout_id, self.model_call_id, self.parent_call_id, v)
         self._key_stem = f"{self.rollout_id}/{self.model_call_id}/"  # cut key after the checkpoint root
-        self._signature = chunk_signature(self.routes_shape, self.routes_dtype)
+        self.signature = chunk_signature(self.routes_shape, self.routes_dtype)
         self._token_nbytes = token_nbytes(self.routes_shape, self.routes_dtype.itemsize)  # bytes per token of a packed row
 
     def _routes(self, routes: np.ndarray) -> np.ndarray:
@@ -357,27 +313,23 @@ class CallBuffer:
                 return CallAck.failure(self.call, EMPTY_PREFIX, "no context and no generated token yet")
             parts, self._active = self._active, []
             seq = len(self.cut_keys)
-            prev = self.cut_tokens
-            # The running states already cover every token: reading them is O(1).
-            chain = self._run_chain.digest()
-            cumulative = self._run_cum.digest()
-            chain_state, self._run_chain = self._run_chain, hashing.chain_state(chain, self.digest_version)  # next chunk extends this one
-            # The next chunk's field digests start with its first append (None until then);
-            # none here (a version without them): pack_chunks hashes the row's slices.
+            # The running states already cover every token: reading them is O(1). The next
+            # chunk's chain state (extending this one) and field digests start with its
+            # first append: a call that gets no new token makes neither.
+            chain_state, self._run_chain = self._run_chain, None
+            chain = self._chain_parent = chain_state.digest()
             fields = None if self._run_fields is None else tuple(f.digest() for f in self._run_fields)
-            self._run_fields = None
-            frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state, tokens, prev + tokens, self._run_pdig.digest())
-        # Outside the lock: describe the row (no copy, no hashing: pack_chunks does both
-        # once). Its pieces are valid by construction (converted on append): no re-check.
-        # The key == cut_key(...): ids checked when the buffer was made, the checkpoint's in key_root.
-        frozen.key = key = f"{key_root}{self._key_stem}{seq}"
-        frozen.chunk = PrefixChunk.trusted(
-            key, self.rollout_id, self.model_call_id, self.parent_call_id, prev, self.weight_version,
-            self.context_ids if n_ctx else None, self.context_routes if n_ctx else None, parts, self.routes_shape,
-            chain, cumulative, tokens, self._identity, self.routes_dtype, fields,
-        )
-        frozen.nbytes = tokens * self._token_nbytes + self._identity.id_nbytes + ROW_FIXED_BYTES
-        frozen.signature = self._signature
+            self._run_fields = None  # none (a version without them): pack_chunks hashes the row's slices
+            frozen = self._frozen = FrozenChunk(
+                self, seq, parts, chain_state, prev_len=self.cut_tokens, delta_len=tokens, with_context=n_ctx > 0,
+                chain_hash=chain, cumulative_hash=self._run_cum.digest(), field_digests=fields,
+                prefix_digest=self._run_pdig.digest(),
+            )
+        # Outside the lock. Its pieces are valid by construction (converted on append): no
+        # re-check. The key == cut_key(...): ids checked when the buffer was made, the
+        # checkpoint's in key_root.
+        frozen.key = f"{key_root}{self._key_stem}{seq}"
+        frozen.nbytes = tokens * self._token_nbytes + self.identity.id_nbytes + ROW_FIXED_BYTES
         frozen.frozen_at = time.perf_counter()
         return frozen
 
@@ -424,6 +376,8 @@ class CallBuffer:
         b = _bytes(ids)
         self._run_cum.update(b)
         self._run_pdig.update(b)
+        if self._run_chain is None:  # the chunk's first tokens: its chain extends the last frozen one
+            self._run_chain = hashing.chain_state(self._chain_parent, self.digest_version)
         self._run_chain.update(b)
 
     def _refed_field_states(self) -> list[digests.Hasher] | None:
@@ -484,15 +438,3 @@ def _ones(n: int) -> memoryview:
     if len(ones) < n:
         ones = _ONES = np.ones(max(n, 2 * len(ones)), dtype="<f4")
     return memoryview(ones[:n]).cast("B")
-
-
-def _concat_parts(parts: Sequence[Part], routes_shape: tuple[int, int] | None, routes_dtype: np.dtype = ROUTES_DTYPE) -> Part:
-    """The parts as one (ids, logprobs, routes) triple (the part itself when only one)."""
-    if not parts:
-        empty_routes = None if routes_shape is None else np.zeros((0,) + tuple(routes_shape), routes_dtype)
-        return np.zeros(0, "<i8"), np.zeros(0, "<f4"), empty_routes
-    if len(parts) == 1:
-        return parts[0]
-    routes = None if routes_shape is None else np.concatenate([p[2] for p in parts])
-    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]), routes
-

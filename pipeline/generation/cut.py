@@ -184,7 +184,7 @@ class _Cut:
 
         self.take_gate()
         try:
-            batch = pack_chunks([c.chunk for c in chunks], allocate)
+            batch = pack_chunks(chunks, allocate)  # a frozen chunk is packed as it is
         except Exception as e:  # a row that cannot be packed fails its batch, then itself alone
             logger.error("cut %s: packing %d rows raised (a bug: rows are valid by construction)",
                          self.checkpoint_id, len(chunks), exc_info=True)
