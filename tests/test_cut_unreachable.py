@@ -99,3 +99,24 @@ def test_an_unreachable_live_actor_keeps_the_rows_it_sealed(inprocess_client, st
         verdict = verify_prefix(rows.batch, ack)
         assert verdict.usable, (verdict.reason, verdict.detail)
     assert all("left in place" in a.detail for a in lost)
+
+
+def test_retries_ask_the_scheduler_once_a_round_for_every_unreachable_actor(inprocess_client, store, monkeypatch):
+    # Whether each unreachable actor's worker is still in the cluster is one scheduler
+    # query per retry round, however many actors are unreachable (each query is a round
+    # trip to the scheduler).
+    driver = _driver(inprocess_client, store, "uc-")
+    pool = driver._pool
+    pool.actors[0] = LosesAnswers(pool.actors[0], times=10**6)
+    pool.actors[1] = LosesAnswers(pool.actors[1], times=10**6)
+    with dask.config.set({"token-capture.cut.lost-actor-grace-s": 0.5}):
+        pool.settings = type(pool.settings).from_config({}, pool.settings.with_routes)
+    queries, rounds = [], []
+    real_info, real_fan_out = pool.client.scheduler_info, pool.fan_out_surviving
+    monkeypatch.setattr(pool.client, "scheduler_info", lambda *a, **k: queries.append(1) or real_info(*a, **k))
+    monkeypatch.setattr(pool, "fan_out_surviving", lambda *a, **k: rounds.append(1) or real_fan_out(*a, **k))
+    cut = driver.cut("ck")
+    assert sorted(cut.lost_workers) == sorted(pool.workers[:2]) and cut.failed == {GENERATION_LOST: 4}, cut
+    retries = len(rounds) - 1  # the first fan-out is the cut itself
+    assert retries >= 2, rounds
+    assert len(queries) == retries + 1, (len(queries), retries)  # one a round, and one when the grace ends

@@ -127,8 +127,9 @@ def settle_unreachable(pool: ActorPool, lost: Mapping[int, BaseException], call:
     end = clock() + grace_s
     pending, answers, gone = dict(lost), {}, {}
     while pending:
-        for s in [s for s in pending if pool.in_cluster(s) is False]:
-            gone[s] = pending.pop(s)
+        for s, present in pool.slots_in_cluster(pending).items():  # one scheduler query a round
+            if present is False:
+                gone[s] = pending.pop(s)
         if not pending or clock() >= end:
             break
         got, failed = pool.fan_out_surviving(pending, call)

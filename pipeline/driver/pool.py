@@ -98,10 +98,16 @@ class ActorPool:
     def in_cluster(self, slot: int) -> bool | None:
         """Whether the worker of ``slot`` is registered with the scheduler now (None: the
         scheduler cannot say). A worker that left the cluster took its actor with it."""
+        return self.slots_in_cluster([slot])[slot]
+
+    def slots_in_cluster(self, slots: Iterable[int]) -> dict[int, bool | None]:
+        """:meth:`in_cluster` of each of ``slots``, from one scheduler query."""
+        slots = list(slots)
         try:
-            return self.workers[slot] in self.client.scheduler_info(n_workers=-1)["workers"]
+            registered = self.client.scheduler_info(n_workers=-1)["workers"]
         except Exception:  # noqa: BLE001 - unknown, not gone
-            return None
+            return dict.fromkeys(slots)
+        return {s: self.workers[s] in registered for s in slots}
 
     def kill(self) -> list[str]:
         """Drop every actor (a simulated crash): release their futures and handles, so the
