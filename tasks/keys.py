@@ -28,6 +28,8 @@ MAX_KEY_BYTES = len(CUT_PREFIX) + 3 * (1 + MAX_ID_BYTES) + 1 + len(str(MAX_SEQ))
 
 def check_id(value: object, what: str) -> str:
     """Return ``value`` if it is a usable id, else raise :class:`InvalidKey` naming it."""
+    if type(value) is str and value.isascii() and 0 < len(value) <= MAX_ID_BYTES and "/" not in value and value != CUT_PREFIX:
+        return value  # the usual id, checked without encoding it (ASCII: one byte a character)
     if not isinstance(value, str):
         raise InvalidKey(f"{what} must be str, got {type(value).__name__}")
     if not value:

@@ -489,3 +489,18 @@ def test_chunks_continue_chain_and_cumulative_hashes_across_cuts():
     (nxt,) = unpack_rows(a)
     assert nxt.prev_len == 23 and nxt.chain_hash == hashing.chain_hash(chain, new[0])
     assert nxt.cumulative_hash == hashing.cumulative_hash(np.concatenate([out["token_ids"], new[0]]))
+
+
+def test_a_trusted_durable_ack_is_the_one_the_constructor_makes():
+    # CallAck.durable_prefix skips the constructor's checks (a cut makes one per call):
+    # every field, equality, hash and pickling must still be the constructor's.
+    import dataclasses
+    import pickle
+
+    from tasks.cut.receipt import DURABLE_PREFIX, CallAck
+
+    fast = CallAck.durable_prefix("r", "c", ("__cut__/ck/r/c/0",), 5, b"d" * 32, 3)
+    made = CallAck("r", "c", DURABLE_PREFIX, ("__cut__/ck/r/c/0",), 5, b"d" * 32, digest_version=3)
+    assert set(vars(fast)) == {f.name for f in dataclasses.fields(CallAck)}
+    assert dataclasses.asdict(fast) == dataclasses.asdict(made) and fast == made and hash(fast) == hash(made)
+    assert pickle.loads(pickle.dumps(fast)) == made and fast.durable

@@ -409,8 +409,8 @@ class CallBuffer:
             states[3].update(memoryview(routes.reshape(-1)).cast("B"))
 
     def _durable_ack_locked(self) -> CallAck:
-        return CallAck(self.rollout_id, self.model_call_id, DURABLE_PREFIX, tuple(self.cut_keys),
-                       self.cut_tokens, self._prefix_digest, digest_version=self.digest_version)
+        return CallAck.durable_prefix(self.rollout_id, self.model_call_id, tuple(self.cut_keys), self.cut_tokens,
+                                      self._prefix_digest, self.digest_version)
 
     def _completed_ack_locked(self) -> CallAck:
         return CallAck(self.rollout_id, self.model_call_id, COMPLETED,

@@ -153,6 +153,18 @@ class CallAck:
         return self.status == DURABLE_PREFIX
 
     @classmethod
+    def durable_prefix(cls, rollout_id: str, model_call_id: str, staging_keys: tuple[str, ...], prefix_tokens: int,
+                       prefix_digest: bytes, digest_version: int) -> "CallAck":
+        """A ``durable_prefix`` ack from a writer that holds its values checked (a call
+        buffer: ids checked when made, a 32-byte digest it computed); equal to the one
+        the constructor makes, without its checks (a cut makes one per call)."""
+        ack = object.__new__(cls)
+        ack.__dict__.update(rollout_id=rollout_id, model_call_id=model_call_id, status=DURABLE_PREFIX,
+                            staging_keys=staging_keys, prefix_tokens=prefix_tokens, prefix_digest=prefix_digest,
+                            reason=None, detail="", total_tokens=0, digest_version=digest_version)
+        return ack
+
+    @classmethod
     def failure(cls, call: CallId, reason: str, detail: str = "") -> "CallAck":
         return cls(call[0], call[1], DURABLE_FAILURE, reason=reason, detail=detail)
 
