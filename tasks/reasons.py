@@ -32,6 +32,8 @@ from __future__ import annotations
 # assembly (tasks.finalize.assemble), per verified rollout: invalid_routes ([L, K] differs
 #     from the group's) -> stale (its oldest weight_version lags the trainer's version by
 #     more than finalize.max-staleness; only when both are set).
+# step batch (tasks.finalize.batch_reject), per row of the step: invalid_routes ([L, K]
+#     differs from the step's) -> stale (with a trainer_version, its lag leaves int64).
 
 OK = "ok"
 
@@ -102,7 +104,8 @@ INVALID_ROUTES = "invalid_routes"
 # policy
 # A verified rollout whose oldest weight_version lags the trainer's version (given at
 # submit time) by more than ``finalize.max-staleness``: kept out of the training batch
-# like any rejection, its rows cleared with the step's (never earlier).
+# like any rejection, its rows cleared with the step's (never earlier). Also, in the step
+# batch only, an accepted row whose lag behind the batch's trainer_version leaves int64.
 STALE = "stale"
 
 RECEIPT_REASONS = frozenset(

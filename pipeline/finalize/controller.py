@@ -74,7 +74,9 @@ class StepResult:
         """The step as ONE training batch: :func:`tasks.finalize.step_batch.step_batch` over
         the groups in submission order (``kwargs``: ``eps``, ``pad_id``, ``normalize_std``,
         ``routes_dtype``: e.g. ``torch.int64``, default as stored; ``trainer_version``: adds
-        ``weight_lag`` = trainer_version - weight_version_oldest per row).
+        ``weight_lag`` = trainer_version - weight_version_oldest per row). Rows the batch
+        rejects itself (routes of another [L, K] than the step's, a lag past int64) are
+        listed by :func:`tasks.finalize.step_batch.batch_rejections`.
 
         A ``dict[str, torch.Tensor]``, or with ``as_tensordict`` a ``tensordict.TensorDict``
         of ``batch_size=[B]`` (needs the ``tensordict`` extra).

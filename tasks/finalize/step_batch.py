@@ -11,16 +11,17 @@ to the step's longest row ``T`` (tokens). Keys and dtypes: ``input_ids`` int64 [
 ``weight_lag`` int64 [B] (with a ``trainer_version``: trainer_version -
 weight_version_oldest on every row), ``has_routes`` bool [B], and ``routed_experts``
 [B, T, L, K] only when some row has routes: in the ``routes_dtype`` the trainer asks for
-(e.g. ``torch.int64``), by default as stored (uint8 or int16; the same values).
-
+(e.g. ``torch.int64``), by default as stored (uint8 or int16; the same values). Rows of
+another routes ``[L, K]`` than the step's, or whose lag leaves int64, are rejected here
+(:mod:`tasks.finalize.batch_reject`; :func:`batch_rejections` lists them).
 Advantages are GRPO's outcome advantages over each group's ACCEPTED rows only (mean and
 unbiased ``torch.std``, as verl's ``compute_grpo_outcome_advantage``), computed in float64
 and never NaN or inf; rejected rows and groups with fewer than two accepted rows get 0.
-Vectorized over the whole step (a Python loop over groups, never over rows or tokens).
-docs/design.md sections 4 and 14 say why each convention was chosen.
+Vectorized (Python loops over groups and rejected rows only); see docs/design.md 4, 14.
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -29,6 +30,9 @@ import torch
 
 from ..errors import InvalidInput
 from .assemble import FinalizedGroup
+from .batch_reject import BatchRejection, lag_overflow, rows_rejected, step_route_shape
+
+logger = logging.getLogger(__name__)
 
 _F32_MAX = float(torch.finfo(torch.float32).max)
 # What a FinalizedGroup's routes may be (as stored), and what a trainer may ask for.
@@ -103,11 +107,11 @@ def _check_options(eps: float, pad_id: int, routes_dtype: torch.dtype | None) ->
         raise InvalidInput(f"step_batch: routes_dtype must be None (as stored) or one of {list(ROUTES_DTYPES)}, got {routes_dtype!r}")
 
 
-def _routes_dtype(groups: Sequence[FinalizedGroup], asked: torch.dtype | None) -> torch.dtype:
-    """The batch's routes dtype: ``asked``, or the widest the groups store; uint8 asked of
-    int16-stored routes only when every id fits a byte, ``[0, 255]`` (else
-    :class:`InvalidInput`: a negative id would wrap)."""
-    stored = [g.routed_experts for g in groups if g.routed_experts is not None]
+def _routes_dtype(groups: Sequence[FinalizedGroup], route_shape: tuple[int, ...], asked: torch.dtype | None) -> torch.dtype:
+    """The batch's routes dtype: ``asked``, or the widest the groups of ``route_shape``
+    store; uint8 asked of int16-stored routes only when every id fits a byte, ``[0, 255]``
+    (else :class:`InvalidInput`: a negative id would wrap)."""
+    stored = [g.routed_experts for g in groups if _fits(g, route_shape)]
     widest = torch.uint8 if all(r.dtype == torch.uint8 for r in stored) else torch.int16
     if asked is None:
         return widest
@@ -151,6 +155,11 @@ def group_advantages(
     return out.clamp(-_F32_MAX, _F32_MAX).to(torch.float32)
 
 
+def _fits(g: FinalizedGroup, route_shape: tuple[int, ...] | None) -> bool:
+    """The group stores routes of the batch's ``[L, K]`` (others are rejected)."""
+    return g.routed_experts is not None and tuple(g.routed_experts.shape[2:]) == route_shape
+
+
 def _padded(
     groups: Sequence[FinalizedGroup], shapes: list[tuple[int, int]], T: int, pad_id: int,
     route_shape: tuple[int, ...] | None, routes_dtype: torch.dtype | None,
@@ -163,27 +172,60 @@ def _padded(
     logprobs = torch.zeros((B, T), dtype=torch.float32)
     routes = None
     if route_shape is not None:
-        routes = torch.zeros((B, T) + route_shape, dtype=_routes_dtype(groups, routes_dtype))
+        routes = torch.zeros((B, T) + route_shape, dtype=_routes_dtype(groups, route_shape, routes_dtype))
     row = 0
     for g, (n, t) in zip(groups, shapes):
         input_ids[row:row + n, :t] = g.input_ids
         token_mask[row:row + n, :t] = g.token_mask
         logprobs[row:row + n, :t] = g.logprobs
-        if routes is not None and g.routed_experts is not None:
+        if routes is not None and _fits(g, route_shape):
             routes[row:row + n, :t] = g.routed_experts  # cast to the asked dtype: same values
         row += n
     return input_ids, token_mask, logprobs, routes
 
 
 def weight_lag(trainer_version: int, oldest: torch.Tensor) -> torch.Tensor:
-    """``trainer_version - oldest`` (int64 [B], versions): each row's ``weight_lag``;
-    :class:`InvalidInput` when a lag would leave int64 (checked on the extremes in Python
-    ints, never wrapped)."""
-    if oldest.numel():
-        lo, hi = trainer_version - int(oldest.max()), trainer_version - int(oldest.min())
-        if lo < _I64_MIN or hi > _I64_MAX:
-            raise InvalidInput(f"step_batch: trainer_version {trainer_version} minus weight_version_oldest leaves int64")
-    return trainer_version - oldest
+    """``trainer_version - oldest`` (int64 [B], versions): each row's ``weight_lag``. A lag
+    past int64 (an absurd weight version; :func:`step_batch` rejects such a row ``stale``)
+    is saturated at int64's nearest bound, never wrapped."""
+    over = lag_overflow(trainer_version, oldest)
+    if not bool(over.any()):
+        return trainer_version - oldest
+    lag = trainer_version - torch.where(over, trainer_version, oldest)
+    lag[over & (oldest < trainer_version)] = _I64_MAX
+    lag[over & (oldest > trainer_version)] = _I64_MIN
+    return lag
+
+
+def _checked_groups(groups: object) -> list[tuple[int, int]]:
+    """Each group's (rows, padded length), after :func:`_check_group`."""
+    if isinstance(groups, (FinalizedGroup, Mapping, str, bytes)) or not isinstance(groups, Sequence):
+        hint = " (pass list(step.groups.values()))" if isinstance(groups, Mapping) else ""
+        raise InvalidInput(f"step_batch: groups must be a sequence of FinalizedGroup, got {type(groups).__name__}{hint}")
+    return [_check_group(gi, g) for gi, g in enumerate(groups)]
+
+
+def batch_rejections(groups: Sequence[FinalizedGroup], *, trainer_version: int | None = None) -> list[BatchRejection]:
+    """The rows :func:`step_batch` (same groups and ``trainer_version``) rejects itself, in
+    step order, each with its group and row index, rollout id, reason and detail (the
+    rules: :mod:`tasks.finalize.batch_reject`). Bad input raises as :func:`step_batch`."""
+    _checked_groups(groups)
+    if trainer_version is not None:
+        check_version(trainer_version, "step_batch: trainer_version")
+    return rows_rejected(groups, step_route_shape(groups), trainer_version)
+
+
+def _reject(rejected: list[BatchRejection], shapes: list[tuple[int, int]], fields: tuple[torch.Tensor, ...]) -> None:
+    """Make the ``rejected`` rows all padding (in the batch's own copies of the per-row
+    fields: lengths, ``sample_mask``, ``has_routes``) and log them."""
+    start = [0]
+    for n, _ in shapes:
+        start.append(start[-1] + n)
+    rows = torch.tensor([start[r.group] + r.row for r in rejected], dtype=torch.int64)
+    for x in fields:
+        x[rows] = 0
+    logger.warning("step_batch: %d row(s) rejected: %s", len(rejected),
+                   "; ".join(f"group {r.group} row {r.row} ({r.rollout_id}) {r.reason}: {r.detail}" for r in rejected[:5]))
 
 
 def step_batch(
@@ -200,25 +242,24 @@ def step_batch(
     ``trainer_version``: the trainer's weight version; adds ``weight_lag`` (int64 [B]).
 
     ``routes_dtype``: the dtype of ``routed_experts`` (one of :data:`ROUTES_DTYPES`);
-    ``None`` keeps them as stored (the widest of the groups'). Raises
+    ``None`` keeps them as stored (the widest of the groups'). Rows of another routes
+    ``[L, K]`` than the step's (the one most routed rows have) are rejected
+    ``invalid_routes``, and with a ``trainer_version`` accepted rows whose lag leaves
+    int64 ``stale``: all padding with ``sample_mask`` 0, logged as a warning and listed by
+    :func:`batch_rejections`; their groups are not modified. Raises
     :class:`tasks.errors.InvalidInput` naming the group and field for a group that is not
-    a well-formed FinalizedGroup, a non-finite reward or logprob, routes whose ``[L, K]``
-    differ between groups, a negative or non-finite ``eps``, a bad ``pad_id`` or
-    ``routes_dtype``, a ``trainer_version`` that is not an int64, or a lag past int64.
+    a well-formed FinalizedGroup, a non-finite reward or logprob, a negative or
+    non-finite ``eps``, a bad ``pad_id`` or ``routes_dtype``, or a ``trainer_version``
+    that is not an int64.
     """
-    if isinstance(groups, (FinalizedGroup, Mapping, str, bytes)) or not isinstance(groups, Sequence):
-        hint = " (pass list(step.groups.values()))" if isinstance(groups, Mapping) else ""
-        raise InvalidInput(f"step_batch: groups must be a sequence of FinalizedGroup, got {type(groups).__name__}{hint}")
+    shapes = _checked_groups(groups)
     _check_options(eps, pad_id, routes_dtype)
     if trainer_version is not None:
         check_version(trainer_version, "step_batch: trainer_version")
-    shapes = [_check_group(gi, g) for gi, g in enumerate(groups)]
-    route_shapes = {tuple(g.routed_experts.shape[2:]) for g in groups if g.routed_experts is not None}
-    if len(route_shapes) > 1:
-        raise InvalidInput(f"step_batch: routed_experts [L, K] differ between groups: {sorted(route_shapes)}")
     B = sum(n for n, _ in shapes)
     T = max((t for _, t in shapes), default=0)
-    route_shape = next(iter(route_shapes)) if route_shapes else None
+    route_shape = step_route_shape(groups)
+    rejected = rows_rejected(groups, route_shape, trainer_version)
     input_ids, token_mask, logprobs, routes = _padded(groups, shapes, T, pad_id, route_shape, routes_dtype)
 
     def cat(name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -229,6 +270,8 @@ def step_batch(
     sample_mask = cat("sample_mask", torch.float32)
     rewards = cat("rewards", torch.float32)
     has_routes = cat("has_routes", torch.bool)
+    if rejected:
+        _reject(rejected, shapes, (input_lengths, prompt_lengths, sample_mask, has_routes))
     group_index = torch.repeat_interleave(torch.arange(len(groups), dtype=torch.int64), torch.tensor([n for n, _ in shapes], dtype=torch.int64))
 
     positions = torch.arange(T, dtype=torch.int64).expand(B, T)
