@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from tasks.digests import DIGEST_SHA256, algorithm_of
+from tasks.digests import DIGEST_SHA256, algorithm_of, scheme
 from tasks.gate import CaptureGate
 from tasks.hashing import DIGEST_VERSION
 from tasks.packed import pack_rows
@@ -278,7 +278,8 @@ def _workload_out(s: _Session, name: str, groups: list[list[Receipt]], runs: dic
     out = workload_figures(shape, TARGETS.get(name, {}), len(groups), runs, vh)
     if fetched is not None:
         try:  # the verifier's three hash streams alone, against one pass (CPU): a floor under verify_vs_hash
-            out.update(hash_streams(fetched, algorithm))
+            fields = scheme(config.digest_version()).field_new is not None  # the rows' layout (capture.digest)
+            out.update(hash_streams(fetched, algorithm, field_digests=fields))
         except Exception as e:  # noqa: BLE001
             s.failures.append(f"{name} hash_streams: {type(e).__name__}: {e}")
         target = TARGETS.get(name, {}).get("graph_verify_vs_hash")

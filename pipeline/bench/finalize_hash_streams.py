@@ -11,10 +11,11 @@ updates cost a hash more per byte than one large pass (BLAKE3 most: its tree run
 only over large inputs), so this floor sits above 1.0 by the stream count and by the
 update size.
 
-``hash_streams_layout_ms`` / ``_vs_hash``: the same streams as the digest layout feeds
-them (each hash opens with its tag and header, the digest's fields sit between small
-length fields), so no field starts on a BLAKE3 chunk boundary (1 KiB) and its tree runs
-narrow: the verifier's hashing floor in the layout it reads (docs/performance.md).
+``hash_streams_layout_ms`` / ``_vs_hash``: the same streams as the rows' digest layout
+feeds them (each hash opens with its tag and header; version 1/2: the digest's fields sit
+between small length fields, so none starts on a BLAKE3 chunk boundary; version 3: each
+field hashed alone, then a small outer hash): the verifier's hashing floor in the layout
+it reads (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -78,10 +79,11 @@ def _digest_layout(h: Hasher, bufs: list[memoryview]) -> None:
     h.update(bytes(DIGEST_TAIL))
 
 
-def hash_streams(fetched: Fetched, algorithm: str, repeats: int = 3) -> dict[str, float]:
+def hash_streams(fetched: Fetched, algorithm: str, repeats: int = 3, field_digests: bool = False) -> dict[str, float]:
     """``hash_streams_ms`` (the three streams, best of ``repeats``), ``hash_pass_ms`` (one
     pass over the same fetched field buffers) and their ratio ``hash_streams_vs_hash``;
-    ``hash_streams_layout_ms`` / ``_vs_hash``: the streams with the layout's headers."""
+    ``hash_streams_layout_ms`` / ``_vs_hash``: the streams with the layout's headers
+    (``field_digests``: the field-digest layout of digest version 3)."""
     rows = fetched.rows
     at = {k: i for i, k in enumerate(rows.keys)}
     rollouts = [[at[k] for k in p.keys if k in at] for p in fetched.plan.rollouts]
@@ -93,7 +95,13 @@ def hash_streams(fetched: Fetched, algorithm: str, repeats: int = 3) -> dict[str
         digest's fields are fed between their length fields (:func:`_digest_layout`)."""
         for bufs in digest:
             h = file_hash(algorithm)
-            if layout:
+            if layout and field_digests:  # each field alone, then the outer hash of their digests
+                for b in bufs:
+                    f = file_hash(algorithm)
+                    f.update(b)
+                    f.digest()
+                h.update(bytes(DIGEST_HEAD + (FIELD_HEAD + 32) * len(bufs) + DIGEST_TAIL))
+            elif layout:
                 h.update(bytes(DIGEST_HEAD))
                 _digest_layout(h, bufs)
             else:
