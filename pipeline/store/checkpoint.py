@@ -31,6 +31,7 @@ from .. import config
 from . import sequence
 from .batch_file import FORMAT_VERSION
 from .checkpoint_files import load_file, restore_file, verify_file  # noqa: F401 (tasks run them by this path too)
+from .checkpoint_losses import LOST_FIELD, restore_lost, split_entries
 from .deadline import settle_all
 from .location import Location, parse
 from .location_lease import Lease, location_lease
@@ -150,7 +151,7 @@ def _save_locked(store: "StoreLike", loc: Location, chunk_bytes: int, key: bytes
         os.makedirs(gen.root)
     digest = config.digest_algorithm()  # capture.digest, once per save
     outcomes, errors = _write_generation(store, gen, chunk_bytes, digest)
-    entries = [e for unit_entries in ([] if errors else outcomes) for e in unit_entries]
+    entries, lost = split_entries([e for unit_entries in ([] if errors else outcomes) for e in unit_entries])
     if not errors:
         missing = _missing_files(gen, entries)
         if missing:
@@ -175,6 +176,8 @@ def _save_locked(store: "StoreLike", loc: Location, chunk_bytes: int, key: bytes
         FILE_DIGEST_FIELD: digest,
         "store": _store_name(store),
     }
+    if lost:
+        manifest[LOST_FIELD] = lost  # absent when none: such a manifest is as before
     if lease is not None:
         lease.check()  # still this save's: no other save may be writing here
     try:
@@ -289,17 +292,19 @@ def restore(store: "StoreLike", path: Where, client=None, allow_older: bool = Fa
        (acknowledged to it), are never removed or changed (write-once keys refuse an
        overwrite as ``key_conflict``). It then raises :class:`RestoreIncomplete` naming
        the failed keys and reasons, or the load error.
+    4. The manifest's lost keys (``lost_keys``, :mod:`~.checkpoint_losses`) are recorded
+       lost again on their holders; one that cannot be reached fails them as in 3.
 
-    Returns ``{"rows": restored, "failed": {}, "files": n, "generation": id}``.
+    Returns ``{"rows": restored, "failed": {}, "files": n, "generation": id, "lost_keys": n}``.
     """
     from distributed import get_client
 
     loc = parse(path)
     path = loc.url
     manifest = read_manifest(loc, allow_older=allow_older)
-    files, generation = manifest["files"], manifest["generation"]
+    files, generation, lost = manifest["files"], manifest["generation"], manifest.get(LOST_FIELD, {})
     if store.partitions is not None:
-        unknown = sorted({e["partition"] for e in files} - set(store.partitions))
+        unknown = sorted(({e["partition"] for e in files} | set(lost)) - set(store.partitions))
         if unknown:
             raise CheckpointError(f"checkpoint {path!r} holds partition(s) {unknown} this store lacks ({store.partitions})")
     client = client or get_client()
@@ -331,10 +336,12 @@ def restore(store: "StoreLike", path: Where, client=None, allow_older: bool = Fa
             continue
         failed.update(out["failed"])
         rows += len(out["ok"])
+    if error is None and not failed and lost:
+        n_lost, failed = restore_lost(store, lost, set(owner))
     if error is None and not failed:
         store.settle_claim(claim)
         note_restored(manifest)  # a replay of anything older is refused from now on
-        return {"rows": rows, "failed": {}, "files": n, "generation": generation}
+        return {"rows": rows, "failed": {}, "files": n, "generation": generation, "lost_keys": n_lost if lost else 0}
     removed, rollback_failed = _rollback(store, keys, claim)
     if error is not None:
         note = f"restore of {path!r} failed while loading; the {removed} row(s) it had added were removed" + (

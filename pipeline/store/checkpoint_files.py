@@ -19,6 +19,7 @@ from tasks.packed import PackedBatch
 
 from . import batch_file
 from .batch_file import decode_batch
+from .checkpoint_losses import unit_lost_entries
 from .location import Location, local
 from .manifest import _entry_problem, entry_digest, resolve_entry
 from .protocol import check_key, field_problem
@@ -27,6 +28,7 @@ from .row_packing import pack_stored_rows
 
 if TYPE_CHECKING:  # pragma: no cover
     from .held_rows import HeldRows
+    from .losses import LossBook
     from .protocol import StoreLike
 
 T = TypeVar("T")
@@ -181,12 +183,14 @@ def write_partition_files(
 def write_unit_files(
     target: "str | Location", me: int, held: "HeldRows", registry: Mapping[str, FieldRegistry], chunk_bytes: int,
     primary_of_units: int | Sequence[str] | None = None, digest: str = DEFAULT_ALGORITHM,
-    skip: Mapping[str, set[str]] | None = None,
+    skip: Mapping[str, set[str]] | None = None, losses: "LossBook | None" = None,
 ) -> list[dict]:
     """A unit's checkpoint_write: every partition of ``held`` as files ``u<me>-<partition>-<n>.tcb``
     in ``target`` (:func:`write_partition_files`); with ``primary_of_units`` only the keys
     unit ``me`` is the primary of, never the keys of ``skip[partition]``; files hashed with
-    ``digest``. Runs on the unit's actor thread: a consistent snapshot."""
+    ``digest``. Runs on the unit's actor thread: a consistent snapshot. With ``losses``
+    (the unit's lost-key records) one more entry carries them, every one of them (the
+    controller keeps each key once: :mod:`.checkpoint_losses`)."""
     entries: list[dict] = []
     for partition, index in held.index.items():
         left_out = (skip or {}).get(partition)
@@ -197,4 +201,4 @@ def write_unit_files(
         entries.extend(write_partition_files(
             target, f"u{me:03d}-{partition}", partition, rows, registry.get(partition), chunk_bytes, digest
         ))
-    return entries
+    return entries if losses is None else entries + unit_lost_entries(losses)

@@ -30,6 +30,7 @@ from tasks.errors import CheckpointCorrupt, CheckpointError, CheckpointReplayed,
 from .. import config
 from . import sequence
 from .batch_file import DATA_SUFFIX, FORMAT_VERSION
+from .checkpoint_losses import LOST_FIELD, lost_problem
 from .location import Location, parse
 from .location_probe import explain
 from .protocol import PARTITION_RE
@@ -130,7 +131,7 @@ def read_manifest(path: Where, key: bytes | None = _FROM_CONFIG, allow_older: bo
     (default: :func:`manifest_key`) its signature is required and checked, and so is its
     sequence (:func:`check_sequence`: an older signed checkpoint than one already saved or
     restored for its store name raises :class:`CheckpointReplayed`, unless
-    ``allow_older``); every file entry checked (names resolve inside ``path``).
+    ``allow_older``); every file entry checked (names resolve inside ``path``), and the lost keys when present.
 
     ``MANIFEST.json`` must be a regular file or object (locally a symlink to one is
     followed; a FIFO, device or directory is refused unopened) of at most
@@ -169,6 +170,8 @@ def read_manifest(path: Where, key: bytes | None = _FROM_CONFIG, allow_older: bo
     if key is not None and not allow_older:
         check_sequence(manifest, where=mpath)
     _check_entries(loc, mpath, manifest)
+    if LOST_FIELD in manifest and (why := lost_problem(manifest[LOST_FIELD])) is not None:
+        raise CheckpointCorrupt(f"{mpath}: {why}")
     return manifest
 
 

@@ -31,7 +31,7 @@ from .merging import (
 )
 from .moving import ASK_NEXT, MovingTable, holder_parts, plan_all_moving, plan_put_moving, read_order
 from .placement import failover, plan_delete, plan_put, plan_read
-from .protocol import GetResult, StoreResult, pack_names
+from .protocol import MISSING_KEY, GetResult, StoreResult, pack_names
 from .replication import merge_deletes
 
 
@@ -55,8 +55,9 @@ def cut_rows(batch: PackedBatch, chunk: np.ndarray, allocator: Callable) -> Pack
 
 
 def _witness_calls(partition: str, names: dict[int, list[str]], drop: bool) -> list[Call]:
-    """One ``witness`` call per witness unit not otherwise called; its answer fails no
-    key (the copies decide), it only cannot tell a later loss of both copies."""
+    """One ``witness`` call per witness unit (a put's: per unit not otherwise called; a
+    delete's: after the copies answered); its answer fails no key (the copies decide), it
+    only cannot tell a later loss of both copies."""
     if drop:
         return [Call(w, "witness", lambda ks=ks: (partition, None, pack_names(ks))) for w, ks in names.items()]
     return [Call(w, "witness", lambda ks=ks: (partition, pack_names(ks))) for w, ks in names.items()]
@@ -230,21 +231,31 @@ def delete(store: Driven, keys: Sequence[str], partition: str) -> Operation[Stor
 
 
 def _delete_once(store: Driven, keys: Sequence[str], partition: str) -> Operation[tuple[StoreResult, set[str]]]:
-    """One round of deletes: the answer per key, and the keys some copy removed."""
+    """One round of deletes: the answer per key, and the keys some copy removed. The
+    witnesses forget a name only after the copies answered (:func:`_applied_names`)."""
     placement, moving, version = store.placement, store.moving, stamp(store)
     uniq, parts, names, failed = plan_delete(placement, keys)
     if moving is not None:  # every copy of either table
         uniq, parts, failed = plan_all_moving(moving, keys)
-    calls = [
-        Call(u, "delete", lambda ks=ks, wit=_packed(names.pop(u, None)): (partition, pack_names(ks), wit, version), ks)
-        for u, ks in parts
-    ]
-    answers = yield calls + _witness_calls(partition, names, drop=True)
-    results = answers[: len(calls)]
+    calls = [Call(u, "delete", lambda ks=ks: (partition, pack_names(ks), None, version), ks) for u, ks in parts]
+    results = yield calls
     replicated = placement.replicas == 2 or moving is not None
     result = merge_deletes(results, uniq) if replicated else StoreResult.merge(results)
     result.failed.update(failed)
+    drop = _applied_names(names, result)
+    if drop:
+        yield _witness_calls(partition, drop, drop=True)
     return result, {k for r in results for k in r.ok}
+
+
+def _applied_names(names: dict[int, list[str]], result: StoreResult) -> dict[int, list[str]]:
+    """Witness unit -> the names of ``names`` whose delete was applied (``result``: ``ok``,
+    or ``missing_key`` from every copy). A key whose delete failed on a copy (unreachable,
+    refused, moved) keeps its name: if its remaining copies die together later it must
+    read ``lost_key``, not ``missing_key``, and refuse new content."""
+    done = set(result.ok) | {k for k, (reason, _) in result.failed.items() if reason == MISSING_KEY}
+    out = {w: [k for k in ks if k in done] for w, ks in names.items()}
+    return {w: ks for w, ks in out.items() if ks}
 
 
 def stamp(store: Driven) -> int:

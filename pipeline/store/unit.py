@@ -449,8 +449,8 @@ class StorageUnit:
     ) -> list[dict]:
         """Write every partition's rows as packed batch files (about ``chunk_bytes`` each)
         into ``directory`` (a local directory: atomically per file; or a generation at an
-        fsspec URL, written from this worker). Returns one manifest entry per file. Runs on
-        the actor thread, so it is a consistent snapshot of this unit.
+        fsspec URL, written from this worker). Returns one manifest entry per file, and one of
+        the lost keys it records, if any (:mod:`.checkpoint_losses`). Runs on the actor thread: a snapshot.
 
         ``primary_of_units`` (a replicated store's unit ids, or count: default ids): write only
         the keys this unit is the primary of, so a checkpoint holds each key once, not twice.
@@ -461,7 +461,7 @@ class StorageUnit:
         self._check_open()
         me = self.unit_index if index is None else int(index)
         skip = {} if token is None else {p: self.guard.deleted_before(p, token) for p in self.held.index}
-        return write_unit_files(directory, me, self.held, self.registry, chunk_bytes, primary_of_units, digest, skip)
+        return write_unit_files(directory, me, self.held, self.registry, chunk_bytes, primary_of_units, digest, skip, self.losses)
 
     # ---- lifecycle --------------------------------------------------------------
 
