@@ -8,6 +8,7 @@ import dataclasses
 import pickle
 
 import dask
+import msgpack
 import numpy as np
 import pytest
 import torch
@@ -15,12 +16,14 @@ from distributed import wait
 from rollout_factory import VOCAB, fetch, make_rollout
 
 from pipeline.dashboard.state import TokenCaptureState
+from pipeline.dashboard.trainer_events import parse_staleness
 from pipeline.events import FINALIZE
 from pipeline.finalize import Finalizer
 from pipeline.finalize.serializers import dump_group, dump_verify_out, load_group, load_verify_out
 from pipeline.finalize.task_outputs import VerifyOut
 from pipeline.finalize.settings import FinalizeSettings
 from pipeline.finalize.timing import public
+from pipeline.metrics.families import staleness_families
 from support import store_maker
 from tasks import reasons as R
 from tasks.errors import FinalizeError, InvalidInput
@@ -127,6 +130,51 @@ def test_step_figures_count_stale_rows_at_their_verified_length():
     # without a trainer version, lags run from the newest version the step saw (7)
     f = step_staleness([assemble_group(res, [0.0] * 4)], trainer_version=None, max_staleness=None)
     assert f["reference_version"] == 7 and f["trainer_version"] is None and f["stale"] == 0
+
+
+I64_MIN, I64_MAX = -(2**63), 2**63 - 1
+
+
+def saturated(n: int) -> int:
+    return min(max(n, I64_MIN), I64_MAX)
+
+
+@pytest.mark.parametrize("reference, oldest", [
+    (10, [I64_MIN, 5, I64_MIN + 20, 9]),  # lags past int64's max
+    (-5, [I64_MAX, -6, I64_MAX - 1, -5]),  # a negative trainer version: lags past int64's min
+    (-1, [I64_MIN, 0, -1, -1]),  # a lag exactly at int64's max fits
+    (0, [2**60 + 1, -(2**60) - 1, -3, 7]),  # exact sums past float64's 2**53
+])
+def test_lags_past_int64_saturate_and_never_wrap(reference, oldest):
+    tokens = np.array([100, 200, 2000, 3000])
+    f = staleness_figures(tokens, np.array(oldest, dtype=np.int64), np.zeros(4, bool),
+                          reference=reference, trainer_version=reference, max_staleness=None)
+    lags = [saturated(reference - v) for v in oldest]  # Python ints: no overflow
+    assert f["max_lag"] == max(lags) and type(f["max_lag"]) is int
+    assert f["mean_lag"] == sum(lags) / 4
+    by = {b["bucket"]: b for b in f["buckets"]}
+    for label, part in (("<1k", lags[:2]), ("1-4k", lags[2:])):
+        assert by[label]["lag_sum"] == saturated(sum(part)) and by[label]["mean_lag"] == sum(part) / 2
+    msgpack.packb(f)  # fits the step event as it travels (int64 at most)
+
+
+def test_step_figures_agree_with_the_batch_on_an_absurd_weight_version():
+    res = results(4, versions=[(3, 4), (I64_MIN, I64_MIN), (5, 6)])
+    g = assemble_group(res, [0.0] * 3)
+    f = step_staleness([g], trainer_version=7, max_staleness=None)
+    lags = step_batch([g], trainer_version=7)["weight_lag"].tolist()  # the batch saturates its lag too
+    assert lags[1] == I64_MAX and f["max_lag"] == max(lags) and f["mean_lag"] == sum(lags) / 3
+    assert f["buckets"][0]["lag_sum"] == I64_MAX  # the exact sum is past int64: saturated, never wrapped
+    # without a trainer version, lags run from the newest version seen (6), still saturated
+    f = step_staleness([g], trainer_version=None, max_staleness=None)
+    assert f["reference_version"] == 6 and f["max_lag"] == I64_MAX
+    # the page and /metrics take the figures as they are
+    agg = TokenCaptureState(history=8)
+    agg.trainer.fold_staleness("s", 0.0, parse_staleness(FINALIZE, f))
+    assert agg.snapshot()["staleness"]["steps"][0]["max_lag"] == float(I64_MAX)
+    fams = {m.name: m for m in staleness_families(agg)}
+    lag_sums = {s.labels["bucket"]: s.value for s in fams["token_capture_staleness_lag_versions"].samples}
+    assert lag_sums["<1k"] == float(I64_MAX)
 
 
 def test_max_staleness_setting_is_checked():

@@ -6,6 +6,8 @@ A row's lag is ``reference - weight_version_oldest`` (versions): ``reference`` i
 trainer version the step was submitted with, or, without one, the newest weight version
 among the step's verified rows. Rows counted: every verified row, those dropped ``stale``
 included; rows rejected for their data are not. Lengths are the rows' verified tokens.
+A lag never wraps: one past int64 (a rollout at an int64-extreme weight version) is
+saturated at int64's nearest bound, like the step batch's ``weight_lag``; sums are exact.
 Vectorized over rows (numpy); one Python pass over the step's groups to gather them.
 """
 from __future__ import annotations
@@ -24,10 +26,13 @@ if TYPE_CHECKING:  # the scheduler's state reads the buckets: no torch import th
 LENGTH_BUCKETS: tuple[tuple[str, float], ...] = (("<1k", 1024), ("1-4k", 4096), ("4-16k", 16384), (">=16k", float("inf")))
 BUCKET_LABELS: tuple[str, ...] = tuple(label for label, _ in LENGTH_BUCKETS)
 
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
 
 class BucketFigures(TypedDict):
     """One length bucket: verified rollouts, those dropped ``stale``, the lag summed over
-    them (versions) and its mean (0.0 without rollouts)."""
+    them (versions; the exact sum saturated at int64's bounds) and its mean (the exact
+    sum over the rollouts, as a float; 0.0 without rollouts)."""
 
     bucket: str
     rollouts: int
@@ -55,23 +60,53 @@ def bucket_index(tokens: np.ndarray) -> np.ndarray:
     return np.searchsorted(bounds, np.asarray(tokens, dtype=np.float64), side="right").astype(np.int64)
 
 
+def row_lags(reference: int, oldest: np.ndarray) -> np.ndarray:
+    """``reference - oldest`` (int64, ``oldest``'s shape, versions), each lag past int64
+    saturated at int64's nearest bound, never wrapped (the step batch's ``weight_lag``
+    rule). Works for any int ``reference``; vectorized."""
+    oldest = np.asarray(oldest, np.int64)
+    ref = int(reference)
+    # modulo 2**64 the difference is exact, so it is right wherever the true lag fits int64
+    lag = (np.uint64(ref % 2**64) - oldest.view(np.uint64)).view(np.int64)
+    behind, ahead = ref - _I64_MAX, ref - _I64_MIN  # lag > max <=> oldest < behind; lag < min <=> oldest > ahead
+    if behind > _I64_MIN:
+        lag[oldest < behind if behind <= _I64_MAX else np.ones(oldest.shape, bool)] = _I64_MAX
+    if ahead < _I64_MAX:
+        lag[oldest > ahead if ahead >= _I64_MIN else np.ones(oldest.shape, bool)] = _I64_MIN
+    return lag
+
+
+def _exact_sum(values: np.ndarray) -> int:
+    """The sum of int64 ``values`` as a Python int, never wrapped: the high and low 32 bits
+    summed apart in int64 (exact below 2**31 values), then joined."""
+    return (int((values >> 32).sum()) << 32) + int((values & 0xFFFFFFFF).sum())
+
+
+def _saturate(n: int) -> int:
+    return min(max(n, _I64_MIN), _I64_MAX)
+
+
 def staleness_figures(
     tokens: np.ndarray, oldest: np.ndarray, stale: np.ndarray, *,
     reference: int, trainer_version: int | None, max_staleness: int | None,
 ) -> StalenessFigures:
     """Figures over verified rows: ``tokens`` (int [n]), ``oldest`` weight versions (int
-    [n]) and whether each was dropped ``stale`` (bool [n]); lags from ``reference``."""
+    [n]) and whether each was dropped ``stale`` (bool [n]); lags from ``reference``.
+
+    Never wrapped: each row's lag is :func:`row_lags` (saturated at int64's bounds),
+    ``max_lag`` their max, ``lag_sum`` their exact sum saturated at int64's bounds and
+    ``mean_lag`` their exact sum over the count, as a float."""
     tokens, oldest, stale = np.asarray(tokens, np.int64), np.asarray(oldest, np.int64), np.asarray(stale, bool)
     ref = int(reference)
-    lag = ref - oldest
+    lag = row_lags(ref, oldest)
     which = bucket_index(tokens)
     n_b = len(LENGTH_BUCKETS)
     counts = np.bincount(which, minlength=n_b)
     stales = np.bincount(which, weights=stale.astype(np.float64), minlength=n_b)
-    lag_sums = np.bincount(which, weights=lag.astype(np.float64), minlength=n_b)
+    totals = [_exact_sum(lag[which == b]) for b in range(n_b)]
     buckets: list[BucketFigures] = [
-        {"bucket": label, "rollouts": int(counts[b]), "stale": int(stales[b]), "lag_sum": int(lag_sums[b]),
-         "mean_lag": float(lag_sums[b] / counts[b]) if counts[b] else 0.0}
+        {"bucket": label, "rollouts": int(counts[b]), "stale": int(stales[b]), "lag_sum": _saturate(totals[b]),
+         "mean_lag": totals[b] / int(counts[b]) if counts[b] else 0.0}
         for b, (label, _) in enumerate(LENGTH_BUCKETS)
     ]
     return {
@@ -80,7 +115,7 @@ def staleness_figures(
         "max_staleness": max_staleness if trainer_version is not None else None,
         "rollouts": int(tokens.size),
         "stale": int(stale.sum()),
-        "mean_lag": float(lag.mean()) if lag.size else 0.0,
+        "mean_lag": sum(totals) / lag.size if lag.size else 0.0,
         "max_lag": int(lag.max()) if lag.size else 0,
         "buckets": buckets,
     }
@@ -90,7 +125,8 @@ def step_staleness(
     groups: Sequence[FinalizedGroup], *, trainer_version: int | None, max_staleness: int | None,
 ) -> StalenessFigures:
     """:func:`staleness_figures` over a step's groups: their verified rows (accepted or
-    dropped ``stale``), each with its verified tokens (``FinalizedGroup.verified_tokens``)."""
+    dropped ``stale``), each with its verified tokens (``FinalizedGroup.verified_tokens``).
+    Lags never wrap (saturated at int64's bounds, as :func:`staleness_figures` says)."""
     tokens, oldest, newest, stale = [], [], [], []
     for g in groups:
         status = np.array(g.status, dtype=object)
