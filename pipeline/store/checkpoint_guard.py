@@ -21,8 +21,9 @@ class CheckpointGuard:
     expired: set[str] = field(default_factory=set)
     # Per partition: deleted keys whose removal waits -> the checkpoints open at the delete.
     deferred: dict[str, dict[str, frozenset[str]]] = field(default_factory=dict)
-    # Per partition: deferred keys a restore's put revived (provisional under its claim).
-    revived: dict[str, dict[str, None]] = field(default_factory=dict)
+    # Per partition: deferred keys a restore's put revived (provisional under its claim)
+    # -> the checkpoints open at their delete (they write the row; later ones do not).
+    revived: dict[str, dict[str, frozenset[str]]] = field(default_factory=dict)
 
     def covers(self, partition: str) -> bool:
         """Whether an open checkpoint covers ``partition`` (deletes there are deferred)."""
@@ -54,34 +55,38 @@ class CheckpointGuard:
             self.expired.add(token)
         return old
 
-    def defer(self, partition: str, key: str) -> None:
-        """Hold back ``key``'s delete, noting the checkpoints open now (the first delete's)."""
+    def defer(self, partition: str, key: str, tokens: frozenset[str] | None = None) -> None:
+        """Hold back ``key``'s delete, noting the checkpoints open now (the first delete's),
+        or ``tokens`` (those open at the delete a restore's revival had cancelled)."""
         waiting = self.deferred.setdefault(partition, {})
         if key not in waiting:
-            waiting[key] = frozenset(t for t, parts in self.open.items() if parts is None or partition in parts)
+            now = frozenset(t for t, parts in self.open.items() if parts is None or partition in parts)
+            waiting[key] = now if tokens is None else tokens
 
     def deleted_before(self, partition: str, token: str) -> set[str]:
         """Deferred keys of ``partition`` deleted before checkpoint ``token`` began: held
         for older checkpoints only, so ``token`` must not write them."""
         return {k for k, tokens in self.deferred.get(partition, {}).items() if token not in tokens}
 
-    def undefer(self, partition: str, key: str) -> bool:
-        """Cancel ``key``'s deferred delete (it was staged again, identical); True if one waited."""
+    def undefer(self, partition: str, key: str) -> frozenset[str] | None:
+        """Cancel ``key``'s deferred delete (it was staged again, identical): the
+        checkpoints open at the delete, or None if none waited."""
         waiting = self.deferred.get(partition)
         if not waiting or key not in waiting:
-            return False
-        del waiting[key]
+            return None
+        tokens = waiting.pop(key)
         if not waiting:
             del self.deferred[partition]
-        return True
+        return tokens
 
-    def revive(self, partition: str, key: str) -> None:
-        """A restore's put revived ``key`` (its deferred delete was cancelled): if that
-        restore fails while a checkpoint still covers ``partition``, the delete is deferred
-        again (:meth:`revived_of`), not applied, since the checkpoint may still write it."""
-        self.revived.setdefault(partition, {})[key] = None
+    def revive(self, partition: str, key: str, tokens: frozenset[str]) -> None:
+        """A restore's put revived ``key`` (its deferred delete, made while ``tokens`` were
+        open, was cancelled): if that restore fails while a checkpoint still covers
+        ``partition``, the delete is deferred again for them (:meth:`revived_of`), not
+        applied, since they may still write it."""
+        self.revived.setdefault(partition, {})[key] = tokens
 
-    def revived_of(self, partition: str) -> dict[str, None]:
+    def revived_of(self, partition: str) -> dict[str, frozenset[str]]:
         """The revived keys of ``partition`` while an open checkpoint covers it (else none)."""
         return self.revived.get(partition, {}) if self.covers(partition) else {}
 

@@ -14,17 +14,17 @@ keeps its unit's id and home, so no key changes units (:meth:`Placement.replaced
 Keys whose two copies were BOTH lost (the unit and the unit holding the other copy
 died together) cannot be copied; their names survive on their witness unit, and the
 new unit records them as lost: they read ``lost_key`` and refuse new content, never pass
-for keys never staged. A survivor's lost keys are copied like its rows, and a replaced
-witness gets its names back from the units holding the keys it witnessed. Puts and gets
-go on meanwhile; reads of the lost unit's keys are served by the survivors until the new
-unit is installed, and keys deleted meanwhile are removed from it after the install.
+for keys never staged. A survivor's lost keys are copied like its rows (provisional rows
+stay provisional under their claim), a replaced witness gets its names back from the
+units holding the keys it witnessed. Puts and gets go on meanwhile; the survivors serve
+the lost unit's keys until the new unit is installed, which then drops keys deleted meanwhile.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
@@ -50,13 +50,15 @@ class UnitArgsLike(Protocol):
 @dataclass(frozen=True)
 class Handed:
     """What one survivor handed a new unit for one partition: rows ``copied``, the keys
-    asked (``keys``) and the names it witnesses for the survivor (``names``)."""
+    asked (``keys``), the names it witnesses for the survivor (``names``) and the keys
+    among them copied provisional, each with its claim (``provisional``)."""
 
     partition: str
     survivor: int
     copied: int
     keys: list[str]
     names: list[str]
+    provisional: dict[str, str] = field(default_factory=dict)  # copied provisional key -> its claim
 
 
 class Repairer:
@@ -124,9 +126,11 @@ class Repairer:
             raise
         store.owner.replace_unit(store, u, new, worker, futures[0])
         dropped = self._drop_deleted_meanwhile(new, handed)
-        self.repaired.append(
-            {"unit": u, "worker": worker, "rows": copied, "lost": lost, "dropped": dropped, "version": store.version}
-        )
+        settled = self._settle_meanwhile(new, u, handed)
+        self.repaired.append({
+            "unit": u, "worker": worker, "rows": copied, "lost": lost, "dropped": dropped, "settled": settled,
+            "version": store.version,
+        })
         logger.info("storage unit %d re-replicated onto %s (%d rows)", u, worker, copied)
         return True
 
@@ -151,7 +155,8 @@ class Repairer:
         ``dead`` too). Lost keys are copied as records only: they have no row to read.
         Returns what was handed to ``new``. Keys deleted while a checkpoint is open on ``s``
         are not listed (their rows stay until it ends), so not copied: a copy would outlive
-        the delete."""
+        the delete. Rows provisional on ``s`` under a restore's claim are put provisional
+        under the same claim (:mod:`.unit_claims`)."""
         timeout, mate = self.call_timeout_s, self.store.units[s]
         listed = mate.keys(partition).result(timeout=timeout)
         if not listed:
@@ -163,7 +168,14 @@ class Repairer:
         pair = ((p == u) & (r == s)) | ((p == s) & (r == u))
         shared = [listed[i] for i in np.flatnonzero(pair)]
         held = [k for k in shared if k not in lost]
-        copied = self._copy_rows(new, partition, u, mate, held)
+        claimed = mate.claimed_keys(partition).result(timeout=timeout)
+        provisional = {k: claimed[k] for k in held if k in claimed}
+        copied = self._copy_rows(new, partition, u, mate, [k for k in held if k not in provisional])
+        by_claim: dict[str, list[str]] = {}
+        for k, claim in provisional.items():
+            by_claim.setdefault(claim, []).append(k)
+        for claim, ks in by_claim.items():  # provisional there, provisional here: a release takes both
+            copied += self._copy_rows(new, partition, u, mate, ks, claim)
         by_how: dict[str, list[str]] = {}
         for k in shared:
             if k in lost:
@@ -174,7 +186,7 @@ class Repairer:
         names = [listed[i] for i in np.flatnonzero(witnessed)]
         if names:
             new.witness(partition, pack_names(names)).result(timeout=timeout)
-        return Handed(partition, s, copied, held, names)
+        return Handed(partition, s, copied, held, names, provisional)
 
     def _drop_deleted_meanwhile(self, new: "Actor", handed: list["Handed"]) -> int:
         """After the install: remove from ``new`` each copied key and witnessed name its
@@ -202,14 +214,36 @@ class Repairer:
             logger.info("re-replication: %d row(s) deleted during the copy removed from the new unit", dropped)
         return dropped
 
-    def _copy_rows(self, new: "Actor", partition: str, u: int, mate: "Actor", held: list[str]) -> int:
-        """Copy rows ``held`` from ``mate`` to ``new`` in chunks; rows copied."""
+    def _settle_meanwhile(self, new: "Actor", u: int, handed: list["Handed"]) -> int:
+        """After the install: each row copied provisional that its survivor no longer holds
+        provisional under the same claim (its restore settled, or another writer's
+        identical put acknowledged it, during the copy: both reached the survivor only) is
+        put again on ``new`` without a claim, which makes it an ordinary row there too.
+        Rows the survivor no longer lists were removed by :meth:`_drop_deleted_meanwhile`.
+        Returns the rows made ordinary; a survivor that cannot be asked is logged and skipped."""
+        timeout, settled = self.call_timeout_s, 0
+        for h in handed:
+            if not h.provisional:
+                continue
+            mate = self.store.units[h.survivor]
+            try:
+                still = mate.claimed_keys(h.partition).result(timeout=timeout)
+                done = [k for k, claim in h.provisional.items() if still.get(k) != claim]
+                settled += self._copy_rows(new, h.partition, u, mate, done) if done else 0
+            except Exception as e:  # noqa: BLE001 - the survivor died too: its own repair follows
+                logger.warning("re-replication: survivor %d's claims not listed after the install (%s); rows of a "
+                               "restore settled during the copy may stay provisional on the new unit", h.survivor, e)
+        return settled
+
+    def _copy_rows(self, new: "Actor", partition: str, u: int, mate: "Actor", held: list[str], claim: str | None = None) -> int:
+        """Copy rows ``held`` from ``mate`` to ``new`` in chunks (provisional under
+        ``claim`` when given: they were on ``mate``); rows copied."""
         timeout, copied = self.call_timeout_s, 0
         for i in range(0, len(held), self.chunk_rows):
             chunk = held[i : i + self.chunk_rows]
             got = mate.get_many(partition, pack_names(chunk), None).result(timeout=timeout)
             if len(got.batch):
-                res = new.put_many(partition, got.batch, True).result(timeout=timeout)
+                res = new.put_many(partition, got.batch, True, claim).result(timeout=timeout)
                 copied += len(res.ok)
                 if res.failed:
                     logger.warning("re-replicating unit %d: %d rows refused, e.g. %s", u, len(res.failed), next(iter(res.failed.items())))

@@ -7,8 +7,8 @@ actor thread.
 The unit is the edge that stores, so it validates everything it is sent, whoever sends
 it (fields, keys, dtypes): a client's own checks only decide routing. Beside the rows it
 keeps: open store checkpoints and the deletes they defer (:mod:`.checkpoint_guard`),
-provisional rows of a restore's claim, witnessed names and lost keys (:mod:`.losses`).
-On a worker it publishes its figures by itself (:mod:`.reporter`).
+provisional rows of a restore's claim (:mod:`.unit_claims`), witnessed names and lost
+keys (:mod:`.losses`). On a worker it publishes its figures by itself (:mod:`.reporter`).
 """
 from __future__ import annotations
 
@@ -49,6 +49,7 @@ from .row_packing import ROW_OVERHEAD_BYTES, SMALL_FIELD_ELEMENTS, key_nbytes, p
 from .settings import UnitSettings
 from .slab_pool import SlabPool
 from .spill import Row
+from .unit_claims import ClaimedRows, checkpoint_left_out
 from .unit_puts import put_rows
 from .unit_moves import MOVE_COUNTERS, drop, move_in, refused_keys, send, stale, stale_answer, take_fence
 from .unit_stats import unit_event, unit_stats
@@ -59,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 
-class StorageUnit:
+class StorageUnit(ClaimedRows):
     """A Dask actor holding rows ``(partition, key) -> {field: array}``.
 
     ``unit_index``: its position when the store started (names, stats); ``memory_limit``
@@ -280,29 +281,6 @@ class StorageUnit:
         self.held.compact()
         return result
 
-    # ---- provisional rows (a restore's claim) -------------------------------------
-
-    def release_claim(self, partition: str, keys: Sequence[str] | bytes, claim: str) -> dict:
-        """Remove the rows of ``keys`` still provisional under ``claim`` (created by a put
-        with that claim, acknowledged to no other writer since); every other row stays.
-        Not deferred by open checkpoints: no writer was ever told these rows exist; but a
-        key deleted while one is open that the claim's put revived is deleted again as it
-        was, deferred. Returns ``{"unit", "removed": rows removed, "kept": keys that stay,
-        "deferred": keys whose delete waits for the checkpoint}``."""
-        self._check_open()
-        check_partition(partition, self.partitions)
-        spare = self.guard.revived_of(partition)
-        removed, kept, deferred = self.held.release(partition, unpack_names(keys, "keys"), claim, spare)
-        for key in deferred:
-            self.guard.defer(partition, key)
-        self.counters["released_rows"] += removed
-        self.held.compact()
-        return {"unit": self.unit_index, "removed": removed, "kept": kept, "deferred": deferred}
-
-    def settle_claim(self, claim: str) -> int:
-        """The rows provisional under ``claim`` become ordinary rows; returns how many."""
-        return 0 if self.closed else self.held.settle(claim)
-
     # ---- witness names and lost keys (replicas=2) ----------------------------------
 
     def witness(self, partition: str, add: bytes | Sequence[str] | None = None, drop: bytes | Sequence[str] | None = None) -> int:
@@ -457,10 +435,11 @@ class StorageUnit:
         ``index``: this unit's position in the caller's table (default ``unit_index``).
         ``digest``: the files' algorithm, ``"blake3"`` or ``"sha256"`` (the saver's ``capture.digest``).
         ``token``: the checkpoint this write is for (opened by :meth:`begin_checkpoint`): rows
-        deleted before it began, held back only for older checkpoints, are left out."""
+        deleted before it began, held back only for older checkpoints, are left out; so are
+        rows provisional under a restore's claim (:func:`.unit_claims.checkpoint_left_out`)."""
         self._check_open()
         me = self.unit_index if index is None else int(index)
-        skip = {} if token is None else {p: self.guard.deleted_before(p, token) for p in self.held.index}
+        skip = checkpoint_left_out(self.held, self.guard, token)
         return write_unit_files(directory, me, self.held, self.registry, chunk_bytes, primary_of_units, digest, skip, self.losses)
 
     # ---- lifecycle --------------------------------------------------------------

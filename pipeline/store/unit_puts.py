@@ -65,10 +65,10 @@ def put_rows(unit: StorageUnit, partition: str, batch: PackedBatch, adopt: bool,
             continue
         result.ok.append(key)
         if key in deferred:  # acknowledged again: the checkpoint's end must not remove it
-            unit.guard.undefer(partition, key)
+            tokens = unit.guard.undefer(partition, key)
             if claim is not None and slot is None:  # deleted for every writer: the claim revived it
                 unit.held.take_claim(partition, key, claim)
-                unit.guard.revive(partition, key)
+                unit.guard.revive(partition, key, tokens or frozenset())
         if slot is not None:
             stored_rows.append(i)
             stored_slots.append(slot)
