@@ -27,7 +27,7 @@ from .calls import Operation, run_async, run_sync
 from .deadline import deadline, settle_all
 from .directory import UnitDirectory, UnitTable
 from .owner import StoreOwner, start_units, unit_args_from_config
-from .moving import MovingTable
+from .moving import MovingTable, plan_all_moving
 from .placement import Placement, plan_all_copies
 from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult, check_partition, pack_names
 from .settings import StoreSettings
@@ -268,10 +268,10 @@ class StagingStore:
 
     def release_claim(self, keys: Sequence[str], claim: str, partition: str = DEFAULT_PARTITION) -> tuple[int, dict]:
         """Remove every copy of ``keys`` still provisional under ``claim`` (ONE call per unit
-        holding a copy). Returns (rows removed, ``{key: (reason, detail)}`` of the keys on
-        units that could not be reached, whose copies may remain)."""
+        holding a copy; during a move, under either table). Returns (rows removed,
+        ``{key: (reason, detail)}`` of the keys on units not reached: copies may remain)."""
         self._check_partition(partition)
-        _, parts, _ = plan_all_copies(self.placement, keys)
+        _, parts, _ = plan_all_copies(self.placement, keys) if self.moving is None else plan_all_moving(self.moving, keys)
         answers = settle_all([self.units[u].release_claim(partition, pack_names(ks), claim) for u, ks in parts])
         removed, failed = 0, {}
         for (u, ks), a in zip(parts, answers):

@@ -4,11 +4,11 @@ worker is about to be retired), without losing or changing a row.
 :class:`Rebalancer` runs in the process that owns the store (the scheduler's store host),
 one change at a time (``store.owner.lock``, shared with the repairer): fence every unit
 early (tombstones), publish the moving table, **fence** (older calls answer ``moved``),
-**copy** in chunks (:func:`~pipeline.store.moves.plan_moves`; lost-key records ride with
-the rows, ``move_in`` skips tombstoned keys; names go to their new witness:
-:mod:`~pipeline.store.moved_names`), **switch** to the final table and fence it, **drop**
-every copy (and witnessed name) it does not give, listed after that fence, and release a
-drained unit.
+**copy** in chunks (:func:`~pipeline.store.moves.plan_moves`; lost-key records and claims
+ride with the rows, a claim settled or released meanwhile is caught up after the copy;
+``move_in`` skips tombstoned keys; names go to their new witness: :mod:`.moved_names`),
+**switch** to the final table and fence it, **drop** every copy (and witnessed name) it
+does not give, listed after that fence, and release a drained unit.
 
 Refused before anything changes, naming the fix: a second unit on one worker, draining
 the last unit or one without which replicas=2 keeps a single failure domain
@@ -185,14 +185,15 @@ class Rebalancer:
         live = {uid: h for uid, h in units.items() if uid not in dead}
         self._all(live, lambda uid, h: h.set_fence(Fence.message(new, uid, True, old)))  # 1. fence: older calls refused
         clock.lap("fence")
-        moved = moved_bytes = 0
+        moved = moved_bytes = caught_up = 0
         handed: dict[str, HandedNames] = {}
         for partition in self.store.partitions or []:  # 2. copy
             held = dict(zip(live, self._all(live, lambda uid, h, p=partition: h.keys(p))))
             clock.lap("list")
             plan = plan_moves(old, new, held, self.settings.chunk_keys, unreachable=sorted(dead))
             clock.lap("plan")
-            rows, nbytes = self._copy(live, partition, plan.transfers)
+            rows, nbytes, claimed = self._copy(live, partition, plan.transfers)
+            caught_up += self._catch_up_claims(live, partition, claimed)
             handed[partition] = self._hand_names(live, partition, new, held)
             moved, moved_bytes = moved + rows, moved_bytes + nbytes
             clock.lap("copy")
@@ -206,7 +207,7 @@ class Rebalancer:
         self._release_futures([units[u] for u in leaving])
         clock.lap("drop")
         record = {"kind": kind, "unit": unit_id, "rows_moved": moved, "bytes_moved": moved_bytes,
-                  "copies_dropped": dropped, "version": final.version, "seconds": clock.total(), "phases_s": clock.laps,
+                  "copies_dropped": dropped, "claims_caught_up": caught_up, "version": final.version, "seconds": clock.total(), "phases_s": clock.laps,
                   "started_at": started_at, "ended_at": time.time(), **extra}
         self.changes.append(record)
         logger.info("store %s of unit %s: %d rows moved, %d copies dropped in %.2fs", kind, unit_id, moved, dropped, record["seconds"])
@@ -252,28 +253,59 @@ class Rebalancer:
             f.result(timeout=self.settings.call_timeout_s)
         return HandedNames(hand, frozenset(k for keys in held.values() for k in keys))
 
-    def _copy(self, by_id: dict[str, Actor], partition: str, transfers: Sequence[Transfer]) -> tuple[int, int]:
+    def _copy(self, by_id: dict[str, Actor], partition: str,
+              transfers: Sequence[Transfer]) -> tuple[int, int, dict[tuple[str, str], dict[str, str]]]:
         """Each transfer as one ``send`` from its source unit straight to its target
         (worker to worker: rows never pass through this process), at most
-        ``settings.inflight`` at once, paced to ``settings.rate_bytes_s``; (rows, bytes) written."""
+        ``settings.inflight`` at once, paced to ``settings.rate_bytes_s``; (rows, bytes)
+        written and, per (source, target), the rows sent provisional (key -> claim)."""
         s = self.settings
         pacer, moved = Pacer(s.rate_bytes_s), 0
-        pending: deque[BaseActorFuture] = deque()
+        claimed: dict[tuple[str, str], dict[str, str]] = {}
+        pending: deque[tuple[Transfer, BaseActorFuture]] = deque()
         for t in transfers:
             if len(pending) >= s.inflight:
-                moved += self._sent(pending.popleft(), pacer)
-            pending.append(by_id[t.source].send(partition, pack_names(list(t.keys)), by_id[t.target]))
+                moved += self._sent(*pending.popleft(), pacer, claimed)
+            pending.append((t, by_id[t.source].send(partition, pack_names(list(t.keys)), by_id[t.target])))
         while pending:
-            moved += self._sent(pending.popleft(), pacer)
-        return moved, pacer.sent_bytes
+            moved += self._sent(*pending.popleft(), pacer, claimed)
+        return moved, pacer.sent_bytes, claimed
 
-    def _sent(self, future: BaseActorFuture, pacer: Pacer) -> int:
-        """Rows one ``send`` wrote, after waiting out the pace its bytes call for."""
+    def _sent(self, t: Transfer, future: BaseActorFuture, pacer: Pacer, claimed: dict) -> int:
+        """Rows one ``send`` wrote (its provisional ones noted in ``claimed``), after
+        waiting out the pace its bytes call for."""
         out = future.result(timeout=self.settings.call_timeout_s)
+        if out.get("claimed"):
+            claimed.setdefault((t.source, t.target), {}).update(out["claimed"])
         wait = pacer.sent(out["bytes"])
         if wait:
             time.sleep(wait)
         return int(out["rows"])
+
+    def _catch_up_claims(self, by_id: dict[str, Actor], partition: str,
+                         claimed: dict[tuple[str, str], dict[str, str]]) -> int:
+        """After the copy: each row sent provisional that its source no longer holds
+        provisional under the same claim (settled, acknowledged to another writer, or
+        released, between the source's read and the target's write: the call may have
+        reached the target before the row did) is sent again, which makes a row the source
+        still holds ordinary on the target, then released there under its claim (what the
+        source no longer holds). Claim calls from here on find the row on the target
+        (settles reach every unit, releases both tables' copies). Rows caught up."""
+        timeout, caught_up = self.settings.call_timeout_s, 0
+        for (source, target), claims in claimed.items():
+            src, dst = by_id[source], by_id[target]
+            still = src.claimed_keys(partition).result(timeout=timeout)
+            changed = {k: c for k, c in claims.items() if still.get(k) != c}
+            if not changed:
+                continue
+            src.send(partition, pack_names(list(changed)), dst).result(timeout=timeout)
+            by_claim: dict[str, list[str]] = {}
+            for k, c in changed.items():
+                by_claim.setdefault(c, []).append(k)
+            for c, keys in by_claim.items():  # rows the re-send made ordinary are kept
+                dst.release_claim(partition, pack_names(keys), c).result(timeout=timeout)
+            caught_up += len(changed)
+        return caught_up
 
     def _all(self, by_id: dict[str, Actor], call: Callable) -> list:
         """``call(unit id, handle)`` on every unit at once; each answer (raises the first error)."""

@@ -381,16 +381,18 @@ class StorageUnit(ClaimedRows):
         """Take the next table of a move (older ones refused); see :mod:`.fence`."""
         return take_fence(self, table)
 
-    def move_in(self, partition: str, batch: PackedBatch, lost: dict[str, str] | None = None) -> int:
-        """Rows (and lost keys: key -> how) moved here, except keys deleted meanwhile; rows written."""
-        return move_in(self, partition, batch, lost)
+    def move_in(self, partition: str, batch: PackedBatch, lost: dict[str, str] | None = None,
+                claims: dict[str, str] | None = None) -> int:
+        """Rows (and lost keys: key -> how) moved here, except keys deleted meanwhile, the
+        rows of ``claims`` (key -> claim) provisional under their claim; rows written."""
+        return move_in(self, partition, batch, lost, claims)
 
     def drop(self, partition: str, keys: Sequence[str] | bytes) -> int:
         """Remove this unit's copies of ``keys`` (they live elsewhere now); rows removed."""
         return drop(self, partition, keys)
 
-    async def send(self, partition: str, keys: bytes, target: Actor) -> dict[str, int]:
-        """Copy this unit's rows of ``keys`` straight to unit ``target`` ({rows, bytes})."""
+    async def send(self, partition: str, keys: bytes, target: Actor) -> dict:
+        """Copy this unit's rows of ``keys`` straight to unit ``target`` ({rows, bytes, claimed})."""
         return await send(self, partition, keys, target)
 
     # ---- introspection ----------------------------------------------------------

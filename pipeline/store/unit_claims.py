@@ -6,8 +6,9 @@ must keep them apart: a store checkpoint leaves them out (:func:`checkpoint_left
 it holds the rows acknowledged when it is taken; a restore of it never brings back rows a
 rollback took back), and a lost unit's re-replication lists them (:meth:`claimed_keys`)
 and puts them on the replacement under the same claim, so a later release takes back
-that copy too. A row a restore *revived* (deleted while a checkpoint was open, staged
-again) is still written by the checkpoints open at its delete: it was live when they began.
+that copy too (a move carries each row's claim the same way: :mod:`.unit_moves`). A row
+a restore *revived* (deleted while a checkpoint was open, staged again) is still written
+by the checkpoints open at its delete: it was live when they began.
 """
 from __future__ import annotations
 

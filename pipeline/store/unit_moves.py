@@ -1,5 +1,6 @@
 """A storage unit's side of a move: taking a fence, rows (and lost-key records) moved in,
-copies dropped.
+copies dropped. A row provisional under a restore's claim moves provisional under it
+(:mod:`.unit_claims`): a later release of the claim takes back the moved copy too.
 
 The unit's actor methods ``set_fence``, ``move_in`` and ``drop`` call the functions here
 (a fence of the final table, not moving, ends the move and its tombstones); its put, get and delete consult the :class:`~pipeline.store.fence.Fence`
@@ -77,10 +78,13 @@ def take_fence(unit: StorageUnit, msg: Mapping[str, object]) -> dict:
     return {"version": fence.version, "unit_id": fence.unit_id}
 
 
-def move_in(unit: StorageUnit, partition: str, batch: PackedBatch, lost: Mapping[str, str] | None = None) -> int:
+def move_in(unit: StorageUnit, partition: str, batch: PackedBatch, lost: Mapping[str, str] | None = None,
+            claims: Mapping[str, str] | None = None) -> int:
     """Store the moved rows of ``batch`` and record the moved lost keys ``lost`` (key ->
     how it was lost), except keys deleted during the move; rows written (a key already
-    held identically counts as written: the copy is there)."""
+    held identically counts as written: the copy is there). ``claims``: key -> claim of
+    the rows provisional on the source, stored provisional under it here (an identical
+    row moved again without a claim makes the one here ordinary: its claim settled)."""
     unit._check_open()
     check_partition(partition, unit.partitions)
     fence = unit.fence
@@ -95,9 +99,22 @@ def move_in(unit: StorageUnit, partition: str, batch: PackedBatch, lost: Mapping
         batch = take_rows([batch], np.zeros(len(keep), np.int64), keep)
     if not len(batch):
         return 0
-    res = unit.put_many(partition, batch, adopt=True, moving=True)
-    unit.counters["moved_in_rows"] += len(res.ok)
-    return len(res.ok)
+    written = 0
+    for claim, rows in _by_claim(batch, claims or {}):
+        res = unit.put_many(partition, rows, adopt=True, claim=claim, moving=True)
+        written += len(res.ok)
+    unit.counters["moved_in_rows"] += written
+    return written
+
+
+def _by_claim(batch: PackedBatch, claims: Mapping[str, str]) -> list[tuple[str | None, PackedBatch]]:
+    """``batch`` split by each row's claim (None: an ordinary row); one part if all share one."""
+    at: dict[str | None, list[int]] = {}
+    for i, key in enumerate(batch.keys):
+        at.setdefault(claims.get(key), []).append(i)
+    if len(at) == 1:
+        return [(next(iter(at)), batch)]
+    return [(c, take_rows([batch], np.zeros(len(ix), np.int64), np.asarray(ix, dtype=np.int64))) for c, ix in at.items()]
 
 
 def _mark_moved_lost(unit: StorageUnit, partition: str, lost: Mapping[str, str]) -> None:
@@ -113,32 +130,38 @@ def _mark_moved_lost(unit: StorageUnit, partition: str, lost: Mapping[str, str])
         unit.losses.mark(partition, keys, how, index)
 
 
-async def send(unit: StorageUnit, partition: str, keys: bytes, target: Actor) -> dict[str, int]:
+async def send(unit: StorageUnit, partition: str, keys: bytes, target: Actor) -> dict:
     """A move's copy, unit to unit: read ``keys`` here on the worker's actor thread (a
-    consistent snapshot, in line with this unit's puts and deletes), then hand the rows and
-    the lost-key records of ``keys`` to ``target.move_in`` from the worker's event loop,
-    worker to worker. The actor thread is free while the rows travel and the target writes
-    them. Keys no longer held (deleted since they were listed) are skipped. ``{"rows":
-    rows the target wrote, "bytes": bytes of row data sent}``. Runs as the unit's async
+    consistent snapshot, in line with this unit's puts and deletes), then hand the rows,
+    their claims and the lost-key records of ``keys`` to ``target.move_in`` from the
+    worker's event loop, worker to worker. The actor thread is free while the rows travel
+    and the target writes them. Keys no longer held (deleted since they were listed) are
+    skipped. ``{"rows": rows the target wrote, "bytes": bytes of row data sent,
+    "claimed": key -> claim of the rows sent provisional}``. Runs as the unit's async
     actor method on a worker."""
     from distributed import get_worker
 
     thread = dask_compat.actor_executor(get_worker())
-    got, lost = await asyncio.get_running_loop().run_in_executor(thread, _read_moved, unit, partition, keys)
+    got, lost, claims = await asyncio.get_running_loop().run_in_executor(thread, _read_moved, unit, partition, keys)
     if not len(got.batch) and not lost:
-        return {"rows": 0, "bytes": 0}
-    written, nbytes = int(await target.move_in(partition, got.batch, lost or None)), int(got.batch.nbytes)
+        return {"rows": 0, "bytes": 0, "claimed": {}}
+    written = int(await target.move_in(partition, got.batch, lost or None, claims or None))
+    nbytes = int(got.batch.nbytes)
     unit.counters["sent_rows"] += written
     unit.counters["sent_bytes"] += nbytes
-    return {"rows": written, "bytes": nbytes}
+    return {"rows": written, "bytes": nbytes, "claimed": claims}
 
 
-def _read_moved(unit: StorageUnit, partition: str, keys: bytes) -> tuple[GetResult, dict[str, str]]:
-    """The rows of ``keys`` and the lost ones with how each was lost (one snapshot: runs
-    on the unit's actor thread; lost keys are not read, so no ``lost_reads`` counted)."""
+def _read_moved(unit: StorageUnit, partition: str, keys: bytes) -> tuple[GetResult, dict[str, str], dict[str, str]]:
+    """The rows of ``keys``, the lost ones with how each was lost and the provisional ones
+    with their claim (one snapshot: runs on the unit's actor thread; lost keys are not
+    read, so no ``lost_reads`` counted)."""
     names = unpack_names(keys, "keys")
     lost = {k: how for k in names if (how := unit.losses.how(partition, k)) is not None}
-    return unit.get_many(partition, [k for k in names if k not in lost] if lost else keys, None), lost
+    got = unit.get_many(partition, [k for k in names if k not in lost] if lost else keys, None)
+    index, held_claims = unit.held.index.get(partition, {}), unit.held.claims
+    claims = {k: held_claims[s] for k in got.batch.keys if (s := index.get(k)) in held_claims} if held_claims else {}
+    return got, lost, claims
 
 
 def drop(unit: StorageUnit, partition: str, keys: Sequence[str] | bytes) -> int:
