@@ -1,8 +1,7 @@
 """A delete and the witness of a key's name (``store.replicas: 2``): the witness forgets
 the name only once the delete was applied on the key's copies. A delete that failed on a
 copy (its unit unreachable, or the call raising) leaves the name, so when the remaining
-copies die together later the key still reads ``lost_key`` and refuses new content. A
-delete whose witness could not be told fails the key (retried, the name is forgotten).
+copies die together later the key still reads ``lost_key`` and refuses new content.
 
 No Dask: three in-process units behind handles answering done futures (:class:`LocalUnit`),
 driven by a real :class:`StagingStore`; the double loss is the repairer's own marking
@@ -23,7 +22,6 @@ from pipeline.store.protocol import LOST_KEY, MISSING_KEY, UNIT_UNAVAILABLE
 from pipeline.store.repair import Repairer
 from pipeline.store.settings import StoreSettings
 from pipeline.store.unit import StorageUnit
-from tasks.errors import StoreUnavailable
 from tasks.keys import STAGING_PARTITION
 from tasks.packed import pack_rows
 from test_store import make_rows
@@ -146,29 +144,3 @@ def test_a_delete_applied_on_every_copy_forgets_the_name_and_a_retry_after_a_fai
     assert store.get_many([retried]).failed[retried][0] == MISSING_KEY
     assert not store.put_many(_other_content(rows[1], 2)).failed
     assert np.asarray(store.get_many([retried]).batch.keys).tolist() == [retried]
-
-
-@pytest.mark.parametrize("failure", ["unreachable", "closed"])
-def test_a_delete_whose_witness_could_not_be_told_fails_the_key_and_a_retry_forgets_the_name(store, tmp_path, failure):
-    rows, where = _staged(store, seed=3)
-    key, other = rows[0].staging_key, next(r.staging_key for r in rows[1:] if where[r.staging_key][2] != where[rows[0].staging_key][2])
-    p, r, w = where[key]
-    # Both copies apply the delete; the witness cannot be told to forget the name.
-    store.units[w].fail["witness"] = OSError("connection refused") if failure == "unreachable" else StoreUnavailable("unit closed")
-    res = store.delete([key, other])
-    assert res.failed[key][0] == UNIT_UNAVAILABLE and key not in res.ok, res
-    assert f"storage unit {w}" in res.failed[key][1]
-    assert res.ok == [other], "a key whose witness was told is deleted"
-    assert key not in store.units[p].keys(PART).result() and key not in store.units[r].keys(PART).result()
-    assert key in _witnessed(store, w)
-    # The witness answers again: the retried delete finds both copies missing (applied:
-    # the key reads missing_key, as for any key already deleted) and tells the witness.
-    del store.units[w].fail["witness"]
-    again = store.delete([key])
-    assert again.failed[key][0] == MISSING_KEY and not again.ok, again
-    assert key not in _witnessed(store, w)
-    # Both copies' units are then lost together: the deleted key reads missing, stages again.
-    _lose_both(store, tmp_path, p, r)
-    assert store.get_many([key]).failed[key][0] == MISSING_KEY
-    assert not store.put_many(_other_content(rows[0], 3)).failed
-    assert np.asarray(store.get_many([key]).batch.keys).tolist() == [key]

@@ -256,10 +256,7 @@ class StagingStore:
         """Delete ``keys`` (ONE call per unit involved, whatever the number of keys; with
         replicas=2 each unit gets the keys of both copies it holds); absent keys come back
         ``missing_key``. Keys whose unit has a store checkpoint open come back ``ok`` and
-        also in ``deferred``: their rows go when the checkpoint ends. A key whose copies
-        were deleted but whose witness could not be told fails ``unit_unavailable``: delete
-        it again (its copies then answer ``missing_key``) so a later loss of both copies
-        does not mark it lost."""
+        also in ``deferred``: their rows go when the checkpoint ends."""
         self._check_partition(partition)
         return run_sync(operations.delete(self, keys, partition), self, deadline(timeout))
 

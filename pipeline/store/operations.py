@@ -56,11 +56,10 @@ def cut_rows(batch: PackedBatch, chunk: np.ndarray, allocator: Callable) -> Pack
 
 def _witness_calls(partition: str, names: dict[int, list[str]], drop: bool) -> list[Call]:
     """One ``witness`` call per witness unit (a put's: per unit not otherwise called; a
-    delete's: after the copies answered). A put's answer fails no key (the copies decide),
-    it only cannot tell a later loss of both copies. A delete's call answers for its names:
-    a witness not told fails them ``unit_unavailable`` (:func:`_unwitnessed`)."""
+    delete's: after the copies answered); its answer fails no key (the copies decide), it
+    only cannot tell a later loss of both copies."""
     if drop:
-        return [Call(w, "witness", lambda ks=ks: (partition, None, pack_names(ks)), ks) for w, ks in names.items()]
+        return [Call(w, "witness", lambda ks=ks: (partition, None, pack_names(ks))) for w, ks in names.items()]
     return [Call(w, "witness", lambda ks=ks: (partition, pack_names(ks))) for w, ks in names.items()]
 
 
@@ -245,7 +244,7 @@ def _delete_once(store: Driven, keys: Sequence[str], partition: str) -> Operatio
     result.failed.update(failed)
     drop = _applied_names(names, result)
     if drop:
-        result = _unwitnessed(result, (yield _witness_calls(partition, drop, drop=True)))
+        yield _witness_calls(partition, drop, drop=True)
     return result, {k for r in results for k in r.ok}
 
 
@@ -257,21 +256,6 @@ def _applied_names(names: dict[int, list[str]], result: StoreResult) -> dict[int
     done = set(result.ok) | {k for k, (reason, _) in result.failed.items() if reason == MISSING_KEY}
     out = {w: [k for k in ks if k in done] for w, ks in names.items()}
     return {w: ks for w, ks in out.items() if ks}
-
-
-def _unwitnessed(result: StoreResult, answers: list) -> StoreResult:
-    """``result`` with the keys whose witness could not be told to forget them (its unit
-    unavailable: the settled answer fails them) failed with the witness's reason, not done:
-    a retry (:func:`delete`'s after a unit was replaced, or the caller's) finds the copies
-    missing (applied) and tells the witness again. Left witnessed, a later loss of both copies would mark the deleted key
-    lost and refuse a fresh put of it."""
-    failed = {k: f for a in answers if isinstance(a, StoreResult) for k, f in a.failed.items()}
-    if not failed:
-        return result
-    result.failed.update(failed)  # also over the copies' missing_key: the name stays
-    result.ok = [k for k in result.ok if k not in failed]
-    result.deferred = [k for k in result.deferred if k not in failed]
-    return result
 
 
 def stamp(store: Driven) -> int:
