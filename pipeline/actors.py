@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import uuid
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from distributed import Actor, Client, Future
 
@@ -43,7 +43,18 @@ class DirectActor(PinnedActor):
 
 def current_workers(client: Client) -> list[str]:
     """Addresses of every worker connected now, sorted (a stable placement order)."""
-    return sorted(client.scheduler_info(n_workers=-1)["workers"])
+    return sorted(workers_now(client))
+
+
+def workers_now(client: Client) -> dict[str, dict[str, Any]]:
+    """Every worker connected now (address -> its identity: name, resources, ...), asked
+    of the scheduler in one call (a sync client).
+
+    Not ``Client.scheduler_info(n_workers=-1)["workers"]``: that answers the client's cached
+    identity after refreshing it, and the client's periodic refresh (which asks for no
+    workers) can replace the cache in between, so under load it answered no worker at all.
+    ``client.scheduler.identity`` is the call distributed's own docstring points to."""
+    return dict(client.sync(client.scheduler.identity, n_workers=-1)["workers"])
 
 
 def pinned_handle(actor: Actor) -> PinnedActor:

@@ -111,9 +111,11 @@ def test_retries_ask_the_scheduler_once_a_round_for_every_unreachable_actor(inpr
     pool.actors[1] = LosesAnswers(pool.actors[1], times=10**6)
     with dask.config.set({"token-capture.cut.lost-actor-grace-s": 0.5}):
         pool.settings = type(pool.settings).from_config({}, pool.settings.with_routes)
+    import pipeline.driver.pool as pool_module
+
     queries, rounds = [], []
-    real_info, real_fan_out = pool.client.scheduler_info, pool.fan_out_surviving
-    monkeypatch.setattr(pool.client, "scheduler_info", lambda *a, **k: queries.append(1) or real_info(*a, **k))
+    real_query, real_fan_out = pool_module.workers_now, pool.fan_out_surviving
+    monkeypatch.setattr(pool_module, "workers_now", lambda *a, **k: queries.append(1) or real_query(*a, **k))
     monkeypatch.setattr(pool, "fan_out_surviving", lambda *a, **k: rounds.append(1) or real_fan_out(*a, **k))
     cut = driver.cut("ck")
     assert sorted(cut.lost_workers) == sorted(pool.workers[:2]) and cut.failed == {GENERATION_LOST: 4}, cut

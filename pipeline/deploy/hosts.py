@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 from tasks.errors import HostStartFailed
 
+from ..actors import workers_now
+
 from .commands import HostSpec, scheduler_command, worker_commands
 from .settings import HostSettings
 
@@ -222,7 +224,7 @@ class LocalHosts:
     @staticmethod
     def registered(client: Client) -> dict[str, str]:
         """Worker name -> address, of every worker registered now."""
-        return {str(w.get("name")): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+        return {str(w.get("name")): a for a, w in workers_now(client).items()}
 
     def workers(self, host: str) -> list[str]:
         """The addresses of host ``host``'s workers registered now."""

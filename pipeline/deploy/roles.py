@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from tasks.errors import InvalidInput
 
+from ..actors import workers_now
+
 if TYPE_CHECKING:
     from distributed import Client
 
@@ -50,5 +52,5 @@ def workers_with_role(client: Client, role: str) -> list[str]:
     """Addresses of the workers advertising ``role`` now, sorted (``InvalidInput`` for a
     role not in :data:`ROLES`)."""
     check_roles([role])
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_now(client)
     return sorted(a for a, w in workers.items() if role in roles_of(w.get("resources")))

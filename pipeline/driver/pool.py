@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TypeVar
 
 from tasks.errors import DriverError
 
-from ..actors import current_workers, start_pinned_actors
+from ..actors import current_workers, start_pinned_actors, workers_now
 from .handles import CutStore, GenerationActor, Pending
 from .settings import PoolSettings
 
@@ -104,7 +104,7 @@ class ActorPool:
         """:meth:`in_cluster` of each of ``slots``, from one scheduler query."""
         slots = list(slots)
         try:
-            registered = self.client.scheduler_info(n_workers=-1)["workers"]
+            registered = workers_now(self.client)
         except Exception:  # noqa: BLE001 - unknown, not gone
             return dict.fromkeys(slots)
         return {s: self.workers[s] in registered for s in slots}

@@ -29,6 +29,7 @@ from tasks.finalize.step_batch import check_version, step_batch
 from tasks.keys import STAGING_PARTITION
 
 from .. import config, events
+from ..actors import workers_now
 from ..store.protocol import PlacedStoreLike, StoreLike
 from . import collect, serializers, timing, transfers
 from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_assembly, submit_graph, task_key
@@ -348,11 +349,7 @@ class Finalizer:
         return cls(client, lookup_store(client, name), **kwargs)  # type: ignore[arg-type]
 
     def _check_resources(self) -> None:
-        try:
-            info = self.client.scheduler_info(n_workers=-1)  # all workers, not the first few
-        except TypeError:  # older distributed
-            info = self.client.scheduler_info()
-        workers = info.get("workers", {})
+        workers = workers_now(self.client)  # all workers, asked now (not the client's cache)
         self._workers = {a: w.get("resources", {}).get("finalize", 0) > 0 for a, w in workers.items()}
         if workers and not any(w.get("resources", {}).get("finalize", 0) > 0 for w in workers.values()):
             address = getattr(getattr(self.client, "scheduler", None), "address", None) or "<scheduler>"
