@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from tasks.errors import ClusterMisconfigured
 
+from ..actors import workers_now
 from .roles import ROLES, WORKER_PRELOAD, roles_of
 from .settings import attach_check_mode
 from .worker_preload import package_version, preload_record
@@ -100,10 +101,10 @@ def _names(workers: list[WorkerStatus]) -> str:
 
 def check_cluster(client: Client) -> ClusterCheck:
     """Ask every worker for its preload record and the scheduler for its plugins."""
-    info = client.scheduler_info(n_workers=-1)
-    records = client.run(preload_record, on_error="return") if info["workers"] else {}
+    connected = workers_now(client)
+    records = client.run(preload_record, on_error="return") if connected else {}
     workers = []
-    for address, w in sorted(info["workers"].items()):
+    for address, w in sorted(connected.items()):
         record = records.get(address)
         record = record if isinstance(record, dict) else None  # an error or None: no preload record
         workers.append(WorkerStatus(address=address, name=str(w.get("name", address)), roles=roles_of(w.get("resources")),

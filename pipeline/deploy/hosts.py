@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import psutil
+
 from tasks.errors import HostStartFailed
 
 from ..actors import workers_now
@@ -32,6 +34,7 @@ if TYPE_CHECKING:
     from distributed import Client
 
 POLL_S = 0.1  # how often startup looks at the scheduler and the processes (s)
+STOP_WAIT_S = 10.0  # how long a stop waits for SIGKILLed worker processes to exit (s)
 
 
 @dataclass
@@ -269,18 +272,8 @@ class LocalHosts:
                 proc.wait()
 
     def _stop(self, processes: list[subprocess.Popen], graceful: bool = True) -> None:
-        """SIGTERM (a graceful close), then SIGKILL whatever is left after
-        ``hosts.stop-timeout-s``; not ``graceful``: SIGKILL at once."""
-        for proc in processes:
-            _killpg(proc, signal.SIGTERM if graceful else signal.SIGKILL)
-        deadline = time.monotonic() + (self.settings.stop_timeout_s if graceful else 0.0)
-        for proc in processes:
-            try:
-                proc.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
-            _killpg(proc, signal.SIGKILL)  # the group: a nanny's workers too
-            proc.wait()
+        """:func:`stop_processes` with ``hosts.stop-timeout-s`` (not ``graceful``: SIGKILL at once)."""
+        stop_processes(processes, self.settings.stop_timeout_s if graceful else 0.0)
 
     def close(self, graceful: bool = True) -> None:
         """Stop every host (workers first), then the scheduler; remove a temporary
@@ -300,6 +293,60 @@ class LocalHosts:
             self.progress("scheduler: stopped")
         if self._own_directory:
             shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def stop_processes(processes: Sequence[subprocess.Popen], graceful_s: float) -> None:
+    """Stop ``processes`` (each the leader of its own session) and everything below them:
+    SIGTERM to each group (a graceful close), SIGKILL to whatever is left after
+    ``graceful_s`` seconds (0: at once); returns once every one of them has exited, a
+    worker process that left its group included (killed on its own)."""
+    descendants = _descendants(processes)  # a nanny's workers: gone only once they have exited
+    for proc in processes:
+        _killpg(proc, signal.SIGTERM if graceful_s > 0 else signal.SIGKILL)
+    deadline = time.monotonic() + graceful_s
+    for proc in processes:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        _killpg(proc, signal.SIGKILL)  # the group: a nanny's workers too
+        proc.wait()
+    _kill_and_wait(descendants, STOP_WAIT_S)
+
+
+def _descendants(processes: Iterable[subprocess.Popen]) -> list[psutil.Process]:
+    """Every process below ``processes`` now (a nanny's worker processes)."""
+    out: list[psutil.Process] = []
+    for proc in processes:
+        try:
+            out += psutil.Process(proc.pid).children(recursive=True)
+        except psutil.Error:  # already gone
+            pass
+    return out
+
+
+def _kill_and_wait(processes: Iterable[psutil.Process], timeout_s: float) -> None:
+    """SIGKILL each of ``processes`` still running (one that left its group), then wait
+    up to ``timeout_s`` seconds until all have exited: killed is not yet gone. A zombie
+    has exited (only its parent's reaping is left); psutil checks a pid is still the
+    process recorded (never another one that reused it)."""
+    live = []
+    for p in processes:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                p.kill()
+                live.append(p)
+        except psutil.Error:  # gone
+            pass
+    deadline = time.monotonic() + timeout_s
+    for p in live:
+        while time.monotonic() < deadline:
+            try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    break
+            except psutil.Error:  # gone
+                break
+            time.sleep(0.01)
 
 
 def _killpg(proc: subprocess.Popen, sig: int) -> None:
