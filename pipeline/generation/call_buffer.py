@@ -121,6 +121,7 @@ class CallBuffer:
         self._key_stem = f"{self.rollout_id}/{self.model_call_id}/"  # cut key after the checkpoint root
         self.signature = chunk_signature(self.routes_shape, self.routes_dtype)
         self._token_nbytes = token_nbytes(self.routes_shape, self.routes_dtype.itemsize)  # bytes per token of a packed row
+        self._row_fixed_nbytes = self.identity.id_nbytes + ROW_FIXED_BYTES  # bytes of a packed row besides its tokens
 
     def _routes(self, routes: np.ndarray) -> np.ndarray:
         """``routes`` as a contiguous array of ``routes_dtype``; ids that do not fit it
@@ -318,18 +319,17 @@ class CallBuffer:
             # first append: a call that gets no new token makes neither.
             chain_state, self._run_chain = self._run_chain, None
             chain = self._chain_parent = chain_state.digest()
-            fields = None if self._run_fields is None else tuple(f.digest() for f in self._run_fields)
-            self._run_fields = None  # none (a version without them): pack_chunks hashes the row's slices
-            frozen = self._frozen = FrozenChunk(
-                self, seq, parts, chain_state, prev_len=self.cut_tokens, delta_len=tokens, with_context=n_ctx > 0,
-                chain_hash=chain, cumulative_hash=self._run_cum.digest(), field_digests=fields,
-                prefix_digest=self._run_pdig.digest(),
-            )
+            run_fields, self._run_fields = self._run_fields, None
+            fields = None if run_fields is None else tuple([f.digest() for f in run_fields])  # None: pack_chunks hashes the slices
+            # (buffer, seq, parts, chain state, prev_len, delta_len, with_context, chain,
+            # cumulative, field digests, prefix digest)
+            frozen = self._frozen = FrozenChunk(self, seq, parts, chain_state, self.cut_tokens, tokens, n_ctx > 0, chain,
+                                                self._run_cum.digest(), fields, self._run_pdig.digest())
         # Outside the lock. Its pieces are valid by construction (converted on append): no
         # re-check. The key == cut_key(...): ids checked when the buffer was made, the
         # checkpoint's in key_root.
         frozen.key = f"{key_root}{self._key_stem}{seq}"
-        frozen.nbytes = tokens * self._token_nbytes + self.identity.id_nbytes + ROW_FIXED_BYTES
+        frozen.nbytes = tokens * self._token_nbytes + self._row_fixed_nbytes
         frozen.frozen_at = time.perf_counter()
         return frozen
 
@@ -351,7 +351,7 @@ class CallBuffer:
             self._sealed += frozen.parts
             self._frozen = None
             self.cut_keys.append(frozen.key)
-            self.cut_tokens = frozen.prefix_tokens
+            self.cut_tokens = frozen.prev_len + frozen.delta_len  # frozen.prefix_tokens
             self._prefix_digest = frozen.prefix_digest
             return self._durable_ack_locked()
 

@@ -3,8 +3,8 @@
 Cuts sharing a process (writer threads of one controller, several generation actors on
 one worker) share one GIL: packing and hashing them all at once only interleaves them,
 so every batch is ready late and the store sits idle meanwhile. The gate admits
-``cut.cpu-slots`` cuts to their CPU-bound steps (freezing, packing) at a time; a cut
-leaves it while it waits on the store, so puts overlap the next cut's packing.
+``cut.cpu-slots`` cuts (default 1) to their CPU-bound steps (freezing, packing) at a
+time; a cut leaves it while it waits on the store, so puts overlap the next cut's packing.
 
 The semaphores are a :class:`CpuGates` component of the process's
 :class:`~pipeline.process_state.ProcessState`.

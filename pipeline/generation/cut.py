@@ -292,25 +292,26 @@ class _Cut:
         reached = 0
         # Per call: a deadline check, a freeze and a planner step (names bound once: the
         # loop runs once per in-flight call of the worker).
-        key_root = self.key_root
+        key_root, clock, deadline = self.key_root, self.clock, self.deadline
         frozen, acks, add = self.frozen, self.acks, planner.add
         for call_id, buf in calls:
             if buf is None:
                 acks[call_id] = CallAck.failure(call_id, UNKNOWN_CALL, "no such call on this worker")
                 reached += 1
                 continue
-            if self.past_deadline():
-                stopped = True
+            if clock() >= deadline:  # past_deadline(), inlined
+                self.stats.deadline_passed = stopped = True
                 break
             reached += 1
-            self.take_gate()
+            if not self.in_gate:  # take_gate(), inlined: a put in between left the gate
+                self.enter_gate()
             got = buf.freeze_under(key_root)
             if isinstance(got, CallAck):
                 acks[call_id] = got
                 continue
             idx = len(frozen)
             frozen.append(got)
-            for b in add(idx, got.tokens, got.nbytes, got.signature):
+            for b in add(idx, got.delta_len, got.nbytes, got.signature):
                 if not self.put_batch([frozen[i] for i in b.rows]):
                     stopped = True
                     break

@@ -46,11 +46,13 @@ class FrozenChunk:
 
     __slots__ = ("buffer", "seq", "key", "parts", "prev_len", "delta_len", "context_ids", "context_routes",
                  "chain_hash", "cumulative_hash", "field_digests", "prefix_digest", "_chain_state", "frozen_at",
-                 "nbytes", "_chunk", "_row")
+                 "nbytes", "identity", "weight_version", "routes_shape", "routes_dtype", "signature", "_chunk", "_row")
 
-    def __init__(self, buffer: ChunkOwner, seq: int, parts: list[Part], chain_state: digests.Hasher, *,
+    def __init__(self, buffer: ChunkOwner, seq: int, parts: list[Part], chain_state: digests.Hasher,
                  prev_len: int, delta_len: int, with_context: bool, chain_hash: bytes, cumulative_hash: bytes,
                  field_digests: tuple[bytes, ...] | None, prefix_digest: bytes):
+        # Positional and plain attributes: a cut makes one per in-flight call, and
+        # pack_chunks reads the call-wide ones (identity, routes) of every row.
         self.buffer = buffer
         self.seq = seq
         self.key = ""
@@ -66,6 +68,12 @@ class FrozenChunk:
         self._chain_state = chain_state  # the chunk's running chain state (for rollback)
         self.frozen_at = 0.0  # time.perf_counter() when frozen (s), for row-wait stats
         self.nbytes = 0  # packed row size (bytes), for batch limits
+        # What every chunk of the call shares, read once from the buffer.
+        self.identity: CallIdentity = buffer.identity
+        self.weight_version: int = buffer.weight_version
+        self.routes_shape: tuple[int, int] | None = buffer.routes_shape
+        self.routes_dtype: np.dtype = buffer.routes_dtype
+        self.signature: Signature = buffer.signature  # what batches group chunks by
         self._chunk: PrefixChunk | None = None
         self._row: StagedRow | None = None
 
@@ -86,26 +94,6 @@ class FrozenChunk:
     @property
     def model_call_id(self) -> str:
         return self.buffer.model_call_id
-
-    @property
-    def identity(self) -> CallIdentity:
-        return self.buffer.identity
-
-    @property
-    def weight_version(self) -> int:
-        return self.buffer.weight_version
-
-    @property
-    def routes_shape(self) -> tuple[int, int] | None:
-        return self.buffer.routes_shape
-
-    @property
-    def routes_dtype(self) -> np.dtype:
-        return self.buffer.routes_dtype
-
-    @property
-    def signature(self) -> Signature:
-        return self.buffer.signature
 
     @property
     def chunk(self) -> PrefixChunk:
