@@ -248,3 +248,20 @@ def test_a_refused_raw_put_row_fails_the_bench_without_ratios(address, monkeypat
     assert result["ok"] is False and bench_cut.exit_status(result) == 1
     assert any("raw_put" in f and "refused" in f and "c1r1" in f for f in result["failures"]), result["failures"]
     assert not [k for k in result if "speedup" in k or "cut_vs_raw_put" in k or "target" in k]
+
+
+def test_the_cut_own_cpu_is_measured_against_a_store_that_keeps_no_batch(monkeypatch):
+    # Kept batches pin their pooled slabs: the next batches would pack into fresh memory
+    # (page faults a real cut does not pay), so the cut's own CPU is measured dropping them.
+    made = []
+
+    class Counting(bench_cut._Recorder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(bench_cut, "_Recorder", Counting)
+    args = argparse.Namespace(clients=2, profile="toy", no_routes=False, layers=None, top_k=None, experts=None)
+    cpu = bench_cut._cut_own_cpu_s(6, 64, args, "own", bench_cut._limits(3), ["u0", "u1"])
+    assert cpu > 0 and len(made) == 2
+    assert all(r.batches == [] for r in made)

@@ -6,7 +6,8 @@ against a real StagingStore, at 1,024- and 16,384-token prefixes, one row per pu
 calls: ``cut_vs_raw_put_T`` is the batched cut's rows/s over that (1.0: the cut's
 bookkeeping costs nothing). ``cut_vs_raw_put_cpu_bound_T``: the ratio the cut's own CPU
 allows in one interpreter (:func:`cpu_bound_ratio`; ``cut_own_cpu_s``: the cut of the
-same calls against a recording store, one thread, no store work), measured in the same run;
+same calls against a store that drops each batch once put, one thread, no store work),
+measured in the same run;
 ``fill_cpu_s``: building those calls (constructor and appends, with the running hashes
 they feed as tokens arrive). ``cpu_s``: CPU seconds of the controller and each worker.
 Each mode runs ``--repeats`` times (interleaved, each on a fresh store); ``wall_s`` and
@@ -75,7 +76,7 @@ class CutRow(TypedDict, total=False):
     mean_row_wait_ms: float  # the cut's only
     durable: int  # the cut's only
     written: int  # the raw put's only
-    cut_own_cpu_s: float  # the raw put's only: CPU s of cutting its calls against a recorder (no store, one thread)
+    cut_own_cpu_s: float  # the raw put's only: CPU s of cutting its calls against a recorder dropping each batch (no store, one thread)
     fill_cpu_s: float  # the raw put's only: CPU s of building its calls (constructor + appends, running hashes), one thread
     failed: int
     bytes_written: int
@@ -223,18 +224,32 @@ class _Recorder:
     """A cut store that keeps every batch put (all rows acknowledged) and writes nothing:
     it yields exactly the batches a cut of the same calls against ``units`` would put."""
 
-    def __init__(self, units: Sequence[object]):
+    def __init__(self, units: Sequence[object], keep: bool = True):
         self.units = list(units)
+        self.keep = keep  # False: record nothing (the batch and its slab are released at once)
         self.batches: list[PackedBatch] = []
 
     def put_many(self, batch: PackedBatch, partition: str = "", adopt: bool = False, timeout: float | None = None) -> StoreResult:
         from ..store.protocol import StoreResult
 
-        self.batches.append(batch)
+        if self.keep:
+            self.batches.append(batch)
         return StoreResult(ok=list(batch.keys))
 
     def delete(self, keys: Sequence[str], partition: str = "", timeout: float | None = None) -> None:
         return None
+
+
+def _cut_own_cpu_s(rows: int, tokens: int, args: argparse.Namespace, tag: str, limits: BatchLimits,
+                   units: Sequence[object]) -> float:
+    """CPU seconds of the cut's own work (freeze, pack, digests, acks) on the same calls,
+    one thread, against a recorder that drops each batch once put (its pooled slab is the
+    next batch's memory, as in a real cut; a recorder keeping them pays page faults instead)."""
+    per_client = _all_client_calls(rows, tokens, args, tag)
+    cpu0 = time.thread_time()
+    for c, calls in enumerate(per_client):
+        _cut(calls, _Recorder(units, keep=False), tag, limits, f"client-{c}")
+    return time.thread_time() - cpu0
 
 
 def _raw_put_config(store: StagingStore, tokens: int, rows: int, rows_per_put: int, args: argparse.Namespace, tag: str,
@@ -247,13 +262,12 @@ def _raw_put_config(store: StagingStore, tokens: int, rows: int, rows_per_put: i
     limits = _limits(rows_per_put)
     batches: list[list[PackedBatch]] = []
     fill_cpu = sum(refill_cpu_s(calls) for calls in per_client)  # what the appends cost, paid as tokens arrive
-    cpu0 = time.thread_time()
     for c, calls in enumerate(per_client):
         rec = _Recorder(store.units)
         _cut(calls, rec, tag, limits, f"client-{c}")
         batches.append(rec.batches)
-    cut_own_cpu = time.thread_time() - cpu0  # the cut's own work (freeze, pack, hash, acks), no store, one thread
     del per_client
+    cut_own_cpu = _cut_own_cpu_s(rows, tokens, args, tag, limits, store.units)
 
     def put_all(c: int) -> list[StoreResult]:
         return [store.put_many(b, partition=CUT_PARTITION, adopt=True) for b in batches[c]]
