@@ -32,6 +32,15 @@ def _running(procs: list[psutil.Process]) -> list[int]:
     return out
 
 
+def _kill(procs: list[psutil.Process]) -> None:
+    """Cleanup whatever a failed test left running."""
+    for p in procs:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
 def _leader() -> tuple[subprocess.Popen, list[psutil.Process]]:
     proc = subprocess.Popen([sys.executable, "-c", LEADER], stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout.readline().strip() == "ready"
@@ -52,11 +61,7 @@ def test_a_stop_returns_once_every_process_below_the_leaders_has_exited():
         # The worker in the group and the one that left it: both exited, none left running.
         assert _running(children) == []
     finally:
-        for p in children:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        _kill(children)
 
 
 def test_a_forced_stop_kills_at_once_and_leaves_nothing_running():
@@ -66,8 +71,4 @@ def test_a_forced_stop_kills_at_once_and_leaves_nothing_running():
         assert proc.returncode == -9  # SIGKILL: no graceful close asked for
         assert _running(children) == []
     finally:
-        for p in children:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        _kill(children)
