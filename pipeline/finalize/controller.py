@@ -35,6 +35,7 @@ from . import collect, serializers, timing, transfers
 from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_assembly, submit_graph, task_key
 from .kept_rows import kept_rollouts, rejected_receipt_keys
 from .settings import FinalizeSettings
+from .uncleared import UnclearedRows
 
 if TYPE_CHECKING:
     import torch
@@ -177,8 +178,10 @@ class StepHandle:
         keys = self.clear_keys()
         self.kept_keys = [k for k in keys if k in still_read]
         keys = [k for k in keys if k not in still_read]
+        # Rows earlier clears could not delete ride along (each key once).
+        keys = list(dict.fromkeys(keys + self._finalizer.uncleared.take(skip=still_read)))
         if keys:
-            self.clear_future = self._submit_clear(keys)
+            self.clear_future = self._finalizer.submit_clear(keys, self.graph.token, self.graph.span)
 
     @property
     def futures(self) -> list[Future]:
@@ -285,20 +288,6 @@ class StepHandle:
             raise
         return by_id, [timing.public(grp.metrics) for grp in by_id.values()], sum(serializers.verify_out_bytes(o) for o in outs)
 
-    def _submit_clear(self, keys: list[str]) -> Future:
-        """ONE ``tc-clear`` task: ``clear_rows`` over ``keys`` next to the storage units,
-        in the step's own task group and span (it runs after the step's graph)."""
-        import dask
-
-        store, settings = self._finalizer.store, self._finalizer.settings
-        with dask.annotate(**({"span": self.graph.span} if self.graph.span else {})):
-            return self._finalizer.client.submit(
-                clear_rows, store, keys, STAGING_PARTITION, settings.fetch_timeout_s,
-                key=task_key(CLEAR, self.graph.token), pure=False,
-                workers=affinity(store, keys) or None, allow_other_workers=True,
-                retries=settings.retries,
-            )
-
 
 class Finalizer:
     """Submits finalization steps as Dask graphs on ``client`` against ``store``.
@@ -335,6 +324,9 @@ class Finalizer:
             self._check_resources()
         # Each step's worker-to-worker bytes across hosts, measured on the scheduler.
         self.measures_transfers = transfers.install(client)
+        # Keys a clear could not delete: the next clears ask again.
+        self.uncleared = UnclearedRows(self.settings.clear_attempts)
+        self._retries = itertools.count()
 
     @classmethod
     def attach(cls, client: Client, name: str | None = None, **kwargs: object) -> Finalizer:
@@ -442,8 +434,40 @@ class Finalizer:
         return handle
 
     def drain(self, timeout: float | None = None) -> list[StepResult]:
-        """Collect every in-flight step, oldest first."""
-        return [h.result(timeout) for h in self.in_flight]
+        """Collect every in-flight step, oldest first; then ask once more for rows earlier
+        clears could not delete (:meth:`retry_clears`), waiting up to ``timeout`` s for it."""
+        from distributed import wait
+
+        out = [h.result(timeout) for h in self.in_flight]
+        wait(self.uncleared.unanswered(), timeout=timeout)  # the steps' clears, answered
+        retry = self.retry_clears()
+        if retry is not None:
+            wait([retry], timeout=timeout)
+        return out
+
+    def submit_clear(self, keys: list[str], token: str, span: Mapping[str, Any] | None = None) -> Future:
+        """ONE ``tc-clear`` task: :func:`clear_rows` over ``keys`` next to the storage units
+        (in the step ``token``'s task group and ``span``); keys it cannot delete are kept in
+        :attr:`uncleared` for the next clear."""
+        import dask
+
+        with dask.annotate(**({"span": span} if span else {})):
+            future = self.client.submit(
+                clear_rows, self.store, keys, STAGING_PARTITION, self.settings.fetch_timeout_s,
+                key=task_key(CLEAR, token), pure=False,
+                workers=affinity(self.store, keys) or None, allow_other_workers=True,
+                retries=self.settings.retries,
+            )
+        self.uncleared.watch(keys, future)
+        return future
+
+    def retry_clears(self) -> Future | None:
+        """Submit a clear of the rows earlier clears could not delete (none in flight
+        reads them), now rather than with the next step's; None if there are none."""
+        with self._lock:
+            still_read = self._keys_read_in_flight()
+        keys = self.uncleared.take(skip=still_read)
+        return self.submit_clear(keys, f"retry-{next(self._retries)}") if keys else None
 
     def _keys_read_in_flight(self, exclude: StepHandle | None = None) -> set[str]:
         """Keys the in-flight steps (other than ``exclude``) read, derived from their plans,

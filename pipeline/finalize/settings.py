@@ -34,6 +34,9 @@ class FinalizeSettings:
     max_staleness: int | None = None
     # The ratio bounds 1 +- eps of StepResult.report_mismatch (``monitor.mismatch-eps``).
     mismatch_eps: tuple[float, ...] = DEFAULT_EPS
+    # Clears a staged row whose delete fails is in (its step's, then later ones) before
+    # the finalizer gives it up (``finalize.clear-attempts``; count).
+    clear_attempts: int = 5
 
     def __post_init__(self) -> None:
         # Checked however the settings were made (from_config, Finalizer.with_settings).
@@ -56,6 +59,7 @@ class FinalizeSettings:
             slots_per_worker=float(config.get("finalize.slots-per-worker")),
             max_staleness=config.get("finalize.max-staleness"),  # checked by __post_init__
             mismatch_eps=config.get("monitor.mismatch-eps"),
+            clear_attempts=clear_attempts_setting(config.get("finalize.clear-attempts")),
         )
 
 
@@ -65,6 +69,14 @@ def max_staleness_setting(value: object) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidInput(f"token-capture.finalize.max-staleness is {value!r}; set null (off) or an int >= 0 (weight versions)")
+    return value
+
+
+def clear_attempts_setting(value: object) -> int:
+    """``finalize.clear-attempts`` checked: an int >= 1 (clears a failed row is in)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInput(f"token-capture.finalize.clear-attempts is {value!r}; set an int >= 1 (clears a row whose delete "
+                           "failed is in before it is given up)")
     return value
 
 
