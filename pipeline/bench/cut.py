@@ -5,11 +5,9 @@ against a real StagingStore, at 1,024- and 16,384-token prefixes, one row per pu
 ``raw_put`` replays exactly the batches the batched cut writes with bare ``put_many``
 calls: ``cut_vs_raw_put_T`` is the batched cut's rows/s over that (1.0: the cut's
 bookkeeping costs nothing). ``cut_vs_raw_put_cpu_bound_T``: the ratio the cut's own CPU
-allows in one interpreter (:func:`cpu_bound_ratio`; ``cut_own_cpu_s``: the cut of the
-same calls against a store that drops each batch once put, one thread, no store work),
-measured in the same run;
-``fill_cpu_s``: building those calls (constructor and appends, with the running hashes
-they feed as tokens arrive). ``cpu_s``: CPU seconds of the controller and each worker.
+allows in one interpreter (:func:`cpu_bound_ratio`; ``cut_own_cpu_s``: the same calls cut
+against a store dropping each batch, one thread), measured in the same run; ``fill_cpu_s``:
+building those calls (constructor and appends, with the running hashes they feed). ``cpu_s``: CPU seconds of the controller and each worker.
 Each mode runs ``--repeats`` times (interleaved, each on a fresh store); ``wall_s`` and
 ``rows_per_s`` are medians. Rows carry the routes of ``--profile`` (in the dtype an engine
 picks for its expert count: ``route_id_bytes``; ``--no-routes``: earlier rounds' rows);
