@@ -78,7 +78,9 @@ def hold_slot(name: str) -> None:
 
 def hold_every_slot(client) -> list:
     """One holder per ``finalize`` slot of the cluster; returns once each holds its slot."""
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    from pipeline.actors import workers_now
+
+    workers = workers_now(client)
     n = int(sum(w.get("resources", {}).get("finalize", 0) for w in workers.values()))
     holders = [client.submit(hold_slot, HOLD, key=f"failover-hold-{i}", resources={"finalize": 1}, pure=False) for i in range(n)]
 

@@ -5,6 +5,8 @@ import time
 import urllib.request
 from typing import Any, Callable
 
+from pipeline.actors import workers_now
+
 
 def wait_until(cond: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
     """Poll ``cond`` until it returns something truthy (returned), or fail after ``timeout_s``.
@@ -61,7 +63,7 @@ def named_nanny_cluster(workers: dict[str, dict[str, Any]], connect_timeout: str
 
 def addresses(client: Any) -> dict[str, str]:
     """Worker name -> current address (a restarted worker keeps its name, not its port)."""
-    return {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    return {w["name"]: a for a, w in workers_now(client).items()}
 
 
 REVIVE_AFTER_S = 20.0  # a named worker still missing after this long: its nanny is asked to start it

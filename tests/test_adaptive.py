@@ -15,6 +15,7 @@ import dask
 import pytest
 from distributed import Client, LocalCluster
 
+from pipeline.actors import workers_now
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.events import FINALIZE, SCALE
 from pipeline.scaling import ScalingDecision, TokenCaptureAdaptive, decide
@@ -119,7 +120,7 @@ def test_fetch_heavy_holds_verify_heavy_scales_up_idle_scales_down_sparing_actor
     cluster, client, adaptive = adaptive_cluster
     assert isinstance(adaptive, TokenCaptureAdaptive)
     wait_until(lambda: adaptive.state == "running", what="adaptive running")
-    n_workers = lambda: len(client.scheduler_info()["workers"])  # noqa: E731
+    n_workers = lambda: len(workers_now(client))  # noqa: E731
 
     # 1. fetch-heavy with a rising queue: many policy rounds, all hold, no new worker.
     with Publisher(client, fetch_ms=80.0, verify_ms=15.0):
@@ -143,7 +144,7 @@ def test_fetch_heavy_holds_verify_heavy_scales_up_idle_scales_down_sparing_actor
     assert ups and all(e["reason_code"] == "verify-bound" for e in ups)
     assert "verify" in ups[0]["reason"] and ups[0]["target"] > ups[0]["current"]
     # every worker the adaptive cluster added carries the finalize resource
-    infos = client.scheduler_info()["workers"]
+    infos = workers_now(client)
     added = [a for a, w in infos.items() if w["name"] != 0]
     assert len(added) == 2
     assert all(infos[a]["resources"].get("finalize", 0) > 0 for a in added)
@@ -171,7 +172,7 @@ def test_fetch_heavy_holds_verify_heavy_scales_up_idle_scales_down_sparing_actor
     assert downs and downs[-1]["reason_code"] == "idle" and "host actors" in downs[-1]["reason"]
     # the policy keeps holding at the floor; the actor hosts are still there and serving
     wait_until(lambda: adaptive.last_decision.reason_code == "idle-at-floor", what="hold at floor")
-    assert sorted(client.scheduler_info()["workers"]) == hosts
+    assert sorted(workers_now(client)) == hosts
     assert [a.ping().result() for a in actors] == ["pong", "pong"]
     assert len(ballast.result()) == 4 << 20  # retirement moved the data, it did not drop it
 
@@ -189,7 +190,7 @@ def test_without_aggregator_the_policy_holds_and_says_why():
             wait_until(lambda: adaptive.last_decision is not None, what="a decision")
             assert adaptive.last_decision.reason_code == "no-aggregator"
             assert adaptive.last_decision.action == "hold"
-            assert len(client.scheduler_info()["workers"]) == 1
+            assert len(workers_now(client)) == 1
             events = wait_until(lambda: scale_events(client), what="the hold recorded in the event log")
             assert "preload" in events[0]["reason"]
 

@@ -25,6 +25,7 @@ import fsspec
 import pytest
 from distributed import Client
 
+from pipeline.actors import workers_now
 from pipeline.cluster import local_cluster
 from pipeline.store import CheckpointCorrupt, CheckpointError, StagingStore
 from pipeline.store import checkpoint as ck
@@ -520,7 +521,7 @@ def test_s3_unit_killed_mid_save_leaves_no_manifest_naming_missing_files(client,
         with pytest.raises(CheckpointError, match="previous checkpoint kept"):
             store.checkpoint(where, chunk_bytes=1)
     finally:
-        workers = lambda: client.scheduler_info()["workers"]  # noqa: E731
+        workers = lambda: workers_now(client)  # noqa: E731
         wait_until(lambda: victim not in workers() and len(workers()) == 2, 60, "the killed worker's restart")
         client.run(_heal_writes)
     manifest = ck.read_manifest(where)

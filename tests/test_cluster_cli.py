@@ -18,6 +18,7 @@ import psutil
 import pytest
 from distributed import Client
 
+from pipeline.actors import workers_now
 from pipeline.deploy import LocalHosts, check_cluster
 from pipeline.deploy.cli import host_roles
 from pipeline.deploy.settings import HostSettings
@@ -53,7 +54,7 @@ def test_cluster_command_prints_the_address_and_stops_every_process_on_ctrl_c(tm
         address = line.split()[1]
         pids = [c.pid for c in psutil.Process(proc.pid).children(recursive=True)]
         with Client(address, timeout=30) as client:
-            workers = client.scheduler_info(n_workers=-1)["workers"].values()
+            workers = workers_now(client).values()
             got = {w["name"]: (w["host"], tuple(sorted(w["resources"]))) for w in workers}
             assert got == {"host1": (host_address(1), ("finalize", "generation")), "host2": (host_address(2), ("finalize", "storage"))}
             assert check_cluster(client).ok

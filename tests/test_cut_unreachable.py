@@ -13,6 +13,7 @@ import dask
 import pytest
 from distributed.comm.core import CommClosedError
 
+from pipeline.actors import workers_now
 from pipeline.capture import policy_from_config
 from pipeline.driver import RolloutDriver, cut_round
 from support import store_maker
@@ -52,7 +53,7 @@ class LosesAnswers:
 def _driver(client, store, prefix):
     groups = make_step_specs(prefix, 2, 2, turns=3, tokens_per_turn=16, tool_tokens=5, prompt_tokens=7,
                              vocab_size=policy_from_config().vocab_size)
-    workers = list(client.scheduler_info()["workers"])
+    workers = list(workers_now(client))
     driver = RolloutDriver(client, store, step_tokens=6, workers=workers[:2])
     driver.submit(groups)
     driver.run_rounds(cut_round(3, 16, 6))  # every call mid-generation

@@ -26,7 +26,7 @@ import pytest
 from distributed import Actor, Client, get_worker
 
 from pipeline import dask_compat
-from pipeline.actors import DirectActor, PinnedActor, start_pinned_actors
+from pipeline.actors import DirectActor, PinnedActor, start_pinned_actors, workers_now
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -253,7 +253,7 @@ def _on_worker(handle):
 
 
 def test_hosted_actor_and_actor_thread_on_a_real_worker(cluster_client):
-    workers = sorted(cluster_client.scheduler_info(n_workers=-1)["workers"])
+    workers = sorted(workers_now(cluster_client))
     [h], _futures = start_pinned_actors(cluster_client, Counter, workers[:1])
     assert h.increment().result() == 1
     home = cluster_client.submit(_on_worker, h, workers=workers[:1], pure=False).result()

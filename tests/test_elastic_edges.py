@@ -24,7 +24,7 @@ import pytest
 from rollout_factory import make_group
 from support import assert_rows_read_back, wait_until
 
-from pipeline.actors import current_workers
+from pipeline.actors import current_workers, workers_now
 from pipeline.client.discovery import lookup_store
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.store.client import StagingStore
@@ -71,7 +71,7 @@ def spawned():
 
 
 def by_name(client) -> dict[str, str]:
-    return {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    return {w["name"]: a for a, w in workers_now(client).items()}
 
 
 def spawn(client, procs: list, name: str, storage: bool, report_s: float = 0) -> subprocess.Popen:

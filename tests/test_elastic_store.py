@@ -20,6 +20,7 @@ import dask
 import numpy as np
 import pytest
 
+from pipeline.actors import workers_now
 from pipeline.client.discovery import lookup_store
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.finalize import Finalizer
@@ -171,9 +172,9 @@ def test_storage_grows_2_4_3_2_while_the_loop_runs(cluster):
             moved.append((rec["rows_moved"], copies, units_of(cluster)["units"]))
             balanced(cluster)
         for name in ("d", "c"):  # 4 -> 3 -> 2: each retirement drains first
-            addr = next(a for a, w in cluster.scheduler_info(n_workers=-1)["workers"].items() if w["name"] == name)
+            addr = next(a for a, w in workers_now(cluster).items() if w["name"] == name)
             cluster.retire_workers([addr], close_workers=True)
-            wait_until(lambda: addr not in cluster.scheduler_info(n_workers=-1)["workers"], 60, f"{name} retired")
+            wait_until(lambda: addr not in workers_now(cluster), 60, f"{name} retired")
             assert addr not in units_of(cluster)["workers"]
             balanced(cluster)
         time.sleep(0.5)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.actors import workers_now
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.finalize import Finalizer
 from pipeline.store import StagingStore
@@ -55,7 +56,7 @@ def cluster():
 
 
 def _names(client) -> dict[str, str]:
-    return {w["name"]: a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+    return {w["name"]: a for a, w in workers_now(client).items()}
 
 
 def _lost_gauge(client) -> float:

@@ -17,6 +17,7 @@ from distributed import Client, LocalCluster
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.actors import workers_now
 from pipeline.dashboard import InvalidEvent, TokenCaptureState, parse_event
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.metrics import TokenCaptureCollector
@@ -380,7 +381,7 @@ def quiet_cluster(tmp_path):
 
 def test_metrics_follow_conventions_and_report_store_and_restores_by_themselves(quiet_cluster):
     client, tmp_path = quiet_cluster
-    (worker,) = client.scheduler_info()["workers"]
+    (worker,) = workers_now(client)
 
     # Before any event: every family is served, reasons of the fixed vocabularies at 0.
     text = scrape_text(client)

@@ -25,6 +25,7 @@ from multi_host import (S3_CREDENTIALS, STORAGE, host_address, host_of, moto_s3,
                         stage_on_generation_hosts)
 from support import assert_rows_read_back, wait_for_names, wait_until
 
+from pipeline.actors import workers_now
 from pipeline.capture import policy_from_config
 from pipeline.client.discovery import lookup_store
 from pipeline.cluster import connect
@@ -157,7 +158,7 @@ def test_stage_finalize_then_lose_a_whole_storage_host(cluster):
         # A whole storage host lost: every process SIGKILLed.
         pids = hosts.kill_host("host3")
         assert pids and not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        assert not [w for w in client.scheduler_info(n_workers=-1)["workers"] if host_of(w) == host_address(3)]
+        assert not [w for w in workers_now(client) if host_of(w) == host_address(3)]
         rows = [row for ro in reference for row in ro.rows]
         assert_rows_read_back(lookup_store(client, NAME), rows)
 

@@ -22,6 +22,7 @@ import time
 
 import pytest
 
+from pipeline.actors import workers_now
 from pipeline.testing.partition import chain_name, check_address, partition, unavailable
 from tasks.errors import InvalidInput
 
@@ -233,7 +234,7 @@ def test_a_storage_host_cut_off_loses_nothing_and_finalization_goes_on(cut_s):
             print(f"cut {victim} for {cut.duration_s():.1f} s; finalized while cut (step, s into the cut): {finalized_while_cut}")
 
             def settled():
-                live = set(client.scheduler_info(n_workers=-1)["workers"])
+                live = set(workers_now(client))
                 info = next(i for i in hosted_stores(client) if i["name"] == NAME)
                 return set(info["workers"]) <= live and info["interrupted"] is None
 

@@ -29,6 +29,8 @@ from tasks.toy.rollouts import (
 )
 from tasks.toy.sampling import STREAM_SAMPLE, integers, rollout_key, uniforms
 
+from pipeline.actors import workers_now
+
 CFG = PolicyConfig(vocab_size=97, hidden=16, layers=3, experts=6, top_k=2, seed=11, window=5)
 
 
@@ -451,7 +453,7 @@ def test_worker_process_regenerates_bit_identically(policy):
 
     local = _digests_in_worker(CFG.__dict__, "x")
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
-        workers = list(client.scheduler_info()["workers"])
+        workers = list(workers_now(client))
         futures = [client.submit(_digests_in_worker, CFG.__dict__, "x", workers=[w], pure=False) for w in workers]
         for remote in client.gather(futures):
             assert remote == local

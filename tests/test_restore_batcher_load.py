@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
-from pipeline.actors import start_pinned_actors
+from pipeline.actors import start_pinned_actors, workers_now
 from pipeline.generation.call_buffer import CallBuffer
 from pipeline.restore.batcher import PrefixReadBatcher, local_batcher
 from pipeline.store.client import StagingStore
@@ -62,7 +62,7 @@ def rig():
         n_workers=2, threads_per_worker=1, processes=True, dashboard_address="127.0.0.1:0", host="127.0.0.1"
     ) as lc, Client(lc) as client:
         store = StagingStore.start(client, n_units=2)
-        workers = sorted(client.scheduler_info()["workers"])
+        workers = sorted(workers_now(client))
         callers, _futures = start_pinned_actors(client, Caller, workers)
         yield client, store, workers, callers
         store.close()

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from distributed import Client, LocalCluster
 
+from pipeline.actors import workers_now
 from pipeline.dashboard.preload import PRELOAD
 from pipeline.dashboard.state import StoreFillSettings, TokenCaptureState
 from pipeline.events import FINALIZE, SCALE, STORE
@@ -241,7 +242,7 @@ def storage_cluster(tmp_path_factory):
             n_workers=2, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
             worker_dashboard_address="127.0.0.1:0", scheduler_kwargs={"preload": [PRELOAD]},
         ) as cluster, Client(cluster) as client:
-            hosts = sorted(client.scheduler_info()["workers"])
+            hosts = sorted(workers_now(client))
             store = StagingStore.start(client, n_units=2, capacity=CAPACITY, workers=hosts,
                                        spill_directory=str(tmp_path_factory.mktemp("spill")))
             try:
@@ -265,7 +266,7 @@ def fill_store(store: Any, fraction: float) -> list[str]:
 
 def test_units_filling_up_raise_the_target_with_a_storage_decision_and_emptied_retire_only_a_drained_storage_worker(storage_cluster):
     cluster, client, store, adaptive, hosts = storage_cluster
-    n_workers = lambda: len(client.scheduler_info()["workers"])  # noqa: E731
+    n_workers = lambda: len(workers_now(client))  # noqa: E731
     wait_until(lambda: adaptive.last_storage_decision and adaptive.last_storage_decision.units == 2,
                what="both units' own reports in the signal")
     # Nearly empty, min-units 1: a storage down, but both workers host a unit: nobody goes.
@@ -280,7 +281,7 @@ def test_units_filling_up_raise_the_target_with_a_storage_decision_and_emptied_r
     ups = [e for e in storage_events(client) if e["action"] == "up"]
     assert ups and ups[0]["reason_code"] == "storage-fill-high" and (ups[0]["current"], ups[0]["target"]) == (2, 3)
     assert ups[0]["store_units"] == 2 and ups[0]["store_fill"] >= 0.8
-    infos = client.scheduler_info()["workers"]
+    infos = workers_now(client)
     (added,) = set(infos) - set(hosts)
     assert infos[added]["resources"].get(STORAGE_RESOURCE) == 1 and infos[added]["resources"].get("finalize", 0) > 0
     assert STORAGE_RESOURCE not in cluster.new_spec["options"].get("resources", {})  # later workers are plain
@@ -298,7 +299,7 @@ def test_units_filling_up_raise_the_target_with_a_storage_decision_and_emptied_r
         wait_until(lambda: adaptive.last_decision.reason_code == "fetch-bound", what="finalize holding")
         store.delete(keys)
         wait_until(lambda: n_workers() == 2, timeout_s=60, what="the storage worker without a unit retired")
-        assert sorted(client.scheduler_info()["workers"]) == hosts
+        assert sorted(workers_now(client)) == hosts
         downs = [e for e in storage_events(client) if e["action"] == "down"]
         assert downs and downs[-1]["reason_code"] == "storage-fill-low" and "drained" in downs[-1]["reason"]
         # still low: a down every round, but only unit hosts are left, so they stay
@@ -354,7 +355,7 @@ def hosted_cluster(tmp_path_factory):
             n_workers=2, threads_per_worker=1, processes=False, dashboard_address="127.0.0.1:0",
             worker_dashboard_address="127.0.0.1:0", scheduler_kwargs={"preload": [PRELOAD]},
         ) as cluster, Client(cluster) as client:
-            hosts = sorted(client.scheduler_info()["workers"])
+            hosts = sorted(workers_now(client))
             store = start_hosted(client, "scaling-store", n_units=2, capacity=CAPACITY, workers=hosts,
                                  spill_directory=str(tmp_path_factory.mktemp("hosted")))
             try:
@@ -366,7 +367,7 @@ def hosted_cluster(tmp_path_factory):
 
 def test_a_hosted_store_grows_onto_the_storage_worker_and_a_storage_down_drains_it_before_retiring_it(hosted_cluster):
     client, store, adaptive, hosts = hosted_cluster
-    n_workers = lambda: len(client.scheduler_info()["workers"])  # noqa: E731
+    n_workers = lambda: len(workers_now(client))  # noqa: E731
     units = lambda: client.sync(client.scheduler.token_capture_signal, window_s=None)["store_units"]  # noqa: E731
     wait_until(lambda: adaptive.last_storage_decision and adaptive.last_storage_decision.reason_code == "storage-at-floor",
                what="2 nearly empty units: at the floor (store.min-units 2)")
@@ -377,9 +378,9 @@ def test_a_hosted_store_grows_onto_the_storage_worker_and_a_storage_down_drains_
     wait_until(lambda: n_workers() == 3, timeout_s=60, what="the storage worker")
     wait_until(lambda: units() == 3, timeout_s=60, what="its unit reporting")
     wait_until(lambda: adaptive.last_storage_decision.reason_code == "storage-balanced", what="the up settled by the new unit")
-    (added,) = set(client.scheduler_info()["workers"]) - set(hosts)
+    (added,) = set(workers_now(client)) - set(hosts)
     hosted_by = client.run_on_scheduler(lambda dask_scheduler: {a: len(ws.actors) for a, ws in dask_scheduler.workers.items()})
-    assert hosted_by[added] >= 1 and client.scheduler_info()["workers"][added]["resources"].get(STORAGE_RESOURCE) == 1
+    assert hosted_by[added] >= 1 and workers_now(client)[added]["resources"].get(STORAGE_RESOURCE) == 1
 
     # emptied, the finalize side holding: the store host drains the storage worker's unit,
     # then (no actor left on it) the storage down retires that worker; the first two stay
@@ -387,7 +388,7 @@ def test_a_hosted_store_grows_onto_the_storage_worker_and_a_storage_down_drains_
         wait_until(lambda: adaptive.last_decision.reason_code == "fetch-bound", what="finalize holding")
         store.delete(keys)
         wait_until(lambda: n_workers() == 2, timeout_s=90, what="the drained storage worker retired")
-        assert sorted(client.scheduler_info()["workers"]) == hosts
+        assert sorted(workers_now(client)) == hosts
         wait_until(lambda: units() == 2, what="the drained unit's reports gone stale")
         wait_until(lambda: adaptive.last_storage_decision.reason_code == "storage-at-floor", what="back at the floor")
     downs = [msg for _, msg in client.get_events(SCALE) if msg.get("kind") == "storage" and msg["action"] == "down"]

@@ -22,6 +22,7 @@ from distributed.security import Security
 from rollout_factory import make_group
 from support import resume_and_compare
 
+from pipeline.actors import workers_now
 from pipeline.cluster import local_cluster
 from pipeline.finalize import Finalizer
 from pipeline.generation.worker import GenerationWorker
@@ -102,7 +103,7 @@ def tls_cluster(certs):
 def test_pipeline_runs_over_tls(tls_cluster, tmp_path):
     cluster, client = tls_cluster
     assert cluster.scheduler_address.startswith("tls://")
-    workers = client.scheduler_info(n_workers=-1)["workers"]
+    workers = workers_now(client)
     assert len(workers) == 2 and all(a.startswith("tls://") for a in workers)
 
     store = StagingStore.start(client, n_units=2, memory_limit="16KiB", spill_directory=str(tmp_path / "spill"))
@@ -153,7 +154,7 @@ def test_client_without_the_certificate_cannot_connect(tls_cluster, certs, who):
         ctx.check_hostname = False
         with pytest.raises(OSError):
             asyncio.run(connect(addr, timeout=3, ssl_context=ctx))
-        assert len(client.scheduler_info()["workers"]) == 2
+        assert len(workers_now(client)) == 2
         return
     if who == "rogue-cert":  # a certificate from another CA
         kw = dict(address=addr, security=security(certs["rogue_ca"], certs["rogue_key"], certs["rogue_cert"]))
@@ -163,4 +164,4 @@ def test_client_without_the_certificate_cannot_connect(tls_cluster, certs, who):
         with Client(timeout="3s", **kw) as c:
             c.scheduler_info()
     # The cluster is unaffected and still serves its own client.
-    assert len(client.scheduler_info()["workers"]) == 2
+    assert len(workers_now(client)) == 2

@@ -18,6 +18,7 @@ import dask
 import numpy as np
 import pytest
 
+from pipeline.actors import workers_now
 from pipeline.store import StagingStore
 from pipeline.store.unit_health import unit_health
 from rollout_factory import make_group
@@ -54,7 +55,7 @@ def staged(client, tmp_path, tag: str, skip_s: float = 10.0):
 def kill_unit_worker(client, store, u: int) -> None:
     pid = client.run(os.getpid, workers=[store.unit_workers[u]])[store.unit_workers[u]]
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: store.unit_workers[u] not in client.scheduler_info(n_workers=-1)["workers"], 30, "the worker gone")
+    wait_until(lambda: store.unit_workers[u] not in workers_now(client), 30, "the worker gone")
 
 
 def delta(before: dict, after: dict) -> dict:
