@@ -19,6 +19,7 @@ import numpy as np
 
 from tasks.packed import PackedBatch
 
+from ..actors import workers_now
 from ..store import receive_pool
 
 
@@ -71,7 +72,7 @@ def measure(client: Any, batch: PackedBatch, calls: int, max_call_bytes: int, si
 
     Returns ``put_bytes_per_s`` and ``get_bytes_per_s``; raises ``RuntimeError`` when an
     answer (the warm-up's, the last timed one's) differs from what was put."""
-    workers = list(client.scheduler_info(n_workers=-1)["workers"])
+    workers = list(workers_now(client))
     futures = [client.submit(sink, actor=True, workers=[w], pure=False) for w in workers]
     sinks = [f.result() for f in futures]
     plan = row_chunks(batch, len(sinks), max_call_bytes)

@@ -34,6 +34,7 @@ from tasks.profiles import DEFAULT_PROFILE, MoeProfile, profile
 from tasks.receipts import Receipt
 
 from .. import config
+from ..actors import workers_now
 from .common import add_cluster_arguments, bench_client, main, notes
 from .finalize_checks import TENSORS, check_all_accepted, check_same_output, fingerprint, group_diff
 from .finalize_figures import WorkloadShape, drop_speedups, workload_figures
@@ -313,7 +314,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     figures: dict[str, dict[str, object]] = {}
     # Every mode reads the same staged rows, run after run: the graph must not delete them.
     with dask.config.set({"token-capture.finalize.clear-staged": False}), bench_client(args, n_workers=args.workers) as client:
-        say(f"cluster up: {len(client.scheduler_info()['workers'])} workers")
+        say(f"cluster up: {len(workers_now(client))} workers")
         store, sha256_store = StagingStore.start(client), StagingStore.start(client)
         try:
             version = config.digest_version()  # the graph's digest: capture.digest (BLAKE3 by default)

@@ -30,6 +30,7 @@ import numpy as np
 from tasks.keys import CUT_PARTITION
 from tasks.packed import PackedBatch
 
+from ..actors import workers_now
 from .common import add_cluster_arguments, bench_client, compare_rows, main, notes
 from .profile_args import add_profile_argument, payload_figures, profile_from_args, rounded_gb_s, route_id_bytes, routes_profile
 from .restore_stage import (
@@ -368,7 +369,7 @@ def _run_scenarios(client: Client, scs: list[Scenario], args: argparse.Namespace
             "repeats": args.repeats,
             "gap_repeats": args.gap_repeats,
             "reference": {"workers": 128, "restores_per_worker": 64, "tokens": 16384},
-            "cluster_workers": len(client.scheduler_info(n_workers=-1)["workers"]),
+            "cluster_workers": len(workers_now(client)),
             "storage_units": 2,
             "gc": args.gc,
             "fields": fields,

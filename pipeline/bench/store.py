@@ -33,6 +33,7 @@ from tasks.packed import PackedBatch
 from tasks.profiles import MoeProfile
 
 from .. import config
+from ..actors import workers_now
 from ..progress import Progress
 from . import actor_ceiling, loopback, store_elastic, store_steady
 from .common import add_cluster_arguments, bench_client, compare_rows, main, notes, refused
@@ -327,7 +328,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
     failures: list[str] = []
     with bench_client(args) as client:
-        n_workers = len(client.scheduler_info(n_workers=-1)["workers"])
+        n_workers = len(workers_now(client))
         result: dict[str, object] = {"benchmark": "store", "workers": n_workers, "repeats": args.repeats, **_payload(args)}
         by_size: dict[str, Figures] = {}
         for tokens, single, batched in (

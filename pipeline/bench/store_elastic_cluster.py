@@ -39,7 +39,9 @@ class ElasticCluster(abc.ABC):
         self.base = len(self.workers())
 
     def workers(self) -> set[str]:
-        return set(self.client.scheduler_info(n_workers=-1)["workers"])
+        from ..actors import workers_now
+
+        return set(workers_now(self.client))
 
     @abc.abstractmethod
     def add_storage_worker(self, timeout_s: float = 120.0) -> tuple[str, float]:
