@@ -120,3 +120,32 @@ def test_a_bad_clear_attempts_setting_is_refused_naming_it(bad):
     with dask.config.set({"token-capture.finalize.clear-attempts": bad}):
         with pytest.raises(InvalidInput, match=r"finalize\.clear-attempts is .*; set an int >= 1"):
             FinalizeSettings.from_config(vocab_size=VOCAB)
+
+
+def _answer(failed_keys):
+    return {"deleted": 0, "deferred": 0, "failed": {k: ("unit_unavailable", "injected") for k in failed_keys}}
+
+
+def test_a_kept_key_is_in_one_clear_at_a_time_and_missing_means_gone(inprocess_client):
+    from distributed import Event, wait
+
+    from pipeline.finalize.uncleared import UnclearedRows
+
+    rows = UnclearedRows(max_attempts=3)
+    rows.watch(["a", "b", "c"], inprocess_client.submit(_answer, ["a", "b"], pure=False))
+    wait(rows.unanswered())
+    assert rows.take() == ["a", "b"] and len(rows) == 2
+    # Taken by a clear still running: another clear made meanwhile does not take them again.
+    gate = Event("uncleared-gate", client=inprocess_client)
+
+    def held(failed):
+        Event("uncleared-gate").wait(30)
+        return {"deleted": 1, "deferred": 0, "failed": failed}
+
+    rows.watch(["a", "b"], inprocess_client.submit(held, {"b": ("missing_key", "gone")}, pure=False))
+    assert rows.take() == []
+    gate.set()
+    wait(rows.unanswered())
+    # "a" deleted, "b" missing (gone already): nothing kept, nothing given up.
+    assert len(rows) == 0 and rows.given_up == 0 and rows.take() == []
+

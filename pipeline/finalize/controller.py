@@ -17,6 +17,7 @@ Finalizer still reads (or could still deliver) are kept for that step to clear.
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypedDict
@@ -36,6 +37,8 @@ from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_assembly, s
 from .kept_rows import kept_rollouts, rejected_receipt_keys
 from .settings import FinalizeSettings
 from .uncleared import UnclearedRows
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -439,10 +442,13 @@ class Finalizer:
         from distributed import wait
 
         out = [h.result(timeout) for h in self.in_flight]
-        wait(self.uncleared.unanswered(), timeout=timeout)  # the steps' clears, answered
-        retry = self.retry_clears()
-        if retry is not None:
-            wait([retry], timeout=timeout)
+        try:
+            wait(self.uncleared.unanswered(), timeout=timeout)  # the steps' clears, answered
+            retry = self.retry_clears()
+            if retry is not None:
+                wait([retry], timeout=timeout)
+        except TimeoutError:  # a clear still running: its keys are asked for again later
+            logger.warning("drain: a clear of staged rows was not answered within %s s", timeout)
         return out
 
     def submit_clear(self, keys: list[str], token: str, span: Mapping[str, Any] | None = None) -> Future:

@@ -31,6 +31,7 @@ class UnclearedRows:
         self.max_attempts = max(1, int(max_attempts))  # clears a key is in before it is given up
         self._attempts: dict[str, int] = {}  # key -> clears it failed in (insertion order: oldest first)
         self._watched: list[tuple[list[str], Future]] = []  # clears submitted, answer not read yet
+        self._taken: set[str] = set()  # kept keys in a clear not answered yet (not taken twice)
         self._given_up = 0  # keys dropped after max_attempts failed clears
         self._lock = threading.Lock()
 
@@ -58,12 +59,14 @@ class UnclearedRows:
             return [f for _, f in self._watched]
 
     def take(self, skip: Collection[str] = ()) -> list[str]:
-        """The keys to put in the clear being submitted now, oldest first, and no longer
-        kept here (its answer brings back those it cannot delete); not ``skip``: another
-        step in flight reads them, so a later clear takes them."""
+        """The kept keys to put in the clear being submitted now, oldest first (its answer
+        forgets those it deleted); not those in a clear not answered yet, nor ``skip``:
+        another step in flight reads them, so a later clear takes them."""
         self._read_answers()
         with self._lock:
-            return [k for k in self._attempts if k not in skip]
+            out = [k for k in self._attempts if k not in skip and k not in self._taken]
+            self._taken.update(out)
+            return out
 
     def _read_answers(self) -> None:
         with self._lock:
@@ -75,6 +78,7 @@ class UnclearedRows:
     def _answered(self, keys: list[str], failed: dict[str, str]) -> None:
         """Keep the keys a clear did not delete for the next one; forget the others."""
         with self._lock:
+            self._taken.difference_update(keys)
             for k in keys:
                 if k not in failed:
                     self._attempts.pop(k, None)

@@ -351,7 +351,7 @@ class CallBuffer:
             self._sealed += frozen.parts
             self._frozen = None
             self.cut_keys.append(frozen.key)
-            self.cut_tokens = frozen.prev_len + frozen.delta_len  # frozen.prefix_tokens
+            self.cut_tokens = frozen.prev_len + frozen.delta_len  # the prefix once sealed
             self._prefix_digest = frozen.prefix_digest
             return self._durable_ack_locked()
 
