@@ -213,6 +213,10 @@ class Controller:
                 continue
             if not self.in_flight:
                 self.reap_clears(wait_s=self.cfg.step_timeout_s)
+                retry = self.fin.retry_clears()  # rows the clears above could not delete
+                if retry is not None:
+                    self.clears.append(("leftovers", retry))
+                    self.reap_clears(wait_s=self.cfg.step_timeout_s)
                 return
             self.collect(*self.in_flight.popleft())
 
@@ -242,8 +246,6 @@ class Controller:
         return out
 
     def collect(self, sid: str, index: int, handle: StepHandle, attempt: int) -> None:
-        from ..finalize.controller import clear_rows
-
         try:
             step = handle.result(timeout=self.cfg.step_timeout_s)
         except Exception as e:  # noqa: BLE001 - retried, then recorded
@@ -261,8 +263,10 @@ class Controller:
         self.say(f"{sid} delivered: {record['acknowledged']}/{record['rollouts']} acknowledged, "
                  f"{len(record['mismatched'])} differ, {record['rows_lost']} rows lost")
         # Cleared on the cluster, as the Finalizer's own clear is: a delete that waits out
-        # its deadline on a lost unit holds no step of this loop.
-        self.clears.append((sid, self.client.submit(clear_rows, self.fin.store, handle.clear_keys(), pure=False)))
+        # its deadline on a lost unit holds no step of this loop. Rows earlier clears could
+        # not delete go with it.
+        keys = list(dict.fromkeys(handle.clear_keys() + self.fin.leftover_keys()))
+        self.clears.append((sid, self.fin.submit_clear(keys, f"{sid}-i{self.incarnation}-a{attempt}")))
         self.reap_clears()
 
     def reap_clears(self, wait_s: float = 0.0) -> None:

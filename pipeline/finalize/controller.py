@@ -467,12 +467,18 @@ class Finalizer:
         self.uncleared.watch(keys, future)
         return future
 
+    def leftover_keys(self) -> list[str]:
+        """Keys earlier clears could not delete that no in-flight step reads, taken for the
+        clear the caller submits now with :meth:`submit_clear` (a controller clearing rows
+        itself, ``finalize.clear-staged`` off, adds them to its own clear's keys)."""
+        with self._lock:
+            still_read = self._keys_read_in_flight()
+        return self.uncleared.take(skip=still_read)
+
     def retry_clears(self) -> Future | None:
         """Submit a clear of the rows earlier clears could not delete (none in flight
         reads them), now rather than with the next step's; None if there are none."""
-        with self._lock:
-            still_read = self._keys_read_in_flight()
-        keys = self.uncleared.take(skip=still_read)
+        keys = self.leftover_keys()
         return self.submit_clear(keys, f"retry-{next(self._retries)}") if keys else None
 
     def _keys_read_in_flight(self, exclude: StepHandle | None = None) -> set[str]:
