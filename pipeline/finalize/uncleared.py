@@ -69,9 +69,11 @@ class UnclearedRows:
             return out
 
     def _read_answers(self) -> None:
+        done, waiting = [], []
         with self._lock:
-            done = [(keys, f) for keys, f in self._watched if f.done()]
-            self._watched = [(keys, f) for keys, f in self._watched if not f.done()]
+            for keys, f in self._watched:  # one look at each future: one finishing now is in one list
+                (done if f.done() else waiting).append((keys, f))
+            self._watched = waiting
         for keys, future in done:
             self._answered(keys, _failed_keys(set(keys), future))
 
