@@ -192,7 +192,7 @@ class LocalHosts:
             self._wait_registered(started)
         except BaseException:
             for host in started:
-                self._signal_host(host, signal.SIGKILL)
+                stop_processes(host.processes, 0.0)
             raise
         for host in started:
             self.progress(f"{host.name}: {host.spec.workers}/{host.spec.workers} workers registered on {host.address}")
@@ -244,9 +244,7 @@ class LocalHosts:
         the pids killed."""
         host = self.hosts[name]
         pids = host.pids()
-        self._signal_host(host, signal.SIGKILL)
-        for pid in pids:  # a child outside the process group, if any
-            _kill(pid, signal.SIGKILL)
+        stop_processes(host.processes, 0.0)  # SIGKILL, a child outside the group too; until all exited
         host.killed = True
         self.progress(f"{name}: killed ({len(pids)} process(es), SIGKILL)")
         if wait:
@@ -262,14 +260,6 @@ class LocalHosts:
         with open(log, "ab") as out:  # the child keeps its own descriptor
             return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=self.env, cwd=self.directory, start_new_session=True)
-
-    @staticmethod
-    def _signal_host(host: Host, sig: int) -> None:
-        for proc in host.processes:
-            _killpg(proc, sig)
-        if sig == signal.SIGKILL:
-            for proc in host.processes:
-                proc.wait()
 
     def _stop(self, processes: list[subprocess.Popen], graceful: bool = True) -> None:
         """:func:`stop_processes` with ``hosts.stop-timeout-s`` (not ``graceful``: SIGKILL at once)."""
@@ -353,13 +343,6 @@ def _killpg(proc: subprocess.Popen, sig: int) -> None:
     """``sig`` to ``proc``'s process group (its own session: the process and its children)."""
     try:
         os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill(pid: int, sig: int) -> None:
-    try:
-        os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
