@@ -40,6 +40,7 @@ from .pacing import Pacer, PhaseClock
 from .placement import Placement
 from .protocol import pack_names
 from .unit import StorageUnit
+from .unit_claims import keys_by_claim
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Actor, BaseActorFuture, Client
@@ -299,10 +300,7 @@ class Rebalancer:
             if not changed:
                 continue
             src.send(partition, pack_names(list(changed)), dst).result(timeout=timeout)
-            by_claim: dict[str, list[str]] = {}
-            for k, c in changed.items():
-                by_claim.setdefault(c, []).append(k)
-            for c, keys in by_claim.items():  # rows the re-send made ordinary are kept
+            for c, keys in keys_by_claim(changed).items():  # rows the re-send made ordinary are kept
                 dst.release_claim(partition, pack_names(keys), c).result(timeout=timeout)
             caught_up += len(changed)
         return caught_up

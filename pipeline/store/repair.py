@@ -34,6 +34,7 @@ from ..actors import current_workers, start_pinned_actors
 from .placement import Placement
 from .protocol import pack_names
 from .unit import StorageUnit
+from .unit_claims import keys_by_claim
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Actor, Client
@@ -171,10 +172,7 @@ class Repairer:
         claimed = mate.claimed_keys(partition).result(timeout=timeout)
         provisional = {k: claimed[k] for k in held if k in claimed}
         copied = self._copy_rows(new, partition, u, mate, [k for k in held if k not in provisional])
-        by_claim: dict[str, list[str]] = {}
-        for k, claim in provisional.items():
-            by_claim.setdefault(claim, []).append(k)
-        for claim, ks in by_claim.items():  # provisional there, provisional here: a release takes both
+        for claim, ks in keys_by_claim(provisional).items():  # provisional there, provisional here: a release takes both
             copied += self._copy_rows(new, partition, u, mate, ks, claim)
         by_how: dict[str, list[str]] = {}
         for k in shared:

@@ -12,7 +12,7 @@ by the checkpoints open at its delete: it was live when they began.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from ..answers import WireDict
 from .protocol import check_partition, unpack_names
@@ -20,6 +20,15 @@ from .protocol import check_partition, unpack_names
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint_guard import CheckpointGuard
     from .held_rows import HeldRows
+
+
+def keys_by_claim(claims: Mapping[str, str | None], keys: Iterable[str] | None = None) -> dict[str | None, list[str]]:
+    """``keys`` (default: every key of ``claims``) grouped by their claim (key -> claim;
+    a key without one under None), in first-seen order: one call per claim."""
+    out: dict[str | None, list[str]] = {}
+    for k in claims if keys is None else keys:
+        out.setdefault(claims.get(k), []).append(k)
+    return out
 
 
 def checkpoint_left_out(held: "HeldRows", guard: "CheckpointGuard", token: str | None) -> dict[str, set[str]]:

@@ -20,6 +20,7 @@ from tasks.packed import PackedBatch, take_rows
 from .. import dask_compat
 from .fence import Fence
 from .protocol import MOVED, GetResult, StoreResult, check_partition, unpack_names
+from .unit_claims import keys_by_claim
 
 if TYPE_CHECKING:  # pragma: no cover
     from distributed import Actor
@@ -109,12 +110,12 @@ def move_in(unit: StorageUnit, partition: str, batch: PackedBatch, lost: Mapping
 
 def _by_claim(batch: PackedBatch, claims: Mapping[str, str]) -> list[tuple[str | None, PackedBatch]]:
     """``batch`` split by each row's claim (None: an ordinary row); one part if all share one."""
-    at: dict[str | None, list[int]] = {}
-    for i, key in enumerate(batch.keys):
-        at.setdefault(claims.get(key), []).append(i)
-    if len(at) == 1:
-        return [(next(iter(at)), batch)]
-    return [(c, take_rows([batch], np.zeros(len(ix), np.int64), np.asarray(ix, dtype=np.int64))) for c, ix in at.items()]
+    groups = keys_by_claim(claims, batch.keys)
+    if len(groups) == 1:
+        return [(next(iter(groups)), batch)]
+    row = {k: i for i, k in enumerate(batch.keys)}
+    return [(c, take_rows([batch], np.zeros(len(ks), np.int64), np.asarray([row[k] for k in ks], dtype=np.int64)))
+            for c, ks in groups.items()]
 
 
 def _mark_moved_lost(unit: StorageUnit, partition: str, lost: Mapping[str, str]) -> None:
