@@ -265,8 +265,9 @@ class Controller:
         # Cleared on the cluster, as the Finalizer's own clear is: a delete that waits out
         # its deadline on a lost unit holds no step of this loop. Rows earlier clears could
         # not delete go with it.
-        keys = list(dict.fromkeys(handle.clear_keys() + self.fin.leftover_keys()))
-        self.clears.append((sid, self.fin.submit_clear(keys, f"{sid}-i{self.incarnation}-a{attempt}")))
+        clear = self.fin.submit_clear(handle.clear_keys(), f"{sid}-i{self.incarnation}-a{attempt}")
+        if clear is not None:
+            self.clears.append((sid, clear))
         self.reap_clears()
 
     def reap_clears(self, wait_s: float = 0.0) -> None:

@@ -181,10 +181,7 @@ class StepHandle:
         keys = self.clear_keys()
         self.kept_keys = [k for k in keys if k in still_read]
         keys = [k for k in keys if k not in still_read]
-        # Rows earlier clears could not delete ride along (each key once).
-        keys = list(dict.fromkeys(keys + self._finalizer.uncleared.take(skip=still_read)))
-        if keys:
-            self.clear_future = self._finalizer.submit_clear(keys, self.graph.token, self.graph.span)
+        self.clear_future = self._finalizer.submit_clear(keys, self.graph.token, self.graph.span)
 
     @property
     def futures(self) -> list[Future]:
@@ -451,12 +448,19 @@ class Finalizer:
             logger.warning("drain: a clear of staged rows was not answered within %s s", timeout)
         return out
 
-    def submit_clear(self, keys: list[str], token: str, span: Mapping[str, Any] | None = None) -> Future:
-        """ONE ``tc-clear`` task: :func:`clear_rows` over ``keys`` next to the storage units
-        (in the step ``token``'s task group and ``span``); keys it cannot delete are kept in
-        :attr:`uncleared` for the next clear."""
+    def submit_clear(self, keys: Sequence[str], token: str, span: Mapping[str, Any] | None = None) -> Future | None:
+        """ONE ``tc-clear`` task: :func:`clear_rows` over ``keys`` and the rows earlier
+        clears could not delete that no in-flight step reads (each key once), next to the
+        storage units, in the step ``token``'s task group and ``span``; keys it cannot
+        delete are kept in :attr:`uncleared` for the next clear. None: nothing to clear.
+        A controller clearing rows itself (``clear_staged`` off) calls it with its keys."""
         import dask
 
+        with self._lock:
+            still_read = self._keys_read_in_flight()
+        keys = list(dict.fromkeys([*keys, *self.uncleared.take(skip=still_read)]))
+        if not keys:
+            return None
         with dask.annotate(**({"span": span} if span else {})):
             future = self.client.submit(
                 clear_rows, self.store, keys, STAGING_PARTITION, self.settings.fetch_timeout_s,
@@ -467,19 +471,10 @@ class Finalizer:
         self.uncleared.watch(keys, future)
         return future
 
-    def leftover_keys(self) -> list[str]:
-        """Keys earlier clears could not delete that no in-flight step reads, taken for the
-        clear the caller submits now with :meth:`submit_clear` (a controller clearing rows
-        itself, ``finalize.clear-staged`` off, adds them to its own clear's keys)."""
-        with self._lock:
-            still_read = self._keys_read_in_flight()
-        return self.uncleared.take(skip=still_read)
-
     def retry_clears(self) -> Future | None:
         """Submit a clear of the rows earlier clears could not delete (none in flight
         reads them), now rather than with the next step's; None if there are none."""
-        keys = self.leftover_keys()
-        return self.submit_clear(keys, f"retry-{next(self._retries)}") if keys else None
+        return self.submit_clear([], f"retry-{next(self._retries)}")
 
     def _keys_read_in_flight(self, exclude: StepHandle | None = None) -> set[str]:
         """Keys the in-flight steps (other than ``exclude``) read, derived from their plans,
