@@ -24,8 +24,8 @@ import torch
 
 from .. import reasons as R
 from .assemble import FinalizedGroup
+from .lags import saturated_lags
 
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -66,15 +66,8 @@ def step_route_shape(groups: Sequence[FinalizedGroup]) -> tuple[int, ...] | None
 
 def lag_overflow(trainer_version: int, oldest: torch.Tensor) -> torch.Tensor:
     """bool, ``oldest``'s shape: rows whose ``trainer_version - oldest`` leaves int64
-    (compared against bounds that fit int64, never computed and wrapped)."""
-    over = torch.zeros(oldest.shape, dtype=torch.bool)
-    behind = trainer_version - _I64_MAX  # lag > int64 max  <=>  oldest < behind
-    if behind > _I64_MIN:
-        over |= oldest < behind
-    ahead = trainer_version - _I64_MIN  # lag < int64 min  <=>  oldest > ahead
-    if ahead < _I64_MAX:
-        over |= oldest > ahead
-    return over
+    (:func:`~tasks.finalize.lags.saturated_lags`: never computed and wrapped)."""
+    return torch.from_numpy(saturated_lags(trainer_version, oldest.numpy())[1])
 
 
 def _rollout_id(g: FinalizedGroup, i: int) -> str:

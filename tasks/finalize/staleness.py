@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, TypedDict
 import numpy as np
 
 from .. import reasons as R
+from .lags import I64_MAX, I64_MIN, saturated_lags
 
 if TYPE_CHECKING:  # the scheduler's state reads the buckets: no torch import there
     from .assemble import FinalizedGroup
@@ -26,7 +27,6 @@ if TYPE_CHECKING:  # the scheduler's state reads the buckets: no torch import th
 LENGTH_BUCKETS: tuple[tuple[str, float], ...] = (("<1k", 1024), ("1-4k", 4096), ("4-16k", 16384), (">=16k", float("inf")))
 BUCKET_LABELS: tuple[str, ...] = tuple(label for label, _ in LENGTH_BUCKETS)
 
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 class BucketFigures(TypedDict):
@@ -61,19 +61,10 @@ def bucket_index(tokens: np.ndarray) -> np.ndarray:
 
 
 def row_lags(reference: int, oldest: np.ndarray) -> np.ndarray:
-    """``reference - oldest`` (int64, ``oldest``'s shape, versions), each lag past int64
-    saturated at int64's nearest bound, never wrapped (the step batch's ``weight_lag``
-    rule). Works for any int ``reference``; vectorized."""
-    oldest = np.asarray(oldest, np.int64)
-    ref = int(reference)
-    # modulo 2**64 the difference is exact, so it is right wherever the true lag fits int64
-    lag = (np.uint64(ref % 2**64) - oldest.view(np.uint64)).view(np.int64)
-    behind, ahead = ref - _I64_MAX, ref - _I64_MIN  # lag > max <=> oldest < behind; lag < min <=> oldest > ahead
-    if behind > _I64_MIN:
-        lag[oldest < behind if behind <= _I64_MAX else np.ones(oldest.shape, bool)] = _I64_MAX
-    if ahead < _I64_MAX:
-        lag[oldest > ahead if ahead >= _I64_MIN else np.ones(oldest.shape, bool)] = _I64_MIN
-    return lag
+    """``reference - oldest`` (int64, versions), each lag past int64 saturated at int64's
+    nearest bound, never wrapped (:func:`~tasks.finalize.lags.saturated_lags`, the step
+    batch's ``weight_lag`` rule)."""
+    return saturated_lags(reference, oldest)[0]
 
 
 def _exact_sum(values: np.ndarray) -> int:
@@ -83,7 +74,7 @@ def _exact_sum(values: np.ndarray) -> int:
 
 
 def _saturate(n: int) -> int:
-    return min(max(n, _I64_MIN), _I64_MAX)
+    return min(max(n, I64_MIN), I64_MAX)
 
 
 def staleness_figures(

@@ -30,7 +30,8 @@ import torch
 
 from ..errors import InvalidInput
 from .assemble import FinalizedGroup
-from .batch_reject import BatchRejection, lag_overflow, rows_rejected, step_route_shape
+from .batch_reject import BatchRejection, rows_rejected, step_route_shape
+from .lags import I64_MAX, I64_MIN, saturated_lags
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,6 @@ _FIELDS: tuple[tuple[str, torch.dtype, str], ...] = (
     ("weight_version_oldest", torch.int64, "n"),
     ("weight_version_newest", torch.int64, "n"),
 )
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
 
 
 def _bad(gi: int, what: str) -> InvalidInput:
@@ -93,7 +93,7 @@ def _check_group(gi: int, g: Any) -> tuple[int, int]:
 def check_version(version: object, what: str, error: type[Exception] = InvalidInput) -> int:
     """``version`` as a weight version: an int (not a bool) in int64, else ``error``
     naming ``what``."""
-    if isinstance(version, bool) or not isinstance(version, int) or not _I64_MIN <= version <= _I64_MAX:
+    if isinstance(version, bool) or not isinstance(version, int) or not I64_MIN <= version <= I64_MAX:
         raise error(f"{what} must be an int64 weight version, got {version!r}")
     return version
 
@@ -187,14 +187,8 @@ def _padded(
 def weight_lag(trainer_version: int, oldest: torch.Tensor) -> torch.Tensor:
     """``trainer_version - oldest`` (int64 [B], versions): each row's ``weight_lag``. A lag
     past int64 (an absurd weight version; :func:`step_batch` rejects such a row ``stale``)
-    is saturated at int64's nearest bound, never wrapped."""
-    over = lag_overflow(trainer_version, oldest)
-    if not bool(over.any()):
-        return trainer_version - oldest
-    lag = trainer_version - torch.where(over, trainer_version, oldest)
-    lag[over & (oldest < trainer_version)] = _I64_MAX
-    lag[over & (oldest > trainer_version)] = _I64_MIN
-    return lag
+    is saturated at int64's nearest bound, never wrapped (:mod:`tasks.finalize.lags`)."""
+    return torch.from_numpy(saturated_lags(trainer_version, oldest.numpy())[0])
 
 
 def _checked_groups(groups: object) -> list[tuple[int, int]]:
