@@ -18,11 +18,13 @@ from pipeline.finalize import Finalizer
 from pipeline.generation import GenerationWorker
 from pipeline.store import StagingStore
 from pipeline.store.protocol import STORE_ERROR, UNIT_UNAVAILABLE, GetResult
+from pipeline.store.settings import StoreSettings
 from pipeline.store.unit import StorageUnit
 from rollout_factory import make_group
 from tasks import reasons
 from tasks.cut.receipt import DURABLE_FAILURE, DURABLE_PREFIX
-from tasks.keys import unit_for_key, unit_for_rollout
+from tasks.errors import InvalidInput, StoreUnavailable
+from tasks.keys import STAGING_PARTITION, unit_for_key, unit_for_rollout
 from tasks.packed import PackedBatch, pack_rows
 from tasks.schema import STAGING_FIELDS
 from tasks.toy.policy import PolicyConfig
@@ -220,3 +222,26 @@ def test_rows_whose_routes_a_unit_could_not_read_survive_the_step_clear(client, 
     assert step.rejected == {reasons.MISSING_ROUTES: len(on_bad)}
     handle.clear_future.result(timeout=60)
     assert_only_unread_kept(store, builts, on_bad)  # no routes asked: read as usual
+
+
+def test_stats_keys_and_close_return_with_a_hung_unit(store, hang):
+    """``stats()``, ``keys()`` and ``close()`` wait ``store.admin-call-timeout-s`` for a
+    unit, then name the silent one (without the bound each waits for the hung unit)."""
+    hang("stats", "keys", "close")
+    quick = store.with_settings(admin_timeout_s=1.0)
+    with pytest.raises(StoreUnavailable, match=r"storage unit 1 cannot give its figures: no answer in time"):
+        quick.stats()
+    with pytest.raises(StoreUnavailable, match=r"storage unit 1 cannot give its keys: no answer in time"):
+        quick.keys(STAGING_PARTITION)
+    closed = quick.close_units()
+    assert closed[0]["unit"] == 0 and "error" not in closed[0]  # its final figures
+    assert closed[1]["closed"] is False and "TimeoutError" in closed[1]["error"]
+    assert quick.closed
+
+
+def test_the_whole_store_bound_is_a_positive_number_of_seconds():
+    with dask.config.set({"token-capture.store.admin-call-timeout-s": 0}):
+        with pytest.raises(InvalidInput, match=r"admin-call-timeout-s is 0; set a number of seconds > 0"):
+            StoreSettings.from_config()
+    with dask.config.set({"token-capture.store.admin-call-timeout-s": 2.5}):
+        assert StoreSettings.from_config().admin_timeout_s == 2.5

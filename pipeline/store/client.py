@@ -12,7 +12,6 @@ holds the :class:`~pipeline.store.owner.StoreOwner` (actor futures, repairer, cl
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -25,6 +24,7 @@ from . import checkpoint as _checkpoint
 from . import operations, receive_pool
 from .calls import Operation, run_async, run_sync
 from .deadline import deadline, settle_all
+from .whole_store import every_unit_answered, listed_keys
 from .directory import UnitDirectory, UnitTable
 from .owner import StoreOwner, start_units, unit_args_from_config
 from .moving import MovingTable, plan_all_moving
@@ -289,49 +289,29 @@ class StagingStore:
 
     # ---- whole-store calls ----------------------------------------------------------
 
-    def stats(self) -> list[dict]:
-        """Per unit: rows, used/memory/spilled/disk bytes, puts, gets, per-partition counts."""
-        futures = [u.stats() for u in self.units]
-        return [f.result() for f in futures]
+    def stats(self, timeout: float | None = None) -> list[dict]:
+        """Per unit: rows, used/memory/spilled/disk bytes, puts, gets, per-partition counts.
+        Raises :class:`StoreUnavailable` naming a unit that cannot be reached or has not
+        answered within ``timeout`` seconds (default ``store.admin-call-timeout-s``)."""
+        answers = settle_all([u.stats() for u in self.units], deadline(self._admin_timeout(timeout)))
+        return every_unit_answered(answers, "its figures")
 
-    async def stats_async(self) -> list[dict]:
-        return list(await asyncio.gather(*(u.stats() for u in self.units)))
+    def _admin_timeout(self, timeout: float | None) -> float:
+        """Seconds a whole-store call waits for the units: ``timeout``, else the setting."""
+        return self.settings.admin_timeout_s if timeout is None else timeout
 
-    def keys(self, partition: str = DEFAULT_PARTITION, prefix: str | None = None) -> list[str]:
+    def keys(self, partition: str = DEFAULT_PARTITION, prefix: str | None = None, timeout: float | None = None) -> list[str]:
         """Every key of ``partition`` (one call per unit, all at once), optionally only those
         starting with ``prefix``; unit order, then insertion order. Raises :class:`StoreError`
         naming the unit when one cannot be reached (with replicas=2: when a unit and a unit
         holding the other copy of some of its keys both cannot): a listing is never silently
         partial. A key deleted while a store checkpoint is open is no longer listed, though
-        reads still answer it until the checkpoint ends (its delete was deferred)."""
+        reads still answer it until the checkpoint ends (its delete was deferred). A unit that
+        has not answered within ``timeout`` seconds (default ``store.admin-call-timeout-s``)
+        counts as one that cannot be reached."""
         self._check_partition(partition)
-        answers = settle_all([u.keys(partition) for u in self.units])
-        out: list[str] = []
-        lost: dict[int, str] = {}
-        for i, ks in enumerate(answers):
-            if isinstance(ks, (OSError, RuntimeError, StoreError)):
-                lost[i] = f"storage unit {i} cannot list its keys: {type(ks).__name__}: {ks}"
-                continue
-            if isinstance(ks, Exception):
-                raise ks
-            out.extend(ks if prefix is None else (k for k in ks if k.startswith(prefix)))
-        one_copy = self.placement.replicas == 1
-        for i, why in lost.items():
-            if one_copy or any(p in lost for p in self._partners(i)):
-                raise StoreUnavailable(why)
-        return out if one_copy else list(dict.fromkeys(out))
-
-    def _partners(self, i: int) -> set[int]:
-        """Indices into ``units`` that may hold the other copy of a key on unit ``i``:
-        while keys move, of either table (a unit being drained is in the old one only)."""
-        if self.moving is None:
-            return set(self.placement.partners(i))
-        ids = self.moving.unit_ids
-        out: set[int] = set()
-        for table in (self.moving.placement, self.moving.previous):
-            if ids[i] in table.unit_ids:
-                out.update(ids.index(table.unit_ids[v]) for v in table.partners(table.index_of(ids[i])))
-        return out
+        answers = settle_all([u.keys(partition) for u in self.units], deadline(self._admin_timeout(timeout)))
+        return listed_keys(answers, prefix, self.placement, self.moving)
 
     def close(self) -> list[dict]:
         """Close every unit (drops rows, removes spill directories) and, in the creating
@@ -341,10 +321,12 @@ class StagingStore:
             return self.owner.close(self)
         return self.close_units()
 
-    def close_units(self) -> list[dict]:
-        """Close every unit; a lost unit is reported, not raised. Marks this handle closed."""
+    def close_units(self, timeout: float | None = None) -> list[dict]:
+        """Close every unit; a lost unit, or one that has not answered within ``timeout``
+        seconds (default ``store.admin-call-timeout-s``), is reported, not raised. Marks
+        this handle closed."""
         out = []
-        for i, a in enumerate(settle_all([u.close() for u in self.units])):
+        for i, a in enumerate(settle_all([u.close() for u in self.units], deadline(self._admin_timeout(timeout)))):
             # A lost unit has nothing left to close.
             out.append({"unit": i, "closed": False, "error": f"{type(a).__name__}: {a}"} if isinstance(a, Exception) else a)
         self.closed = True
@@ -494,3 +476,4 @@ def client_buffers() -> SlabPool:
     """This process's pool for the buffers a store client fills itself (a put's rows
     gathered per unit, a get's answers merged), ``store.client-buffer-bytes``."""
     return process_pool("store.client-buffer-bytes")
+

@@ -78,13 +78,14 @@ async def bounded(awaitable: Any, end: float | None) -> Any:
         return await awaitable
 
 
-def settle_all(futures: list) -> list:
+def settle_all(futures: list, end: float | None = None) -> list:
     """Every future's result, or its exception (all awaited, none raised): the caller
-    decides what a failure means (a lost unit, a checkpoint that does not count)."""
+    decides what a failure means (a lost unit, a checkpoint that does not count). With
+    ``end`` (:func:`deadline`), a future not done by then counts as a ``TimeoutError``."""
     out = []
     for fut in futures:
         try:
-            out.append(fut.result())
+            out.append(waiter(fut, end)())
         except Exception as e:  # noqa: BLE001 - returned, not swallowed
             out.append(e)
     return out

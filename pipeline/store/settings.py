@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tasks.errors import InvalidInput
+
 from .. import config
 
 
@@ -19,13 +21,16 @@ class StoreSettings:
     (``store.max-answer-bytes``; 0: one call per unit, whatever its size);
     ``calls_in_flight``: a put's or a split get's calls in flight per unit (``store.calls-in-flight``);
     ``skip_unreachable_s``: seconds a unit found unreachable is not called again by this
-    process (``store.skip-unreachable-s``; 0: always called, see :mod:`.unit_health`)."""
+    process (``store.skip-unreachable-s``; 0: always called, see :mod:`.unit_health`);
+    ``admin_timeout_s``: seconds ``stats()``, ``keys()`` and ``close()`` wait for the units
+    (``store.admin-call-timeout-s``): a unit that has not answered by then counts as unreachable."""
 
     max_call_bytes: int
     local_reads: bool
     max_answer_bytes: int = 0
     calls_in_flight: int = 4
     skip_unreachable_s: float = 10.0
+    admin_timeout_s: float = 30.0
 
     @classmethod
     def from_config(cls) -> "StoreSettings":
@@ -35,7 +40,16 @@ class StoreSettings:
             config.get_bytes("store.max-answer-bytes"),
             max(1, int(config.get("store.calls-in-flight"))),
             max(0.0, float(config.get("store.skip-unreachable-s"))),
+            _positive_seconds("store.admin-call-timeout-s"),
         )
+
+
+def _positive_seconds(name: str) -> float:
+    """The setting ``name`` as seconds > 0, or :class:`~tasks.errors.InvalidInput` naming it."""
+    value = config.get(name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidInput(f"token-capture.{name} is {value!r}; set a number of seconds > 0")
+    return float(value)
 
 
 @dataclass(frozen=True)
