@@ -8,6 +8,8 @@ Owned stores on test_elastic_edges's cluster, driven through ``Rebalancer`` dire
 """
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
 from pipeline.store.moves import copies_of
@@ -140,6 +142,32 @@ def test_a_release_during_a_move_reaches_the_old_holders_too(cluster):
             assert not set(unit.keys(PART).result(30)) & set(x)
         store.settle_claim("restore-y")
         assert all(u.stats().result(30)["provisional_rows"] == 0 for u in store.units)
+        assert not store.get_many(y).failed
+    finally:
+        store.close()
+
+
+def test_a_handle_from_before_a_move_releases_and_settles_the_moved_copies(cluster):
+    """A restore's handle pickled before a unit was added (as into a task) still names
+    the old table: its claim calls are refused ``moved`` by the fenced units, so it takes
+    the new table and asks again, reaching the copies on the added unit."""
+    w = by_name(cluster)
+    store, rb = owned(cluster, [w["a"], w["b"]], replicas=1)
+    try:
+        x, y = stage(store, rows_of(25, groups=6))
+        old = pickle.loads(pickle.dumps(store))
+        before = store.placement
+        rb.add_unit(w["c"])
+        assert old.version < store.version and len(old.units) == 2
+        assert moved_keys(store, before, x) and moved_keys(store, before, y)
+        assert old.settle_claim("restore-y") == len(y)
+        assert old.release_claim(x, "restore-x") == (len(x), {})
+        assert old.version == store.version
+        refused = sum(u.stats().result(30)["moved_refusals"] for u in store.units)
+        assert refused > 0  # the old handle's first calls were refused, not served
+        for v, unit in enumerate(store.units):
+            assert not set(unit.keys(PART).result(30)) & set(x), store.placement.unit_ids[v]
+            assert unit.stats().result(30)["provisional_rows"] == 0, store.placement.unit_ids[v]
         assert not store.get_many(y).failed
     finally:
         store.close()

@@ -21,15 +21,15 @@ from tasks.packed import PackedBatch
 
 from .. import config
 from . import checkpoint as _checkpoint
-from . import operations, receive_pool
+from . import claim_calls, operations, receive_pool
 from .calls import Operation, run_async, run_sync
 from .deadline import deadline, settle_all
 from .whole_store import every_unit_answered, listed_keys
 from .directory import UnitDirectory, UnitTable
 from .owner import StoreOwner, start_units, unit_args_from_config
-from .moving import MovingTable, plan_all_moving
-from .placement import Placement, plan_all_copies
-from .protocol import UNIT_UNAVAILABLE, GetResult, StoreResult, check_partition, pack_names
+from .moving import MovingTable
+from .placement import Placement
+from .protocol import GetResult, StoreResult, check_partition
 from .settings import StoreSettings
 from .slab_pool import SlabPool, process_pool
 from .unit_health import unit_health
@@ -268,24 +268,19 @@ class StagingStore:
 
     def release_claim(self, keys: Sequence[str], claim: str, partition: str = DEFAULT_PARTITION) -> tuple[int, dict]:
         """Remove every copy of ``keys`` still provisional under ``claim`` (ONE call per unit
-        holding a copy; during a move, under either table). Returns (rows removed,
+        holding a copy; during a move, under either table; a unit fenced by a newer table
+        makes the handle take it and ask again). Returns (rows removed,
         ``{key: (reason, detail)}`` of the keys on units not reached: copies may remain)."""
         self._check_partition(partition)
-        _, parts, _ = plan_all_copies(self.placement, keys) if self.moving is None else plan_all_moving(self.moving, keys)
-        answers = settle_all([self.units[u].release_claim(partition, pack_names(ks), claim) for u, ks in parts])
-        removed, failed = 0, {}
-        for (u, ks), a in zip(parts, answers):
-            if isinstance(a, Exception):  # the unit's copies stay; the caller says so
-                failed.update({k: (UNIT_UNAVAILABLE, f"unit {u}: {type(a).__name__}: {a}") for k in ks})
-            else:
-                removed += a["removed"]
-        return removed, failed
+        return claim_calls.release(self, keys, claim, partition)
 
     def settle_claim(self, claim: str) -> int:
-        """Every row provisional under ``claim`` becomes an ordinary row (one call per unit);
-        returns how many. A unit that cannot be reached keeps its marks (they only let a
-        release with this claim remove rows nobody else put)."""
-        return sum(r for r in settle_all([u.settle_claim(claim) for u in self.units]) if isinstance(r, int))
+        """Every row provisional under ``claim`` becomes an ordinary row (one call per unit,
+        again on a newer table if a unit was fenced by one); returns how many. A unit that
+        cannot be reached keeps its marks (they only let a release with this claim remove
+        rows nobody else put)."""
+        self._catch_up()
+        return claim_calls.settle(self, claim)
 
     # ---- whole-store calls ----------------------------------------------------------
 

@@ -19,6 +19,7 @@ from .protocol import check_partition, unpack_names
 
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint_guard import CheckpointGuard
+    from .fence import Fence
     from .held_rows import HeldRows
 
 
@@ -49,9 +50,15 @@ def checkpoint_left_out(held: "HeldRows", guard: "CheckpointGuard", token: str |
 
 class ClaimedRows:
     """The claim calls of :class:`~pipeline.store.unit.StorageUnit` (a mixin: it uses the
-    unit's ``held``, ``guard``, ``counters``, ``partitions``, ``unit_index``)."""
+    unit's ``held``, ``guard``, ``fence``, ``counters``, ``partitions``, ``unit_index``).
+
+    Claim calls carry the table version they were planned on, as every key-routed call
+    does: a unit fenced by a newer table refuses an older one (``{"moved": version}``),
+    so a handle still on the table before a move asks again on the new one and reaches
+    the rows the move put on other units. The move's own calls carry none."""
 
     held: "HeldRows"
+    fence: "Fence | None"
     guard: "CheckpointGuard"
     counters: dict[str, int]
     partitions: list[str] | None
@@ -60,27 +67,44 @@ class ClaimedRows:
 
     def _check_open(self) -> None: ...  # pragma: no cover - StorageUnit's
 
-    def release_claim(self, partition: str, keys: Sequence[str] | bytes, claim: str) -> dict:
+    def release_claim(self, partition: str, keys: Sequence[str] | bytes, claim: str, version: int | None = None) -> dict:
         """Remove the rows of ``keys`` still provisional under ``claim`` (created by a put
         with that claim, acknowledged to no other writer since); every other row stays.
         Not deferred by open checkpoints: no writer was ever told these rows exist; but a
         key deleted while one is open that the claim's put revived is deleted again as it
         was, deferred (for the checkpoints open at its delete). Returns ``{"unit",
         "removed": rows removed, "kept": keys that stay, "deferred": keys whose delete
-        waits for the checkpoint}``."""
+        waits for the checkpoint}``; a call planned on a table older than the unit's
+        fence changes nothing and answers ``{"unit", "moved": the fence's version}``."""
         self._check_open()
         check_partition(partition, self.partitions)
+        names = unpack_names(keys, "keys")
+        if self._stale_claim_call(version, len(names)):
+            return {"unit": self.unit_index, "moved": self.fence.version}
         spare = self.guard.revived_of(partition)
-        removed, kept, deferred = self.held.release(partition, unpack_names(keys, "keys"), claim, spare)
+        removed, kept, deferred = self.held.release(partition, names, claim, spare)
         for key in deferred:
             self.guard.defer(partition, key, spare.get(key))
         self.counters["released_rows"] += removed
         self.held.compact()
         return {"unit": self.unit_index, "removed": removed, "kept": kept, "deferred": deferred}
 
-    def settle_claim(self, claim: str) -> int:
-        """The rows provisional under ``claim`` become ordinary rows; returns how many."""
-        return 0 if self.closed else self.held.settle(claim)
+    def settle_claim(self, claim: str, version: int | None = None) -> int | dict:
+        """The rows provisional under ``claim`` become ordinary rows; returns how many
+        (a call planned on a table older than the unit's fence: ``{"unit", "moved"}``)."""
+        if self.closed:
+            return 0
+        if self._stale_claim_call(version, 1):
+            return {"unit": self.unit_index, "moved": self.fence.version}
+        return self.held.settle(claim)
+
+    def _stale_claim_call(self, version: int | None, keys: int) -> bool:
+        """Whether a claim call planned on table ``version`` is refused (counted in
+        ``moved_refusals``, as a stale put's or read's keys are)."""
+        if self.fence is None or not self.fence.stale(version):
+            return False
+        self.counters["moved_refusals"] += keys
+        return True
 
     def claimed_keys(self, partition: str) -> dict[str, str]:
         """The keys of ``partition`` still provisional, each with its claim."""
