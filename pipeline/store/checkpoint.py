@@ -33,6 +33,7 @@ from .batch_file import FORMAT_VERSION
 from .checkpoint_files import load_file, restore_file, verify_file  # noqa: F401 (tasks run them by this path too)
 from .checkpoint_losses import LOST_FIELD, restore_lost, split_entries
 from .deadline import settle_all
+from .operations import REFRESHES
 from .location import Location, parse
 from .location_lease import Lease, location_lease
 from .location_lock import location_lock, lock_timeout_s
@@ -93,15 +94,38 @@ def save(store: "StoreLike", path: Where, chunk_bytes: int) -> dict:
 
 def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int, digest: str) -> tuple[list, list[BaseException]]:
     """Every unit writes its files into generation ``gen``, hashed with ``digest``:
-    (entries per unit, errors)."""
+    (entries per unit, errors). A unit fenced by a newer table than the handle's opens
+    nothing (a move ended since the handle was made, so it does not name every unit
+    holding rows): the handle takes the newest table and the save opens again."""
+    for _ in range(REFRESHES + 1):
+        seen = store.placement.version
+        outcomes, errors, moved = _write_generation_once(store, gen, chunk_bytes, digest)
+        refresh = getattr(store, "refresh", None)
+        if moved is None or refresh is None or not refresh(seen):
+            break
+    if moved is not None:
+        errors = [CheckpointError(f"storage unit {moved['unit']} is on placement version {moved['moved']}, newer than "
+                                  f"this handle's {store.placement.version}, and no newer table could be fetched; "
+                                  "save through the store's own handle (pipeline.client.lookup_store)")]
+    return outcomes, errors
+
+
+def _write_generation_once(store: "StoreLike", gen: Location, chunk_bytes: int, digest: str
+                           ) -> tuple[list, list[BaseException], dict | None]:
+    """One try of :func:`_write_generation`, plus the first unit's ``moved`` answer (None:
+    every unit opened the checkpoint on this handle's table)."""
     token = gen.url  # gen-<id> under the location: unique per save
     outcomes: list = []
+    moved = None
     try:
         # Open on EVERY unit before any unit writes: from here on no delete removes a row
-        # this checkpoint may still write, whichever process issues it.
-        opened = settle_all([unit.begin_checkpoint(token) for unit in store.units])
+        # this checkpoint may still write, whichever process issues it; and no move starts
+        # (a unit refuses a change while a checkpoint is open).
+        version = store.placement.version
+        opened = settle_all([unit.begin_checkpoint(token, None, version) for unit in store.units])
         errors = [o for o in opened if isinstance(o, Exception)]
-        if not errors:
+        moved = next((o for o in opened if isinstance(o, dict) and "moved" in o), None)
+        if not errors and moved is None:
             # Wait for every unit before deciding: a failed unit must not leave others writing.
             # A replicated store holds every key twice: each unit writes only its primary keys.
             placement = store.placement
@@ -113,7 +137,7 @@ def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int, diges
     finally:
         # Closing applies the deletes deferred meanwhile (a lost unit has nothing to close).
         closed = settle_all([unit.end_checkpoint(token) for unit in store.units])
-    if not errors:
+    if not errors and moved is None:
         # A unit whose lease ran out applied deletes the checkpoint was holding back: what
         # it wrote may miss rows deleted since, so the checkpoint does not count.
         expired = [c["unit"] for c in closed if isinstance(c, dict) and c.get("expired")]
@@ -122,7 +146,7 @@ def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int, diges
                 f"the checkpoint outlived store.checkpoint-lease-s on unit(s) {expired}, which applied the "
                 "deletes it deferred; raise store.checkpoint-lease-s and save again"
             )]
-    return outcomes, errors
+    return outcomes, errors, moved
 
 
 def _missing_files(gen: Location, files: list[dict]) -> list[str]:

@@ -321,14 +321,19 @@ class StorageUnit(ClaimedRows):
 
     # ---- checkpoint guard ---------------------------------------------------------
 
-    def begin_checkpoint(self, token: str, partitions: Sequence[str] | None = None) -> dict:
+    def begin_checkpoint(self, token: str, partitions: Sequence[str] | None = None, version: int | None = None) -> dict:
         """Open checkpoint ``token`` on this unit: until :meth:`end_checkpoint` deletes in
         ``partitions`` (``None``: all) are deferred, so no row the checkpoint may still
         write is lost. The state lives in the unit, so it holds whichever process deletes.
-        Opening a token again is a no-op."""
+        Opening a token again is a no-op. A save planned on a table older than the unit's
+        fence (``version``) opens nothing and answers ``{"unit", "moved": its version}``:
+        its handle does not know every unit that holds rows now."""
         self._check_open()
         if not isinstance(token, str) or not token:
             raise InvalidStoreRequest(f"checkpoint token must be a non-empty str, got {token!r}")
+        if stale(self, version):
+            self.counters["moved_refusals"] += 1
+            return {"unit": self.unit_index, "moved": self.fence.version}
         if self.fence is not None and self.fence.moving:
             raise StoreBusy(f"storage unit {self.unit_index} is moving keys (placement version {self.fence.version}); "
                             "checkpoint once the move has ended")

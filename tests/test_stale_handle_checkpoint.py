@@ -1,0 +1,41 @@
+"""A store checkpoint saved through a handle made before a move (a copy pickled into a
+task, a controller's handle nothing refreshed) holds every row: the units refuse to open
+a checkpoint planned on an older table, and the save takes the newest table first.
+
+Owned stores on test_elastic_edges's cluster, a unit added through ``Rebalancer``.
+"""
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+from pipeline.store.client import StagingStore
+from test_elastic_edges import by_name, cluster, owned, put_all, rows_of  # noqa: F401
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_checkpoint_through_a_handle_from_before_a_move_holds_every_row(cluster, tmp_path, replicas):
+    w = by_name(cluster)
+    store, rb = owned(cluster, [w["a"], w["b"]], replicas=replicas)
+    fresh = None
+    try:
+        rows = rows_of(31, groups=6)
+        put_all(store, rows)
+        old = pickle.loads(pickle.dumps(store))
+        record = rb.add_unit(w["c"])
+        assert record["rows_moved"] > 0 and len(old.units) == 2
+        manifest = old.checkpoint(str(tmp_path / "ck"))
+        assert manifest["rows"] == len(rows)
+        assert old.version == store.version
+        fresh = StagingStore.start(cluster, n_units=2, memory_limit="64MiB", workers=[w["a"], w["d"]])
+        fresh.restore(str(tmp_path / "ck"))
+        keys = [r.staging_key for r in rows]
+        got = fresh.get_many(keys)
+        assert not got.failed, list(got.failed.items())[:2]
+    finally:
+        store.close()
+        if fresh is not None:
+            fresh.close()
