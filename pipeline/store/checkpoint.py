@@ -34,6 +34,7 @@ from .checkpoint_files import load_file, restore_file, verify_file  # noqa: F401
 from .checkpoint_losses import LOST_FIELD, restore_lost, split_entries
 from .deadline import settle_all
 from .operations import REFRESHES
+from .whole_store import moved_answer
 from .location import Location, parse
 from .location_lease import Lease, location_lease
 from .location_lock import location_lock, lock_timeout_s
@@ -124,7 +125,7 @@ def _write_generation_once(store: "StoreLike", gen: Location, chunk_bytes: int, 
         version = store.placement.version
         opened = settle_all([unit.begin_checkpoint(token, None, version) for unit in store.units])
         errors = [o for o in opened if isinstance(o, Exception)]
-        moved = next((o for o in opened if isinstance(o, dict) and "moved" in o), None)
+        moved = next((o for o in opened if moved_answer(o)), None)
         if not errors and moved is None:
             # Wait for every unit before deciding: a failed unit must not leave others writing.
             # A replicated store holds every key twice: each unit writes only its primary keys.

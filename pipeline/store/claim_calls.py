@@ -9,26 +9,25 @@ harmless: a release or settle changes only rows still provisional under the clai
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Sequence
 
+from .calls import Driven
 from .deadline import settle_all
 from .moving import plan_all_moving
 from .operations import REFRESHES, stamp
 from .placement import plan_all_copies
 from .protocol import MOVED, UNIT_UNAVAILABLE, pack_names
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .client import StagingStore
+from .whole_store import moved_answer
 
 Failed = dict[str, tuple[str, str]]  # key -> (reason, detail)
 
 
-def release(store: "StagingStore", keys: Sequence[str], claim: str, partition: str) -> tuple[int, Failed]:
+def release(store: Driven, keys: Sequence[str], claim: str, partition: str) -> tuple[int, Failed]:
     """(rows removed, keys whose copies may remain: their unit not reached, or still
     refused ``moved`` when no newer table was found)."""
     removed = 0
     for _ in range(REFRESHES + 1):
-        seen = store.version
+        seen = store.placement.version
         n, failed, moved = _release_once(store, keys, claim, partition)
         removed += n
         if not moved or not store.refresh(seen):
@@ -36,7 +35,7 @@ def release(store: "StagingStore", keys: Sequence[str], claim: str, partition: s
     return removed, {**failed, **moved}
 
 
-def _release_once(store: "StagingStore", keys: Sequence[str], claim: str, partition: str) -> tuple[int, Failed, Failed]:
+def _release_once(store: Driven, keys: Sequence[str], claim: str, partition: str) -> tuple[int, Failed, Failed]:
     version = stamp(store)
     _, parts, _ = plan_all_copies(store.placement, keys) if store.moving is None else plan_all_moving(store.moving, keys)
     answers = settle_all([store.units[u].release_claim(partition, pack_names(ks), claim, version) for u, ks in parts])
@@ -44,24 +43,21 @@ def _release_once(store: "StagingStore", keys: Sequence[str], claim: str, partit
     for (u, ks), a in zip(parts, answers):
         if isinstance(a, Exception):  # the unit's copies stay; the caller says so
             failed.update({k: (UNIT_UNAVAILABLE, f"unit {u}: {type(a).__name__}: {a}") for k in ks})
-        elif _moved(a):
+        elif moved_answer(a):
             moved.update({k: (MOVED, f"unit {u} is on placement version {a['moved']}, this handle on {version}") for k in ks})
         else:
             removed += a["removed"]
     return removed, failed, moved
 
 
-def settle(store: "StagingStore", claim: str) -> int:
+def settle(store: Driven, claim: str) -> int:
     """Rows made ordinary on every unit reached (a unit not reached keeps its marks)."""
     settled = 0
     for _ in range(REFRESHES + 1):
-        seen, version = store.version, stamp(store)
+        seen, version = store.placement.version, stamp(store)
         answers = settle_all([u.settle_claim(claim, version) for u in store.units])
         settled += sum(a for a in answers if isinstance(a, int))
-        if not any(_moved(a) for a in answers) or not store.refresh(seen):
+        if not any(moved_answer(a) for a in answers) or not store.refresh(seen):
             break
     return settled
 
-
-def _moved(answer: Any) -> bool:
-    return isinstance(answer, dict) and "moved" in answer

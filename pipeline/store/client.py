@@ -24,7 +24,7 @@ from . import checkpoint as _checkpoint
 from . import claim_calls, operations, receive_pool
 from .calls import Operation, run_async, run_sync
 from .deadline import deadline, settle_all
-from .whole_store import every_unit_answered, listed_keys
+from .whole_store import every_unit_answered, listed_keys, moved_answer
 from .directory import UnitDirectory, UnitTable
 from .owner import StoreOwner, start_units, unit_args_from_config
 from .moving import MovingTable
@@ -303,9 +303,15 @@ class StagingStore:
         partial. A key deleted while a store checkpoint is open is no longer listed, though
         reads still answer it until the checkpoint ends (its delete was deferred). A unit that
         has not answered within ``timeout`` seconds (default ``store.admin-call-timeout-s``)
-        counts as one that cannot be reached."""
+        counts as one that cannot be reached. A unit fenced by a newer table than this
+        handle's makes it take the newest table and list again."""
         self._check_partition(partition)
-        answers = settle_all([u.keys(partition) for u in self.units], deadline(self._admin_timeout(timeout)))
+        end = deadline(self._admin_timeout(timeout))
+        for _ in range(operations.REFRESHES + 1):
+            seen = self.version
+            answers = settle_all([u.keys(partition, operations.stamp(self)) for u in self.units], end)
+            if not any(moved_answer(a) for a in answers) or not self.refresh(seen):
+                break
         return listed_keys(answers, prefix, self.placement, self.moving)
 
     def close(self) -> list[dict]:

@@ -417,11 +417,16 @@ class StorageUnit(ClaimedRows):
         """This unit's ``token-capture-store`` event (:func:`.unit_stats.unit_event`)."""
         return unit_event(self)
 
-    def keys(self, partition: str) -> list[str]:
+    def keys(self, partition: str, version: int | None = None) -> list[str] | dict:
         """Every live key of ``partition``: held ones (insertion order) but those deleted
         while a checkpoint is open here (:meth:`deferred_keys`: their rows stay until it
         ends, yet they are deleted for every writer), then lost ones (their reads answer
-        ``lost_key``)."""
+        ``lost_key``). A listing planned on a table older than the unit's fence
+        (``version``) answers ``{"unit", "moved": its version}``: the caller's table does
+        not name every unit holding rows now."""
+        if stale(self, version):
+            self.counters["moved_refusals"] += 1
+            return {"unit": self.unit_index, "moved": self.fence.version}
         held, gone = self.held.index.get(partition, {}), self.guard.deferred.get(partition)
         live = held if not gone else (k for k in held if k not in gone)
         return WireList([*live, *self.losses.lost.get(partition, {})])

@@ -14,8 +14,16 @@ from .moving import MovingTable
 from .placement import Placement
 
 
-def unit_failed(i: int, what: str, error: BaseException) -> str:
+def moved_answer(answer: object) -> bool:
+    """A unit's refusal of a call planned on a table older than its fence."""
+    return isinstance(answer, dict) and "moved" in answer
+
+
+def unit_failed(i: int, what: str, error: BaseException | dict) -> str:
     """Why unit ``i`` could not give ``what`` (its keys, its figures): one line."""
+    if isinstance(error, dict):
+        return (f"storage unit {i} cannot give {what}: it is on placement version {error['moved']}, newer than the "
+                "handle's, and no newer table could be fetched")
     if isinstance(error, TimeoutError):
         return f"storage unit {i} cannot give {what}: no answer in time (store.admin-call-timeout-s)"
     return f"storage unit {i} cannot give {what}: {type(error).__name__}: {error}"
@@ -33,12 +41,12 @@ def every_unit_answered(answers: list, what: str) -> list:
 def listed_keys(answers: list, prefix: str | None, placement: Placement, moving: MovingTable | None) -> list[str]:
     """The keys the units listed (``answers``: one settled answer per unit), those starting
     with ``prefix`` if given; unit order, then insertion order, each key once. A unit not
-    reached (or silent) is :class:`StoreUnavailable` with one copy per key, or when a unit
+    reached (or silent, or on a newer table than the caller's) is :class:`StoreUnavailable` with one copy per key, or when a unit
     that may hold the other copy of its keys was not reached either."""
     out: list[str] = []
     lost: dict[int, str] = {}
     for i, ks in enumerate(answers):
-        if isinstance(ks, (OSError, RuntimeError, StoreError)):  # TimeoutError is an OSError
+        if isinstance(ks, (OSError, RuntimeError, StoreError)) or moved_answer(ks):  # TimeoutError is an OSError
             lost[i] = unit_failed(i, "its keys", ks)
             continue
         if isinstance(ks, Exception):

@@ -1,6 +1,7 @@
-"""A store checkpoint saved through a handle made before a move (a copy pickled into a
-task, a controller's handle nothing refreshed) holds every row: the units refuse to open
-a checkpoint planned on an older table, and the save takes the newest table first.
+"""A handle made before a move (a copy pickled into a task, a controller's handle nothing
+refreshed) still sees every row: a store checkpoint saved through it holds them all, and
+its key listing names them all. The units refuse a checkpoint or a listing planned on an
+older table; the handle takes the newest table and asks again.
 
 Owned stores on test_elastic_edges's cluster, a unit added through ``Rebalancer``.
 """
@@ -39,3 +40,17 @@ def test_a_checkpoint_through_a_handle_from_before_a_move_holds_every_row(cluste
         store.close()
         if fresh is not None:
             fresh.close()
+
+
+def test_a_listing_through_a_handle_from_before_a_move_names_every_key(cluster):
+    w = by_name(cluster)
+    store, rb = owned(cluster, [w["a"], w["b"]], replicas=1)
+    try:
+        rows = rows_of(32, groups=6)
+        put_all(store, rows)
+        old = pickle.loads(pickle.dumps(store))
+        assert rb.add_unit(w["c"])["rows_moved"] > 0
+        assert sorted(old.keys()) == sorted(r.staging_key for r in rows)
+        assert old.version == store.version
+    finally:
+        store.close()
