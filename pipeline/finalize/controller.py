@@ -19,14 +19,14 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypedDict
 
 from tasks.errors import MissingFinalizeResource
 from tasks.finalize.layout import HostMap
 from tasks.finalize.plan import ReceiptLike
 from tasks.finalize.staleness import step_staleness
-from tasks.finalize.step_batch import check_version, step_batch
+from tasks.finalize.step_batch import check_version
 from tasks.keys import STAGING_PARTITION
 
 from .. import config, events
@@ -36,80 +36,18 @@ from . import collect, serializers, timing, transfers
 from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_assembly, submit_graph, task_key
 from .kept_rows import kept_rollouts, rejected_receipt_keys
 from .settings import FinalizeSettings
+from .step_result import StepResult
 from .uncleared import UnclearedRows
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
-    import torch
     from distributed import Client, Future
-    from tensordict import TensorDict
 
     from tasks.finalize.assemble import FinalizedGroup
-    from tasks.mismatch import MismatchReport
 
 Groups = Mapping[str, Sequence[ReceiptLike]] | Sequence[Sequence[ReceiptLike]]
-
-
-@dataclass
-class StepResult:
-    """A finalized step: ``groups`` (group id -> FinalizedGroup, submission order) and the
-    step's ``metrics`` (the ``kind: "step"`` event of :mod:`pipeline.finalize.timing`).
-    ``client`` (where :meth:`report_mismatch` publishes; None: the default client) and
-    ``mismatch_eps`` (its default bounds; None: ``monitor.mismatch-eps`` read then) are
-    the finalizer's."""
-
-    step_id: str
-    groups: dict[str, FinalizedGroup]
-    metrics: timing.StepMetrics
-    client: Client | None = field(default=None, repr=False, compare=False)
-    mismatch_eps: tuple[float, ...] | None = field(default=None, repr=False, compare=False)
-
-    @property
-    def rejected(self) -> dict[str, int]:
-        """Rejected rollouts per reason (internal errors not included)."""
-        return dict(self.metrics.get("rejected", {}))
-
-    @property
-    def internal_errors(self) -> int:
-        """Rollouts the verifier failed on (bugs, logged on the workers; not rejections)."""
-        return int(self.metrics.get("internal_errors", 0))
-
-    def to_batch(self, *, as_tensordict: bool = False, **kwargs: float | int | bool | torch.dtype | None) -> dict[str, torch.Tensor] | TensorDict:
-        """The step as ONE training batch: :func:`tasks.finalize.step_batch.step_batch` over
-        the groups in submission order (``kwargs``: ``eps``, ``pad_id``, ``normalize_std``,
-        ``routes_dtype``: e.g. ``torch.int64``, default as stored; ``trainer_version``: adds
-        ``weight_lag`` = trainer_version - weight_version_oldest per row). Rows the batch
-        rejects itself (routes of another [L, K] than the step's, a lag past int64) are
-        listed by :func:`tasks.finalize.step_batch.batch_rejections`.
-
-        A ``dict[str, torch.Tensor]``, or with ``as_tensordict`` a ``tensordict.TensorDict``
-        of ``batch_size=[B]`` (needs the ``tensordict`` extra).
-        """
-        batch = step_batch(list(self.groups.values()), **kwargs)
-        if not as_tensordict:
-            return batch
-        try:
-            from tensordict import TensorDict
-        except ImportError as e:
-            raise ModuleNotFoundError(
-                "StepResult.to_batch(as_tensordict=True) needs the 'tensordict' package: "
-                "pip install tensordict (or the project's 'tensordict' extra)",
-                name="tensordict",
-            ) from e
-        return TensorDict(batch, batch_size=[int(batch["input_ids"].shape[0])])
-
-    def report_mismatch(self, trainer_logprobs: Any, *, weight_version: int, trainer_routes: Any = None,
-                        eps: Any = None, batch: Mapping[str, Any] | None = None) -> MismatchReport:
-        """The trainer's logprobs ([B, T] over :meth:`to_batch`'s rows) against the
-        sampler's: publishes ONE ``token-capture-mismatch`` event and returns the
-        :class:`tasks.mismatch.MismatchReport` (lag per row: ``weight_version -
-        weight_version_oldest``); ``batch``: this step's :meth:`to_batch` if the trainer
-        already built it (not built again); see :func:`pipeline.finalize.monitor.report_mismatch`."""
-        from .monitor import report_mismatch
-
-        return report_mismatch(self, trainer_logprobs, weight_version=weight_version, trainer_routes=trainer_routes, eps=eps,
-                               batch=batch)
+__all__ = ["ClearCounts", "Finalizer", "StepHandle", "StepResult", "clear_rows"]
 
 
 class ClearCounts(TypedDict):
