@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import threading
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypedDict
@@ -34,6 +35,7 @@ from ..actors import workers_now
 from ..store.protocol import PlacedStoreLike, StoreLike
 from . import collect, serializers, timing, transfers
 from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_assembly, submit_graph, task_key
+from .journal import StepJournal
 from .kept_rows import kept_rollouts, rejected_receipt_keys
 from .settings import FinalizeSettings
 from .step_result import StepResult
@@ -113,13 +115,14 @@ class StepHandle:
     def _clear_delivered(self) -> None:
         """The groups are in the caller's process: forget the step and submit its clear
         (keys another in-flight step still reads stay, in :attr:`kept_keys`)."""
-        still_read = self._finalizer._deliver(self)
-        if not self.clear:
-            return
-        keys = self.clear_keys()
+        fin = self._finalizer
+        still_read = fin._deliver(self)
+        keys = self.clear_keys() if self.clear else []
         self.kept_keys = [k for k in keys if k in still_read]
         keys = [k for k in keys if k not in still_read]
-        self.clear_future = self._finalizer.submit_clear(keys, self.graph.token, self.graph.span)
+        fin._journal_delivered(self.step_id, keys)  # before the clear: a resume clears them, never resubmits
+        if self.clear:
+            self.clear_future = fin.submit_clear(keys, self.graph.token, self.graph.span)
 
     @property
     def futures(self) -> list[Future]:
@@ -249,6 +252,7 @@ class Finalizer:
         check_resources: bool = True,
         keep_intermediates: bool = False,
         settings: FinalizeSettings | None = None,
+        journal: str | os.PathLike | None = None,
     ) -> None:
         self.client = client
         self.store = store
@@ -265,6 +269,10 @@ class Finalizer:
         # Keys a clear could not delete: the next clears ask again.
         self.uncleared = UnclearedRows(self.settings.clear_attempts)
         self._retries = itertools.count()
+        # The durable record of steps not delivered and rows owed a clear (None: none kept).
+        where = config.get("finalize.journal") if journal is None else journal
+        self.journal = StepJournal(where) if where else None
+        self._owed_steps: dict[str, set[str]] = {}  # delivered step -> keys its journal record owes
 
     @classmethod
     def attach(cls, client: Client, name: str | None = None, **kwargs: object) -> Finalizer:
@@ -351,6 +359,8 @@ class Finalizer:
             raise FinalizeError(f"groups must be a mapping or a list of receipt lists, got {type(groups).__name__}")
         seq = next(self._seq)
         step_id = f"step-{seq}" if step_id is None else str(step_id)
+        if self.journal is not None:
+            self.journal.submitted(step_id, named, trainer_version)
         depth = self.queue_depth + len(named)
         graph = submit_graph(
             self.client,
@@ -384,6 +394,7 @@ class Finalizer:
                 wait([retry], timeout=timeout)
         except TimeoutError:  # a clear still running: its keys are asked for again later
             logger.warning("drain: a clear of staged rows was not answered within %s s", timeout)
+        self._settle_journal()
         return out
 
     def submit_clear(self, keys: Sequence[str], token: str, span: Mapping[str, Any] | None = None) -> Future | None:
@@ -407,12 +418,52 @@ class Finalizer:
                 retries=self.settings.retries,
             )
         self.uncleared.watch(keys, future)
+        self._settle_journal()
         return future
 
     def retry_clears(self) -> Future | None:
         """Submit a clear of the rows earlier clears could not delete (none in flight
         reads them), now rather than with the next step's; None if there are none."""
         return self.submit_clear([], f"retry-{next(self._retries)}")
+
+    def resume(self) -> list[StepHandle]:
+        """Take over a dead controller's journal (the one this Finalizer was built with):
+        submit again every step it recorded and did not deliver (oldest first, same step
+        ids, receipts and trainer versions: the same tensors), then clear the rows its
+        delivered steps still owed. Returns the resubmitted steps' handles."""
+        if self.journal is None:
+            raise FinalizeError("resume() needs a journal: Finalizer(..., journal=<directory or URL>) or "
+                                "token-capture.finalize.journal, the location the previous controller wrote")
+        state = self.journal.read()
+        handles = [self.submit_step(s.groups, step_id=s.step_id, trainer_version=s.trainer_version) for s in state.steps]
+        owed = [k for keys in state.owed.values() for k in keys]
+        with self._lock:
+            self._owed_steps.update({sid: set(keys) for sid, keys in state.owed.items()})
+        if owed:
+            self.submit_clear(owed, f"resume-{next(self._retries)}")
+        logger.info("resumed from %s: %d step(s) submitted again, %d row(s) cleared, %d record(s) unreadable",
+                    self.journal.location.url, len(handles), len(owed), len(state.unreadable))
+        return handles
+
+    def _journal_delivered(self, step_id: str, keys: Sequence[str]) -> None:
+        """A delivered step's journal record now owes ``keys`` (no more receipts)."""
+        if self.journal is None:
+            return
+        with self._lock:
+            if keys:
+                self._owed_steps[step_id] = set(keys)
+        self.journal.delivered(step_id, keys)
+
+    def _settle_journal(self) -> None:
+        """Remove the records of delivered steps none of whose keys a clear still owes."""
+        if self.journal is None or not self._owed_steps:
+            return
+        owed = self.uncleared.owed()
+        with self._lock:
+            done = [sid for sid, keys in self._owed_steps.items() if owed.isdisjoint(keys)]
+            for sid in done:
+                del self._owed_steps[sid]
+        self.journal.cleared(done)
 
     def _keys_read_in_flight(self, exclude: StepHandle | None = None) -> set[str]:
         """Keys the in-flight steps (other than ``exclude``) read, derived from their plans,

@@ -53,6 +53,12 @@ class UnclearedRows:
         with self._lock:
             self._watched.append((keys, future))
 
+    def owed(self) -> set[str]:
+        """Every key not known deleted yet: in a clear not answered, or kept for the next."""
+        self._read_answers()
+        with self._lock:
+            return {k for keys, _ in self._watched for k in keys} | set(self._attempts)
+
     def unanswered(self) -> list[Future]:
         """The clears submitted whose answer has not been read (to wait for them)."""
         with self._lock:

@@ -1,0 +1,93 @@
+"""The step journal: a controller that replaces one that died resumes from its records.
+
+A Finalizer with a journal records each step's receipts before submitting it and, once
+the step is delivered, the keys its clear owes; ``resume()`` in a replacement submits
+again every recorded step it did not deliver (the same tensors bit for bit) and clears
+the rows owed. Real clusters; rows staged through the real store.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from pipeline.finalize import Finalizer
+from pipeline.finalize.journal import StepJournal
+from pipeline.store.location import Location
+from rollout_factory import make_group
+from step_tensors import assert_identical, step_tensors
+from tasks.errors import FinalizeError
+from tasks.packed import pack_rows
+
+pytestmark = pytest.mark.timeout(120)
+
+VOCAB, L, K, E = 64, 2, 2, 8
+
+
+def staged_steps(store, seed: int, n_steps: int) -> dict[str, dict[str, list]]:
+    """Step id -> group id -> receipts, every row staged."""
+    rng = np.random.default_rng(seed)
+    steps = {}
+    for s in range(n_steps):
+        groups = {f"j{seed}s{s}g{g}": make_group(rng, f"j{seed}s{s}g{g}", 3, n_calls=2, routes=(L, K, E)) for g in range(2)}
+        res = store.put_many(pack_rows([r for bs in groups.values() for b in bs for r in b.rows]))
+        assert not res.failed, res.failed
+        steps[f"s{s}"] = {gid: [b.receipt for b in bs] for gid, bs in groups.items()}
+    return steps
+
+
+def records(path) -> list[str]:
+    return sorted(n for n in os.listdir(path) if n.startswith("step-"))
+
+
+def test_a_replacement_controller_resumes_the_steps_a_dead_one_did_not_deliver(cluster_client, store_factory, tmp_path):
+    store = store_factory(n_units=2)
+    steps = staged_steps(store, 41, 3)
+    reference = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E)
+    reference.with_settings(clear_staged=False)
+    want = {sid: step_tensors(reference.submit_step(g, step_id=sid).result()) for sid, g in steps.items()}
+    journal = tmp_path / "journal"
+    dying = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, journal=str(journal))
+    handles = {sid: dying.submit_step(g, step_id=sid, trainer_version=3) for sid, g in steps.items()}
+    assert len(records(journal)) == 3  # every step recorded before it ran
+    handles["s0"].result()  # delivered; s1 and s2 never are: the controller "dies" here
+    handles["s0"].clear_future.result()
+    state = StepJournal(str(journal)).read()
+    assert [s.step_id for s in state.steps] == ["s1", "s2"] and [s.trainer_version for s in state.steps] == [3, 3]
+    assert set(state.owed) == {"s0"} and state.owed["s0"]  # its clear's keys, until a later clear settles them
+    replacement = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, journal=str(journal))
+    resumed = replacement.resume()
+    assert [h.step_id for h in resumed] == ["s1", "s2"]
+    for h in resumed:
+        assert_identical(want[h.step_id], step_tensors(h.result()), where=h.step_id)
+    replacement.drain()
+    assert records(journal) == []  # delivered and cleared: nothing left to resume
+    assert sum(s["rows"] for s in store.stats()) == 0  # every step's rows cleared once delivered
+
+
+def test_a_step_whose_record_cannot_be_written_is_not_submitted(cluster_client, store_factory, tmp_path, monkeypatch):
+    store = store_factory(n_units=1)
+    steps = staged_steps(store, 42, 1)
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, journal=str(tmp_path / "j"))
+
+    def refuse(self, name, buffers, algorithm="sha256"):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Location, "write", refuse)
+    with pytest.raises(FinalizeError, match=r"step 's0' was not submitted: its journal record .* No space left"):
+        fin.submit_step(steps["s0"], step_id="s0")
+    assert fin.in_flight == []
+
+
+def test_resume_reads_past_an_unreadable_record_and_needs_a_journal(cluster_client, store_factory, tmp_path):
+    store = store_factory(n_units=1)
+    journal = tmp_path / "j"
+    journal.mkdir()
+    (journal / "step-0000.msgpack").write_bytes(b"not msgpack \xff")
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, journal=str(journal))
+    assert fin.resume() == []
+    assert StepJournal(str(journal)).read().unreadable == ["step-0000.msgpack"]
+    assert (journal / "step-0000.msgpack").exists()  # left for a person to look at
+    with pytest.raises(FinalizeError, match=r"resume\(\) needs a journal"):
+        Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E).resume()
