@@ -1,27 +1,27 @@
 """A controller process for tests/test_controller_failover.py: one that dies mid-step, and
 the one that replaces it.
 
-    python tests/failover_controller.py first SCHEDULER NAME SEED STATE OUT
-    python tests/failover_controller.py second SCHEDULER NAME STATE OUT
+    python tests/failover_controller.py first SCHEDULER NAME SEED JOURNAL OUT
+    python tests/failover_controller.py second SCHEDULER NAME JOURNAL OUT
 
 ``first``: starts a store hosted by the scheduler (``start_hosted``, replicas 2, 3 units)
-under NAME, stages the rollouts of SEED (:func:`build_steps`), writes the receipts to
-STATE (pickle, before anything is submitted: they are the controller's only state),
-finalizes the first step and delivers it (OUT: its tensors, ``torch.save``; STATE: the
-step marked delivered), lets the second step's graph complete without collecting it,
+under NAME, stages the rollouts of SEED (:func:`build_steps`), and finalizes through a
+Finalizer whose step journal is the directory JOURNAL (each step's receipts recorded
+there before it is submitted: they are the controller's only state); delivers the first
+step (OUT: its tensors, ``torch.save``), lets the second step's graph complete without collecting it,
 then occupies every ``finalize`` slot of the cluster with tasks waiting on the Dask event
 :data:`HOLD` (so the next steps surely stay in flight), submits the other steps and
 prints ``complete <id> in-flight <ids> pending=<groups>``. It then waits to be killed
 (SIGKILL).
 
-``second``: attaches to the store by NAME (``Finalizer.attach``), resubmits every step
-STATE does not mark delivered (all in flight at once), collects them, writes their
-tensors to OUT (``torch.save``), waits for their clears and prints ``delivered <ids>``.
+``second``: attaches to the store by NAME (``Finalizer.attach``) with the same journal,
+``resume()``s (every step the journal holds undelivered is submitted again, all at once),
+collects them, writes their tensors to OUT (``torch.save``), drains (their clears, and
+the first step's rows the journal still owed) and prints ``delivered <ids>``.
 """
 from __future__ import annotations
 
 import os
-import pickle
 import sys
 import time
 
@@ -55,20 +55,6 @@ def save_atomically(path: str, write) -> None:
     os.replace(tmp, path)
 
 
-def write_state(path: str, receipts: dict, delivered: list[str]) -> None:
-    save_atomically(path, lambda f: pickle.dump({"steps": receipts, "delivered": list(delivered)}, f))
-
-
-def read_state(path: str) -> tuple[dict, list[str]]:
-    """(step id -> group id -> Receipt, delivered step ids) as the file holds them."""
-    from tasks.receipts import Receipt
-
-    with open(path, "rb") as f:
-        state = pickle.load(f)
-    steps = {sid: {gid: [Receipt.from_dict(d) for d in rs] for gid, rs in groups.items()} for sid, groups in state["steps"].items()}
-    return steps, list(state["delivered"])
-
-
 def hold_slot(name: str) -> None:
     """A task holding one ``finalize`` slot until the event ``name`` is set."""
     from distributed import Event
@@ -92,7 +78,7 @@ def hold_every_slot(client) -> list:
     return holders
 
 
-def first(scheduler: str, name: str, seed: int, state_path: str, out: str) -> None:
+def first(scheduler: str, name: str, seed: int, journal: str, out: str) -> None:
     import dask
     import torch
     from distributed import Client, wait
@@ -109,16 +95,13 @@ def first(scheduler: str, name: str, seed: int, state_path: str, out: str) -> No
     res = store.put_many(pack_rows([r for groups in steps.values() for bs in groups.values() for b in bs for r in b.rows]))
     assert not res.failed, list(res.failed.items())[:3]
     receipts = {sid: {gid: [b.receipt for b in bs] for gid, bs in groups.items()} for sid, groups in steps.items()}
-    as_dicts = {sid: {gid: [r.to_dict() for r in rs] for gid, rs in g.items()} for sid, g in receipts.items()}
-    write_state(state_path, as_dicts, [])
-    fin = Finalizer(client, store, vocab_size=VOCAB, num_experts=ROUTES[2])
+    fin = Finalizer(client, store, vocab_size=VOCAB, num_experts=ROUTES[2], journal=journal)
     fin.with_settings(clear_staged=True)
     (delivered, *rest) = list(receipts)
     handle = fin.submit_step(receipts[delivered], step_id=delivered)
     result = handle.result()  # delivered: its rows are cleared now
     save_atomically(out, lambda f: torch.save({delivered: step_tensors(result)}, f))
     handle.clear_future.result()
-    write_state(state_path, as_dicts, [delivered])
     (complete, *rest) = rest
     done = fin.submit_step(receipts[complete], step_id=complete)
     wait(done.futures)  # every group computed, none delivered (no result() call)
@@ -129,7 +112,7 @@ def first(scheduler: str, name: str, seed: int, state_path: str, out: str) -> No
         time.sleep(1)
 
 
-def second(scheduler: str, name: str, state_path: str, out: str) -> None:
+def second(scheduler: str, name: str, journal: str, out: str) -> None:
     import torch
     from distributed import Client
 
@@ -137,15 +120,12 @@ def second(scheduler: str, name: str, state_path: str, out: str) -> None:
     from step_tensors import step_tensors
 
     client = Client(scheduler, set_as_default=True)
-    fin = Finalizer.attach(client, name, vocab_size=VOCAB, num_experts=ROUTES[2])
+    fin = Finalizer.attach(client, name, vocab_size=VOCAB, num_experts=ROUTES[2], journal=journal)
     fin.with_settings(clear_staged=True)
-    steps, delivered = read_state(state_path)
-    handles = [fin.submit_step(groups, step_id=f"{sid}-again") for sid, groups in steps.items() if sid not in delivered]
-    results = {h.step_id.removesuffix("-again"): step_tensors(h.result()) for h in handles}
+    handles = fin.resume()
+    results = {h.step_id: step_tensors(h.result()) for h in handles}
     save_atomically(out, lambda f: torch.save(results, f))
-    for h in handles:  # the clears run on the cluster: wait, or exiting may drop them
-        if h.clear_future is not None:
-            h.clear_future.result()
+    fin.drain(timeout=60)  # the clears run on the cluster: wait, or exiting may drop them
     print(f"delivered {','.join(results)}", flush=True)
     client.close()
 

@@ -4,12 +4,13 @@ same receipts and gets the same tensors bit for bit.
 Real processes on 127.0.0.1: a scheduler (with the ``pipeline.dashboard.preload`` preload,
 so a store host) and 3 nanny workers (``finalize=2`` each) in this process's cluster, and
 two controller processes (tests/failover_controller.py). The first starts a store hosted
-by the scheduler (replicas 2), stages 4 steps of rollouts, writes their receipts to a file,
-delivers step s0, lets s1 complete without collecting it, and is SIGKILLed while s2 and s3
+by the scheduler (replicas 2), stages 4 steps of rollouts, finalizes with a step journal
+(a directory: each step's receipts recorded before it is submitted), delivers step s0, lets s1 complete without collecting it, and is SIGKILLed while s2 and s3
 are in flight (every ``finalize`` slot is held, so they surely are). One storage unit's worker is SIGKILLed too; the store host
 re-replicates it. Until a controller has delivered a step, every row of it stays readable;
-the second controller attaches by name, resubmits s1..s3 and writes their tensors, which
-equal those of a reference run of the same seeds without kills in every field.
+the second controller attaches by name, resumes from the journal (s1..s3 submitted again)
+and writes their tensors, which equal those of a reference run of the same seeds without
+kills in every field; the journal is empty once it drained.
 """
 from __future__ import annotations
 
@@ -105,7 +106,7 @@ def test_a_killed_controller_is_replaced_and_its_steps_come_back_bit_for_bit(cli
 
     steps = build_steps(SEED)
     reference = reference_run(client, steps)
-    state, out_first, out_second = (str(tmp_path / n) for n in ("receipts.pkl", "first.pt", "second.pt"))
+    state, out_first, out_second = (str(tmp_path / n) for n in ("journal", "first.pt", "second.pt"))
     delivered, complete, running = "s0", "s1", [f"s{s}" for s in range(2, STEPS)]
     in_flight = [complete, *running]  # undelivered: the second controller resubmits them
     with open(tmp_path / "first.log", "w") as log:
@@ -150,6 +151,7 @@ def test_a_killed_controller_is_replaced_and_its_steps_come_back_bit_for_bit(cli
         # Delivered, so cleared: every row of the resubmitted steps is gone now.
         assert readable(fresh, in_flight_rows) == set()
         assert sum(s["rows"] for s in fresh.stats()) == 0
+        assert not [n for n in os.listdir(state) if n.startswith("step-")]  # nothing left to resume
     finally:
         if NAME in [s["name"] for s in hosted_stores(client)]:
             close_hosted(client, NAME)
