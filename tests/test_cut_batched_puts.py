@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 
 import numpy as np
 import pytest
@@ -222,7 +223,13 @@ def test_raw_put_replays_the_batched_cut_exactly(address):
     # The cut's own CPU (the same calls cut against a recorder) bounds the ratio in the same run.
     assert raw["cut_own_cpu_s"] > 0 and result["cut_vs_raw_put_cpu_bound_1024"] == bench_cut.cpu_bound_ratio(raw)
     assert 0 < result["cut_vs_raw_put_cpu_bound_1024"] <= 1.0
+    assert result["raw_put_core_use_1024"] == bench_cut.core_use(raw, len(os.sched_getaffinity(0))) > 0
     assert bench_cut.exit_status(result) == 0
+
+
+def test_core_use_is_every_process_cpu_over_the_cores_and_the_wall():
+    row = {"wall_s": 0.5, "cpu_s": {"controller": 0.3, "tcp://a": 0.25, "tcp://b": 0.2}}
+    assert bench_cut.core_use(row, 2) == 0.75 and bench_cut.core_use(row, 1) == 1.5
 
 
 def test_the_cpu_bound_ratio_is_the_raw_wall_over_both_cpus_at_most_one():

@@ -6,7 +6,8 @@ against a real StagingStore, at 1,024- and 16,384-token prefixes, one row per pu
 calls: ``cut_vs_raw_put_T`` is the batched cut's rows/s over that (1.0: the cut's
 bookkeeping costs nothing). ``cut_vs_raw_put_cpu_bound_T``: the ratio the cut's own CPU
 allows in one interpreter (:func:`cpu_bound_ratio`; ``cut_own_cpu_s``: the same calls cut
-against a store dropping each batch, one thread), measured in the same run; ``fill_cpu_s``:
+against a store dropping each batch, one thread), measured in the same run;
+``raw_put_core_use_T``: how busy the raw put keeps this machine's cores (:func:`core_use`); ``fill_cpu_s``:
 building those calls (constructor and appends, with the running hashes they feed). ``cpu_s``: CPU seconds of the controller and each worker.
 Each mode runs ``--repeats`` times (interleaved, each on a fresh store); ``wall_s`` and
 ``rows_per_s`` are medians. Rows carry the routes of ``--profile`` (in the dtype an engine
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -420,7 +422,15 @@ def _ratios(table: list[CutRow], token_sizes: Sequence[int]) -> dict[str, float]
         if batched and raw:
             out[f"cut_vs_raw_put_{tokens}"] = round(batched["rows_per_s"] / raw["rows_per_s"], 3)
             out[f"cut_vs_raw_put_cpu_bound_{tokens}"] = cpu_bound_ratio(raw)
+            out[f"raw_put_core_use_{tokens}"] = core_use(raw, len(os.sched_getaffinity(0)))
     return out
+
+
+def core_use(row: CutRow, cores: int) -> float:
+    """How busy a run kept the machine: CPU seconds of the controller and every worker
+    over ``cores`` x its wall (1.0: every core busy throughout). Near 1 for the raw put,
+    any CPU the cut adds lengthens its wall, wherever it runs."""
+    return round(sum(row["cpu_s"].values()) / (cores * row["wall_s"]), 3) if row["wall_s"] > 0 and cores > 0 else 0.0
 
 
 def cpu_bound_ratio(raw: CutRow) -> float:
