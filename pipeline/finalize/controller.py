@@ -239,7 +239,10 @@ class Finalizer:
     steps. ``keep_intermediates`` holds each step's fetch, piece and
     verify futures until it is collected (debugging; costs cluster memory). The cluster's workers must advertise the ``finalize`` resource
     (``pipeline.cluster.finalize_resources()``); a cluster whose workers all lack it is
-    refused at construction, because verify tasks would wait forever.
+    refused at construction, because verify tasks would wait forever. ``journal`` (default
+    ``finalize.journal``; a directory or fsspec URL) keeps each step's receipts until it is
+    delivered and the keys its clear owes (:mod:`.journal`): a replacement controller built
+    on the same journal calls :meth:`resume`.
     """
 
     def __init__(
