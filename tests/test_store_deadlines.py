@@ -23,7 +23,7 @@ from pipeline.store.unit import StorageUnit
 from rollout_factory import make_group
 from tasks import reasons
 from tasks.cut.receipt import DURABLE_FAILURE, DURABLE_PREFIX
-from tasks.errors import InvalidInput, StoreUnavailable
+from tasks.errors import InvalidInput, RestoreIncomplete, StoreUnavailable
 from tasks.keys import STAGING_PARTITION, unit_for_key, unit_for_rollout
 from tasks.packed import PackedBatch, pack_rows
 from tasks.schema import STAGING_FIELDS
@@ -245,3 +245,27 @@ def test_the_whole_store_bound_is_a_positive_number_of_seconds():
             StoreSettings.from_config()
     with dask.config.set({"token-capture.store.admin-call-timeout-s": 2.5}):
         assert StoreSettings.from_config().admin_timeout_s == 2.5
+
+
+def test_a_restore_with_a_hung_unit_rolls_back_by_its_bound(client, store, hang, tmp_path):
+    """A restore's puts and its rollback wait ``store.admin-call-timeout-s`` for a unit:
+    the hung unit's keys fail ``unit_unavailable``, the rows put on the healthy unit are
+    taken back, and the restore raises instead of waiting for the hung unit."""
+    source = StagingStore.start(client, n_units=2, spill_directory=str(tmp_path / "source"))
+    try:
+        rows = [r for bs in groups("rh").values() for b in bs for r in b.rows]
+        assert not source.put_many(pack_rows(rows)).failed
+        source.checkpoint(str(tmp_path / "ck"))
+    finally:
+        source.close()
+    keys = [r.staging_key for r in rows]
+    on_hung = {k for k in keys if unit_for_key(k, 2) == HUNG}
+    assert 0 < len(on_hung) < len(keys)
+    hang("put_many", "release_claim")
+    quick = store.with_settings(admin_timeout_s=1.0)
+    with pytest.raises(RestoreIncomplete) as info:
+        quick.restore(str(tmp_path / "ck"))
+    assert set(info.value.failed) == on_hung
+    assert all(reason == UNIT_UNAVAILABLE for reason, _ in info.value.failed.values())
+    assert info.value.removed == len(keys) - len(on_hung)  # the healthy unit's rows taken back
+    assert store.units[0].keys(STAGING_PARTITION).result() == []

@@ -5,14 +5,16 @@ fenced by a newer table refuses it ``{"moved": version}``: the handle then takes
 newest table from the unit directory and asks again (up to
 :data:`~.operations.REFRESHES` times), so a handle made before a move (a restore running
 in a task) still reaches the copies the move put on other units. Asking a unit twice is
-harmless: a release or settle changes only rows still provisional under the claim.
+harmless: a release or settle changes only rows still provisional under the claim. Each
+round waits at most ``store.admin-call-timeout-s`` for the units (a hung unit's keys are
+reported not reached; its call still applies if it ever runs).
 """
 from __future__ import annotations
 
 from typing import Sequence
 
 from .calls import Driven
-from .deadline import settle_all
+from .deadline import deadline, settle_all
 from .moving import plan_all_moving
 from .operations import REFRESHES, stamp
 from .placement import plan_all_copies
@@ -38,7 +40,8 @@ def release(store: Driven, keys: Sequence[str], claim: str, partition: str) -> t
 def _release_once(store: Driven, keys: Sequence[str], claim: str, partition: str) -> tuple[int, Failed, Failed]:
     version = stamp(store)
     _, parts, _ = plan_all_copies(store.placement, keys) if store.moving is None else plan_all_moving(store.moving, keys)
-    answers = settle_all([store.units[u].release_claim(partition, pack_names(ks), claim, version) for u, ks in parts])
+    calls = [store.units[u].release_claim(partition, pack_names(ks), claim, version) for u, ks in parts]
+    answers = settle_all(calls, deadline(store.settings.admin_timeout_s))
     removed, failed, moved = 0, {}, {}
     for (u, ks), a in zip(parts, answers):
         if isinstance(a, Exception):  # the unit's copies stay; the caller says so
@@ -55,7 +58,7 @@ def settle(store: Driven, claim: str) -> int:
     settled = 0
     for _ in range(REFRESHES + 1):
         seen, version = store.placement.version, stamp(store)
-        answers = settle_all([u.settle_claim(claim, version) for u in store.units])
+        answers = settle_all([u.settle_claim(claim, version) for u in store.units], deadline(store.settings.admin_timeout_s))
         settled += sum(a for a in answers if isinstance(a, int))
         if not any(moved_answer(a) for a in answers) or not store.refresh(seen):
             break

@@ -215,11 +215,13 @@ class StagingStore:
     ) -> StoreResult:
         """:meth:`put_many`, but the rows it creates stay provisional under ``claim`` (a
         restore's token) until :meth:`settle_claim`, so :meth:`release_claim` can take
-        them back on every copy; a row another writer puts meanwhile is theirs and stays."""
+        them back on every copy; a row another writer puts meanwhile is theirs and stays.
+        Bounded by ``timeout`` s (default ``store.admin-call-timeout-s``: a hung unit fails
+        its keys and the restore rolls back instead of waiting for it)."""
         self._check_partition(partition)
         if not isinstance(claim, str) or not claim:
             raise InvalidStoreRequest(f"claim must be a non-empty str, got {claim!r}")
-        return run_sync(operations.put(self, batch, partition, False, claim), self, deadline(timeout))
+        return run_sync(operations.put(self, batch, partition, False, claim), self, deadline(self._admin_timeout(timeout)))
 
     def get_many(
         self,

@@ -22,7 +22,8 @@ class StoreSettings:
     ``calls_in_flight``: a put's or a split get's calls in flight per unit (``store.calls-in-flight``);
     ``skip_unreachable_s``: seconds a unit found unreachable is not called again by this
     process (``store.skip-unreachable-s``; 0: always called, see :mod:`.unit_health`);
-    ``admin_timeout_s``: seconds ``stats()``, ``keys()`` and ``close()`` wait for the units
+    ``admin_timeout_s``: seconds ``stats()``, ``keys()``, ``close()``, a restore's puts and
+    claim calls wait for the units
     (``store.admin-call-timeout-s``): a unit that has not answered by then counts as unreachable."""
 
     max_call_bytes: int
