@@ -51,8 +51,8 @@ def test_the_store_lists_no_key_deleted_during_a_checkpoint(inprocess_client, tm
         seen = {}
         settle_all = checkpoint_mod.settle_all
 
-        def settle_then_delete(futures):
-            out = settle_all(futures)
+        def settle_then_delete(futures, end=None):
+            out = settle_all(futures, end)
             if not seen:  # right after the save opened on every unit, before any unit writes
                 seen["res"] = store.delete(doomed)
                 seen["listed"] = store.keys()

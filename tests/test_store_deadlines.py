@@ -7,6 +7,7 @@ live unit that stopped answering. Without the bounds every call below would wait
 """
 from __future__ import annotations
 
+import os
 import threading
 
 import dask
@@ -23,7 +24,7 @@ from pipeline.store.unit import StorageUnit
 from rollout_factory import make_group
 from tasks import reasons
 from tasks.cut.receipt import DURABLE_FAILURE, DURABLE_PREFIX
-from tasks.errors import InvalidInput, RestoreIncomplete, StoreUnavailable
+from tasks.errors import CheckpointError, InvalidInput, RestoreIncomplete, StoreUnavailable
 from tasks.keys import STAGING_PARTITION, unit_for_key, unit_for_rollout
 from tasks.packed import PackedBatch, pack_rows
 from tasks.schema import STAGING_FIELDS
@@ -269,3 +270,20 @@ def test_a_restore_with_a_hung_unit_rolls_back_by_its_bound(client, store, hang,
     assert all(reason == UNIT_UNAVAILABLE for reason, _ in info.value.failed.values())
     assert info.value.removed == len(keys) - len(on_hung)  # the healthy unit's rows taken back
     assert store.units[0].keys(STAGING_PARTITION).result() == []
+
+
+@pytest.mark.parametrize("stuck", ["begin_checkpoint", "checkpoint_write"])
+def test_a_save_with_a_hung_unit_fails_by_its_bound_and_keeps_the_previous_checkpoint(store, hang, tmp_path, stuck):
+    """Opening and closing a save wait ``store.admin-call-timeout-s`` for a unit, its
+    writes ``store.checkpoint-lease-s`` (past it the checkpoint could not count anyway)."""
+    rows = [r for bs in groups("sv").values() for b in bs for r in b.rows]
+    assert not store.put_many(pack_rows(rows)).failed
+    path = str(tmp_path / "ck")
+    first = store.checkpoint(path)
+    hang(stuck)
+    quick = store.with_settings(admin_timeout_s=1.0)
+    what = "open the checkpoint" if stuck == "begin_checkpoint" else "write its files"
+    with dask.config.set({"token-capture.store.checkpoint-lease-s": 1.0}):
+        with pytest.raises(CheckpointError, match=rf"storage unit 1 did not {what} in time"):
+            quick.checkpoint(path)
+    assert [n for n in os.listdir(path) if n.startswith("gen-")] == [first["generation"]]  # the previous one kept

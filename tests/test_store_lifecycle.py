@@ -176,8 +176,8 @@ def test_delete_during_a_checkpoint_is_deferred_then_applied(cluster_client, sto
     issued = {}
     settle_all = checkpoint_mod.settle_all
 
-    def settle_then_delete(futures):
-        out = settle_all(futures)
+    def settle_then_delete(futures, end=None):
+        out = settle_all(futures, end)
         if not issued:  # right after the save opened on every unit, before any unit writes
             issued["res"] = cluster_client.submit(clear_rows, store, keys, pure=False).result()  # on a worker process
             issued["present"] = present(store, keys)

@@ -32,7 +32,7 @@ from . import sequence
 from .batch_file import FORMAT_VERSION
 from .checkpoint_files import load_file, restore_file, verify_file  # noqa: F401 (tasks run them by this path too)
 from .checkpoint_losses import LOST_FIELD, restore_lost, split_entries
-from .deadline import settle_all
+from .deadline import deadline, settle_all
 from .operations import REFRESHES
 from .whole_store import moved_answer
 from .location import Location, parse
@@ -93,14 +93,15 @@ def save(store: "StoreLike", path: Where, chunk_bytes: int) -> dict:
         return _save_locked(store, loc, chunk_bytes, key, lease)
 
 
-def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int, digest: str) -> tuple[list, list[BaseException]]:
+def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int, digest: str, lease_s: float
+                      ) -> tuple[list, list[BaseException]]:
     """Every unit writes its files into generation ``gen``, hashed with ``digest``:
     (entries per unit, errors). A unit fenced by a newer table than the handle's opens
     nothing (a move ended since the handle was made, so it does not name every unit
     holding rows): the handle takes the newest table and the save opens again."""
     for _ in range(REFRESHES + 1):
         seen = store.placement.version
-        outcomes, errors, moved = _write_generation_once(store, gen, chunk_bytes, digest)
+        outcomes, errors, moved = _write_generation_once(store, gen, chunk_bytes, digest, lease_s)
         refresh = getattr(store, "refresh", None)
         if moved is None or refresh is None or not refresh(seen):
             break
@@ -111,10 +112,11 @@ def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int, diges
     return outcomes, errors
 
 
-def _write_generation_once(store: "StoreLike", gen: Location, chunk_bytes: int, digest: str
+def _write_generation_once(store: "StoreLike", gen: Location, chunk_bytes: int, digest: str, lease_s: float
                            ) -> tuple[list, list[BaseException], dict | None]:
     """One try of :func:`_write_generation`, plus the first unit's ``moved`` answer (None:
-    every unit opened the checkpoint on this handle's table)."""
+    every unit opened the checkpoint on this handle's table). Opening and closing wait at
+    most ``store.admin-call-timeout-s`` for a unit, the writes at most ``lease_s``."""
     token = gen.url  # gen-<id> under the location: unique per save
     outcomes: list = []
     moved = None
@@ -122,22 +124,23 @@ def _write_generation_once(store: "StoreLike", gen: Location, chunk_bytes: int, 
         # Open on EVERY unit before any unit writes: from here on no delete removes a row
         # this checkpoint may still write, whichever process issues it; and no move starts
         # (a unit refuses a change while a checkpoint is open).
-        version = store.placement.version
-        opened = settle_all([unit.begin_checkpoint(token, None, version) for unit in store.units])
-        errors = [o for o in opened if isinstance(o, Exception)]
+        version, admin = store.placement.version, _admin_timeout_s(store)
+        opened = settle_all([unit.begin_checkpoint(token, None, version) for unit in store.units], deadline(admin))
+        errors = _unit_errors(opened, "open the checkpoint", "store.admin-call-timeout-s")
         moved = next((o for o in opened if moved_answer(o)), None)
         if not errors and moved is None:
             # Wait for every unit before deciding: a failed unit must not leave others writing.
             # A replicated store holds every key twice: each unit writes only its primary keys.
             placement = store.placement
             primary_of = list(placement.unit_ids) if placement.replicas == 2 else None
+            # Past the lease a unit ends the checkpoint itself (it could not count): no longer.
             outcomes = settle_all([
                 unit.checkpoint_write(gen, int(chunk_bytes), primary_of, u, digest, token) for u, unit in enumerate(store.units)
-            ])
-            errors = [o for o in outcomes if isinstance(o, Exception)]
+            ], deadline(lease_s or None))
+            errors = _unit_errors(outcomes, "write its files", "store.checkpoint-lease-s")
     finally:
         # Closing applies the deletes deferred meanwhile (a lost unit has nothing to close).
-        closed = settle_all([unit.end_checkpoint(token) for unit in store.units])
+        closed = settle_all([unit.end_checkpoint(token) for unit in store.units], deadline(_admin_timeout_s(store)))
     if not errors and moved is None:
         # A unit whose lease ran out applied deletes the checkpoint was holding back: what
         # it wrote may miss rows deleted since, so the checkpoint does not count.
@@ -164,6 +167,18 @@ def _missing_files(gen: Location, files: list[dict]) -> list[str]:
     return missing
 
 
+def _admin_timeout_s(store: "StoreLike") -> float | None:
+    """The handle's bound on whole-store calls (``store.admin-call-timeout-s``), if it has one."""
+    return getattr(getattr(store, "settings", None), "admin_timeout_s", None)
+
+
+def _unit_errors(answers: list, what: str, knob: str) -> list[BaseException]:
+    """The exceptions among the units' ``answers``; a unit that did not answer in time is
+    a :class:`CheckpointError` naming it and the setting that bounded the wait."""
+    return [CheckpointError(f"storage unit {u} did not {what} in time ({knob})") if isinstance(a, TimeoutError) else a
+            for u, a in enumerate(answers) if isinstance(a, Exception)]
+
+
 def _save_locked(store: "StoreLike", loc: Location, chunk_bytes: int, key: bytes | None, lease: Lease | None) -> dict:
     """:func:`save` with the location's lock or lease held: write a generation, check
     every file is there, write the manifest, read it back, then drop older generations."""
@@ -175,7 +190,7 @@ def _save_locked(store: "StoreLike", loc: Location, chunk_bytes: int, key: bytes
     if loc.local:
         os.makedirs(gen.root)
     digest = config.digest_algorithm()  # capture.digest, once per save
-    outcomes, errors = _write_generation(store, gen, chunk_bytes, digest)
+    outcomes, errors = _write_generation(store, gen, chunk_bytes, digest, float(config.get("store.checkpoint-lease-s")))
     entries, lost = split_entries([e for unit_entries in ([] if errors else outcomes) for e in unit_entries])
     if not errors:
         missing = _missing_files(gen, entries)
