@@ -88,7 +88,7 @@ class _Answers:
     def __init__(self, keys: list[str] | None = None, error: Exception | None = None):
         self._keys, self._error = keys or [], error
 
-    def keys(self, partition: str):
+    def keys(self, partition: str, version: int | None = None):
         from concurrent.futures import Future
 
         f: Future = Future()
