@@ -91,3 +91,23 @@ def test_resume_reads_past_an_unreadable_record_and_needs_a_journal(cluster_clie
     assert (journal / "step-0000.msgpack").exists()  # left for a person to look at
     with pytest.raises(FinalizeError, match=r"resume\(\) needs a journal"):
         Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E).resume()
+
+
+def test_with_a_journal_step_ids_are_the_finalizers_own_and_a_refused_step_leaves_no_record(
+        cluster_client, store_factory, tmp_path):
+    store = store_factory(n_units=1)
+    steps = staged_steps(store, 43, 2)
+    journal = str(tmp_path / "j")
+    one = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, journal=journal)
+    two = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, journal=journal)
+    a, b = one.submit_step(steps["s0"]), two.submit_step(steps["s1"])
+    assert a.step_id != b.step_id and a.step_id.startswith("step-") and a.step_id.endswith("-0")
+    assert len(records(journal)) == 2  # a replacement's own steps never overwrite a recorded one
+    with pytest.raises(FinalizeError, match=r"step id .* is already in flight"):
+        one.submit_step(steps["s1"], step_id=a.step_id)
+    with pytest.raises(FinalizeError):
+        one.submit_step({"empty": []}, step_id="refused")  # planning refuses an empty group
+    assert len(records(journal)) == 2  # the refused step was never submitted: no record
+    a.result(), b.result()
+    one.drain(), two.drain()
+    assert records(journal) == []

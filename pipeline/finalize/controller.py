@@ -20,6 +20,7 @@ import itertools
 import logging
 import os
 import threading
+import uuid
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Mapping, Sequence, TypedDict
 
@@ -36,6 +37,7 @@ from ..store.protocol import PlacedStoreLike, StoreLike
 from . import collect, serializers, timing, transfers
 from .graph import CLEAR, FinalizeError, StepGraph, affinity, submit_assembly, submit_graph, task_key
 from .journal import StepJournal
+from .journaled import JournaledSteps
 from .kept_rows import kept_rollouts, rejected_receipt_keys
 from .settings import FinalizeSettings
 from .step_result import StepResult
@@ -230,7 +232,7 @@ class StepHandle:
         return by_id, [timing.public(grp.metrics) for grp in by_id.values()], sum(serializers.verify_out_bytes(o) for o in outs)
 
 
-class Finalizer:
+class Finalizer(JournaledSteps):
     """Submits finalization steps as Dask graphs on ``client`` against ``store``.
 
     Its knobs (:class:`~pipeline.finalize.settings.FinalizeSettings`: ``finalize.*``, and
@@ -275,6 +277,7 @@ class Finalizer:
         # The durable record of steps not delivered and rows owed a clear (None: none kept).
         where = config.get("finalize.journal") if journal is None else journal
         self.journal = StepJournal(where) if where else None
+        self._journal_tag = uuid.uuid4().hex[:8]  # in this finalizer's own step ids (with a journal)
         self._owed_steps: dict[str, set[str]] = {}  # delivered step -> keys its journal record owes
 
     @classmethod
@@ -361,11 +364,23 @@ class Finalizer:
         else:
             raise FinalizeError(f"groups must be a mapping or a list of receipt lists, got {type(groups).__name__}")
         seq = next(self._seq)
-        step_id = f"step-{seq}" if step_id is None else str(step_id)
-        if self.journal is not None:
-            self.journal.submitted(step_id, named, trainer_version)
+        step_id = self._record(step_id, seq, named, trainer_version)
         depth = self.queue_depth + len(named)
-        graph = submit_graph(
+        try:
+            graph = self._submit_graph(named, step_id, seq, depth, isinstance(groups, Mapping), trainer_version)
+        except BaseException:
+            if self.journal is not None:  # never submitted: nothing to resume
+                self.journal.cleared([step_id])
+            raise
+        clear = self.settings.clear_staged
+        handle = StepHandle(self, graph, clear=clear, rejected_keys=rejected_receipt_keys(named, graph.plan.rejected) if clear else ())
+        with self._lock:
+            self._in_flight.append(handle)
+        return handle
+
+    def _submit_graph(self, named: dict[str, Any], step_id: str, seq: int, depth: int, check_groups: bool,
+                      trainer_version: int | None) -> StepGraph:
+        return submit_graph(
             self.client,
             self.store,
             named,
@@ -374,15 +389,10 @@ class Finalizer:
             queue_depth=depth,
             priority=-seq,  # older steps first when several are in flight
             keep_intermediates=self.keep_intermediates,
-            check_groups=isinstance(groups, Mapping),  # list-form ids are made up: nothing to compare
+            check_groups=check_groups,  # list-form ids are made up: nothing to compare
             hosts=self.host_map(),
             trainer_version=trainer_version,
         )
-        clear = self.settings.clear_staged
-        handle = StepHandle(self, graph, clear=clear, rejected_keys=rejected_receipt_keys(named, graph.plan.rejected) if clear else ())
-        with self._lock:
-            self._in_flight.append(handle)
-        return handle
 
     def drain(self, timeout: float | None = None) -> list[StepResult]:
         """Collect every in-flight step, oldest first; then ask once more for rows earlier
@@ -428,45 +438,6 @@ class Finalizer:
         """Submit a clear of the rows earlier clears could not delete (none in flight
         reads them), now rather than with the next step's; None if there are none."""
         return self.submit_clear([], f"retry-{next(self._retries)}")
-
-    def resume(self) -> list[StepHandle]:
-        """Take over a dead controller's journal (the one this Finalizer was built with):
-        submit again every step it recorded and did not deliver (oldest first, same step
-        ids, receipts and trainer versions: the same tensors), then clear the rows its
-        delivered steps still owed. Returns the resubmitted steps' handles."""
-        if self.journal is None:
-            raise FinalizeError("resume() needs a journal: Finalizer(..., journal=<directory or URL>) or "
-                                "token-capture.finalize.journal, the location the previous controller wrote")
-        state = self.journal.read()
-        handles = [self.submit_step(s.groups, step_id=s.step_id, trainer_version=s.trainer_version) for s in state.steps]
-        owed = [k for keys in state.owed.values() for k in keys]
-        with self._lock:
-            self._owed_steps.update({sid: set(keys) for sid, keys in state.owed.items()})
-        if owed:
-            self.submit_clear(owed, f"resume-{next(self._retries)}")
-        logger.info("resumed from %s: %d step(s) submitted again, %d row(s) cleared, %d record(s) unreadable",
-                    self.journal.location.url, len(handles), len(owed), len(state.unreadable))
-        return handles
-
-    def _journal_delivered(self, step_id: str, keys: Sequence[str]) -> None:
-        """A delivered step's journal record now owes ``keys`` (no more receipts)."""
-        if self.journal is None:
-            return
-        with self._lock:
-            if keys:
-                self._owed_steps[step_id] = set(keys)
-        self.journal.delivered(step_id, keys)
-
-    def _settle_journal(self) -> None:
-        """Remove the records of delivered steps none of whose keys a clear still owes."""
-        if self.journal is None or not self._owed_steps:
-            return
-        owed = self.uncleared.owed()
-        with self._lock:
-            done = [sid for sid, keys in self._owed_steps.items() if owed.isdisjoint(keys)]
-            for sid in done:
-                del self._owed_steps[sid]
-        self.journal.cleared(done)
 
     def _keys_read_in_flight(self, exclude: StepHandle | None = None) -> set[str]:
         """Keys the in-flight steps (other than ``exclude``) read, derived from their plans,
