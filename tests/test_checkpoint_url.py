@@ -5,7 +5,7 @@ on: only the test's access key signs requests) and one 2-worker process LocalClu
 per module. The credentials and the endpoint are set as ``AWS_*`` environment variables
 BEFORE the cluster starts, so the worker processes (the storage units, who write their
 own files) have them as the controller does. Backend-independent tests run on a local
-directory and on ``s3://``.
+directory and on ``s3://``; the finalizer's step journal on ``s3://`` too.
 """
 from __future__ import annotations
 
@@ -22,17 +22,20 @@ import uuid
 
 import dask
 import fsspec
+import numpy as np
 import pytest
 from distributed import Client
 
 from pipeline.actors import workers_now
 from pipeline.cluster import local_cluster
+from pipeline.finalize.journal import JournalState, StepJournal
 from pipeline.store import CheckpointCorrupt, CheckpointError, StagingStore
 from pipeline.store import checkpoint as ck
 from pipeline.store.location import Location, parse
 from pipeline.store.location_lease import LEASE_NAME, Lease
 from tasks.packed import pack_rows
 
+from rollout_factory import make_group
 from support import assert_rows_read_back, store_maker, wait_until
 from test_store import make_rows  # noqa: E402  (tests/ is on sys.path under pytest)
 
@@ -629,3 +632,22 @@ def test_s3_a_save_paused_past_its_lease_cannot_overwrite_the_next_saves_manifes
     fs, root = raw(where)
     fs.invalidate_cache()
     assert all(fs.exists(f"{root}/{e['file']}") for e in current["files"])
+
+
+def test_a_step_journal_on_s3_records_replaces_and_forgets(s3_env):
+    """The finalizer's step journal at an ``s3://`` URL on the same server: a step's
+    receipts, then the keys its clear owes, then nothing (pipeline/finalize/journal.py)."""
+    where = f"s3://{BUCKET}/{uuid.uuid4().hex[:10]}/journal"
+    receipts = {"g0": [b.receipt for b in make_group(np.random.default_rng(3), "jr0", 2, n_calls=2)]}
+    journal = StepJournal(where)
+    journal.submitted("s0", receipts, trainer_version=7)
+    journal.submitted("s1", receipts, trainer_version=None)
+    state = StepJournal(where).read()  # as a replacement controller reads it
+    assert [s.step_id for s in state.steps] == ["s0", "s1"] and state.steps[0].trainer_version == 7
+    assert state.steps[0].groups["g0"] == [r.to_dict() for r in receipts["g0"]]
+    journal.delivered("s0", ["jr0-r0/c0", "jr0-r0/c1"])
+    state = StepJournal(where).read()
+    assert [s.step_id for s in state.steps] == ["s1"] and state.owed == {"s0": ["jr0-r0/c0", "jr0-r0/c1"]}
+    journal.cleared(["s0"])
+    journal.delivered("s1", [])
+    assert StepJournal(where).read() == JournalState([], {}, [])
