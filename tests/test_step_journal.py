@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -85,9 +86,11 @@ def test_resume_reads_past_an_unreadable_record_and_needs_a_journal(cluster_clie
     journal = tmp_path / "j"
     journal.mkdir()
     (journal / "step-0000.msgpack").write_bytes(b"not msgpack \xff")
+    (journal / "step-0001.msgpack").write_bytes(msgpack.packb({"format": "token-capture-step-journal", "version": 1,
+                                                                "state": "submitted"}))  # no receipts
     fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, journal=str(journal))
     assert fin.resume() == []
-    assert StepJournal(str(journal)).read().unreadable == ["step-0000.msgpack"]
+    assert StepJournal(str(journal)).read().unreadable == ["step-0000.msgpack", "step-0001.msgpack"]
     assert (journal / "step-0000.msgpack").exists()  # left for a person to look at
     with pytest.raises(FinalizeError, match=r"resume\(\) needs a journal"):
         Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E).resume()

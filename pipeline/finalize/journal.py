@@ -111,16 +111,15 @@ class StepJournal:
         for name in sorted(n for n in self.location.sizes() if n.startswith(PREFIX) and n.endswith(SUFFIX)):
             try:
                 record = self._read(name)
+                if record["state"] == DELIVERED:
+                    owed[str(record["step_id"])] = [str(k) for k in record["keys"]]
+                else:
+                    steps.append(JournaledStep(str(record["step_id"]), dict(record["groups"]), record["trainer_version"],
+                                               int(record["submitted_ns"])))
             except (OSError, CheckpointError, ValueError, KeyError, TypeError) as e:
                 logger.error("step journal record %s/%s is unreadable (%s: %s); left in place", self.location.url, name,
                              type(e).__name__, e)
                 unreadable.append(name)
-                continue
-            if record["state"] == DELIVERED:
-                owed[str(record["step_id"])] = [str(k) for k in record["keys"]]
-            else:
-                steps.append(JournaledStep(str(record["step_id"]), dict(record["groups"]), record["trainer_version"],
-                                           int(record["submitted_ns"])))
         steps.sort(key=lambda s: s.submitted_ns)
         return JournalState(steps, owed, unreadable)
 

@@ -62,7 +62,7 @@ class JournaledSteps:
             try:
                 handles.append(self.submit_step(s.groups, step_id=s.step_id, trainer_version=s.trainer_version))
             except FinalizeError as e:  # one bad record never stops the others
-                logger.error("resume: step %r from the journal cannot be submitted (%s); its record is dropped", s.step_id, e)
+                logger.error("resume: step %r from the journal is skipped: %s", s.step_id, e)
         owed = [k for keys in state.owed.values() for k in keys]
         with self._lock:
             self._owed_steps.update({sid: set(keys) for sid, keys in state.owed.items()})
