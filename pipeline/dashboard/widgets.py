@@ -61,13 +61,14 @@ class PanelKit:
     def figure(self, key: str, title: str, note: str = NO_DATA, **axes: FactorRange | str) -> Figure:
         """A chart named ``tc-fig-<key>`` as Dask's pages draw them (toolbar above), with its
         "no data yet" note; ``axes`` (``x_range``, ``y_range``, ``x_axis_type``) go to Bokeh."""
-        from bokeh.models import Label, Node
+        from bokeh.models import Label, Node, Title
         from bokeh.plotting import figure
 
-        fig = figure(title=title, height=CHART_HEIGHT, min_height=CHART_HEIGHT, sizing_mode="stretch_width",
+        # A Title model, not a string Bokeh converts on assignment: the conversion once
+        # left a str in fig.title under the test suite's load (AttributeError on styling).
+        fig = figure(title=Title(text=title, text_font_size="13px"), height=CHART_HEIGHT, min_height=CHART_HEIGHT, sizing_mode="stretch_width",
                      tools="pan,wheel_zoom,box_zoom,reset,save", toolbar_location="above",
                      min_border_left=50, min_border_right=20, name=f"tc-fig-{key}", **axes)
-        fig.title.text_font_size = "13px"
         fig.axis.major_label_text_font_size = "11px"
         fig.axis.axis_label_text_font_size = "11px"
         fig.axis.axis_label_text_font_style = "normal"
