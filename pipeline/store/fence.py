@@ -14,7 +14,7 @@ yet the refusals of older calls: a delete from a writer on the new table always 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -127,3 +127,22 @@ def _placement(msg: Mapping[str, object]) -> Placement:
         int(msg["version"]), tuple(msg["workers"]), tuple(msg["unit_ids"]),  # type: ignore[arg-type]
         int(msg["replicas"]), tuple(msg["homes"]),  # type: ignore[arg-type]
     )
+
+
+class Fenced(Protocol):
+    """A unit as :func:`stale_refusal` reads it."""
+
+    fence: Fence | None
+    counters: dict[str, int]
+    unit_index: int
+
+
+def stale_refusal(unit: Fenced, version: int | None, count: int = 1) -> dict | None:
+    """A whole-unit call (a listing, a claim call, a checkpoint's open) planned on table
+    ``version``, older than the unit's fence: its answer ``{"unit", "moved": the fence's
+    version}``, counted in ``moved_refusals`` (``count``: keys or calls); else None."""
+    fence = unit.fence
+    if fence is None or not fence.stale(version):
+        return None
+    unit.counters["moved_refusals"] += count
+    return {"unit": unit.unit_index, "moved": fence.version}

@@ -27,7 +27,7 @@ from . import receive_pool
 from .checkpoint_files import write_unit_files
 from ..answers import WireDict, WireList
 from .checkpoint_guard import CheckpointGuard
-from .fence import Fence
+from .fence import Fence, stale_refusal
 from .held_rows import HeldRows
 from .location import Location
 from .losses import LossBook, lost_detail
@@ -331,9 +331,9 @@ class StorageUnit(ClaimedRows):
         self._check_open()
         if not isinstance(token, str) or not token:
             raise InvalidStoreRequest(f"checkpoint token must be a non-empty str, got {token!r}")
-        if stale(self, version):
-            self.counters["moved_refusals"] += 1
-            return {"unit": self.unit_index, "moved": self.fence.version}
+        refused = stale_refusal(self, version)
+        if refused is not None:
+            return refused
         if self.fence is not None and self.fence.moving:
             raise StoreBusy(f"storage unit {self.unit_index} is moving keys (placement version {self.fence.version}); "
                             "checkpoint once the move has ended")
@@ -424,9 +424,9 @@ class StorageUnit(ClaimedRows):
         ``lost_key``). A listing planned on a table older than the unit's fence
         (``version``) answers ``{"unit", "moved": its version}``: the caller's table does
         not name every unit holding rows now."""
-        if stale(self, version):
-            self.counters["moved_refusals"] += 1
-            return {"unit": self.unit_index, "moved": self.fence.version}
+        refused = stale_refusal(self, version)
+        if refused is not None:
+            return refused
         held, gone = self.held.index.get(partition, {}), self.guard.deferred.get(partition)
         live = held if not gone else (k for k in held if k not in gone)
         return WireList([*live, *self.losses.lost.get(partition, {})])

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Iterable, Mapping, Sequence
 
 from ..answers import WireDict
+from .fence import stale_refusal
 from .protocol import check_partition, unpack_names
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -79,8 +80,9 @@ class ClaimedRows:
         self._check_open()
         check_partition(partition, self.partitions)
         names = unpack_names(keys, "keys")
-        if self._stale_claim_call(version, len(names)):
-            return {"unit": self.unit_index, "moved": self.fence.version}
+        refused = stale_refusal(self, version, len(names))
+        if refused is not None:
+            return refused
         spare = self.guard.revived_of(partition)
         removed, kept, deferred = self.held.release(partition, names, claim, spare)
         for key in deferred:
@@ -94,17 +96,7 @@ class ClaimedRows:
         (a call planned on a table older than the unit's fence: ``{"unit", "moved"}``)."""
         if self.closed:
             return 0
-        if self._stale_claim_call(version, 1):
-            return {"unit": self.unit_index, "moved": self.fence.version}
-        return self.held.settle(claim)
-
-    def _stale_claim_call(self, version: int | None, keys: int) -> bool:
-        """Whether a claim call planned on table ``version`` is refused (counted in
-        ``moved_refusals``, as a stale put's or read's keys are)."""
-        if self.fence is None or not self.fence.stale(version):
-            return False
-        self.counters["moved_refusals"] += keys
-        return True
+        return stale_refusal(self, version) or self.held.settle(claim)
 
     def claimed_keys(self, partition: str) -> dict[str, str]:
         """The keys of ``partition`` still provisional, each with its claim."""
