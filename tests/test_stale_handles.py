@@ -1,7 +1,8 @@
 """A handle made before a move (a copy pickled into a task, a controller's handle nothing
-refreshed) still sees every row: a store checkpoint saved through it holds them all, and
-its key listing names them all. The units refuse a checkpoint or a listing planned on an
-older table; the handle takes the newest table and asks again.
+refreshed) still sees every row: a store checkpoint saved through it holds them all, its
+key listing names them all and its figures cover every unit. The units refuse a
+checkpoint, a listing or a figures call planned on an older table; the handle takes the
+newest table and asks again.
 
 Owned stores on test_elastic_edges's cluster, a unit added through ``Rebalancer``.
 """
@@ -52,5 +53,19 @@ def test_a_listing_through_a_handle_from_before_a_move_names_every_key(cluster):
         assert rb.add_unit(w["c"])["rows_moved"] > 0
         assert sorted(old.keys()) == sorted(r.staging_key for r in rows)
         assert old.version == store.version
+    finally:
+        store.close()
+
+
+def test_the_figures_through_a_handle_from_before_a_move_cover_every_unit(cluster):
+    w = by_name(cluster)
+    store, rb = owned(cluster, [w["a"], w["b"]], replicas=1)
+    try:
+        rows = rows_of(33, groups=6)
+        put_all(store, rows)
+        old = pickle.loads(pickle.dumps(store))
+        assert rb.add_unit(w["c"])["rows_moved"] > 0
+        figures = old.stats()
+        assert len(figures) == 3 and sum(f["rows"] for f in figures) == len(rows)
     finally:
         store.close()

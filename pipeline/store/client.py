@@ -13,7 +13,7 @@ holds the :class:`~pipeline.store.owner.StoreOwner` (actor futures, repairer, cl
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from tasks.errors import InvalidStoreRequest, StoreError, StoreUnavailable
 from tasks.keys import STAGING_PARTITION as DEFAULT_PARTITION
@@ -221,7 +221,8 @@ class StagingStore:
         self._check_partition(partition)
         if not isinstance(claim, str) or not claim:
             raise InvalidStoreRequest(f"claim must be a non-empty str, got {claim!r}")
-        return run_sync(operations.put(self, batch, partition, False, claim), self, deadline(self._admin_timeout(timeout)))
+        end = self._deadline(timeout)
+        return run_sync(operations.put(self, batch, partition, False, claim), self, end)
 
     def get_many(
         self,
@@ -289,13 +290,10 @@ class StagingStore:
     def stats(self, timeout: float | None = None) -> list[dict]:
         """Per unit: rows, used/memory/spilled/disk bytes, puts, gets, per-partition counts.
         Raises :class:`StoreUnavailable` naming a unit that cannot be reached or has not
-        answered within ``timeout`` seconds (default ``store.admin-call-timeout-s``)."""
-        answers = settle_all([u.stats() for u in self.units], deadline(self._admin_timeout(timeout)))
+        answered within ``timeout`` seconds (default ``store.admin-call-timeout-s``); a
+        unit fenced by a newer table makes the handle take it and ask again."""
+        answers = self._ask_every_unit(lambda u, version: u.stats(version), timeout)
         return every_unit_answered(answers, "its figures")
-
-    def _admin_timeout(self, timeout: float | None) -> float:
-        """Seconds a whole-store call waits for the units: ``timeout``, else the setting."""
-        return self.settings.admin_timeout_s if timeout is None else timeout
 
     def keys(self, partition: str = DEFAULT_PARTITION, prefix: str | None = None, timeout: float | None = None) -> list[str]:
         """Every key of ``partition`` (one call per unit, all at once), optionally only those
@@ -308,13 +306,25 @@ class StagingStore:
         counts as one that cannot be reached. A unit fenced by a newer table than this
         handle's makes it take the newest table and list again."""
         self._check_partition(partition)
-        end = deadline(self._admin_timeout(timeout))
+        answers = self._ask_every_unit(lambda u, version: u.keys(partition, version), timeout)
+        return listed_keys(answers, prefix, self.placement, self.moving)
+
+    def _deadline(self, timeout: float | None) -> float:
+        """When a whole-store call gives up on a unit: ``timeout`` s from now, else the setting's."""
+        return deadline(self.settings.admin_timeout_s if timeout is None else timeout)
+
+    def _ask_every_unit(self, call: Callable[["Actor", int], Any], timeout: float | None) -> list:
+        """``call(unit, table version)`` on every unit at once, each answer settled (an
+        exception, or ``TimeoutError`` past ``timeout`` s, default the setting); a unit
+        fenced by a newer table (``moved``) makes the handle take the newest table and ask
+        every unit again, up to ``REFRESHES`` times."""
+        end = self._deadline(timeout)
         for _ in range(operations.REFRESHES + 1):
             seen = self.version
-            answers = settle_all([u.keys(partition, operations.stamp(self)) for u in self.units], end)
+            answers = settle_all([call(u, operations.stamp(self)) for u in self.units], end)
             if not any(moved_answer(a) for a in answers) or not self.refresh(seen):
                 break
-        return listed_keys(answers, prefix, self.placement, self.moving)
+        return answers
 
     def close(self) -> list[dict]:
         """Close every unit (drops rows, removes spill directories) and, in the creating
@@ -329,7 +339,8 @@ class StagingStore:
         seconds (default ``store.admin-call-timeout-s``), is reported, not raised. Marks
         this handle closed."""
         out = []
-        for i, a in enumerate(settle_all([u.close() for u in self.units], deadline(self._admin_timeout(timeout)))):
+        end = self._deadline(timeout)
+        for i, a in enumerate(settle_all([u.close() for u in self.units], end)):
             # A lost unit has nothing left to close.
             out.append({"unit": i, "closed": False, "error": f"{type(a).__name__}: {a}"} if isinstance(a, Exception) else a)
         self.closed = True

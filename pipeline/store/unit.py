@@ -402,9 +402,11 @@ class StorageUnit(ClaimedRows):
 
     # ---- introspection ----------------------------------------------------------
 
-    def stats(self) -> dict:
-        """Counters and sizes (bytes) of this unit (:func:`.unit_stats.unit_stats`)."""
-        return unit_stats(self)
+    def stats(self, version: int | None = None) -> dict:
+        """Counters and sizes (bytes) of this unit (:func:`.unit_stats.unit_stats`); a call
+        planned on a table older than the unit's fence (``version``) answers ``moved``
+        (:func:`~.fence.stale_refusal`)."""
+        return stale_refusal(self, version) or unit_stats(self)
 
     def report_figures(self) -> dict | None:
         """This unit's event for its reporter's tick (None once closed)."""

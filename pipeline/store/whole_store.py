@@ -35,6 +35,8 @@ def every_unit_answered(answers: list, what: str) -> list:
     for i, a in enumerate(answers):
         if isinstance(a, BaseException):
             raise StoreUnavailable(unit_failed(i, what, a)) from a
+        if moved_answer(a):
+            raise StoreUnavailable(unit_failed(i, what, a))
     return answers
 
 
