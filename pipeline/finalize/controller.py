@@ -122,9 +122,10 @@ class StepHandle:
         keys = self.clear_keys() if self.clear else []
         self.kept_keys = [k for k in keys if k in still_read]
         keys = [k for k in keys if k not in still_read]
-        fin._journal_delivered(self.step_id, keys)  # before the clear: a resume clears them, never resubmits
+        fin._journal_delivered(self.step_id, keys)
         if self.clear:
             self.clear_future = fin.submit_clear(keys, self.graph.token, self.graph.span)
+            fin._journal_owes(self.step_id, keys)
 
     @property
     def futures(self) -> list[Future]:

@@ -64,22 +64,26 @@ class JournaledSteps:
             except FinalizeError as e:  # one bad record never stops the others
                 logger.error("resume: step %r from the journal is skipped: %s", s.step_id, e)
         owed = [k for keys in state.owed.values() for k in keys]
-        with self._lock:
-            self._owed_steps.update({sid: set(keys) for sid, keys in state.owed.items()})
         if owed:
             self.submit_clear(owed, f"resume-{next(self._retries)}")
+        for sid, keys in state.owed.items():
+            self._journal_owes(sid, keys)
         logger.info("resumed from %s: %d step(s) submitted again, %d row(s) cleared, %d record(s) unreadable",
                     self.journal.location.url, len(handles), len(owed), len(state.unreadable))
         return handles
 
     def _journal_delivered(self, step_id: str, keys: Sequence[str]) -> None:
-        """A delivered step's journal record now owes ``keys`` (no more receipts)."""
-        if self.journal is None:
-            return
-        with self._lock:
-            if keys:
+        """A delivered step's journal record now owes ``keys`` (no more receipts); written
+        before its clear is submitted, so a resume clears them and never resubmits it."""
+        if self.journal is not None:
+            self.journal.delivered(step_id, keys)
+
+    def _journal_owes(self, step_id: str, keys: Sequence[str]) -> None:
+        """The clear of a delivered step's ``keys`` is submitted (watched): its record goes
+        once none of them is owed any more (:meth:`_settle_journal`)."""
+        if self.journal is not None and keys:
+            with self._lock:
                 self._owed_steps[step_id] = set(keys)
-        self.journal.delivered(step_id, keys)
 
     def _settle_journal(self) -> None:
         """Remove the records of delivered steps none of whose keys a clear still owes."""
