@@ -1,14 +1,16 @@
 """A handle made before a move (a copy pickled into a task, a controller's handle nothing
 refreshed) still sees every row: a store checkpoint saved through it holds them all, its
-key listing names them all and its figures cover every unit. The units refuse a
-checkpoint, a listing or a figures call planned on an older table; the handle takes the
-newest table and asks again.
+key listing names them all, its figures cover every unit and its close closes them all.
+The units refuse a checkpoint, a listing or a figures call planned on an older table; the
+handle takes the newest table and asks again.
 
 Owned stores on test_elastic_edges's cluster, a unit added through ``Rebalancer``.
 """
 from __future__ import annotations
 
+import contextlib
 import pickle
+from typing import Iterator
 
 import pytest
 
@@ -18,43 +20,52 @@ from test_elastic_edges import by_name, cluster, owned, put_all, rows_of  # noqa
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 
-@pytest.mark.parametrize("replicas", [1, 2])
-def test_a_checkpoint_through_a_handle_from_before_a_move_holds_every_row(cluster, tmp_path, replicas):
+@contextlib.contextmanager
+def after_a_move(cluster, seed: int, replicas: int = 1, handles: int = 1) -> Iterator[tuple]:
+    """A store of units on workers a and b holding ``rows_of(seed)``, ``handles`` copies
+    of its handle made then, and a unit added on worker c since: (store, rows, old
+    handles, the add's record). The store is closed after."""
     w = by_name(cluster)
     store, rb = owned(cluster, [w["a"], w["b"]], replicas=replicas)
-    fresh = None
     try:
-        rows = rows_of(31, groups=6)
+        rows = rows_of(seed, groups=6)
         put_all(store, rows)
-        old = pickle.loads(pickle.dumps(store))
+        old = [pickle.loads(pickle.dumps(store)) for _ in range(handles)]
         record = rb.add_unit(w["c"])
-        assert record["rows_moved"] > 0 and len(old.units) == 2
+        assert record["rows_moved"] > 0 and all(len(h.units) == 2 for h in old)
+        yield store, rows, old, record
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_a_checkpoint_through_a_handle_from_before_a_move_holds_every_row(cluster, tmp_path, replicas):
+    with after_a_move(cluster, 31, replicas) as (store, rows, (old,), _):
         manifest = old.checkpoint(str(tmp_path / "ck"))
         assert manifest["rows"] == len(rows)
         assert old.version == store.version
+        w = by_name(cluster)
         fresh = StagingStore.start(cluster, n_units=2, memory_limit="64MiB", workers=[w["a"], w["d"]])
-        fresh.restore(str(tmp_path / "ck"))
-        keys = [r.staging_key for r in rows]
-        got = fresh.get_many(keys)
-        assert not got.failed, list(got.failed.items())[:2]
-    finally:
-        store.close()
-        if fresh is not None:
+        try:
+            fresh.restore(str(tmp_path / "ck"))
+            got = fresh.get_many([r.staging_key for r in rows])
+            assert not got.failed, list(got.failed.items())[:2]
+        finally:
             fresh.close()
 
 
 def test_a_listing_and_the_figures_through_a_handle_from_before_a_move_cover_every_unit(cluster):
-    w = by_name(cluster)
-    store, rb = owned(cluster, [w["a"], w["b"]], replicas=1)
-    try:
-        rows = rows_of(32, groups=6)
-        put_all(store, rows)
-        listing, old = pickle.loads(pickle.dumps(store)), pickle.loads(pickle.dumps(store))
-        assert rb.add_unit(w["c"])["rows_moved"] > 0
+    with after_a_move(cluster, 32, handles=2) as (store, rows, (listing, old), _):
         assert sorted(listing.keys()) == sorted(r.staging_key for r in rows)
         assert listing.version == store.version
         figures = old.stats()  # stats() takes no table another handle fetched: it is refused too
         assert len(figures) == 3 and sum(f["rows"] for f in figures) == len(rows)
         assert old.version == store.version
-    finally:
-        store.close()
+
+
+def test_a_close_through_a_handle_from_before_a_move_closes_the_added_unit_too(cluster):
+    with after_a_move(cluster, 34) as (store, _, (old,), record):
+        closed = old.close_units()
+        assert len(closed) == 3 and all("error" not in c for c in closed)
+        added = store.units[store.placement.index_of(record["unit"])]
+        assert added.close().result(30)["closed"] is True  # closed already: the old handle reached it

@@ -337,9 +337,12 @@ class StagingStore:
     def close_units(self, timeout: float | None = None) -> list[dict]:
         """Close every unit; a lost unit, or one that has not answered within ``timeout``
         seconds (default ``store.admin-call-timeout-s``), is reported, not raised. Marks
-        this handle closed."""
+        this handle closed. A handle that did not make the store first takes the newest
+        table (a move may have added units since it was made)."""
         out = []
         end = self._deadline(timeout)
+        if self.owner is None:
+            self.refresh(self.version)
         for i, a in enumerate(settle_all([u.close() for u in self.units], end)):
             # A lost unit has nothing left to close.
             out.append({"unit": i, "closed": False, "error": f"{type(a).__name__}: {a}"} if isinstance(a, Exception) else a)
