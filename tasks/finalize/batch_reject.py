@@ -27,7 +27,6 @@ from .assemble import FinalizedGroup
 from .lags import saturated_lags
 
 
-
 @dataclass(frozen=True)
 class BatchRejection:
     """One row the step batch rejected: its group (index in the step), its row in the

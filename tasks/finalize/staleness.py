@@ -28,7 +28,6 @@ LENGTH_BUCKETS: tuple[tuple[str, float], ...] = (("<1k", 1024), ("1-4k", 4096), 
 BUCKET_LABELS: tuple[str, ...] = tuple(label for label, _ in LENGTH_BUCKETS)
 
 
-
 class BucketFigures(TypedDict):
     """One length bucket: verified rollouts, those dropped ``stale``, the lag summed over
     them (versions; the exact sum saturated at int64's bounds) and its mean (the exact
