@@ -33,8 +33,7 @@ from .batch_file import FORMAT_VERSION
 from .checkpoint_files import load_file, restore_file, verify_file  # noqa: F401 (tasks run them by this path too)
 from .checkpoint_losses import LOST_FIELD, restore_lost, split_entries
 from .deadline import deadline, settle_all
-from .operations import REFRESHES
-from .whole_store import moved_answer
+from .whole_store import moved_answer, table_rounds
 from .location import Location, parse
 from .location_lease import Lease, location_lease
 from .location_lock import location_lock, lock_timeout_s
@@ -99,11 +98,9 @@ def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int, diges
     (entries per unit, errors). A unit fenced by a newer table than the handle's opens
     nothing (a move ended since the handle was made, so it does not name every unit
     holding rows): the handle takes the newest table and the save opens again."""
-    for _ in range(REFRESHES + 1):
-        seen = store.placement.version
-        outcomes, errors, moved = _write_generation_once(store, gen, chunk_bytes, digest, lease_s)
-        refresh = getattr(store, "refresh", None)
-        if moved is None or refresh is None or not refresh(seen):
+    for version in table_rounds(store):
+        outcomes, errors, moved = _write_generation_once(store, gen, chunk_bytes, digest, lease_s, version)
+        if moved is None:
             break
     if moved is not None:
         errors = [CheckpointError(f"storage unit {moved['unit']} is on placement version {moved['moved']}, newer than "
@@ -112,10 +109,10 @@ def _write_generation(store: "StoreLike", gen: Location, chunk_bytes: int, diges
     return outcomes, errors
 
 
-def _write_generation_once(store: "StoreLike", gen: Location, chunk_bytes: int, digest: str, lease_s: float
-                           ) -> tuple[list, list[BaseException], dict | None]:
+def _write_generation_once(store: "StoreLike", gen: Location, chunk_bytes: int, digest: str, lease_s: float,
+                           version: int) -> tuple[list, list[BaseException], dict | None]:
     """One try of :func:`_write_generation`, plus the first unit's ``moved`` answer (None:
-    every unit opened the checkpoint on this handle's table). Opening and closing wait at
+    every unit opened the checkpoint on table ``version``). Opening and closing wait at
     most ``store.admin-call-timeout-s`` for a unit, the writes at most ``lease_s``."""
     token = gen.url  # gen-<id> under the location: unique per save
     outcomes: list = []
@@ -124,8 +121,8 @@ def _write_generation_once(store: "StoreLike", gen: Location, chunk_bytes: int, 
         # Open on EVERY unit before any unit writes: from here on no delete removes a row
         # this checkpoint may still write, whichever process issues it; and no move starts
         # (a unit refuses a change while a checkpoint is open).
-        version, admin = store.placement.version, _admin_timeout_s(store)
-        opened = settle_all([unit.begin_checkpoint(token, None, version) for unit in store.units], deadline(admin))
+        opened = settle_all([unit.begin_checkpoint(token, None, version) for unit in store.units],
+                            deadline(_admin_timeout_s(store)))
         errors = _unit_errors(opened, "open the checkpoint", "store.admin-call-timeout-s")
         moved = next((o for o in opened if moved_answer(o)), None)
         if not errors and moved is None:

@@ -1,10 +1,9 @@
 """A handle's claim calls: release or settle a restore's provisional rows on every copy.
 
-Each call is stamped with the handle's table version (:func:`~.operations.stamp`). A unit
-fenced by a newer table refuses it ``{"moved": version}``: the handle then takes the
-newest table from the unit directory and asks again (up to
-:data:`~.operations.REFRESHES` times), so a handle made before a move (a restore running
-in a task) still reaches the copies the move put on other units. Asking a unit twice is
+Each call is stamped with the handle's table version. A unit fenced by a newer table
+refuses it ``{"moved": version}``: the handle then takes the newest table and asks again
+(:func:`~.whole_store.table_rounds`), so a handle made before a move (a restore running in
+a task) still reaches the copies the move put on other units. Asking a unit twice is
 harmless: a release or settle changes only rows still provisional under the claim. Each
 round waits at most ``store.admin-call-timeout-s`` for the units (a hung unit's keys are
 reported not reached; its call still applies if it ever runs).
@@ -16,10 +15,9 @@ from typing import Sequence
 from .calls import Driven
 from .deadline import deadline, settle_all
 from .moving import plan_all_moving
-from .operations import REFRESHES, stamp
 from .placement import plan_all_copies
 from .protocol import MOVED, UNIT_UNAVAILABLE, pack_names
-from .whole_store import moved_answer
+from .whole_store import moved_answer, table_rounds
 
 Failed = dict[str, tuple[str, str]]  # key -> (reason, detail)
 
@@ -28,17 +26,15 @@ def release(store: Driven, keys: Sequence[str], claim: str, partition: str) -> t
     """(rows removed, keys whose copies may remain: their unit not reached, or still
     refused ``moved`` when no newer table was found)."""
     removed = 0
-    for _ in range(REFRESHES + 1):
-        seen = store.placement.version
-        n, failed, moved = _release_once(store, keys, claim, partition)
+    for version in table_rounds(store):
+        n, failed, moved = _release_once(store, keys, claim, partition, version)
         removed += n
-        if not moved or not store.refresh(seen):
+        if not moved:
             break
     return removed, {**failed, **moved}
 
 
-def _release_once(store: Driven, keys: Sequence[str], claim: str, partition: str) -> tuple[int, Failed, Failed]:
-    version = stamp(store)
+def _release_once(store: Driven, keys: Sequence[str], claim: str, partition: str, version: int) -> tuple[int, Failed, Failed]:
     _, parts, _ = plan_all_copies(store.placement, keys) if store.moving is None else plan_all_moving(store.moving, keys)
     calls = [store.units[u].release_claim(partition, pack_names(ks), claim, version) for u, ks in parts]
     answers = settle_all(calls, deadline(store.settings.admin_timeout_s))
@@ -56,11 +52,10 @@ def _release_once(store: Driven, keys: Sequence[str], claim: str, partition: str
 def settle(store: Driven, claim: str) -> int:
     """Rows made ordinary on every unit reached (a unit not reached keeps its marks)."""
     settled = 0
-    for _ in range(REFRESHES + 1):
-        seen, version = store.placement.version, stamp(store)
+    for version in table_rounds(store):
         answers = settle_all([u.settle_claim(claim, version) for u in store.units], deadline(store.settings.admin_timeout_s))
         settled += sum(a for a in answers if isinstance(a, int))
-        if not any(moved_answer(a) for a in answers) or not store.refresh(seen):
+        if not any(moved_answer(a) for a in answers):
             break
     return settled
 

@@ -24,7 +24,7 @@ from . import checkpoint as _checkpoint
 from . import claim_calls, operations, receive_pool
 from .calls import Operation, run_async, run_sync
 from .deadline import deadline, settle_all
-from .whole_store import every_unit_answered, listed_keys, moved_answer
+from .whole_store import every_unit_answered, listed_keys, moved_answer, table_rounds
 from .directory import UnitDirectory, UnitTable
 from .owner import StoreOwner, start_units, unit_args_from_config
 from .moving import MovingTable
@@ -317,12 +317,11 @@ class StagingStore:
         """``call(unit, table version)`` on every unit at once, each answer settled (an
         exception, or ``TimeoutError`` past ``timeout`` s, default the setting); a unit
         fenced by a newer table (``moved``) makes the handle take the newest table and ask
-        every unit again, up to ``REFRESHES`` times."""
+        every unit again (:func:`~.whole_store.table_rounds`)."""
         end = self._deadline(timeout)
-        for _ in range(operations.REFRESHES + 1):
-            seen = self.version
-            answers = settle_all([call(u, operations.stamp(self)) for u in self.units], end)
-            if not any(moved_answer(a) for a in answers) or not self.refresh(seen):
+        for version in table_rounds(self):
+            answers = settle_all([call(u, version) for u in self.units], end)
+            if not any(moved_answer(a) for a in answers):
                 break
         return answers
 

@@ -1,6 +1,7 @@
 """Whole-store answers: every unit's ``stats()`` or ``keys()``, or an error naming the unit.
 
-A whole-store call asks every unit at once and waits at most ``store.admin-call-timeout-s``
+A whole-store call asks every unit at once (in :func:`table_rounds`: again on the newest
+table when a unit is fenced by a newer one) and waits at most ``store.admin-call-timeout-s``
 (a unit alive but hung never holds the caller: the store host's bookkeeping, a metrics
 scrape, a cut's orphan sweep). :func:`every_unit_answered` wants every unit's answer;
 :func:`listed_keys` accepts a unit's silence when, with replicas=2, the units that may hold
@@ -8,15 +9,32 @@ the other copy of its keys answered (a listing is never silently partial).
 """
 from __future__ import annotations
 
+from typing import Any, Iterator
+
 from tasks.errors import StoreError, StoreUnavailable
 
 from .moving import MovingTable
+from .operations import REFRESHES
 from .placement import Placement
 
 
 def moved_answer(answer: object) -> bool:
     """A unit's refusal of a call planned on a table older than its fence."""
     return isinstance(answer, dict) and "moved" in answer
+
+
+def table_rounds(store: Any) -> Iterator[int]:
+    """The rounds of a call planned on ``store``'s table, each yielding the table version
+    to stamp it with. The caller breaks once no unit answered ``moved``; otherwise the
+    handle takes the newest table from the unit directory (``store.refresh``) and the
+    next round begins: at most ``REFRESHES`` times, none when no newer table is found (or
+    the store has no ``refresh``)."""
+    for _ in range(REFRESHES + 1):
+        seen = store.placement.version
+        yield seen
+        refresh = getattr(store, "refresh", None)
+        if refresh is None or not refresh(seen):
+            return
 
 
 def unit_failed(i: int, what: str, error: BaseException | dict) -> str:
