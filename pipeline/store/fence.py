@@ -137,12 +137,16 @@ class Fenced(Protocol):
     unit_index: int
 
 
+def stale(unit: Fenced, version: int | None) -> bool:
+    """The call was planned on a table older than the unit's fence."""
+    return unit.fence is not None and unit.fence.stale(version)
+
+
 def stale_refusal(unit: Fenced, version: int | None, count: int = 1) -> dict | None:
     """A whole-unit call (a listing, a claim call, a checkpoint's open) planned on table
     ``version``, older than the unit's fence: its answer ``{"unit", "moved": the fence's
     version}``, counted in ``moved_refusals`` (``count``: keys or calls); else None."""
-    fence = unit.fence
-    if fence is None or not fence.stale(version):
+    if not stale(unit, version):
         return None
     unit.counters["moved_refusals"] += count
-    return {"unit": unit.unit_index, "moved": fence.version}
+    return {"unit": unit.unit_index, "moved": unit.fence.version}

@@ -27,7 +27,7 @@ from . import receive_pool
 from .checkpoint_files import write_unit_files
 from ..answers import WireDict, WireList
 from .checkpoint_guard import CheckpointGuard
-from .fence import Fence, stale_refusal
+from .fence import Fence, stale, stale_refusal
 from .held_rows import HeldRows
 from .location import Location
 from .losses import LossBook, lost_detail
@@ -51,7 +51,7 @@ from .slab_pool import SlabPool
 from .spill import Row
 from .unit_claims import ClaimedRows, checkpoint_left_out
 from .unit_puts import put_rows
-from .unit_moves import MOVE_COUNTERS, drop, move_in, refused_keys, send, stale, stale_answer, take_fence
+from .unit_moves import MOVE_COUNTERS, drop, move_in, refused_keys, send, stale_answer, take_fence
 from .unit_stats import unit_event, unit_stats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -332,7 +332,7 @@ class StorageUnit(ClaimedRows):
         if not isinstance(token, str) or not token:
             raise InvalidStoreRequest(f"checkpoint token must be a non-empty str, got {token!r}")
         refused = stale_refusal(self, version)
-        if refused is not None:
+        if refused:
             return refused
         if self.fence is not None and self.fence.moving:
             raise StoreBusy(f"storage unit {self.unit_index} is moving keys (placement version {self.fence.version}); "
@@ -427,7 +427,7 @@ class StorageUnit(ClaimedRows):
         (``version``) answers ``{"unit", "moved": its version}``: the caller's table does
         not name every unit holding rows now."""
         refused = stale_refusal(self, version)
-        if refused is not None:
+        if refused:
             return refused
         held, gone = self.held.index.get(partition, {}), self.guard.deferred.get(partition)
         live = held if not gone else (k for k in held if k not in gone)

@@ -194,11 +194,6 @@ def refused_keys(unit: StorageUnit, keys: Sequence[str], moving: bool) -> set[st
     return out
 
 
-def stale(unit: StorageUnit, version: int | None) -> bool:
-    """The call was planned on a table older than the unit's fence."""
-    return unit.fence is not None and unit.fence.stale(version)
-
-
 def stale_answer(unit: StorageUnit, keys: Sequence[str]) -> StoreResult:
     """Every key of a stale call answers ``moved`` (the caller refreshes and calls again)."""
     assert unit.fence is not None
