@@ -2,7 +2,8 @@
 refreshed) still sees every row: a store checkpoint saved through it holds them all, its
 key listing names them all, its figures cover every unit and its close closes them all.
 The units refuse a checkpoint, a listing or a figures call planned on an older table; the
-handle takes the newest table and asks again.
+handle takes the newest table and asks again, waiting for it when a unit holds a newer
+table than the unit directory gives yet.
 
 Owned stores on test_elastic_edges's cluster, a unit added through ``Rebalancer``.
 """
@@ -10,12 +11,16 @@ from __future__ import annotations
 
 import contextlib
 import pickle
+import threading
 from typing import Iterator
 
 import pytest
 
 from pipeline.store.client import StagingStore
-from test_elastic_edges import by_name, cluster, owned, put_all, rows_of  # noqa: F401
+from pipeline.store.fence import Fence
+from pipeline.store.placement import Placement
+from tasks.packed import pack_rows
+from test_elastic_edges import by_name, cluster, counter, owned, put_all, rows_of  # noqa: F401
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
@@ -69,3 +74,33 @@ def test_a_close_through_a_handle_from_before_a_move_closes_the_added_unit_too(c
         assert len(closed) == 3 and all("error" not in c for c in closed)
         added = store.units[store.placement.index_of(record["unit"])]
         assert added.close().result(30)["closed"] is True  # closed already: the old handle reached it
+
+
+def test_a_handle_told_moved_waits_for_the_directory_to_show_the_newer_table(cluster):
+    # The units hold a table the directory does not give yet (the window between a unit's
+    # fence and what a handle's fetch sees): the handle's get and put, refused ``moved``,
+    # wait for the newer table and are answered instead of failing every key.
+    w = by_name(cluster)
+    store, _ = owned(cluster, [w["a"], w["b"]], replicas=1)
+    try:
+        rows, more = rows_of(35, groups=2), rows_of(36, groups=2)
+        put_all(store, rows)
+        old = pickle.loads(pickle.dumps(store))
+        p = store.placement
+        newer = Placement(p.version + 1, p.workers, p.unit_ids, p.replicas, p.homes)
+        refused = counter(store, "moved_refusals")
+        for uid, unit in zip(p.unit_ids, store.units):
+            unit.set_fence(Fence.message(newer, uid, False)).result(30)
+        publish = threading.Timer(0.5, store.install_placement, (newer, store.units))
+        publish.start()
+        try:
+            got = old.get_many([r.staging_key for r in rows])
+            put = old.put_many(pack_rows(more))
+        finally:
+            publish.join()
+        assert not got.failed and len(got.batch) == len(rows), list(got.failed.items())[:2]
+        assert not put.failed and len(put.ok) == len(more), list(put.failed.items())[:2]
+        assert old.version == newer.version
+        assert counter(store, "moved_refusals") > refused  # the get was refused before the table showed
+    finally:
+        store.close()

@@ -23,7 +23,7 @@ class Handle:
     units: list = field(default_factory=list)
     refreshed: int = 0
 
-    def refresh(self, seen: int) -> bool:
+    def refresh(self, seen: int, moved: bool = False) -> bool:
         self.placement, self.moving, self.refreshed = self.final, None, self.refreshed + 1
         return True
 

@@ -89,6 +89,7 @@ class Refresh:
 
     seen: int
     learn_only: bool = False
+    moved: bool = False  # a unit answered ``moved``: a newer table exists, wait for it (``MOVED_WAIT_S``)
 
 
 class Pending(Protocol):
@@ -113,9 +114,9 @@ class Driven(Protocol):
     directory: "UnitDirectory | None"  # the shared unit table (replicas=2), None: never replaced
     answer_row_bytes: dict[tuple, float]  # (partition, fields) -> bytes per row of the last get's answers
 
-    def refresh(self, seen: int) -> bool: ...
+    def refresh(self, seen: int, moved: bool = False) -> bool: ...
 
-    async def refresh_async(self, seen: int) -> bool: ...
+    async def refresh_async(self, seen: int, moved: bool = False) -> bool: ...
 
     def buffers(self) -> SlabPool: ...
 
@@ -156,7 +157,7 @@ def run_sync(op: Operation[T], store: Driven, end: float | None) -> T:
     finished, step = _advance(op, None)
     while not finished:
         if isinstance(step, Refresh):
-            reply: object = _refresh_due(store, step) and store.refresh(step.seen)
+            reply: object = _refresh_due(store, step) and store.refresh(step.seen, step.moved)
         else:
             reply = _send_sync(step, store, end)
         finished, step = _advance(op, reply)
@@ -239,7 +240,7 @@ async def run_async(op: Operation[T], store: Driven, end: float | None) -> T:
     finished, step = _advance(op, None)
     while not finished:
         if isinstance(step, Refresh):
-            reply: object = _refresh_due(store, step) and await store.refresh_async(step.seen)
+            reply: object = _refresh_due(store, step) and await store.refresh_async(step.seen, step.moved)
         else:
             reply = await _send_async(step, store, end)  # type: ignore[arg-type]
         finished, step = _advance(op, reply)

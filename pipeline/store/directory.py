@@ -9,7 +9,10 @@ common path pays no extra round trip.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import pickle
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -18,6 +21,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
     from .moving import MovingTable
     from .placement import Placement
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 0.05  # between fetches while waiting for a newer table (s)
+MOVED_WAIT_S = 5.0  # how long a handle a unit answered ``moved`` waits for the newer table to show (s)
 
 
 @dataclass
@@ -50,15 +58,38 @@ class UnitDirectory:
         """The current table (sync: a client, a task or an actor thread); None if unreachable."""
         try:
             return pickle.loads(self._variable().get(timeout=timeout))
-        except Exception:  # noqa: BLE001 - no client, scheduler gone: keep the cached table
+        except Exception as e:  # noqa: BLE001 - no client, scheduler gone: keep the cached table
+            logger.warning("unit directory %s: the table could not be fetched (%s: %s)", self.name, type(e).__name__, e)
             return None
 
     async def fetch_async(self, timeout: float | None = None) -> UnitTable | None:
         """The current table from a coroutine on a worker's event loop; None if unreachable."""
         try:
             return pickle.loads(await self._variable().get(timeout=timeout, asynchronous=True))
-        except Exception:  # noqa: BLE001
+        except Exception as e:  # noqa: BLE001
+            logger.warning("unit directory %s: the table could not be fetched (%s: %s)", self.name, type(e).__name__, e)
             return None
+
+    def fetch_newer(self, version: int, wait_s: float = 0.0) -> UnitTable | None:
+        """The current table, fetched again every ``POLL_S`` for up to ``wait_s`` seconds
+        while it is not newer than ``version`` (a unit refused a call as planned on an
+        older table: a newer one is published, or the fetch failed); the last fetched
+        (None if unreachable) when none came."""
+        end = time.monotonic() + wait_s
+        table = self.fetch()
+        while (table is None or table.version <= version) and time.monotonic() < end:
+            time.sleep(POLL_S)
+            table = self.fetch()
+        return table
+
+    async def fetch_newer_async(self, version: int, wait_s: float = 0.0) -> UnitTable | None:
+        """:meth:`fetch_newer` from a coroutine."""
+        end = time.monotonic() + wait_s
+        table = await self.fetch_async()
+        while (table is None or table.version <= version) and time.monotonic() < end:
+            await asyncio.sleep(POLL_S)
+            table = await self.fetch_async()
+        return table
 
     def delete(self, client: "Client") -> None:
         try:

@@ -40,6 +40,11 @@ def any_unavailable(failed: dict) -> bool:
     return any(r in RETRY_REASONS for r, _ in failed.values())
 
 
+def any_moved(failed: dict) -> bool:
+    """Some key was refused ``moved``: a unit holds a newer table than the call's."""
+    return any(r == MOVED for r, _ in failed.values())
+
+
 def unavailable_keys(results: list[GetResult]) -> list[str]:
     return [k for r in results for k, (reason, _) in r.failed.items() if reason in RETRY_REASONS]
 

@@ -19,6 +19,7 @@ from .calls import Call, Driven, Operation, Refresh, Window
 from .merging import (
     RETRY_REASONS,
     after_failover,
+    any_moved,
     any_unavailable,
     drop_failed,
     empty_get,
@@ -71,7 +72,7 @@ def put(store: Driven, batch: PackedBatch, partition: str, adopt: bool, claim: s
     seen = store.placement.version
     result = yield from _put_once(store, batch, partition, adopt, claim)
     for _ in range(REFRESHES):
-        if not any_unavailable(result.failed) or not (yield Refresh(seen)):
+        if not any_unavailable(result.failed) or not (yield Refresh(seen, moved=any_moved(result.failed))):
             break
         seen = store.placement.version
         again = yield from _put_once(store, failed_rows(result, batch), partition, adopt, claim)
@@ -125,7 +126,7 @@ def get(store: Driven, keys: Sequence[str], fields: list[str] | None, partition:
             if failed_over:  # every key read from its replica: learn whether the unit was
                 yield Refresh(seen, learn_only=True)  # replaced, for later calls (once per window)
             break
-        if not (yield Refresh(seen)):
+        if not (yield Refresh(seen, moved=any(any_moved(r.failed) for r in results))):
             break
         seen = store.placement.version
         parts, _ = plan_read(store.placement, lost)
@@ -220,7 +221,7 @@ def delete(store: Driven, keys: Sequence[str], partition: str) -> Operation[Stor
     seen = store.placement.version
     result, removed = yield from _delete_once(store, keys, partition)
     for _ in range(REFRESHES):
-        if not any_unavailable(result.failed) or not (yield Refresh(seen)):
+        if not any_unavailable(result.failed) or not (yield Refresh(seen, moved=any_moved(result.failed))):
             break
         seen = store.placement.version
         retry = [k for k, (r, _) in result.failed.items() if r in RETRY_REASONS]

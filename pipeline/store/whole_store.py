@@ -33,7 +33,7 @@ def table_rounds(store: Any) -> Iterator[int]:
         seen = store.placement.version
         yield seen
         refresh = getattr(store, "refresh", None)
-        if refresh is None or not refresh(seen):
+        if refresh is None or not refresh(seen, True):
             return
 
 
