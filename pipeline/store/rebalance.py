@@ -299,7 +299,7 @@ class Rebalancer:
             changed = {k: c for k, c in claims.items() if still.get(k) != c}
             if not changed:
                 continue
-            src.send(partition, pack_names(list(changed)), dst).result(timeout=timeout)
+            src.send(partition, pack_names(list(changed)), dst, False).result(timeout=timeout)  # counted once, by the copy
             for c, keys in keys_by_claim(changed).items():  # rows the re-send made ordinary are kept
                 dst.release_claim(partition, pack_names(keys), c).result(timeout=timeout)
             caught_up += len(changed)

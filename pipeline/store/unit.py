@@ -387,18 +387,20 @@ class StorageUnit(ClaimedRows):
         return take_fence(self, table)
 
     def move_in(self, partition: str, batch: PackedBatch, lost: dict[str, str] | None = None,
-                claims: dict[str, str] | None = None) -> int:
+                claims: dict[str, str] | None = None, counted: bool = True) -> int:
         """Rows (and lost keys: key -> how) moved here, except keys deleted meanwhile, the
-        rows of ``claims`` (key -> claim) provisional under their claim; rows written."""
-        return move_in(self, partition, batch, lost, claims)
+        rows of ``claims`` (key -> claim) provisional under their claim; rows written
+        (``counted``: in ``moved_in_rows``; False for rows sent again)."""
+        return move_in(self, partition, batch, lost, claims, counted)
 
     def drop(self, partition: str, keys: Sequence[str] | bytes) -> int:
         """Remove this unit's copies of ``keys`` (they live elsewhere now); rows removed."""
         return drop(self, partition, keys)
 
-    async def send(self, partition: str, keys: bytes, target: Actor) -> dict:
-        """Copy this unit's rows of ``keys`` straight to unit ``target`` ({rows, bytes, claimed})."""
-        return await send(self, partition, keys, target)
+    async def send(self, partition: str, keys: bytes, target: Actor, counted: bool = True) -> dict:
+        """Copy this unit's rows of ``keys`` straight to unit ``target`` ({rows, bytes,
+        claimed}); ``counted``: False for rows sent again (not counted as moved)."""
+        return await send(self, partition, keys, target, counted)
 
     # ---- introspection ----------------------------------------------------------
 

@@ -80,12 +80,13 @@ def take_fence(unit: StorageUnit, msg: Mapping[str, object]) -> dict:
 
 
 def move_in(unit: StorageUnit, partition: str, batch: PackedBatch, lost: Mapping[str, str] | None = None,
-            claims: Mapping[str, str] | None = None) -> int:
+            claims: Mapping[str, str] | None = None, counted: bool = True) -> int:
     """Store the moved rows of ``batch`` and record the moved lost keys ``lost`` (key ->
     how it was lost), except keys deleted during the move; rows written (a key already
     held identically counts as written: the copy is there). ``claims``: key -> claim of
     the rows provisional on the source, stored provisional under it here (an identical
-    row moved again without a claim makes the one here ordinary: its claim settled)."""
+    row moved again without a claim makes the one here ordinary: its claim settled).
+    ``counted``: False for rows sent again (a claim's catch-up), not counted as moved in."""
     unit._check_open()
     check_partition(partition, unit.partitions)
     fence = unit.fence
@@ -104,7 +105,8 @@ def move_in(unit: StorageUnit, partition: str, batch: PackedBatch, lost: Mapping
     for claim, rows in _by_claim(batch, claims or {}):
         res = unit.put_many(partition, rows, adopt=True, claim=claim, moving=True)
         written += len(res.ok)
-    unit.counters["moved_in_rows"] += written
+    if counted:
+        unit.counters["moved_in_rows"] += written
     return written
 
 
@@ -131,25 +133,27 @@ def _mark_moved_lost(unit: StorageUnit, partition: str, lost: Mapping[str, str])
         unit.losses.mark(partition, keys, how, index)
 
 
-async def send(unit: StorageUnit, partition: str, keys: bytes, target: Actor) -> dict:
+async def send(unit: StorageUnit, partition: str, keys: bytes, target: Actor, counted: bool = True) -> dict:
     """A move's copy, unit to unit: read ``keys`` here on the worker's actor thread (a
     consistent snapshot, in line with this unit's puts and deletes), then hand the rows,
     their claims and the lost-key records of ``keys`` to ``target.move_in`` from the
     worker's event loop, worker to worker. The actor thread is free while the rows travel
     and the target writes them. Keys no longer held (deleted since they were listed) are
     skipped. ``{"rows": rows the target wrote, "bytes": bytes of row data sent,
-    "claimed": key -> claim of the rows sent provisional}``. Runs as the unit's async
-    actor method on a worker."""
+    "claimed": key -> claim of the rows sent provisional}``. ``counted``: False for rows
+    sent again (a claim's catch-up: the move counted them once, in ``sent_rows`` here and
+    ``moved_in_rows`` there). Runs as the unit's async actor method on a worker."""
     from distributed import get_worker
 
     thread = dask_compat.actor_executor(get_worker())
     got, lost, claims = await asyncio.get_running_loop().run_in_executor(thread, _read_moved, unit, partition, keys)
     if not len(got.batch) and not lost:
         return {"rows": 0, "bytes": 0, "claimed": {}}
-    written = int(await target.move_in(partition, got.batch, lost or None, claims or None))
+    written = int(await target.move_in(partition, got.batch, lost or None, claims or None, counted))
     nbytes = int(got.batch.nbytes)
-    unit.counters["sent_rows"] += written
-    unit.counters["sent_bytes"] += nbytes
+    if counted:
+        unit.counters["sent_rows"] += written
+        unit.counters["sent_bytes"] += nbytes
     return {"rows": written, "bytes": nbytes, "claimed": claims}
 
 
