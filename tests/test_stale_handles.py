@@ -76,7 +76,21 @@ def test_a_close_through_a_handle_from_before_a_move_closes_the_added_unit_too(c
         assert added.close().result(30)["closed"] is True  # closed already: the old handle reached it
 
 
-def test_a_handle_told_moved_waits_for_the_directory_to_show_the_newer_table(cluster):
+class AsyncUser:
+    """An actor reading and writing through a store handle's async twins (its worker's
+    event loop: the async driver's refresh)."""
+
+    def __init__(self, store: StagingStore):
+        self.store = store
+
+    async def get_then_put(self, keys: list[str], batch) -> tuple[dict, dict, int]:
+        got = await self.store.get_many_async(keys)
+        put = await self.store.put_many_async(batch)
+        return dict(got.failed), dict(put.failed), self.store.version
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_handle_told_moved_waits_for_the_directory_to_show_the_newer_table(cluster, driver):
     # The units hold a table the directory does not give yet (the window between a unit's
     # fence and what a handle's fetch sees): the handle's get and put, refused ``moved``,
     # wait for the newer table and are answered instead of failing every key.
@@ -85,6 +99,8 @@ def test_a_handle_told_moved_waits_for_the_directory_to_show_the_newer_table(clu
     try:
         rows, more = rows_of(35, groups=2), rows_of(36, groups=2)
         put_all(store, rows)
+        keys = [r.staging_key for r in rows]
+        user = cluster.submit(AsyncUser, pickle.loads(pickle.dumps(store)), actor=True, workers=[w["c"]]).result()
         old = pickle.loads(pickle.dumps(store))
         p = store.placement
         newer = Placement(p.version + 1, p.workers, p.unit_ids, p.replicas, p.homes)
@@ -94,13 +110,18 @@ def test_a_handle_told_moved_waits_for_the_directory_to_show_the_newer_table(clu
         publish = threading.Timer(0.5, store.install_placement, (newer, store.units))
         publish.start()
         try:
-            got = old.get_many([r.staging_key for r in rows])
-            put = old.put_many(pack_rows(more))
+            if driver == "sync":
+                got, put = old.get_many(keys), old.put_many(pack_rows(more))
+                assert len(got.batch) == len(rows)
+                got_failed, put_failed, version = got.failed, put.failed, old.version
+            else:
+                got_failed, put_failed, version = user.get_then_put(keys, pack_rows(more)).result(60)
         finally:
             publish.join()
-        assert not got.failed and len(got.batch) == len(rows), list(got.failed.items())[:2]
-        assert not put.failed and len(put.ok) == len(more), list(put.failed.items())[:2]
-        assert old.version == newer.version
-        assert counter(store, "moved_refusals") > refused  # the get was refused before the table showed
+        assert not got_failed, list(got_failed.items())[:2]
+        assert not put_failed, list(put_failed.items())[:2]
+        assert version == newer.version
+        assert counter(store, "moved_refusals") > refused  # refused before the table showed
+        assert not store.get_many([r.staging_key for r in more]).failed
     finally:
         store.close()
