@@ -125,3 +125,22 @@ def test_a_handle_told_moved_waits_for_the_directory_to_show_the_newer_table(clu
         assert not store.get_many([r.staging_key for r in more]).failed
     finally:
         store.close()
+
+
+def test_a_copy_of_a_closed_stores_handle_fails_its_keys_instead_of_waiting_forever(cluster):
+    # Closing the store deletes its unit directory: a copy's refresh after the closed
+    # units answered waits a bounded time for the table (the directory's fetch), then the
+    # keys fail unit_unavailable.
+    w = by_name(cluster)
+    store, _ = owned(cluster, [w["a"], w["b"], w["c"]], replicas=2)
+    rows = rows_of(37, groups=1)
+    put_all(store, rows)
+    old = pickle.loads(pickle.dumps(store))
+    store.close()
+    answers: list = []
+    reader = threading.Thread(target=lambda: answers.append(old.get_many([r.staging_key for r in rows])), daemon=True)
+    reader.start()
+    reader.join(60)
+    assert answers, "the get through the closed store's handle did not return within 60 s"
+    assert {reason for reason, _ in answers[0].failed.values()} == {"unit_unavailable"}
+    assert len(answers[0].failed) == len(rows)

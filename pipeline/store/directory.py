@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # between fetches while waiting for a newer table (s)
+FETCH_TIMEOUT_S = 2.0  # how long a fetch waits for the table to exist (a closed store's is deleted) (s)
 MOVED_WAIT_S = 5.0  # how long a handle a unit answered ``moved`` waits for the newer table to show (s)
 
 
@@ -54,32 +55,37 @@ class UnitDirectory:
     def publish(self, client: "Client", table: UnitTable) -> None:
         self._variable(client).set(pickle.dumps(table))
 
-    def fetch(self, timeout: float | None = None) -> UnitTable | None:
-        """The current table (sync: a client, a task or an actor thread); None if unreachable."""
+    def fetch(self, timeout: float = FETCH_TIMEOUT_S, quiet: bool = False) -> UnitTable | None:
+        """The current table (sync: a client, a task or an actor thread); None if
+        unreachable or, after ``timeout`` seconds, absent (the store was closed): logged
+        unless ``quiet``."""
         try:
             return pickle.loads(self._variable().get(timeout=timeout))
         except Exception as e:  # noqa: BLE001 - no client, scheduler gone: keep the cached table
-            logger.warning("unit directory %s: the table could not be fetched (%s: %s)", self.name, type(e).__name__, e)
+            if not quiet:
+                _log_failed(self.name, e)
             return None
 
-    async def fetch_async(self, timeout: float | None = None) -> UnitTable | None:
-        """The current table from a coroutine on a worker's event loop; None if unreachable."""
+    async def fetch_async(self, timeout: float = FETCH_TIMEOUT_S, quiet: bool = False) -> UnitTable | None:
+        """The current table from a coroutine on a worker's event loop; None if
+        unreachable (logged unless ``quiet``)."""
         try:
             return pickle.loads(await self._variable().get(timeout=timeout, asynchronous=True))
         except Exception as e:  # noqa: BLE001
-            logger.warning("unit directory %s: the table could not be fetched (%s: %s)", self.name, type(e).__name__, e)
+            if not quiet:
+                _log_failed(self.name, e)
             return None
 
     def fetch_newer(self, version: int, wait_s: float = 0.0) -> UnitTable | None:
         """The current table, fetched again every ``POLL_S`` for up to ``wait_s`` seconds
         while it is not newer than ``version`` (a unit refused a call as planned on an
         older table: a newer one is published, or the fetch failed); the last fetched
-        (None if unreachable) when none came."""
+        (None if unreachable) when none came. A run of failed fetches is logged once."""
         end = time.monotonic() + wait_s
         table = self.fetch()
         while (table is None or table.version <= version) and time.monotonic() < end:
             time.sleep(POLL_S)
-            table = self.fetch()
+            table = self.fetch(quiet=table is None)
         return table
 
     async def fetch_newer_async(self, version: int, wait_s: float = 0.0) -> UnitTable | None:
@@ -88,7 +94,7 @@ class UnitDirectory:
         table = await self.fetch_async()
         while (table is None or table.version <= version) and time.monotonic() < end:
             await asyncio.sleep(POLL_S)
-            table = await self.fetch_async()
+            table = await self.fetch_async(quiet=table is None)
         return table
 
     def delete(self, client: "Client") -> None:
@@ -96,3 +102,10 @@ class UnitDirectory:
             self._variable(client).delete()
         except Exception:  # noqa: BLE001 - the cluster may be gone
             pass
+
+
+def _log_failed(name: str, error: Exception) -> None:
+    if isinstance(error, TimeoutError):
+        logger.warning("unit directory %s: no table within %.0f s (the store was closed?)", name, FETCH_TIMEOUT_S)
+    else:
+        logger.warning("unit directory %s: the table could not be fetched (%s: %s)", name, type(error).__name__, error)
