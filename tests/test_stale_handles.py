@@ -128,9 +128,9 @@ def test_a_handle_told_moved_waits_for_the_directory_to_show_the_newer_table(clu
 
 
 def test_a_copy_of_a_closed_stores_handle_fails_its_keys_instead_of_waiting_forever(cluster):
-    # Closing the store deletes its unit directory: a copy's refresh after the closed
-    # units answered waits a bounded time for the table (the directory's fetch), then the
-    # keys fail unit_unavailable.
+    # Closing the store replaces its unit directory's table by a marker: a copy's refresh
+    # after the closed units answered learns the store is closed (no wait for a table, no
+    # error on the scheduler) and the keys fail unit_unavailable.
     w = by_name(cluster)
     store, _ = owned(cluster, [w["a"], w["b"], w["c"]], replicas=2)
     rows = rows_of(37, groups=1)
@@ -144,3 +144,5 @@ def test_a_copy_of_a_closed_stores_handle_fails_its_keys_instead_of_waiting_fore
     assert answers, "the get through the closed store's handle did not return within 60 s"
     assert {reason for reason, _ in answers[0].failed.values()} == {"unit_unavailable"}
     assert len(answers[0].failed) == len(rows)
+    assert old.directory.closed
+    assert not [m for _, m in cluster.get_scheduler_logs(n=1000) if "variable_get" in m]

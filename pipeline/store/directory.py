@@ -5,7 +5,9 @@ lost unit is replaced, every copy must find the replacement. The current
 :class:`UnitTable` lives in a Dask ``Variable`` on the scheduler (it survives any worker),
 as pickled bytes (actor handles pickle to their address and key). Copies cache the table
 they were made with and fetch it again only when a call finds a unit unavailable, so the
-common path pays no extra round trip.
+common path pays no extra round trip. Closing the store replaces the table by a marker
+(:meth:`UnitDirectory.close`): a copy of a closed store's handle learns at once that no
+table will come, instead of waiting for one.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ if TYPE_CHECKING:  # pragma: no cover
 logger = logging.getLogger(__name__)
 
 POLL_S = 0.05  # between fetches while waiting for a newer table (s)
-FETCH_TIMEOUT_S = 2.0  # how long a fetch waits for the table to exist (a closed store's is deleted) (s)
+FETCH_TIMEOUT_S = 2.0  # how long a fetch waits for a table that does not exist (s)
+CLOSED = b"token-capture-store-closed"  # the directory's value once its store is closed
 MOVED_WAIT_S = 5.0  # how long a handle a unit answered ``moved`` waits for the newer table to show (s)
 
 
@@ -42,10 +45,12 @@ class UnitTable:
 
 
 class UnitDirectory:
-    """The named ``Variable`` holding the current :class:`UnitTable`. Picklable (its name)."""
+    """The named ``Variable`` holding the current :class:`UnitTable`. Picklable (its name).
+    ``closed``: a fetch found the store closed (no table will come)."""
 
     def __init__(self, name: str):
         self.name = name
+        self.closed = False
 
     def _variable(self, client: "Client | None" = None) -> "Variable":
         from distributed import Variable
@@ -57,10 +62,10 @@ class UnitDirectory:
 
     def fetch(self, timeout: float = FETCH_TIMEOUT_S, quiet: bool = False) -> UnitTable | None:
         """The current table (sync: a client, a task or an actor thread); None if
-        unreachable or, after ``timeout`` seconds, absent (the store was closed): logged
-        unless ``quiet``."""
+        unreachable, absent after ``timeout`` seconds (logged unless ``quiet``) or closed
+        (``closed`` set)."""
         try:
-            return pickle.loads(self._variable().get(timeout=timeout))
+            return self._table(self._variable().get(timeout=timeout))
         except Exception as e:  # noqa: BLE001 - no client, scheduler gone: keep the cached table
             if not quiet:
                 _log_failed(self.name, e)
@@ -70,11 +75,18 @@ class UnitDirectory:
         """The current table from a coroutine on a worker's event loop; None if
         unreachable (logged unless ``quiet``)."""
         try:
-            return pickle.loads(await self._variable().get(timeout=timeout, asynchronous=True))
+            return self._table(await self._variable().get(timeout=timeout, asynchronous=True))
         except Exception as e:  # noqa: BLE001
             if not quiet:
                 _log_failed(self.name, e)
             return None
+
+    def _table(self, value: bytes) -> UnitTable | None:
+        """The table a fetch got; None (and ``closed`` set) for a closed store's marker."""
+        if value == CLOSED:
+            self.closed = True
+            return None
+        return pickle.loads(value)
 
     def fetch_newer(self, version: int, wait_s: float = 0.0) -> UnitTable | None:
         """The current table, fetched again every ``POLL_S`` for up to ``wait_s`` seconds
@@ -83,7 +95,7 @@ class UnitDirectory:
         (None if unreachable) when none came. A run of failed fetches is logged once."""
         end = time.monotonic() + wait_s
         table = self.fetch()
-        while (table is None or table.version <= version) and time.monotonic() < end:
+        while (table is None or table.version <= version) and not self.closed and time.monotonic() < end:
             time.sleep(POLL_S)
             table = self.fetch(quiet=table is None)
         return table
@@ -92,20 +104,23 @@ class UnitDirectory:
         """:meth:`fetch_newer` from a coroutine."""
         end = time.monotonic() + wait_s
         table = await self.fetch_async()
-        while (table is None or table.version <= version) and time.monotonic() < end:
+        while (table is None or table.version <= version) and not self.closed and time.monotonic() < end:
             await asyncio.sleep(POLL_S)
             table = await self.fetch_async(quiet=table is None)
         return table
 
-    def delete(self, client: "Client") -> None:
+    def close(self, client: "Client") -> None:
+        """The store is closed: the table (and the actor handles it pickles) is replaced by
+        the :data:`CLOSED` marker, which stays (a few bytes on the scheduler), so a copy's
+        fetch answers at once."""
         try:
-            self._variable(client).delete()
+            self._variable(client).set(CLOSED)
         except Exception:  # noqa: BLE001 - the cluster may be gone
             pass
 
 
 def _log_failed(name: str, error: Exception) -> None:
     if isinstance(error, TimeoutError):
-        logger.warning("unit directory %s: no table within %.0f s (the store was closed?)", name, FETCH_TIMEOUT_S)
+        logger.warning("unit directory %s: no table within %.0f s (the directory does not exist)", name, FETCH_TIMEOUT_S)
     else:
         logger.warning("unit directory %s: the table could not be fetched (%s: %s)", name, type(error).__name__, error)

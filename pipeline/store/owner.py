@@ -95,7 +95,7 @@ class StoreOwner:
             except Exception:  # noqa: BLE001 - the cluster may already be gone; nothing left to free
                 pass
         if store.directory is not None:
-            store.directory.delete(self.client)
+            store.directory.close(self.client)
         self.closed = out
         return out
 
