@@ -12,8 +12,9 @@ scales it down (about 2 minutes in all; the full run about 5).
 
 Reported (JSON on stdout, progress on stderr): steps finalized, rows acknowledged, rows
 lost (must be 0), rollouts whose tensors differ from the oracle or from the fault-free
-run (must be 0), both runs' throughput, the fault timeline. Failures (those, or a step
-that never finishes) are printed and exit 1, with no ratio.
+run (must be 0), both runs' throughput, the fault timeline, the store's end figures (with
+``repair_wait_s``/``repair_unsettled``: what a repair still lacked when the wait gave up).
+Failures (those, or a step that never finishes) are printed and exit 1, with no ratio.
 
     python -m pipeline bench chaos --json
     python -m pipeline bench chaos --short --json

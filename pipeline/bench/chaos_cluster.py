@@ -27,6 +27,8 @@ from .chaos_controller import ControllerConfig
 from .chaos_schedule import KILL_CONTROLLER, KILL_FINALIZE, KILL_STORAGE, PARTITION, Fault
 
 if TYPE_CHECKING:
+    from distributed import Client
+
     from ..deploy import LocalHosts
 
 GENERATION = ("generation", "finalize")
@@ -151,7 +153,9 @@ class ChaosCluster:
         elif fault.kind in (KILL_STORAGE, KILL_FINALIZE):
             role = STORAGE if fault.kind == KILL_STORAGE else FINALIZE
             # Any host may hold a unit (a repair puts one where none of its partners is).
-            entry["waited_for_repair_s"] = self.wait_repaired()
+            entry["waited_for_repair_s"], unsettled = self.wait_repaired()
+            if unsettled:
+                entry["repair_unsettled"] = unsettled
             name = rng.choice(self.live(role))
             entry.update(self.replace(name, role))
         elif fault.kind == PARTITION:
@@ -200,26 +204,37 @@ class ChaosCluster:
             entry.update({"replacement": new.name, "joined_s": self.now()})
         return entry
 
-    def wait_repaired(self) -> float:
-        """Until no unit of the store sits on a worker the scheduler no longer has, every
-        storage worker has its unit and no change waits (at most :data:`REPAIR_WAIT_S`);
-        the seconds waited."""
-        from ..store.hosted import hosted_stores
-
+    def wait_repaired(self) -> tuple[float, str | None]:
+        """Until the store is repaired and complete (:meth:`unsettled` says nothing), at
+        most :data:`REPAIR_WAIT_S`: the seconds waited and what was still unsettled then."""
         assert self.hosts is not None
         client = self.hosts.client()
         t = time.monotonic()
-        while time.monotonic() - t < REPAIR_WAIT_S:
-            registered = self.hosts.registered(client)  # one round trip: worker name -> address
-            live = set(registered.values())
-            info = next((i for i in hosted_stores(client) if i["name"] == STORE_NAME), None)
-            names = {w for n in self.live(STORAGE) for w in self.hosts.hosts[n].spec.worker_names}
-            storage = {a for w, a in registered.items() if w in names}
-            if (info is not None and set(info["workers"]) <= live and storage <= set(info["workers"])
-                    and info.get("interrupted") is None and not info.get("waiting")):
-                break
+        while True:
+            why = self.unsettled(client)
+            if why is None or time.monotonic() - t >= REPAIR_WAIT_S:
+                return round(time.monotonic() - t, 2), why
             time.sleep(0.5)
-        return round(time.monotonic() - t, 2)
+
+    def unsettled(self, client: Client) -> str | None:
+        """Why the store is not repaired and complete yet: a unit on a worker the
+        scheduler no longer has, a storage worker without a unit, a move interrupted or a
+        change waiting; None when there is nothing."""
+        from ..store.hosted import hosted_stores
+
+        assert self.hosts is not None
+        registered = self.hosts.registered(client)  # one round trip: worker name -> address
+        info = next((i for i in hosted_stores(client) if i["name"] == STORE_NAME), None)
+        if info is None:
+            return "the store host lists no store"
+        gone = sorted(set(info["workers"]) - set(registered.values()))
+        names = {w for n in self.live(STORAGE) for w in self.hosts.hosts[n].spec.worker_names}
+        without = sorted({a for w, a in registered.items() if w in names} - set(info["workers"]))
+        for what, value in (("units on workers gone", gone), ("storage workers without a unit", without),
+                            ("a move interrupted", info.get("interrupted")), ("changes waiting", info.get("waiting"))):
+            if value:
+                return f"{what}: {value}"
+        return None
 
     def store_figures(self) -> dict:
         """The store's own counters at the end: rows and keys held, lost keys and reads."""
@@ -228,14 +243,15 @@ class ChaosCluster:
 
         assert self.hosts is not None
         client = self.hosts.client()
-        self.wait_repaired()
+        waited, unsettled = self.wait_repaired()
         with client.as_current():  # the handle's actors bind to the current client
             stats = lookup_store(client, STORE_NAME).stats()
         info = next(i for i in hosted_stores(client) if i["name"] == STORE_NAME)
         return {"units": len(stats), "rows_left_staged": sum(s["rows"] for s in stats),
                 "lost_keys": sum(int(s.get("lost_keys", 0)) for s in stats),
                 "lost_reads": sum(int(s.get("lost_reads", 0)) for s in stats),
-                "repairs": len(info["repaired"]), "lost_units_replicas1": len(info["lost_units"])}
+                "repairs": len(info["repaired"]), "lost_units_replicas1": len(info["lost_units"]),
+                "repair_wait_s": waited, "repair_unsettled": unsettled}
 
 
 def _alive(pid: int) -> bool:
