@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 from types import FrameType
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 if TYPE_CHECKING:
     from distributed import Client, Future
@@ -77,10 +78,27 @@ def silence_teardown(client: Client, embedded: bool) -> None:
     executions, actor calls into closing pools, busy workers killed) are expected, not
     news. Silenced here, and on the workers when the cluster is ours."""
     def quiet() -> None:
-        """No more log records in this process."""
+        """No more log records in this process, nor closed-loop client finalizers."""
         logging.disable(logging.CRITICAL)
+        drop_closed_loop_finalizers()
 
     quiet()
     if embedded:
         with contextlib.suppress(Exception):
             client.run(quiet, wait=True)
+
+
+def drop_closed_loop_finalizers() -> None:
+    """From now on this process does not print a Dask client's finalizer failing because
+    its event loop closed first (``Client.__del__``: ``RuntimeError: IOLoop is closed``, a
+    client collected during the teardown Ctrl-C started); any other unraisable exception
+    still goes to the previous hook."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        error = unraisable.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "IOLoop is closed":
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
