@@ -160,3 +160,19 @@ def test_the_controller_book_reads_a_steps_receipts_from_disk_once(tmp_path):
     successor.deliver({"step": sid, "index": 0})
     with pytest.raises(FileNotFoundError):  # delivered: forgotten, never submitted again
         successor.receipts(sid)
+
+
+def test_a_replacement_controller_clears_the_rows_of_delivered_steps_not_seen_cleared(tmp_path):
+    """A controller killed between a step's delivery and its clear's end leaves rows only
+    its replacement can clear: the keys go with the delivered record, the clear's end to
+    ``cleared.jsonl``; a failed step (no keys) is owed nothing."""
+    from pipeline.bench.chaos_controller import Book, owed_clears
+
+    book = Book(str(tmp_path))
+    book.deliver({"step": "s00000", "index": 0, "clear_keys": ["r0/c0", "r0/c1"]})
+    book.deliver({"step": "s00001", "index": 1, "clear_keys": ["r1/c0"]})
+    book.deliver({"step": "s00002", "index": 2, "failed": "TimeoutError: "})
+    book.mark_cleared("s00000")
+    successor = Book(str(tmp_path))
+    assert successor.cleared() == {"s00000"}
+    assert owed_clears(successor.delivered(), successor.cleared()) == {"s00001": ["r1/c0"]}

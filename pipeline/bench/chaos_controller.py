@@ -7,9 +7,11 @@ name (``Finalizer.attach``) and keeps ``in_flight`` steps finalizing: each step'
 are generated on the generation workers (a group whose receipts come back poisoned, e.g. a
 unit lost mid-put, is generated again: same rows, write-once puts), its receipts are saved
 to ``steps/<id>.pkl`` BEFORE it is submitted, and once collected its verdict against the
-oracle (:mod:`pipeline.testing.oracle`) is appended to ``delivered.jsonl`` (fsync) BEFORE
-its rows are cleared (a ``clear_rows`` task). A replacement (the next incarnation) resubmits every saved step not
-delivered, then goes on with new ones. ``STATE_DIR/stop`` ends it: no new step, the ones in
+oracle (:mod:`pipeline.testing.oracle`) is appended to ``delivered.jsonl`` (fsync) with
+the keys to clear BEFORE its rows are cleared (a ``clear_rows`` task; its id goes to
+``cleared.jsonl`` once every row is deleted). A replacement (the next incarnation)
+resubmits every saved step not delivered and clears the rows of those delivered and not
+cleared, then goes on with new ones. ``STATE_DIR/stop`` ends it: no new step, the ones in
 flight are collected, exit 0. Progress on stderr.
 """
 from __future__ import annotations
@@ -119,6 +121,18 @@ class Book:
         """Step id -> its verdict record (a torn last line, from a kill mid-write, is skipped)."""
         return read_delivered(self.dir)
 
+    def cleared(self) -> set[str]:
+        """Ids of the delivered steps whose clear finished with every row deleted."""
+        try:
+            with open(os.path.join(self.dir, "cleared.jsonl")) as f:
+                return {line.strip() for line in f if line.strip()}
+        except OSError:
+            return set()
+
+    def mark_cleared(self, sid: str) -> None:
+        with open(os.path.join(self.dir, "cleared.jsonl"), "a") as f:
+            f.write(sid + "\n")
+
     def deliver(self, record: dict) -> None:
         with open(os.path.join(self.dir, "delivered.jsonl"), "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -140,6 +154,11 @@ def read_delivered(state_dir: str) -> dict[str, dict]:
     except OSError:
         pass
     return out
+
+
+def owed_clears(delivered: dict[str, dict], cleared: set[str]) -> dict[str, list[str]]:
+    """Step id -> the keys still to clear, of each delivered step not seen cleared."""
+    return {sid: r["clear_keys"] for sid, r in delivered.items() if r.get("clear_keys") and sid not in cleared}
 
 
 def rollout_digest(group: Any, i: int) -> str:
@@ -203,6 +222,7 @@ class Controller:
                 self.resubmitted.add(sid)
         if self.in_flight:
             self.say(f"resubmitted {len(self.in_flight)} undelivered step(s): {[s for s, *_ in self.in_flight]}")
+        self.clear_owed(delivered)
         next_index = max(saved.values(), default=-1) + 1
         while True:
             stopping = os.path.exists(os.path.join(self.dir, "stop"))
@@ -219,6 +239,17 @@ class Controller:
                     self.reap_clears(wait_s=self.cfg.step_timeout_s)
                 return
             self.collect(*self.in_flight.popleft())
+
+    def clear_owed(self, delivered: dict[str, dict]) -> None:
+        """Clear the rows of the steps an earlier incarnation delivered and did not see
+        cleared (killed in between): nobody else would (a delete of a gone row is fine)."""
+        owed = owed_clears(delivered, self.book.cleared())
+        for sid, keys in sorted(owed.items()):
+            clear = self.fin.submit_clear(keys, f"{sid}-i{self.incarnation}-owed")
+            if clear is not None:
+                self.clears.append((sid, clear))
+        if owed:
+            self.say(f"clearing the rows of {len(owed)} delivered step(s) not seen cleared: {sorted(owed)}")
 
     def submit(self, sid: str, index: int, attempt: int) -> None:
         handle = self.fin.submit_step(self.book.receipts(sid), step_id=f"{sid}-i{self.incarnation}-a{attempt}")
@@ -259,13 +290,14 @@ class Controller:
             return
         record = verdict(self.cfg, sid, index, self.book.receipts(sid), step, self.incarnation, attempt)
         record["resubmitted"] = sid in self.resubmitted or attempt > 1
+        record["clear_keys"] = keys = handle.clear_keys()  # a replacement clears them if this one dies first
         self.book.deliver(record)
         self.say(f"{sid} delivered: {record['acknowledged']}/{record['rollouts']} acknowledged, "
                  f"{len(record['mismatched'])} differ, {record['rows_lost']} rows lost")
         # Cleared on the cluster, as the Finalizer's own clear is: a delete that waits out
         # its deadline on a lost unit holds no step of this loop. Rows earlier clears could
         # not delete go with it.
-        clear = self.fin.submit_clear(handle.clear_keys(), f"{sid}-i{self.incarnation}-a{attempt}")
+        clear = self.fin.submit_clear(keys, f"{sid}-i{self.incarnation}-a{attempt}")
         if clear is not None:
             self.clears.append((sid, clear))
         self.reap_clears()
@@ -284,6 +316,8 @@ class Controller:
                 failed = {"?": (type(e).__name__, str(e))}
             if failed:
                 self.say(f"{sid}: {len(failed)} row(s) not cleared (left staged)")
+            elif sid != "leftovers":
+                self.book.mark_cleared(sid)
 
 
 def _fresh_store(client: Client, name: str, current: Any) -> Any:
