@@ -25,7 +25,7 @@ from . import claim_calls, operations, receive_pool
 from .calls import Operation, run_async, run_sync
 from .deadline import deadline, settle_all
 from .whole_store import every_unit_answered, listed_keys, moved_answer, table_rounds
-from .directory import MOVED_WAIT_S, UnitDirectory, UnitTable
+from .directory import UnitDirectory, UnitTable
 from .owner import StoreOwner, start_units, unit_args_from_config
 from .moving import MovingTable
 from .placement import Placement
@@ -408,17 +408,15 @@ class StagingStore:
         True if the units changed since, fetching the shared table (one round trip). The
         table fetched is remembered for the process's other handles (:meth:`_catch_up`).
         ``moved``: a unit refused the call as planned on an older table, so a newer one
-        exists: wait up to ``MOVED_WAIT_S`` for the directory to give it."""
+        exists: the directory is asked until it gives it (:meth:`UnitDirectory.fetch_newer`)."""
         if self.version > seen:
             return True
-        wait = MOVED_WAIT_S if moved else 0.0
-        return self.directory is not None and self._take_fetched(self.directory.fetch_newer(self.version, wait))
+        return self.directory is not None and self._take_fetched(self.directory.fetch_newer(self.version, moved))
 
     async def refresh_async(self, seen: int, moved: bool = False) -> bool:
         if self.version > seen:
             return True
-        wait = MOVED_WAIT_S if moved else 0.0
-        return self.directory is not None and self._take_fetched(await self.directory.fetch_newer_async(self.version, wait))
+        return self.directory is not None and self._take_fetched(await self.directory.fetch_newer_async(self.version, moved))
 
     def _take_fetched(self, table: UnitTable | None) -> bool:
         assert self.directory is not None

@@ -72,8 +72,7 @@ class UnitDirectory:
             return None
 
     async def fetch_async(self, timeout: float = FETCH_TIMEOUT_S, quiet: bool = False) -> UnitTable | None:
-        """The current table from a coroutine on a worker's event loop; None if
-        unreachable (logged unless ``quiet``)."""
+        """:meth:`fetch` from a coroutine on a worker's event loop."""
         try:
             return self._table(await self._variable().get(timeout=timeout, asynchronous=True))
         except Exception as e:  # noqa: BLE001
@@ -88,26 +87,31 @@ class UnitDirectory:
             return None
         return pickle.loads(value)
 
-    def fetch_newer(self, version: int, wait_s: float = 0.0) -> UnitTable | None:
-        """The current table, fetched again every ``POLL_S`` for up to ``wait_s`` seconds
-        while it is not newer than ``version`` (a unit refused a call as planned on an
-        older table: a newer one is published, or the fetch failed); the last fetched
-        (None if unreachable) when none came. A run of failed fetches is logged once."""
-        end = time.monotonic() + wait_s
+    def fetch_newer(self, version: int, moved: bool = False) -> UnitTable | None:
+        """The current table; with ``moved`` (a unit refused a call as planned on an older
+        table, so a newer one is published or the fetch failed) fetched again every
+        ``POLL_S`` for up to ``MOVED_WAIT_S`` while it is not newer than ``version``. The
+        last fetched (None if unreachable or closed) when none came; a run of failed
+        fetches is logged once."""
+        end = time.monotonic() + (MOVED_WAIT_S if moved else 0.0)
         table = self.fetch()
-        while (table is None or table.version <= version) and not self.closed and time.monotonic() < end:
+        while self._waiting(table, version, end):
             time.sleep(POLL_S)
             table = self.fetch(quiet=table is None)
         return table
 
-    async def fetch_newer_async(self, version: int, wait_s: float = 0.0) -> UnitTable | None:
+    async def fetch_newer_async(self, version: int, moved: bool = False) -> UnitTable | None:
         """:meth:`fetch_newer` from a coroutine."""
-        end = time.monotonic() + wait_s
+        end = time.monotonic() + (MOVED_WAIT_S if moved else 0.0)
         table = await self.fetch_async()
-        while (table is None or table.version <= version) and not self.closed and time.monotonic() < end:
+        while self._waiting(table, version, end):
             await asyncio.sleep(POLL_S)
             table = await self.fetch_async(quiet=table is None)
         return table
+
+    def _waiting(self, table: UnitTable | None, version: int, end: float) -> bool:
+        """Fetch again: no table newer than ``version`` yet, the store not closed, time left."""
+        return (table is None or table.version <= version) and not self.closed and time.monotonic() < end
 
     def close(self, client: "Client") -> None:
         """The store is closed: the table (and the actor handles it pickles) is replaced by

@@ -26,9 +26,9 @@ def moved_answer(answer: object) -> bool:
 def table_rounds(store: Any) -> Iterator[int]:
     """The rounds of a call planned on ``store``'s table, each yielding the table version
     to stamp it with. The caller breaks once no unit answered ``moved``; otherwise the
-    handle takes the newest table from the unit directory (``store.refresh``) and the
-    next round begins: at most ``REFRESHES`` times, none when no newer table is found (or
-    the store has no ``refresh``)."""
+    handle takes the newest table from the unit directory (``store.refresh`` told
+    ``moved``: it waits a moment for the newer table) and the next round begins: at most
+    ``REFRESHES`` times, none when no newer table came (or the store has no ``refresh``)."""
     for _ in range(REFRESHES + 1):
         seen = store.placement.version
         yield seen
