@@ -162,6 +162,12 @@ class ClusterUnavailable(TokenCaptureError, ConnectionError):
     workers to run on. The message names the address and how to start what is missing."""
 
 
+class ActorUnresponsive(ClusterUnavailable, TimeoutError):
+    """An actor call not answered within its bound while the actor's worker may still be
+    registered: its process is hung or stalled (stopped, swapping, deadlocked). The
+    message names the actor's worker, the call and the setting that bounds it."""
+
+
 class HostStartFailed(ClusterUnavailable):
     """A cluster of hosts could not start: the scheduler's port is in use, a worker process
     exited before it registered, or a worker did not register within the start timeout.

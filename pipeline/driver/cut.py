@@ -2,7 +2,8 @@
 
 :func:`cut_actors` asks each actor of an :class:`~pipeline.driver.pool.ActorPool` to cut
 its in-flight calls and gathers one receipt per actor (:class:`CutOutcome`). A call that
-fails on the connection is retried while the actor's worker stays in the cluster (a cut
+fails on the connection, or is not answered by the cut's deadline plus
+``driver.cut-answer-margin-s`` (a hung worker), is retried while the actor's worker stays in the cluster (a cut
 is idempotent: the actor answers a retry with the receipt it cached). An actor whose
 worker left gets a ``generation_lost`` receipt (:func:`lost_cut_receipts`), and the cut
 rows it may have written are listed and deleted so no unadvertised row stays behind; one
@@ -97,7 +98,8 @@ def cut_actors(pool: ActorPool, inventory: Inventory, cut_store: CutStore, check
     def call(slot: int, actor) -> object:
         return actor.checkpoint_cut(checkpoint_id, inventory[slot], deadline)
 
-    answers, lost = pool.fan_out_surviving(inventory, call)
+    wait_s = pool.settings.cut_wait_s(deadline, time.time()) if pool.settings is not None else None
+    answers, lost = pool.fan_out_surviving(inventory, call, wait_s, what=f"cut {checkpoint_id!r}")
     if lost:
         grace = pool.settings.lost_actor_grace_s if pool.settings is not None else 0.0
         again, gone, unsure = settle_unreachable(pool, lost, call, grace)
@@ -132,7 +134,7 @@ def settle_unreachable(pool: ActorPool, lost: Mapping[int, BaseException], call:
                 gone[s] = pending.pop(s)
         if not pending or clock() >= end:
             break
-        got, failed = pool.fan_out_surviving(pending, call)
+        got, failed = pool.fan_out_surviving(pending, call, max(end - clock(), 0.0), what="a retried cut")
         answers.update(got)
         pending = dict(failed)
         if pending:

@@ -23,7 +23,7 @@ T = TypeVar("T", covariant=True)
 class Pending(Protocol[T]):
     """An actor call in flight (a ``distributed.ActorFuture``)."""
 
-    def result(self) -> T: ...
+    def result(self, timeout: float | None = None) -> T: ...
 
 
 class CallSpec(TypedDict):

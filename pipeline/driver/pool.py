@@ -1,15 +1,16 @@
 """ActorPool: the generation actors a driver runs on, one per slot (a Dask worker each).
 
 It starts them (pinned, one per worker), fans a call out to several at once and waits for
-every answer, tells an actor that is gone (connection failure, worker left) from one that
+every answer (bounded: a hung worker's actor raises :class:`ActorUnresponsive`), tells an actor that is gone (connection failure, worker left) from one that
 raised, and drops them all (:meth:`ActorPool.kill`). A lost actor is replaced by starting a
 new pool (:meth:`ActorPool.start`), which is what recovery does.
 """
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence, TypeVar
 
-from tasks.errors import DriverError
+from tasks.errors import ActorUnresponsive, DriverError
 
 from ..actors import current_workers, start_pinned_actors, workers_now
 from .handles import CutStore, GenerationActor, Pending
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 # One actor call: (slot, its actor) -> the call in flight.
 ActorCall = Callable[[int, GenerationActor], Pending[T]]
+MIN_WAIT_S = 0.001  # an answer already due is still taken if it has arrived (s)
 
 
 class ActorPool:
@@ -66,26 +68,44 @@ class ActorPool:
     def __len__(self) -> int:
         return len(self.actors)
 
-    def fan_out(self, slots: Iterable[int], call: ActorCall[T]) -> dict[int, T]:
+    def fan_out(self, slots: Iterable[int], call: ActorCall[T], what: str = "call") -> dict[int, T]:
         """``call`` on the actor of every slot, all issued before any is awaited; the
-        answers by slot (in ``slots`` order). The first failure propagates."""
+        answers by slot (in ``slots`` order). The first failure propagates; an actor that
+        does not answer within ``driver.actor-call-timeout-s`` raises
+        :class:`ActorUnresponsive` naming ``what`` and its worker."""
         pending = {s: call(s, self.actors[s]) for s in slots}
-        return {s: p.result() for s, p in pending.items()}
+        end = self.call_deadline()
+        return {s: self._await(s, p, end, what, "driver.actor-call-timeout-s") for s, p in pending.items()}
 
-    def fan_out_surviving(self, slots: Iterable[int], call: ActorCall[T]) -> tuple[dict[int, T], dict[int, BaseException]]:
+    def fan_out_surviving(self, slots: Iterable[int], call: ActorCall[T], wait_s: float | None = None,
+                          what: str = "call") -> tuple[dict[int, T], dict[int, BaseException]]:
         """:meth:`fan_out`, with actors lost meanwhile: ``(answers, errors)`` by slot, an
-        error for each slot whose actor :meth:`is_lost`; any other failure propagates."""
+        error for each slot whose actor :meth:`is_lost`, or that did not answer within
+        ``wait_s`` seconds (None: no bound) of the calls' start (an
+        :class:`ActorUnresponsive`); any other failure propagates."""
         pending = {s: call(s, self.actors[s]) for s in slots}
+        end = None if wait_s is None else time.monotonic() + wait_s
         answers: dict[int, T] = {}
         lost: dict[int, BaseException] = {}
         for s, p in pending.items():
             try:
-                answers[s] = p.result()
+                answers[s] = self._await(s, p, end, what, "driver.cut-answer-margin-s")
             except Exception as e:
                 if not self.is_lost(s, e):
                     raise
                 lost[s] = e
         return answers, lost
+
+    def _await(self, slot: int, pending: Pending[T], end: float | None, what: str, setting: str) -> T:
+        return await_answer(pending, end, lambda: (
+            f"the generation actor on {self.workers[slot]} (slot {slot}) did not answer {what} in time: its "
+            f"worker is hung or stalled; restart that worker and recover from the last cut, or raise {setting}"))
+
+    def call_deadline(self) -> float | None:
+        """When calls issued now stop being awaited (monotonic s; None: never):
+        ``driver.actor-call-timeout-s`` from now."""
+        timeout = self.settings.call_timeout_s if self.settings is not None else None
+        return None if timeout is None else time.monotonic() + timeout
 
     def is_lost(self, slot: int, error: BaseException) -> bool:
         """Whether ``error`` (raised by an actor call of ``slot``) means the actor is gone:
@@ -116,3 +136,16 @@ class ActorPool:
         self.client.cancel(self._futures, force=True)
         self._futures, self.actors = [], []
         return keys
+
+
+def await_answer(pending: Pending[T], end: float | None, problem: Callable[[], str]) -> T:
+    """``pending``'s answer, waiting until ``end`` (monotonic seconds; None: forever);
+    past it :class:`ActorUnresponsive` with the message ``problem()``."""
+    if end is None:
+        return pending.result()
+    try:
+        return pending.result(timeout=max(end - time.monotonic(), MIN_WAIT_S))
+    except TimeoutError as e:
+        if isinstance(e, ActorUnresponsive):
+            raise
+        raise ActorUnresponsive(problem()) from None

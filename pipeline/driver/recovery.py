@@ -27,7 +27,7 @@ from tasks.toy.rollouts import call_id
 from ..store.protocol import MISSING_KEY
 from .book import RolloutBook
 from .handles import BatcherStats, Pending, PrefixBatcher
-from .pool import ActorPool
+from .pool import ActorPool, await_answer
 from .snapshot import DriverSettings, DriverSnapshot
 from .state import RolloutState
 
@@ -178,12 +178,13 @@ def resume_calls(pool: ActorPool, running: list[RolloutState], acks: Mapping[tup
     # One restore_many per actor, on the batcher of the actor's worker, all at once.
     addrs = list(batchers)
     pick = {slot: batchers.get(pool.workers[slot]) or batchers[addrs[slot % len(addrs)]] for slot in want}
-    before = _batcher_stats(set(pick.values()))
+    before = _batcher_stats(set(pick.values()), pool.call_deadline())
     verdicts = {slot: pick[slot].restore_many([a for _, a in pairs]) for slot, pairs in want.items()}
     resumes = _issue_resumes(pool, want, verdicts, contexts, regen, stats)
+    end = pool.call_deadline()
     for r, ack, v, fut in resumes:  # issued together, awaited together
         try:
-            fut.result()
+            await_answer(fut, end, lambda: f"resume_call of {r.spec.rollout_id} not answered in time")
             accepted = True
         except Exception:  # the worker refused the prefix: this call starts over
             accepted = False
@@ -193,7 +194,7 @@ def resume_calls(pool: ActorPool, running: list[RolloutState], acks: Mapping[tup
             continue
         stats.resumed += 1
         stats.resumed_tokens += d.prefix_tokens
-    after = _batcher_stats(set(pick.values()))
+    after = _batcher_stats(set(pick.values()), pool.call_deadline())
     stats.gets = sum(a["gets"] - before[k]["gets"] for k, a in after.items())
     stats.keys = sum(a["keys_fetched"] - before[k]["keys_fetched"] for k, a in after.items())
     stats.regenerated = dict(Counter(why for _, why in regen))
@@ -206,9 +207,13 @@ def _issue_resumes(pool: ActorPool, want: Mapping[int, list[tuple[RolloutState, 
     """``resume_call`` for each call whose prefix verdict allows it (not awaited); the
     others join ``regen`` with the verdict's reason."""
     resumes: list[Resume] = []
+    end = pool.call_deadline()
     for slot, pairs in want.items():
         stats.restore_requests += len(pairs)
-        for (r, ack), v in zip(pairs, verdicts[slot].result()):
+        answer = await_answer(verdicts[slot], end, lambda: (
+            f"the prefix-read batcher for the actor on {pool.workers[slot]} did not answer restore_many in time: "
+            "its worker is hung or stalled; restart it and recover again, or raise driver.actor-call-timeout-s"))
+        for (r, ack), v in zip(pairs, answer):
             d = decide(ack, v, contexts[r.spec.rollout_id])
             if d.regenerate:
                 regen.append((r, d.reason))
@@ -221,6 +226,8 @@ def _issue_resumes(pool: ActorPool, want: Mapping[int, list[tuple[RolloutState, 
     return resumes
 
 
-def _batcher_stats(batchers: set[PrefixBatcher]) -> dict[PrefixBatcher, BatcherStats]:
+def _batcher_stats(batchers: set[PrefixBatcher], end: float | None) -> dict[PrefixBatcher, BatcherStats]:
     futures = {b: b.stats() for b in batchers}
-    return {b: f.result() for b, f in futures.items()}
+    return {b: await_answer(f, end, lambda: "a prefix-read batcher did not answer stats in time: its worker is hung "
+                            "or stalled; restart it and recover again, or raise driver.actor-call-timeout-s")
+            for b, f in futures.items()}

@@ -64,18 +64,19 @@ class RoundRunner:
         by_slot: dict[int, list[RolloutState]] = defaultdict(list)
         for r in rollouts:
             by_slot[r.slot].append(r)
-        self.pool.fan_out(by_slot, lambda slot, actor: actor.start_calls(self.call_specs(by_slot[slot])))
+        self.pool.fan_out(by_slot, lambda slot, actor: actor.start_calls(self.call_specs(by_slot[slot])),
+                          what="start_calls")
 
     def step(self) -> None:
         """One round: ``step`` on every actor holding a call; collect those that completed one."""
         n = self.settings.step_tokens
-        steps = self.pool.fan_out(self.book.active_slots(), lambda slot, actor: actor.step(n))
+        steps = self.pool.fan_out(self.book.active_slots(), lambda slot, actor: actor.step(n), what="step")
         self.collect([s for s, st in steps.items() if st["completed"]])
         self.rounds += 1
 
     def collect(self, slots: Sequence[int]) -> list[RolloutState]:
         """Take completed calls from ``slots``, stage them (one put), open next turns."""
-        taken = self.pool.fan_out(slots, lambda slot, actor: actor.take_completed())
+        taken = self.pool.fan_out(slots, lambda slot, actor: actor.take_completed(), what="take_completed")
         outputs = [o for s in slots for o in taken[s]]
         if not outputs:
             return []
