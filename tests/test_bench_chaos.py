@@ -2,8 +2,9 @@
 
 The soak itself (minutes, a cluster of hosts) is its own CI step
 (``python -m pipeline bench chaos --short --json``, .ci/run); here, in milliseconds: a
-schedule kills a worker every 30-60 s (scaled in short mode), the controller once and cuts
-a host once, with no kill near the cut and nothing in the tail; a report with a lost row,
+schedule kills a worker every 30-60 s (scaled in short mode), the controller once, stalls
+a host once and cuts a host once, with no kill near the stall or the cut and nothing in
+the tail; a report with a lost row,
 a differing tensor, an unfinished step or a controller that died by itself fails, names
 what failed, exits 1 and carries no throughput ratio; a clean one has the ratio.
 """
@@ -18,6 +19,7 @@ from pipeline.bench.chaos_schedule import (
     KILL_FINALIZE,
     KILL_STORAGE,
     PARTITION,
+    STALL,
     ScheduleSettings,
     fault_schedule,
     kill_times,
@@ -25,11 +27,11 @@ from pipeline.bench.chaos_schedule import (
 from pipeline.cli import build_parser
 
 FULL = ScheduleSettings(duration_s=210.0)
-SHORT = ScheduleSettings(duration_s=75.0, scale=0.4, partition_s=8.0, gap_s=4.0, tail_s=14.0)
+SHORT = ScheduleSettings(duration_s=75.0, scale=0.4, partition_s=8.0, gap_s=4.0, tail_s=14.0, stall_s=6.0)
 
 
 @pytest.mark.parametrize("settings", [FULL, SHORT], ids=["full", "short"])
-def test_a_schedule_kills_a_worker_every_interval_the_controller_once_and_cuts_a_host_once(settings):
+def test_a_schedule_kills_a_worker_every_interval_the_controller_once_and_stalls_and_cuts_a_host_once(settings):
     import random
 
     lo, hi = settings.kill_interval_s()
@@ -47,25 +49,33 @@ def test_a_schedule_kills_a_worker_every_interval_the_controller_once_and_cuts_a
         kinds = [f.kind for f in kills]
         assert len(kills) < 2 or {KILL_STORAGE, KILL_FINALIZE} <= set(kinds), kinds  # both kinds
         assert abs(kinds.count(KILL_STORAGE) - kinds.count(KILL_FINALIZE)) <= 1
-        assert not [f for f in kills if cut.at_s - settings.gap_s <= f.at_s <= cut.at_s + cut.duration_s + settings.gap_s]
+        [stall] = [f for f in faults if f.kind == STALL]
         end = settings.duration_s - settings.tail_s
+        assert stall.duration_s == settings.stall_s and stall.at_s + stall.duration_s <= end / 3
+        assert stall.at_s + stall.duration_s + settings.gap_s < cut.at_s - settings.gap_s  # never both at once
+        for window in (cut, stall):  # no kill near a stall or a cut
+            assert not [f for f in kills if window.at_s - settings.gap_s <= f.at_s <= window.at_s + window.duration_s + settings.gap_s]
         assert all(0 < f.at_s and f.at_s + f.duration_s <= end for f in faults), faults
 
 
 def test_a_seed_gives_one_schedule_and_a_run_too_short_is_refused():
     assert fault_schedule(FULL, 3) == fault_schedule(FULL, 3) != fault_schedule(FULL, 4)
-    assert {f.kind for s in range(10) for f in fault_schedule(FULL, s)} == {KILL_STORAGE, KILL_FINALIZE, KILL_CONTROLLER, PARTITION}
+    assert {f.kind for s in range(10) for f in fault_schedule(FULL, s)} == {KILL_STORAGE, KILL_FINALIZE, KILL_CONTROLLER, PARTITION, STALL}
     with pytest.raises(ValueError, match="too short"):
         fault_schedule(ScheduleSettings(duration_s=50.0), 0)
+    with pytest.raises(ValueError, match="too short"):  # room for the partition, not for the stall before a third
+        fault_schedule(ScheduleSettings(duration_s=100.0), 0)
 
 
 def test_short_mode_scales_the_run_down():
     args = build_parser().parse_args(["bench", "chaos", "--short", "--json"])
     settings, fault_free_s = chaos.plan(args)
     assert settings.scale < 1 and settings.duration_s + fault_free_s <= 100 and settings.partition_s < 20
+    assert settings.stall_s < 10  # shorter than the soak's worker TTL: the stalled host resumes
     args = build_parser().parse_args(["bench", "chaos", "--json"])
     settings, fault_free_s = chaos.plan(args)
     assert settings.scale == 1 and settings.partition_s == 20 and settings.duration_s + fault_free_s <= 300
+    assert settings.stall_s > 10  # longer than the soak's worker TTL: the stalled host is removed, then replaced
 
 
 def record(sid: str, *, rows_lost: int = 0, mismatched: dict | None = None, digest: str = "d", incarnation: int = 1) -> dict:

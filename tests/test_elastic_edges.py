@@ -357,6 +357,44 @@ def test_a_join_during_a_checkpoint_waits_and_the_host_retries_until_it_lands(cl
         close_hosted(cluster, name)
 
 
+def test_a_change_while_a_unit_is_lost_waits_for_its_repair(cluster, spawned):
+    # A storage worker joining right after another died (a chaos soak's replacement host)
+    # used to fail its add for good: the add asked every unit for its checkpoints, the
+    # lost one raised "Unable to contact Actor's worker", and the joined worker never got
+    # a unit. Now the change is refused StoreBusy (the host retries it) until the repairer
+    # has replaced the lost unit, then it lands.
+    procs = [cli_worker(cluster, spawned, f"lost{i}", storage=False) for i in range(3)]
+    workers = [a for _, a in procs]
+    with dask.config.set({"token-capture.store.repair-interval-s": 3600}):  # the repair runs when the test says
+        store, rb = owned(cluster, workers, replicas=2)
+    try:
+        rows = rows_of(9)
+        put_all(store, rows)
+        target = by_name(cluster)["a"]
+        # Alive and registered but silent (stopped): the change waits for it the same way.
+        os.kill(procs[2][0].pid, signal.SIGSTOP)
+        try:
+            patient = Rebalancer(store, cluster, store.owner.unit_args, RebalanceSettings(8, call_timeout_s=1.0, retry_s=60.0))
+            with pytest.raises(StoreBusy, match="did not answer before a change"):
+                patient.add_unit(target)
+        finally:
+            os.kill(procs[2][0].pid, signal.SIGCONT)
+        assert list(store.placement.workers) == workers
+        procs[2][0].kill()
+        wait_until(lambda: workers[2] not in workers_now(cluster), 60, "the killed worker removed")
+        actors = actors_on(cluster)
+        with pytest.raises(StoreBusy, match="lost with their worker and not re-replicated yet"):
+            rb.add_unit(target)
+        assert list(store.placement.workers) == workers and actors_on(cluster) == actors  # nothing started or changed
+        assert store.owner.repairer.check() == [2]
+        target = next(by_name(cluster)[n] for n in "abcd" if by_name(cluster)[n] not in store.placement.workers)
+        record = rb.add_unit(target)
+        assert record["kind"] == "add" and target in store.placement.workers and len(store.units) == 4
+        same_rows(store, rows)
+    finally:
+        store.close()
+
+
 class Paused(Rebalancer):
     """A rebalancer that holds its copy until told to go on."""
 

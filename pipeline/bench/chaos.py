@@ -7,7 +7,8 @@ store hosted by the scheduler (replicas 2) and a controller process keeping
 ``--in-flight`` steps finalizing (:mod:`.chaos_controller`). The faulty run also follows
 :mod:`.chaos_schedule`: a random storage or finalize worker SIGKILLed every 30-60 s (a
 replacement joins), the controller SIGKILLed once (the next one attaches and resubmits),
-one storage host cut off once (:mod:`pipeline.testing.partition`, 20 s). ``--short``
+a storage or finalize host stalled once (SIGSTOP, then SIGCONT after 15 s), one storage
+host cut off once (:mod:`pipeline.testing.partition`, 20 s). ``--short``
 scales it down (about 2 minutes in all; the full run about 5).
 
 Reported (JSON on stdout, progress on stderr): steps finalized, rows acknowledged, rows
@@ -35,9 +36,9 @@ from .chaos_report import digests_differing, exit_status, report, run_figures  #
 from .chaos_schedule import Fault, ScheduleSettings, fault_schedule
 from .common import main, notes
 
-# (faulty run s, fault-free run s, interval scale, partition s, gap s, tail s)
-FULL = (210.0, 60.0, 1.0, 20.0, 10.0, 30.0)
-SHORT = (75.0, 20.0, 0.4, 8.0, 4.0, 14.0)
+# (faulty run s, fault-free run s, interval scale, partition s, gap s, tail s, stall s)
+FULL = (210.0, 60.0, 1.0, 20.0, 10.0, 30.0, 15.0)
+SHORT = (75.0, 20.0, 0.4, 8.0, 4.0, 14.0, 6.0)
 PROGRESS_EVERY_S = 15.0
 
 
@@ -48,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--duration", type=positive_float, default=None, help="faulty run length, s (default 210; 75 with --short)")
     p.add_argument("--fault-free-duration", type=positive_float, default=None, help="fault-free run length, s (default 60; 20 with --short)")
     p.add_argument("--partition-s", type=positive_float, default=None, help="how long the storage host is cut off, s (default 20; 8 with --short)")
+    p.add_argument("--stall-s", type=positive_float, default=None,
+                   help="how long a storage or finalize host is stopped (SIGSTOP, then SIGCONT), s (default 15: longer "
+                        "than the soak's 10 s worker TTL, so the host is removed and replaced; 6 with --short: it resumes)")
     p.add_argument("--groups", type=positive_int, default=2, help="GRPO groups per step (default 2)")
     p.add_argument("--rollouts", type=positive_int, default=4, help="rollouts per group (default 4)")
     p.add_argument("--turns", type=positive_int, default=2, help="model calls per rollout (default 2)")
@@ -61,9 +65,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def plan(args: argparse.Namespace) -> tuple[ScheduleSettings, float]:
     """The faulty run's schedule settings and the fault-free run's length (s)."""
-    duration, fault_free, scale, cut, gap, tail = SHORT if args.short else FULL
+    duration, fault_free, scale, cut, gap, tail, stall = SHORT if args.short else FULL
     settings = ScheduleSettings(duration_s=args.duration or duration, scale=scale,
-                                partition_s=args.partition_s or cut, gap_s=gap, tail_s=tail)
+                                partition_s=args.partition_s or cut, gap_s=gap, tail_s=tail,
+                                stall_s=args.stall_s or stall)
     return settings, args.fault_free_duration or fault_free
 
 

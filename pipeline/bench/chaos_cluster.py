@@ -7,13 +7,16 @@ A killed worker's host is SIGKILLed and a replacement host of the same roles joi
 store host gives a new storage worker a unit, the repairer re-replicates the lost one);
 before the next storage kill the driver waits until no unit sits on a gone worker, so two
 kills never take both copies of a key. A killed controller is SIGKILLed and the next
-incarnation attaches by name. A cut storage host (:mod:`pipeline.testing.partition`) is
+incarnation attaches by name. A stalled host's processes are stopped (SIGSTOP: alive,
+registered, silent; their connections stay open) and continued after the stall; a host
+whose workers the scheduler removed meanwhile (worker TTL) is replaced. A cut storage host (:mod:`pipeline.testing.partition`) is
 healed after its duration; its workers, if they closed meanwhile (Dask workers close when
 their scheduler connection breaks), are replaced like a killed host's. Each fault is one
 timeline entry: what, where, when (s from the run's start), and what followed.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import random
@@ -24,7 +27,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from .chaos_controller import ControllerConfig
-from .chaos_schedule import KILL_CONTROLLER, KILL_FINALIZE, KILL_STORAGE, PARTITION, Fault
+from .chaos_schedule import KILL_CONTROLLER, KILL_FINALIZE, KILL_STORAGE, PARTITION, STALL, Fault
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -158,6 +161,12 @@ class ChaosCluster:
                 entry["repair_unsettled"] = unsettled
             name = rng.choice(self.live(role))
             entry.update(self.replace(name, role))
+        elif fault.kind == STALL:
+            entry["waited_for_repair_s"], unsettled = self.wait_repaired()  # never both copies' units at once
+            if unsettled:
+                entry["repair_unsettled"] = unsettled
+            role = rng.choice((STORAGE, FINALIZE))
+            entry.update(self.stall(rng.choice(self.live(role)), role, fault.duration_s))
         elif fault.kind == PARTITION:
             from tasks.errors import PartitionUnavailable
 
@@ -182,6 +191,40 @@ class ChaosCluster:
         new = self.hosts.add_host(roles)
         return {"host": name, "address": address, "replacement": new.name, "joined_s": self.now()}
 
+    def stall(self, name: str, roles: tuple[str, ...], duration_s: float) -> dict:
+        """Stop host ``name``'s processes for ``duration_s``, continue them; replace the
+        host if its workers are no longer registered (removed by the worker TTL)."""
+        assert self.hosts is not None
+        host = self.hosts.hosts[name]
+        pids = [pid for pid in host.pids() if _alive(pid)]
+        try:
+            for pid in pids:
+                os.kill(pid, signal.SIGSTOP)
+            time.sleep(duration_s)
+        finally:
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGCONT)
+        entry: dict = {"host": name, "address": host.address, "stalled_s": duration_s, "resumed_s": self.now()}
+        return {**entry, **self._replace_if_gone(name, roles)}
+
+    def _replace_if_gone(self, name: str, roles: tuple[str, ...]) -> dict:
+        """After a stall or a cut: wait a moment for host ``name``'s workers to be back or
+        closed (their scheduler connection broke, or the scheduler removed them); replace
+        the host if none is registered or its processes are gone."""
+        assert self.hosts is not None
+        host = self.hosts.hosts[name]
+        time.sleep(2.0)
+        names = set(host.spec.worker_names)
+        registered = names & set(self.hosts.registered(self.hosts.client()))
+        alive = [pid for pid in host.pids() if _alive(pid)]
+        entry: dict = {"workers_after": len(registered)}
+        if not registered or not alive:
+            self.hosts.kill_host(name)
+            new = self.hosts.add_host(roles)
+            entry.update({"replacement": new.name, "joined_s": self.now()})
+        return entry
+
     def cut(self, name: str, duration_s: float) -> dict:
         """Cut storage host ``name`` off for ``duration_s``; heal; replace it if its workers
         closed meanwhile."""
@@ -193,16 +236,7 @@ class ChaosCluster:
             time.sleep(max(0.0, duration_s - p.duration_s()))
         entry: dict = {"host": name, "address": host.address, "cut_s": round(p.duration_s(), 2),
                        "connections_cut": p.connections, "healed_s": self.now()}
-        time.sleep(2.0)  # the host's workers: back, or closed (their scheduler connection broke)
-        names = set(host.spec.worker_names)
-        registered = names & set(self.hosts.registered(self.hosts.client()))
-        alive = [pid for pid in host.pids() if _alive(pid)]
-        entry["workers_after_heal"] = len(registered)
-        if not registered or not alive:
-            self.hosts.kill_host(name)
-            new = self.hosts.add_host(STORAGE)
-            entry.update({"replacement": new.name, "joined_s": self.now()})
-        return entry
+        return {**entry, **self._replace_if_gone(name, STORAGE)}
 
     def wait_repaired(self) -> tuple[float, str | None]:
         """Until the store is repaired and complete (:meth:`unsettled` says nothing), at

@@ -189,11 +189,13 @@ def verdict(cfg: ControllerConfig, sid: str, index: int, receipts: dict[str, lis
     status = {rid: g.status[i] for g in step.groups.values() for i, rid in enumerate(g.rollout_ids)}
     lost = sum(len(acked[rid].calls) for rid in acked if status.get(rid) in LOST_REASONS)
     digests = {rid: rollout_digest(g, i) for g in step.groups.values() for i, rid in enumerate(g.rollout_ids) if rid in acked}
+    rejected = {rid: f"{g.status[i]}: {g.details[i] if i < len(g.details) else ''}" for g in step.groups.values()
+                for i, rid in enumerate(g.rollout_ids) if rid in acked and g.status[i] != "ok"}
     return {
         "step": sid, "index": index, "incarnation": incarnation, "attempts": attempts, "t": time.time(),
         "rollouts": sum(len(rs) for rs in receipts.values()), "acknowledged": len(acked),
         "rows": sum(len(r.calls) for r in acked.values()), "tokens": int(step.metrics.get("tokens", 0)),
-        "rows_lost": lost, "mismatched": mismatched, "digests": digests,
+        "rows_lost": lost, "mismatched": mismatched, "digests": digests, "rejected": rejected,
     }
 
 
@@ -294,6 +296,8 @@ class Controller:
         self.book.deliver(record)
         self.say(f"{sid} delivered: {record['acknowledged']}/{record['rollouts']} acknowledged, "
                  f"{len(record['mismatched'])} differ, {record['rows_lost']} rows lost")
+        for rid, why in list(record["rejected"].items())[:4]:  # an acknowledged rollout rejected: why, as delivered
+            self.say(f"{sid}: acknowledged rollout {rid} rejected: {why}")
         # Cleared on the cluster, as the Finalizer's own clear is: a delete that waits out
         # its deadline on a lost unit holds no step of this loop. Rows earlier clears could
         # not delete go with it.

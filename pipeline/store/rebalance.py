@@ -111,6 +111,7 @@ class Rebalancer:
         check_worker(self.store, worker)
         unit_id = next_unit_id(old.unit_ids)
         new = old.with_unit(unit_id, worker)  # refuses a worker already hosting a unit
+        self._refuse_if_unit_lost(old)
         self._refuse_if_checkpointing(dict(zip(old.unit_ids, self.store.units)))
         args = self.unit_args.for_unit(int(unit_id))  # a unique unit_index (names, spill files)
         handles, futures = start_pinned_actors(self.client, StorageUnit, [worker], args=[args])
@@ -126,6 +127,7 @@ class Rebalancer:
         self._refuse_if_moving()
         old = self.store.placement
         new = drained(old, unit_id)
+        self._refuse_if_unit_lost(old)
         self._refuse_if_checkpointing(dict(zip(old.unit_ids, self.store.units)))
         u = old.index_of(unit_id)
         units = [h for i, h in enumerate(self.store.units) if i != u] + [self.store.units[u]]
@@ -324,10 +326,29 @@ class Rebalancer:
             "it first (the store host resumes it by itself)"
         )
 
+    def _refuse_if_unit_lost(self, table: Placement) -> None:
+        """StoreBusy, before anything changes, while a unit of ``table`` sits on a worker
+        the cluster no longer has: its keys have one copy until the repairer replaces it,
+        and a move planned now would count on the lost unit (the store host retries the
+        change, so it lands once the repair does)."""
+        live = set(current_workers(self.client))
+        lost = [f"{uid} on {w}" for uid, w in zip(table.unit_ids, table.workers) if w not in live]
+        if lost:
+            raise StoreBusy(
+                f"storage unit(s) {lost} lost with their worker and not re-replicated yet; a change of the units waits "
+                f"for the repair (the store host retries every {RETRY_INTERVAL_S} s for up to store.rebalance-retry-s)"
+            )
+
     def _refuse_if_checkpointing(self, units: dict[str, Actor]) -> None:
         """StoreBusy, before anything changes, when a unit has a store checkpoint open (a
-        move must not overlap one: it would write some keys twice or not at all)."""
-        stats = self._all(units, lambda uid, h: h.stats())
+        move must not overlap one: it would write some keys twice or not at all) or does
+        not answer (its worker just lost, or cut off: the change waits for it)."""
+        try:
+            stats = self._all(units, lambda uid, h: h.stats())
+        except (OSError, StoreUnavailable) as e:  # includes a timeout; a bug still raises
+            raise StoreBusy(f"a storage unit did not answer before a change of the units ({type(e).__name__}: {e}); "
+                            f"the change waits until every unit answers (the store host retries every "
+                            f"{RETRY_INTERVAL_S} s for up to store.rebalance-retry-s)") from e
         busy = [uid for uid, s in zip(units, stats) if s["open_checkpoints"]]
         if busy:
             raise StoreBusy(
