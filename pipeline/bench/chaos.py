@@ -7,9 +7,8 @@ store hosted by the scheduler (replicas 2) and a controller process keeping
 ``--in-flight`` steps finalizing (:mod:`.chaos_controller`). The faulty run also follows
 :mod:`.chaos_schedule`: a random storage or finalize worker SIGKILLed every 30-60 s (a
 replacement joins), the controller SIGKILLed once (the next one attaches and resubmits),
-a storage or finalize host stalled once (SIGSTOP, then SIGCONT after 15 s), one storage
-host cut off once (:mod:`pipeline.testing.partition`, 20 s). ``--short``
-scales it down (about 2 minutes in all; the full run about 5).
+a storage or finalize host stalled once (SIGSTOP, SIGCONT after 15 s), one storage host
+cut off once (:mod:`pipeline.testing.partition`, 20 s). ``--short``: about 2 minutes.
 
 Reported (JSON on stdout, progress on stderr): steps finalized, rows acknowledged, rows
 lost (must be 0), rollouts whose tensors differ from the oracle or from the fault-free
