@@ -186,3 +186,33 @@ def test_a_replacement_controller_clears_the_rows_of_delivered_steps_not_seen_cl
     successor = Book(str(tmp_path))
     assert successor.cleared() == {"s00000"}
     assert owed_clears(successor.delivered(), successor.cleared()) == {"s00001": ["r1/c0"]}
+
+
+def test_a_step_with_acknowledged_rows_unread_just_then_is_finalized_again_not_counted(tmp_path, monkeypatch):
+    """Rows the store could not read when the step ran (both copies' units unreachable at
+    that moment) were kept, not lost: the controller finalizes the step again, with the
+    same receipts, instead of recording those rollouts as lost and differing."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from pipeline.bench import chaos_controller as cc
+    from pipeline.finalize.kept_rows import UNREAD_METRIC
+
+    monkeypatch.setattr(cc, "UNREAD_RETRY_S", 0.0)
+    receipts = {"g0": [SimpleNamespace(rollout_id="r0", poisoned=False, calls=[1, 2], to_dict=lambda: {}),
+                       SimpleNamespace(rollout_id="r1", poisoned=False, calls=[1, 2], to_dict=lambda: {})]}
+    group = SimpleNamespace(rollout_ids=["r0", "r1"], status=["ok", "missing_staging_row"],
+                            metrics={UNREAD_METRIC: ["r1"]})
+    step = SimpleNamespace(groups={"g0": group})
+    submitted = []
+    ctl = object.__new__(cc.Controller)
+    ctl.book, ctl.incarnation, ctl.in_flight, ctl.clears = cc.Book(str(tmp_path)), 1, deque(), []
+    ctl.book._receipts["s00000"] = receipts
+    ctl.cfg = SimpleNamespace(step_timeout_s=5.0, store="x")
+    ctl.client = None
+    ctl.fin = SimpleNamespace(store="handle", submit_step=lambda rs, step_id: submitted.append((rs, step_id)) or "h2")
+    ctl.collect("s00000", 0, SimpleNamespace(result=lambda timeout: step), 1)
+    assert submitted == [(receipts, "s00000-i1-a2")] and list(ctl.in_flight) == [("s00000", 0, "h2", 2)]
+    assert ctl.book.delivered() == {}  # nothing recorded: no verdict, no clear
+    assert ctl.unread("s00000", SimpleNamespace(groups={"g0": SimpleNamespace(
+        rollout_ids=["r0", "r1"], status=["ok", "ok"], metrics={})})) == []  # read this time: delivered as usual

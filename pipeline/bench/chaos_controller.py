@@ -9,7 +9,8 @@ unit lost mid-put, is generated again: same rows, write-once puts), its receipts
 to ``steps/<id>.pkl`` BEFORE it is submitted, and once collected its verdict against the
 oracle (:mod:`pipeline.testing.oracle`) is appended to ``delivered.jsonl`` (fsync) with
 the keys to clear BEFORE its rows are cleared (a ``clear_rows`` task; its id goes to
-``cleared.jsonl`` once every row is deleted). A replacement (the next incarnation)
+``cleared.jsonl`` once every row is deleted); a step with acknowledged rollouts whose rows
+the store could not read just then is finalized again first. A replacement (the next incarnation)
 resubmits every saved step not delivered and clears the rows of those delivered and not
 cleared, then goes on with new ones. ``STATE_DIR/stop`` ends it: no new step, the ones in
 flight are collected, exit 0. Progress on stderr.
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
 LOST_REASONS = (reasons.MISSING_STAGING_ROW, reasons.LOST_STAGING_ROW)  # an acknowledged row not read back
 GENERATION_ATTEMPTS = 8  # a group poisoned this many times is submitted as it is (its rollouts unacknowledged)
 STEP_ATTEMPTS = 3  # a step whose graph fails (or times out) this many times is recorded failed
+UNREAD_RETRY_S = 1.0  # before finalizing again a step some of whose acknowledged rows could not be read (s)
 
 
 @dataclass(frozen=True)
@@ -290,6 +292,12 @@ class Controller:
             else:
                 self.book.deliver({"step": sid, "index": index, "failed": f"{type(e).__name__}: {e}", "t": time.time()})
             return
+        if attempt < STEP_ATTEMPTS and self.unread(sid, step):
+            time.sleep(UNREAD_RETRY_S)
+            self.fin.store = _fresh_store(self.client, self.cfg.store, self.fin.store)
+            self.submit(sid, index, attempt + 1)  # its rows were kept (not cleared): the same receipts again
+            self.in_flight.rotate(1)
+            return
         record = verdict(self.cfg, sid, index, self.book.receipts(sid), step, self.incarnation, attempt)
         record["resubmitted"] = sid in self.resubmitted or attempt > 1
         record["clear_keys"] = keys = handle.clear_keys()  # a replacement clears them if this one dies first
@@ -305,6 +313,20 @@ class Controller:
         if clear is not None:
             self.clears.append((sid, clear))
         self.reap_clears()
+
+    def unread(self, sid: str, step: StepResult) -> list[str]:
+        """The acknowledged rollouts of ``step`` rejected only because the store could not
+        read their rows just then (both copies' units unreachable at that moment, say a
+        unit lost while the other copy's replacement was being installed), said once: a
+        trainer finalizes them again rather than count them (their rows were kept)."""
+        from ..finalize.kept_rows import kept_rollouts
+
+        acked = {r.rollout_id for rs in self.book.receipts(sid).values() for r in rs if not r.poisoned}
+        unread = sorted(kept_rollouts(step.groups.values()) & acked)
+        if unread:
+            self.say(f"{sid}: {len(unread)} acknowledged rollout(s) whose rows could not be read now, e.g. "
+                     f"{unread[0]}: finalizing the step again")
+        return unread
 
     def reap_clears(self, wait_s: float = 0.0) -> None:
         """Say which finished clears left rows staged (waiting up to ``wait_s`` for the rest)."""
