@@ -39,6 +39,7 @@ STORAGE = ("storage", "finalize")
 FINALIZE = ("finalize",)
 STORE_NAME = "chaos-store"
 REPAIR_WAIT_S = 90.0  # the longest the driver waits for a lost unit's repair (s)
+WORKER_TTL_S = 10.0  # the scheduler removes a worker not heard from this long (s)
 # What every process of the cluster runs with: dead or cut-off peers noticed in seconds
 # (a connection whose data goes unacknowledged for 11 s is dead, the least Dask takes; a
 # worker not heard from for 10 s is removed, so a cut-off host's tasks run elsewhere), the
@@ -46,7 +47,7 @@ REPAIR_WAIT_S = 90.0  # the longest the driver waits for a lost unit's repair (s
 TIMEOUTS = {"distributed.comm.timeouts.connect": "3s", "distributed.comm.timeouts.tcp": "11s"}  # this process's too
 CHILD_CONFIG = {
     **TIMEOUTS,
-    "distributed.scheduler.worker-ttl": "10s",
+    "distributed.scheduler.worker-ttl": f"{WORKER_TTL_S:g}s",
     "token-capture.store.repair-interval-s": "0.5",
     "token-capture.store.report-interval-s": "0",
 }
@@ -209,16 +210,21 @@ class ChaosCluster:
         return {**entry, **self._replace_if_gone(name, roles)}
 
     def _replace_if_gone(self, name: str, roles: tuple[str, ...]) -> dict:
-        """After a stall or a cut: wait a moment for host ``name``'s workers to be back or
-        closed (their scheduler connection broke, or the scheduler removed them); replace
-        the host if none is registered or its processes are gone."""
+        """After a stall or a cut: watch host ``name`` for the worker TTL and a margin (the
+        scheduler may remove its workers a few seconds after they are back, and a removed
+        worker then closes itself); replace it as soon as none of its workers is
+        registered or its processes are gone, else keep it."""
         assert self.hosts is not None
         host = self.hosts.hosts[name]
-        time.sleep(2.0)
         names = set(host.spec.worker_names)
-        registered = names & set(self.hosts.registered(self.hosts.client()))
-        alive = [pid for pid in host.pids() if _alive(pid)]
-        entry: dict = {"workers_after": len(registered)}
+        end = time.monotonic() + WORKER_TTL_S + 2.0
+        while True:
+            time.sleep(0.5)
+            registered = names & set(self.hosts.registered(self.hosts.client()))
+            alive = [pid for pid in host.pids() if _alive(pid)]
+            if not registered or not alive or time.monotonic() >= end:
+                break
+        entry: dict = {"workers_after": len(registered), "watched_s": self.now()}
         if not registered or not alive:
             self.hosts.kill_host(name)
             new = self.hosts.add_host(roles)
