@@ -197,13 +197,14 @@ def test_a_step_with_acknowledged_rows_unread_just_then_is_finalized_again_not_c
 
     from pipeline.bench import chaos_controller as cc
     from pipeline.finalize.kept_rows import UNREAD_METRIC
+    from pipeline.finalize.step_result import StepResult
 
     monkeypatch.setattr(cc, "UNREAD_RETRY_S", 0.0)
     receipts = {"g0": [SimpleNamespace(rollout_id="r0", poisoned=False, calls=[1, 2], to_dict=lambda: {}),
                        SimpleNamespace(rollout_id="r1", poisoned=False, calls=[1, 2], to_dict=lambda: {})]}
     group = SimpleNamespace(rollout_ids=["r0", "r1"], status=["ok", "missing_staging_row"],
                             metrics={UNREAD_METRIC: ["r1"]})
-    step = SimpleNamespace(groups={"g0": group})
+    step = StepResult("s00000-i1-a1", {"g0": group}, {})
     submitted = []
     ctl = object.__new__(cc.Controller)
     ctl.book, ctl.incarnation, ctl.in_flight, ctl.clears = cc.Book(str(tmp_path)), 1, deque(), []
@@ -214,5 +215,6 @@ def test_a_step_with_acknowledged_rows_unread_just_then_is_finalized_again_not_c
     ctl.collect("s00000", 0, SimpleNamespace(result=lambda timeout: step), 1)
     assert submitted == [(receipts, "s00000-i1-a2")] and list(ctl.in_flight) == [("s00000", 0, "h2", 2)]
     assert ctl.book.delivered() == {}  # nothing recorded: no verdict, no clear
-    assert ctl.unread("s00000", SimpleNamespace(groups={"g0": SimpleNamespace(
-        rollout_ids=["r0", "r1"], status=["ok", "ok"], metrics={})})) == []  # read this time: delivered as usual
+    assert step.retryable == ["r1"]
+    read = SimpleNamespace(rollout_ids=["r0", "r1"], status=["ok", "ok"], metrics={})
+    assert ctl.unread("s00000", StepResult("s00000-i1-a2", {"g0": read}, {})) == []  # read this time: delivered as usual

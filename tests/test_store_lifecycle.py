@@ -453,6 +453,7 @@ def test_rows_of_a_rollout_the_verifier_failed_on_are_kept(inprocess_client, thr
     fin.with_settings(clear_staged=True)
     handle = fin.submit_step({"ierr": [b.receipt for b in bs]})
     assert handle.result().groups["ierr"].status == ["internal_error", "ok", "ok"]
+    assert handle.result().retryable == [bs[0].rollout_id]  # kept: the trainer may submit it again
     assert handle.clear_future.result()["deleted"] == len(keys_of(bs[1:]))
     assert present(store, keys_of(bs)) == set(keys_of(bs[:1]))
 
@@ -470,6 +471,7 @@ def test_other_rows_of_a_rollout_with_a_row_never_staged_are_cleared(inprocess_c
     group = handle.result().groups["absent"]
     assert group.status == ["missing_staging_row", "ok", "ok"]
     assert "store: missing_key" in group.details[0]
+    assert handle.result().retryable == []  # absent for good: nothing to submit again
     assert handle.clear_future.result()["deleted"] == len(keys_of(bs)) - 1
     assert present(store, keys_of(bs)) == set()
 

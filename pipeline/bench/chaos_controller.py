@@ -319,10 +319,8 @@ class Controller:
         read their rows just then (both copies' units unreachable at that moment, say a
         unit lost while the other copy's replacement was being installed), said once: a
         trainer finalizes them again rather than count them (their rows were kept)."""
-        from ..finalize.kept_rows import kept_rollouts
-
         acked = {r.rollout_id for rs in self.book.receipts(sid).values() for r in rs if not r.poisoned}
-        unread = sorted(kept_rollouts(step.groups.values()) & acked)
+        unread = [rid for rid in step.retryable if rid in acked]
         if unread:
             self.say(f"{sid}: {len(unread)} acknowledged rollout(s) whose rows could not be read now, e.g. "
                      f"{unread[0]}: finalizing the step again")

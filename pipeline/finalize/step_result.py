@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from tasks.finalize.step_batch import step_batch
 
 from . import timing
+from .kept_rows import kept_rollouts
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +42,16 @@ class StepResult:
     def internal_errors(self) -> int:
         """Rollouts the verifier failed on (bugs, logged on the workers; not rejections)."""
         return int(self.metrics.get("internal_errors", 0))
+
+    @property
+    def retryable(self) -> list[str]:
+        """Rollout ids (submission order) rejected only because the store could not read
+        their rows when the step ran (``missing_staging_row`` / ``missing_routes`` with a
+        unit unreachable: both copies' units at once, say) or that the verifier failed on:
+        their rows were kept (not cleared), so submitting their receipts again may
+        finalize them."""
+        kept = kept_rollouts(self.groups.values())
+        return [rid for g in self.groups.values() for rid in g.rollout_ids if rid in kept]
 
     def to_batch(self, *, as_tensordict: bool = False, **kwargs: float | int | bool | torch.dtype | None) -> dict[str, torch.Tensor] | TensorDict:
         """The step as ONE training batch: :func:`tasks.finalize.step_batch.step_batch` over
