@@ -114,3 +114,34 @@ def test_with_a_journal_step_ids_are_the_finalizers_own_and_a_refused_step_leave
     a.result(), b.result()
     one.drain(), two.drain()
     assert records(journal) == []
+
+
+def test_a_step_collected_but_not_acknowledged_keeps_its_rows_and_record_until_acknowledged(
+        cluster_client, store_factory, tmp_path):
+    # A trainer that consumes a batch before it lets the rows go (acknowledge after its
+    # optimizer step or checkpoint): a controller dying in between leaves the step to the
+    # replacement's resume, bit for bit; acknowledged, the step is delivered and cleared.
+    store = store_factory(n_units=2)
+    steps = staged_steps(store, 43, 1)
+    journal = tmp_path / "journal"
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, journal=str(journal))
+    handle = fin.submit_step(steps["s0"], step_id="s0")
+    with pytest.raises(FinalizeError, match="before result"):
+        handle.acknowledge()
+    got = handle.result(acknowledge=False)
+    assert handle.collected and not handle.acknowledged and handle.clear_future is None
+    assert [s.step_id for s in StepJournal(str(journal)).read().steps] == ["s0"]  # still to resume
+    rows = sum(s["rows"] for s in store.stats())
+    assert rows > 0
+    fin.drain()  # a step collected and not acknowledged stays so
+    assert not handle.acknowledged and sum(s["rows"] for s in store.stats()) == rows
+    replacement = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, journal=str(journal))
+    [again] = replacement.resume()
+    assert_identical(step_tensors(got), step_tensors(again.result(acknowledge=False)), where="s0")
+    handle.acknowledge()
+    handle.acknowledge()  # once only
+    assert handle.acknowledged and handle.clear_future.result()["deleted"] > 0
+    assert handle.result() is got
+    state = StepJournal(str(journal)).read()
+    assert state.steps == [] and set(state.owed) <= {"s0"}  # delivered: nothing to resubmit
+    assert sum(s["rows"] for s in store.stats()) == 0

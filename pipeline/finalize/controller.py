@@ -89,6 +89,7 @@ class StepHandle:
         self.clear_future: Future | None = None  # the tc-clear task, once result() delivered
         self.kept_keys: list[str] = []  # keys left for another in-flight step to clear
         self._result: StepResult | None = None
+        self.acknowledged = False  # delivered: the journal says so and the rows' clear was submitted
         self._assembly_failed = False  # assembling its groups here raised: it will never deliver
         self._lock = threading.Lock()
 
@@ -163,18 +164,24 @@ class StepHandle:
         g = self.graph
         self._finalizer.client.cancel(g.futures + g.piece_futures + g.fetch_futures)
 
-    def result(self, timeout: float | None = None) -> StepResult:
+    def result(self, timeout: float | None = None, *, acknowledge: bool = True) -> StepResult:
         """Wait for the step's verify tasks, gather their rows into this process, assemble
         the groups here (or gather the groups :attr:`group_futures` assembled), compute
-        and publish the step metrics (once), submit the step's clear (``clear``) and
-        return them.
+        and publish the step metrics (once), :meth:`acknowledge` the step and return them.
 
-        Raises the task's exception if a task failed for a non-data reason (e.g. the store
-        was unreachable after ``finalize.retries`` retries), or ``TimeoutError`` past
-        ``timeout`` (s); either way nothing is cleared. Bad data never raises.
+        ``acknowledge=False``: the step is returned but not delivered yet: its journal
+        record keeps its receipts and its rows stay staged until :meth:`acknowledge` (call
+        it once the batch is consumed, e.g. after the optimizer step or the trainer's own
+        checkpoint): a controller that dies before then leaves the step for
+        :meth:`Finalizer.resume` to finalize again. Raises the task's exception if a task
+        failed for a non-data reason (e.g. the store was unreachable after
+        ``finalize.retries`` retries), or ``TimeoutError`` past ``timeout`` (s); either
+        way nothing is cleared. Bad data never raises.
         """
         with self._lock:
             if self._result is not None:
+                if acknowledge:
+                    self._acknowledge()
                 return self._result
             client = self._finalizer.client
             on_cluster = bool(self.graph.group_futures)
@@ -207,12 +214,31 @@ class StepHandle:
             else:
                 metrics = timing.with_cross_host(metrics, measured["bytes"])  # type: ignore[assignment]
             self._result = StepResult(self.step_id, by_id, metrics, client, self._finalizer.settings.mismatch_eps)
-            # Delivered: now (and only now) the step's rows may go.
-            self._clear_delivered()
+            if acknowledge:  # delivered: now (and only now) the step's rows may go
+                self._acknowledge()
             # Free the cluster side: the groups are here now.
             self.graph.fetch_futures, self.graph.piece_futures, self.graph.verify_futures = [], [], []
             self.graph.group_futures = {}
             return self._result
+
+    @property
+    def collected(self) -> bool:
+        """:meth:`result` has returned the step (acknowledged or not)."""
+        return self._result is not None
+
+    def acknowledge(self) -> None:
+        """The caller has consumed the step's batch: record it delivered in the journal
+        and submit the clear of its rows (``clear``). Once only; :class:`FinalizeError`
+        before :meth:`result` returned."""
+        with self._lock:
+            if self._result is None:
+                raise FinalizeError(f"step {self.step_id!r} cannot be acknowledged before result() returned it")
+            self._acknowledge()
+
+    def _acknowledge(self) -> None:
+        if not self.acknowledged:
+            self.acknowledged = True
+            self._clear_delivered()
 
     def _collect(self, client: Client, timeout: float | None) -> tuple[dict[str, FinalizedGroup], list[dict[str, object]], int]:
         """The step's groups in this process, the group events still to publish and the
@@ -396,11 +422,14 @@ class Finalizer(JournaledSteps):
         )
 
     def drain(self, timeout: float | None = None) -> list[StepResult]:
-        """Collect every in-flight step, oldest first; then ask once more for rows earlier
-        clears could not delete (:meth:`retry_clears`), waiting up to ``timeout`` s for it."""
+        """Collect every in-flight step, oldest first (acknowledging those not collected
+        yet; one collected with ``acknowledge=False`` stays unacknowledged); then ask once
+        more for rows earlier clears could not delete (:meth:`retry_clears`), waiting up to
+        ``timeout`` s for it."""
         from distributed import wait
 
-        out = [h.result(timeout) for h in self.in_flight]
+        # A step the caller collected without acknowledging stays in flight (its rows kept).
+        out = [h.result(timeout, acknowledge=not h.collected) for h in self.in_flight]
         try:
             wait(self.uncleared.unanswered(), timeout=timeout)  # the steps' clears, answered
             retry = self.retry_clears()
