@@ -8,10 +8,10 @@ store host gives a new storage worker a unit, the repairer re-replicates the los
 before the next storage kill the driver waits until no unit sits on a gone worker, so two
 kills never take both copies of a key. A killed controller is SIGKILLed and the next
 incarnation attaches by name. A stalled host's processes are stopped (SIGSTOP: alive,
-registered, silent; their connections stay open) and continued after the stall; a host
-whose workers the scheduler removed meanwhile (worker TTL) is replaced. A cut storage host (:mod:`pipeline.testing.partition`) is
-healed after its duration; its workers, if they closed meanwhile (Dask workers close when
-their scheduler connection breaks), are replaced like a killed host's. Each fault is one
+registered, silent; their connections stay open) and continued after the stall; a cut
+storage host (:mod:`pipeline.testing.partition`) is healed after its duration. Either is
+then watched for the worker TTL: if its workers closed (removed by the scheduler, or
+their scheduler connection broke) it is replaced like a killed host. Each fault is one
 timeline entry: what, where, when (s from the run's start), and what followed.
 """
 from __future__ import annotations

@@ -9,10 +9,10 @@ unit lost mid-put, is generated again: same rows, write-once puts), its receipts
 to ``steps/<id>.pkl`` BEFORE it is submitted, and once collected its verdict against the
 oracle (:mod:`pipeline.testing.oracle`) is appended to ``delivered.jsonl`` (fsync) with
 the keys to clear BEFORE its rows are cleared (a ``clear_rows`` task; its id goes to
-``cleared.jsonl`` once every row is deleted); a step with acknowledged rollouts whose rows
-the store could not read just then is finalized again first. A replacement (the next incarnation)
-resubmits every saved step not delivered and clears the rows of those delivered and not
-cleared, then goes on with new ones. ``STATE_DIR/stop`` ends it: no new step, the ones in
+``cleared.jsonl`` once every row is deleted); a step with acknowledged rollouts whose
+rows the store could not read just then is finalized again first. A replacement (the
+next incarnation) resubmits every saved step not delivered and clears the rows of those
+delivered and not cleared, then goes on with new ones. ``STATE_DIR/stop`` ends it: no new step, the ones in
 flight are collected, exit 0. Progress on stderr.
 """
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """ActorPool: the generation actors a driver runs on, one per slot (a Dask worker each).
 
 It starts them (pinned, one per worker), fans a call out to several at once and waits for
-every answer (bounded: a hung worker's actor raises :class:`ActorUnresponsive`), tells an actor that is gone (connection failure, worker left) from one that
-raised, and drops them all (:meth:`ActorPool.kill`). A lost actor is replaced by starting a
-new pool (:meth:`ActorPool.start`), which is what recovery does.
+every answer (bounded: a hung worker's actor raises :class:`ActorUnresponsive`), tells an
+actor that is gone (connection failure, worker left) from one that raised, and drops them
+all (:meth:`ActorPool.kill`). A lost actor is replaced by starting a new pool
+(:meth:`ActorPool.start`), which is what recovery does.
 """
 from __future__ import annotations
 

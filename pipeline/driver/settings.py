@@ -2,8 +2,8 @@
 
 :class:`PoolSettings` is what every generation actor is built with (``token-capture.policy``
 with the overrides applied, routes on or off) and how long the driver awaits the actors'
-answers; :class:`RoundSettings` what the round loop
-uses (``driver.step-tokens``, the weight version, routes). Nothing here is read per call.
+answers; :class:`RoundSettings` what the round loop uses (``driver.step-tokens``, the
+weight version, routes). Nothing here is read per call.
 """
 from __future__ import annotations
 
