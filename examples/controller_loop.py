@@ -9,6 +9,12 @@ torch tensors. The loop does not wait for a step before generating the next one;
 the oldest step when ``--in-flight`` steps are pending. The "train" function stands in for
 an optimizer step: it consumes the tensors exactly as GRPO would (masked by token_mask and
 sample_mask).
+
+A step is acknowledged only after its training step (``result(acknowledge=False)``, then
+``acknowledge()``): with ``--journal DIR`` a controller that dies in between leaves the
+step's receipts and rows for its replacement's ``Finalizer.resume()``. Rollouts a step
+rejected only because their rows could not be read just then (``StepResult.retryable``)
+go into the next step again.
 """
 from __future__ import annotations
 
@@ -44,13 +50,16 @@ def main() -> None:
     p.add_argument("--rollouts", type=int, default=4, help="rollouts per group")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--in-flight", type=int, default=2, help="finalization steps kept in flight")
+    p.add_argument("--journal", help="step journal directory or URL (a replacement controller resumes from it)")
     args = p.parse_args()
 
     with connect(args.scheduler) as (client, _):
         print("dashboard:", dashboard_url(client, "token-capture"))
         store = StagingStore.start(client)
-        finalizer = Finalizer(client, store)
-        in_flight = []
+        finalizer = Finalizer(client, store, journal=args.journal)
+        # (handle, its receipts by group); first a dead predecessor's undelivered steps
+        in_flight = [(h, {}) for h in finalizer.resume()] if args.journal else []
+        retry: dict[str, list] = {}  # group id -> receipts of rollouts to finalize again
         for step in range(args.steps):
             groups = make_step_specs(
                 f"step{step}-",
@@ -63,16 +72,27 @@ def main() -> None:
                 vocab_size=config.get("policy.vocab-size"),
             )
             receipts = client.gather(submit_generation(client, store, groups))
-            in_flight.append(finalizer.submit_step({g[0].group_id: r for g, r in zip(groups, receipts)}))
+            submitted = {**retry, **{g[0].group_id: r for g, r in zip(groups, receipts)}}
+            retry = {}
+            in_flight.append((finalizer.submit_step(submitted), submitted))
             print(f"step {step}: submitted; queue depth {finalizer.queue_depth} groups")
             while len(in_flight) >= args.in_flight or (step == args.steps - 1 and in_flight):
-                result = in_flight.pop(0).result()
+                handle, sent = in_flight.pop(0)
+                result = handle.result(acknowledge=False)
                 m = result.metrics
                 losses = [train_on(g) for g in result.groups.values()]
+                handle.acknowledge()  # trained on: its journal record and rows may go now
+                again = set(result.retryable)
+                for gid, rs in sent.items():
+                    kept = [r for r in rs if r.rollout_id in again]
+                    if kept:
+                        retry[gid] = kept
                 print(
                     f"{result.step_id}: {m['accepted']}/{m['rollouts']} accepted, fetch {m['fetch_ms']:.1f} ms, "
-                    f"verify {m['verify_ms']:.1f} ms, mean loss {sum(losses) / len(losses):+.4f}"
+                    f"verify {m['verify_ms']:.1f} ms, mean loss {sum(losses) / len(losses):+.4f}, acknowledged"
+                    + (f", {len(again)} rollout(s) to finalize again" if again else "")
                 )
+        finalizer.drain()
         store.close()
 
 

@@ -39,6 +39,15 @@ def test_controller_loop_finalizes_every_step():
     assert out.index("step 1: submitted") < out.index("step-0:"), out
 
 
+def test_controller_loop_with_a_journal_acknowledges_each_step_after_training(tmp_path):
+    journal = tmp_path / "journal"
+    out = _run([sys.executable, str(EXAMPLES / "controller_loop.py"), "--steps", "3", "--groups", "2", "--rollouts", "2",
+                "--turns", "2", "--journal", str(journal)])
+    done = re.findall(r"step-\w+-(\d+): (\d+)/(\d+) accepted, .*, acknowledged", out)
+    assert [d[0] for d in done] == ["0", "1", "2"], out
+    assert os.listdir(journal) == []  # every step delivered and its rows cleared: nothing left to resume
+
+
 @pytest.mark.slow
 def test_multi_worker_cluster_from_the_command_line():
     out = _run(
