@@ -152,10 +152,11 @@ def scheduler_address(text: str) -> str:
 
 def expected_errors() -> dict[type, int]:
     """Exception class -> exit code of the problems a user fixes outside the code."""
-    from tasks.errors import ClusterMisconfigured, ClusterUnavailable, InvalidSchedulerAddress, MissingFinalizeResource
+    from tasks.errors import (ClusterMisconfigured, ClusterUnavailable, InvalidSchedulerAddress, MissingFinalizeResource,
+                              UsageError)
 
-    return {InvalidSchedulerAddress: EXIT_USAGE, ClusterUnavailable: EXIT_ENVIRONMENT, MissingFinalizeResource: EXIT_ENVIRONMENT,
-            ClusterMisconfigured: EXIT_ENVIRONMENT}
+    return {InvalidSchedulerAddress: EXIT_USAGE, UsageError: EXIT_USAGE, ClusterUnavailable: EXIT_ENVIRONMENT,
+            MissingFinalizeResource: EXIT_ENVIRONMENT, ClusterMisconfigured: EXIT_ENVIRONMENT}
 
 
 def run_command(func: Callable[[argparse.Namespace], int | None], args: argparse.Namespace) -> int:

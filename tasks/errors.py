@@ -80,6 +80,11 @@ class UnsupportedDigest(InvalidInput):
     """A digest version or algorithm name this build cannot compute (``tasks.digests``)."""
 
 
+class UsageError(InvalidInput):
+    """Command-line flags each valid alone that cannot work together; the message names
+    them and the fix. The command line prints it as one line (exit 2, as argparse)."""
+
+
 class UnknownProfileError(InvalidInput):
     """A MoE profile name that is not one of ``tasks.profiles.PROFILES``."""
 

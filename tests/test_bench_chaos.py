@@ -218,3 +218,13 @@ def test_a_step_with_acknowledged_rows_unread_just_then_is_finalized_again_not_c
     assert step.retryable == ["r1"]
     read = SimpleNamespace(rollout_ids=["r0", "r1"], status=["ok", "ok"], metrics={})
     assert ctl.unread("s00000", StepResult("s00000-i1-a2", {"g0": read}, {})) == []  # read this time: delivered as usual
+
+
+@pytest.mark.parametrize("flags", [["--short", "--stall-s", "30"], ["--duration", "50"]])
+def test_a_schedule_the_run_cannot_hold_is_one_usage_line_before_anything_starts(capsys, flags):
+    from pipeline.cli import main as cli_main
+
+    code = cli_main(["bench", "chaos", "--json", "--quiet", *flags])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith("error: a chaos run of"), err
+    assert "--duration" in err[0] and "Traceback" not in err[0]

@@ -30,6 +30,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
+from tasks.errors import UsageError
+
 from ..cli_args import int_between, non_negative_int, positive_float, positive_int
 from .chaos_report import digests_differing, exit_status, report, run_figures  # noqa: F401 (exit_status: the CLI's)
 from .chaos_schedule import Fault, ScheduleSettings, fault_schedule
@@ -76,7 +78,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     say = notes("chaos", args.quiet)
     settings, fault_free_s = plan(args)
-    schedule = fault_schedule(settings, args.seed)
+    try:
+        schedule = fault_schedule(settings, args.seed)
+    except ValueError as e:
+        raise UsageError(f"{e}; give a longer --duration or a shorter --stall-s / --partition-s") from None
     say(f"{'short' if args.short else 'full'} mode: fault-free {fault_free_s:g} s, then faulty {settings.duration_s:g} s "
         f"with {len(schedule)} faults: " + ", ".join(f"{f.kind}@{f.at_s:g}s" for f in schedule))
     from .. import config
