@@ -211,12 +211,14 @@ def train_run(client: Any, store: Any, args: argparse.Namespace, overrides: dict
     figures: list[StepFigures] = []
     for step in range(args.steps):  # the trainer is at version `step`
         t0 = time.perf_counter()
-        result = handle.result()
+        current = handle
+        result = current.result(acknowledge=False)  # rows kept until trained on
         t1 = time.perf_counter()
         if step + 1 < args.steps:
             handle, next_wait_s = finalize(step + 1)
         t2 = time.perf_counter()
         batch, rep, paired, loss = trainer_step(model, opt, result, step, args, replay)
+        current.acknowledge()  # trained on: the step's rows may be cleared now
         if step + 2 < args.steps:
             weights = hf_weights.publish(client, WeightSnapshot.of(model, step + 1))
             generating[step + 2] = generate(step + 2, weights)
