@@ -52,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--partition-s", type=positive_float, default=None, help="how long the storage host is cut off, s (default 20; 8 with --short)")
     p.add_argument("--stall-s", type=positive_float, default=None,
                    help="how long a storage or finalize host is stopped (SIGSTOP, then SIGCONT), s (default 15: longer "
-                        "than the soak's 10 s worker TTL, so the host is removed and replaced; 6 with --short: it resumes)")
+                        "than the soak's 10 s worker TTL: the scheduler may remove the host, which is then replaced; 6 with "
+                        "--short: it resumes)")
     p.add_argument("--groups", type=positive_int, default=2, help="GRPO groups per step (default 2)")
     p.add_argument("--rollouts", type=positive_int, default=4, help="rollouts per group (default 4)")
     p.add_argument("--turns", type=positive_int, default=2, help="model calls per rollout (default 2)")
