@@ -149,6 +149,12 @@ class StoreUnavailable(StoreError, RuntimeError):
     """A store or storage unit is closed, lost or unreachable."""
 
 
+class SlowRead(StoreError, TimeoutError):
+    """A read not answered within ``store.read-failover-s`` by a unit whose keys have
+    another copy: given up (its late answer ignored) so the other copy is read; a slow
+    unit, not a lost one (nothing remembers it as down)."""
+
+
 class UnitSkipped(StoreError, OSError):
     """A store call not sent: its unit was found unreachable moments ago (its keys fail
     ``unit_unavailable``, like a call that waited out the connect timeout)."""

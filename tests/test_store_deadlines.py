@@ -287,3 +287,46 @@ def test_a_save_with_a_hung_unit_fails_by_its_bound_and_keeps_the_previous_check
         with pytest.raises(CheckpointError, match=rf"storage unit 1 did not {what} in time"):
             quick.checkpoint(path)
     assert [n for n in os.listdir(path) if n.startswith("gen-")] == [first["generation"]]  # the previous one kept
+
+
+class AsyncReader:
+    """An actor reading through a store handle's async driver (its worker's event loop)."""
+
+    def __init__(self, store):
+        self.store = store
+
+    async def get(self, keys: list[str], timeout: float) -> tuple[int, dict]:
+        got = await self.store.get_many_async(keys, list(STAGING_FIELDS), timeout=timeout)
+        return len(got.batch), dict(got.failed)
+
+
+@pytest.mark.parametrize("driver", ["sync", "async"])
+def test_a_read_a_stalled_primary_holds_past_the_failover_bound_is_served_by_the_other_copy(client, tmp_path, hang, driver):
+    # Replicas 2: a primary that has not answered a get within store.read-failover-s is
+    # given up (a SlowRead, counted, not remembered as down) and its keys are read from
+    # their other copy, long before the get's own deadline. Without the bound the get
+    # waits out that deadline before it reads the replicas.
+    from pipeline.store.unit_health import unit_health
+
+    settings = {"token-capture.store.replicas": 2, "token-capture.store.read-failover-s": 0.5,
+                "token-capture.store.admin-call-timeout-s": 1.0}  # close() does not wait long for the hung unit
+    with dask.config.set(settings):
+        store = StagingStore.start(client, n_units=2, spill_directory=str(tmp_path / "spill"))
+    try:
+        builts = [b for bs in groups("fo").values() for b in bs]
+        assert not store.put_many(pack_rows([r for b in builts for r in b.rows])).failed
+        keys = [r.staging_key for b in builts for r in b.rows]
+        before = unit_health().figures()
+        hang("get_many")
+        if driver == "sync":
+            got = store.get_many(keys, list(STAGING_FIELDS), timeout=90)
+            rows, failed = len(got.batch), dict(got.failed)
+        else:
+            reader = client.submit(AsyncReader, store, actor=True, workers=[store.unit_workers[0]]).result()
+            rows, failed = reader.get(keys, 90).result(timeout=60)
+        assert failed == {} and rows == len(keys)  # every key served, the hung unit's from the other copy
+        after = unit_health().figures()
+        assert after["slow_reads"] > before["slow_reads"]  # given up after the bound, not the 90 s deadline
+        assert after["unreachable"] == before["unreachable"]  # a slow unit, not remembered as a lost one
+    finally:
+        store.close()

@@ -15,11 +15,12 @@ bug) raises.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Awaitable, Callable, Generator, Protocol, Sequence, TypeVar, Union
 
-from tasks.errors import UnitSkipped
+from tasks.errors import SlowRead, UnitSkipped
 
 from ..actors import local_call
 from .call_outcome import Outcome, classify
@@ -58,6 +59,7 @@ class Call:
     empty: Callable[[], Answer] = StoreResult
     local: bool = False
     local_args: Callable[[], tuple] | None = None
+    bound_s: float | None = None  # a read with another copy: given up this long after it left (SlowRead)
 
 
 class Window(list):
@@ -132,7 +134,9 @@ def settle(call: Call, outcome: Answer | BaseException, workers: Sequence[str]) 
     if not kind.unit_unavailable:
         raise outcome  # type: ignore[misc]
     worker = workers[call.unit] if call.unit < len(workers) else "?"
-    if kind is Outcome.DEADLINE:  # a hung (alive) unit: its keys fail like a lost one's
+    if isinstance(outcome, SlowRead):  # read from the other copy next
+        detail = f"storage unit {call.unit} on {worker} is unavailable: {outcome}"
+    elif kind is Outcome.DEADLINE:  # a hung (alive) unit: its keys fail like a lost one's
         detail = f"storage unit {call.unit} on {worker} is unavailable: timeout: no answer by the call's deadline"
     else:
         detail = f"storage unit {call.unit} on {worker} is unavailable: {kind.value}: {type(outcome).__name__}: {outcome}"
@@ -179,6 +183,7 @@ def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answ
     for i in order:
         queued.setdefault(calls[i].unit if per_unit else -1, deque()).append(i)
     futures: list[Pending | None] = [None] * len(calls)
+    ends: list[float | None] = [end] * len(calls)
     health, ids = unit_health(), _unit_ids(store, calls)
 
     def launch(u: int, n: int) -> None:
@@ -186,6 +191,7 @@ def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answ
             if queued[u]:
                 i = queued[u].popleft()
                 skipped = health.skip(ids[i], store.settings.skip_unreachable_s)
+                ends[i] = call_end(calls[i], end)
                 futures[i] = _Skipped(ids[i]) if skipped else _invoke_sync(store, calls[i])  # sent as soon as its args exist
 
     for u in queued:
@@ -194,14 +200,31 @@ def _send_sync(calls: list[Call], store: Driven, end: float | None) -> list[Answ
     for i in order:  # waited in the order sent: each unit's next call leaves as one returns
         c = calls[i]
         try:
-            outcome: object = waiter(futures[i], end)()
+            outcome: object = waiter(futures[i], ends[i])()
         except Exception as e:  # noqa: BLE001 - settle keeps unit failures, re-raises bugs
-            outcome = e
+            outcome = slow_read(c, e) if ends[i] != end else e
         health.outcome(ids[i], outcome)
         out[i] = settle(c, outcome, store.placement.workers)
         if per_unit:
             launch(c.unit, 1)  # its unit has one call fewer in flight
     return out
+
+
+def call_end(call: Call, end: float | None) -> float | None:
+    """When ``call``, leaving now, stops being waited for (monotonic s; None: never): the
+    operation's ``end``, or sooner a read's own bound (:attr:`Call.bound_s`)."""
+    if call.bound_s is None:
+        return end
+    own = time.monotonic() + call.bound_s
+    return own if end is None else min(own, end)
+
+
+def slow_read(call: Call, error: BaseException) -> BaseException:
+    """``error`` of a call waited for only until its own bound: a ``TimeoutError`` there
+    is a :class:`SlowRead` (its other copy is read next)."""
+    if isinstance(error, TimeoutError) and not isinstance(error, SlowRead):
+        return SlowRead(f"no answer to a read within store.read-failover-s ({call.bound_s:g} s); its keys' other copy is read")
+    return error
 
 
 def _unit_ids(store: Driven, calls: Sequence[Call]) -> list[tuple[str, str]]:
@@ -255,7 +278,9 @@ async def _send_async(calls: list[Call], store: Driven, end: float | None) -> li
         """The unit's call, bounded by the deadline (not awaited yet), its outcome recorded."""
         if health.skip(unit, store.settings.skip_unreachable_s):
             return _skipped(unit)
-        return _recorded(health, unit, bounded(getattr(store.units[c.unit], c.method)(*c.args()), end))
+        own = call_end(c, end)
+        return _recorded(health, unit, bounded(getattr(store.units[c.unit], c.method)(*c.args()), own),
+                         c if own != end else None)
 
     if len(calls) == 1:
         # One unit (a restore's keys, a coalesced get): await its call directly, no gather
@@ -283,12 +308,17 @@ async def _skipped(unit: tuple[str, str]) -> object:
     return _Skipped(unit).result()
 
 
-async def _recorded(health: UnitHealth, unit: tuple[str, str], call: Awaitable[object]) -> object:
-    """``call``'s answer, its outcome (answer or failure) recorded in ``health``."""
+async def _recorded(health: UnitHealth, unit: tuple[str, str], call: Awaitable[object],
+                    bounded_read: Call | None = None) -> object:
+    """``call``'s answer, its outcome (answer or failure) recorded in ``health``;
+    ``bounded_read``: the call, when waited for only until its own bound (a timeout is
+    then a :class:`SlowRead`)."""
     try:
         answer = await call
     except Exception as e:
+        if bounded_read is not None:
+            e = slow_read(bounded_read, e)
         health.outcome(unit, e)
-        raise
+        raise e
     health.outcome(unit, answer)
     return answer

@@ -141,11 +141,16 @@ def _read(store: Driven, parts: list, partition: str, wire_fields: bytes | None)
     Also says whether some primary was unavailable (its keys were read elsewhere)."""
     placement, moving, version = store.placement, store.moving, stamp(store)
     budget = store.settings.max_answer_bytes or None
+    # A primary read whose keys have another copy is given up after store.read-failover-s
+    # (a stalled unit holds it no longer): the replicas' read below takes its keys.
+    failover_s = store.settings.read_failover_s
+    bound = failover_s if placement.replicas == 2 and failover_s > 0 and moving is None else None
 
-    def call(u: int, ks: list[str], local: bool) -> Call:
+    def call(u: int, ks: list[str], primary: bool) -> Call:
         # Over the wire a unit may answer views of its memory (sent, not copied); in-process, copies.
         return Call(u, "get_many", lambda: (partition, pack_names(ks), wire_fields, version, budget, True), ks, empty_get,
-                    local=local, local_args=lambda: (partition, pack_names(ks), wire_fields, version, budget, False))
+                    local=primary, local_args=lambda: (partition, pack_names(ks), wire_fields, version, budget, False),
+                    bound_s=bound if primary else None)
 
     def fetch(parts: list, local: bool) -> Operation[list[GetResult]]:
         return _fetch(store, (partition, wire_fields), parts, call, local)

@@ -24,7 +24,10 @@ class StoreSettings:
     process (``store.skip-unreachable-s``; 0: always called, see :mod:`.unit_health`);
     ``admin_timeout_s``: seconds ``stats()``, ``keys()``, ``close()``, a restore's puts and
     claim calls wait for the units
-    (``store.admin-call-timeout-s``): a unit that has not answered by then counts as unreachable."""
+    (``store.admin-call-timeout-s``): a unit that has not answered by then counts as unreachable;
+    ``read_failover_s``: with replicas 2, a primary that has not answered a get within this
+    long is read from the other copy instead (``store.read-failover-s``; 0: only once it
+    failed or the get's own deadline passed)."""
 
     max_call_bytes: int
     local_reads: bool
@@ -32,6 +35,7 @@ class StoreSettings:
     calls_in_flight: int = 4
     skip_unreachable_s: float = 10.0
     admin_timeout_s: float = 30.0
+    read_failover_s: float = 0.0
 
     @classmethod
     def from_config(cls) -> "StoreSettings":
@@ -42,6 +46,7 @@ class StoreSettings:
             max(1, int(config.get("store.calls-in-flight"))),
             max(0.0, float(config.get("store.skip-unreachable-s"))),
             _positive_seconds("store.admin-call-timeout-s"),
+            max(0.0, float(config.get("store.read-failover-s"))),
         )
 
 

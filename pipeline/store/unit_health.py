@@ -23,6 +23,8 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+from tasks.errors import SlowRead
+
 from ..process_state import process_state
 from .call_outcome import Outcome, classify
 
@@ -43,8 +45,8 @@ class UnitHealth:
         self._down: dict[tuple[str, str], float] = {}  # unit -> time.monotonic() it was found unreachable or closed
         self._tables: dict[str, "UnitTable"] = {}  # unit directory name -> newest table fetched
         self._asked: dict[str, float] = {}  # unit directory name -> time.monotonic() of its last learn-only refresh
-        self.counters = {"unreachable": 0, "closed": 0, "skipped": 0, "timeouts": 0, "tables_taken": 0,
-                         "tables_fetched": 0, "refreshes_spared": 0}
+        self.counters = {"unreachable": 0, "closed": 0, "skipped": 0, "timeouts": 0, "slow_reads": 0,
+                         "tables_taken": 0, "tables_fetched": 0, "refreshes_spared": 0}
 
     # ---- unreachable units ---------------------------------------------------------
 
@@ -69,6 +71,7 @@ class UnitHealth:
         with self._lock:
             if kind is Outcome.DEADLINE:
                 self.counters["timeouts"] += 1
+                self.counters["slow_reads"] += isinstance(outcome, SlowRead)  # given up for the other copy
             elif kind in (Outcome.UNREACHABLE, Outcome.CLOSED):
                 self.counters[kind.value] += 1
                 self._down[unit] = time.monotonic()
