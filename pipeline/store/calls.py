@@ -10,7 +10,9 @@ path per operation, driven by :func:`run_sync` (a client, a task, an actor threa
 Settling (:func:`settle`): a unit that failed as a whole (its worker lost, the call past
 the deadline, the unit closed: :func:`~.call_outcome.classify`) fails only the keys of
 ITS call, as ``unit_unavailable``; every other call's answer stands. Anything else (a
-bug) raises.
+bug) raises. A read whose keys have another copy may carry its own, shorter bound
+(:attr:`Call.bound_s`): past it the call fails as a :class:`~tasks.errors.SlowRead` and
+the operation reads the other copy.
 """
 from __future__ import annotations
 
