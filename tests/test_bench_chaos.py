@@ -228,3 +228,13 @@ def test_a_schedule_the_run_cannot_hold_is_one_usage_line_before_anything_starts
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith("error: a chaos run of"), err
     assert "--duration" in err[0] and "Traceback" not in err[0]
+
+
+def test_a_run_reports_its_longest_wait_between_two_deliveries():
+    # What a stall or a partition held every step for shows as the longest gap.
+    records = [record(f"s{i}") for i in range(1, 6)]
+    for r, t in zip(records, [10.0, 10.5, 11.0, 19.0, 19.2]):
+        r["t"] = t
+    got = figures(records)
+    assert got["longest_delivery_gap_s"] == 8.0 and got["longest_gap_after_first_s"] == 1.0
+    assert figures(records[:1])["longest_delivery_gap_s"] == 0.0

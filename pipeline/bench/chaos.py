@@ -12,7 +12,7 @@ cut off once (:mod:`pipeline.testing.partition`, 20 s). ``--short``: about 2 min
 
 Reported (JSON on stdout, progress on stderr): steps finalized, rows acknowledged, rows
 lost (must be 0), rollouts whose tensors differ from the oracle or from the fault-free
-run (must be 0), both runs' throughput, the fault timeline, the store's end figures (with
+run (must be 0), both runs' throughput and longest wait between deliveries, the timeline, the store's end figures (with
 ``repair_wait_s``/``repair_unsettled``: what a repair still lacked when the wait gave up).
 Failures (those, or a step that never finishes) are printed and exit 1, with no ratio.
 
@@ -126,7 +126,8 @@ def one_run(name: str, cfg: Any, faults: list[Fault], duration_s: float, say: Ca
             records, saved = read_delivered(d), Book(d).saved()
             figures = run_figures(records, saved, wall_s, store, problems)
             say(f"{name}: {figures['steps_finalized']} steps in {wall_s:.0f} s ({figures['tokens_per_s']} tokens/s), "
-                f"{figures['rows_lost']} rows lost, {figures['rollouts_differing_from_oracle']} differ")
+                f"{figures['rows_lost']} rows lost, {figures['rollouts_differing_from_oracle']} differ, longest wait "
+                f"between deliveries {figures['longest_delivery_gap_s']} s")
             return figures, records, cl.timeline
 
 

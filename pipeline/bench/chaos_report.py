@@ -28,6 +28,7 @@ def run_figures(delivered: Mapping[str, dict], saved: Mapping[str, int], wall_s:
     steady_s = times[-1] - times[0] if len(times) > 1 else 0.0
     first = min(done.values(), key=lambda r: float(r["t"])) if done else None
     steady_tokens = tokens - (int(first["tokens"]) if first else 0)
+    gap_s, gap_at = longest_gap(times)
     return {
         "wall_s": round(wall_s, 2),
         "steps_saved": len(saved),
@@ -45,9 +46,20 @@ def run_figures(delivered: Mapping[str, dict], saved: Mapping[str, int], wall_s:
         "steady_s": round(steady_s, 2),
         "steps_per_s": round((len(done) - 1) / steady_s, 3) if steady_s > 0 else 0.0,
         "tokens_per_s": round(steady_tokens / steady_s, 1) if steady_s > 0 else 0.0,
+        "longest_delivery_gap_s": round(gap_s, 2),  # what a fault held every step for
+        "longest_gap_after_first_s": round(gap_at, 2),  # where that gap began, s after the first delivery
         "store": dict(store or {}),
         "problems": list(problems or []),
     }
+
+
+def longest_gap(times: list[float]) -> tuple[float, float]:
+    """The longest wait between two consecutive deliveries of sorted ``times`` (s) and
+    when it began, s after the first delivery; (0, 0) with fewer than two."""
+    if len(times) < 2:
+        return 0.0, 0.0
+    gap, i = max((b - a, k) for k, (a, b) in enumerate(zip(times, times[1:])))
+    return gap, times[i] - times[0]
 
 
 def digests_differing(fault_free: Mapping[str, dict], faulty: Mapping[str, dict]) -> list[str]:
