@@ -157,15 +157,11 @@ class ChaosCluster:
         elif fault.kind in (KILL_STORAGE, KILL_FINALIZE):
             role = STORAGE if fault.kind == KILL_STORAGE else FINALIZE
             # Any host may hold a unit (a repair puts one where none of its partners is).
-            entry["waited_for_repair_s"], unsettled = self.wait_repaired()
-            if unsettled:
-                entry["repair_unsettled"] = unsettled
+            entry.update(self._repaired_first())
             name = rng.choice(self.live(role))
             entry.update(self.replace(name, role))
         elif fault.kind == STALL:
-            entry["waited_for_repair_s"], unsettled = self.wait_repaired()  # never both copies' units at once
-            if unsettled:
-                entry["repair_unsettled"] = unsettled
+            entry.update(self._repaired_first())  # never both copies' units at once
             role = rng.choice((STORAGE, FINALIZE))
             entry.update(self.stall(rng.choice(self.live(role)), role, fault.duration_s))
         elif fault.kind == PARTITION:
@@ -179,6 +175,11 @@ class ChaosCluster:
         self.timeline.append(entry)
         self.say(f"fault at {entry['at_s']:.1f} s: {fault.kind} {entry.get('host', '')}".rstrip())
         return entry
+
+    def _repaired_first(self) -> dict:
+        """Before a fault that may take a unit: :meth:`wait_repaired`, as timeline fields."""
+        waited, unsettled = self.wait_repaired()
+        return {"waited_for_repair_s": waited, **({"repair_unsettled": unsettled} if unsettled else {})}
 
     def live(self, roles: tuple[str, ...]) -> list[str]:
         assert self.hosts is not None

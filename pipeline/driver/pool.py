@@ -76,7 +76,7 @@ class ActorPool:
         :class:`ActorUnresponsive` naming ``what`` and its worker."""
         pending = {s: call(s, self.actors[s]) for s in slots}
         end = self.call_deadline()
-        return {s: self._await(s, p, end, what, "driver.actor-call-timeout-s") for s, p in pending.items()}
+        return {s: await_answer(p, end, self._who(s), what, "driver.actor-call-timeout-s") for s, p in pending.items()}
 
     def fan_out_surviving(self, slots: Iterable[int], call: ActorCall[T], wait_s: float | None = None,
                           what: str = "call") -> tuple[dict[int, T], dict[int, BaseException]]:
@@ -90,17 +90,15 @@ class ActorPool:
         lost: dict[int, BaseException] = {}
         for s, p in pending.items():
             try:
-                answers[s] = self._await(s, p, end, what, "driver.cut-answer-margin-s")
+                answers[s] = await_answer(p, end, self._who(s), what, "driver.cut-answer-margin-s")
             except Exception as e:
                 if not self.is_lost(s, e):
                     raise
                 lost[s] = e
         return answers, lost
 
-    def _await(self, slot: int, pending: Pending[T], end: float | None, what: str, setting: str) -> T:
-        return await_answer(pending, end, lambda: (
-            f"the generation actor on {self.workers[slot]} (slot {slot}) did not answer {what} in time: its "
-            f"worker is hung or stalled; restart that worker and recover from the last cut, or raise {setting}"))
+    def _who(self, slot: int) -> str:
+        return f"the generation actor on {self.workers[slot]} (slot {slot})"
 
     def call_deadline(self) -> float | None:
         """When calls issued now stop being awaited (monotonic s; None: never):
@@ -139,9 +137,11 @@ class ActorPool:
         return keys
 
 
-def await_answer(pending: Pending[T], end: float | None, problem: Callable[[], str]) -> T:
+def await_answer(pending: Pending[T], end: float | None, who: str, what: str,
+                 setting: str = "driver.actor-call-timeout-s") -> T:
     """``pending``'s answer, waiting until ``end`` (monotonic seconds; None: forever);
-    past it :class:`ActorUnresponsive` with the message ``problem()``."""
+    past it :class:`ActorUnresponsive` naming ``who`` (the actor), ``what`` (the call)
+    and ``setting`` (the bound)."""
     if end is None:
         return pending.result()
     try:
@@ -149,4 +149,5 @@ def await_answer(pending: Pending[T], end: float | None, problem: Callable[[], s
     except TimeoutError as e:
         if isinstance(e, ActorUnresponsive):
             raise
-        raise ActorUnresponsive(problem()) from None
+        raise ActorUnresponsive(f"{who} did not answer {what} in time: its worker is hung or stalled; restart that "
+                                f"worker and recover from the last cut, or raise {setting}") from None

@@ -184,7 +184,7 @@ def resume_calls(pool: ActorPool, running: list[RolloutState], acks: Mapping[tup
     end = pool.call_deadline()
     for r, ack, v, fut in resumes:  # issued together, awaited together
         try:
-            await_answer(fut, end, lambda: f"resume_call of {r.spec.rollout_id} not answered in time")
+            await_answer(fut, end, f"the generation actor of slot {r.slot}", f"resume_call of {r.spec.rollout_id}")
             accepted = True
         except Exception:  # the worker refused the prefix: this call starts over
             accepted = False
@@ -210,9 +210,8 @@ def _issue_resumes(pool: ActorPool, want: Mapping[int, list[tuple[RolloutState, 
     end = pool.call_deadline()
     for slot, pairs in want.items():
         stats.restore_requests += len(pairs)
-        answer = await_answer(verdicts[slot], end, lambda: (
-            f"the prefix-read batcher for the actor on {pool.workers[slot]} did not answer restore_many in time: "
-            "its worker is hung or stalled; restart it and recover again, or raise driver.actor-call-timeout-s"))
+        answer = await_answer(verdicts[slot], end, f"the prefix-read batcher for the actor on {pool.workers[slot]}",
+                              "restore_many")
         for (r, ack), v in zip(pairs, answer):
             d = decide(ack, v, contexts[r.spec.rollout_id])
             if d.regenerate:
@@ -228,6 +227,4 @@ def _issue_resumes(pool: ActorPool, want: Mapping[int, list[tuple[RolloutState, 
 
 def _batcher_stats(batchers: set[PrefixBatcher], end: float | None) -> dict[PrefixBatcher, BatcherStats]:
     futures = {b: b.stats() for b in batchers}
-    return {b: await_answer(f, end, lambda: "a prefix-read batcher did not answer stats in time: its worker is hung "
-                            "or stalled; restart it and recover again, or raise driver.actor-call-timeout-s")
-            for b, f in futures.items()}
+    return {b: await_answer(f, end, "a prefix-read batcher", "stats") for b, f in futures.items()}

@@ -331,8 +331,8 @@ class Rebalancer:
         the cluster no longer has: its keys have one copy until the repairer replaces it,
         and a move planned now would count on the lost unit (the store host retries the
         change, so it lands once the repair does)."""
-        live = set(current_workers(self.client))
-        lost = [f"{uid} on {w}" for uid, w in zip(table.unit_ids, table.workers) if w not in live]
+        gone = self._unreachable(table, table)
+        lost = [f"{uid} on {w}" for uid, w in zip(table.unit_ids, table.workers) if uid in gone]
         if lost:
             raise StoreBusy(
                 f"storage unit(s) {lost} lost with their worker and not re-replicated yet; a change of the units waits "
