@@ -70,11 +70,13 @@ def buffers(n: int, *, ctx: int = 6, gen: int = 10, routes: bool = True, prefix:
     return out
 
 
-def cut(bufs, store, *, clock=None, limits=BatchLimits(4, 1 << 22, 1 << 28), checkpoint_id="ck", deadline=None):
+def cut(bufs, store, *, clock=None, limits=BatchLimits(4, 1 << 22, 1 << 28), checkpoint_id="ck", deadline=None,
+        puts_in_flight=None):
     clock = clock or ManualClock()
     calls = [(b.call, b) for b in bufs]
     return run_cut(calls, store, checkpoint_id=checkpoint_id, inventory_digest=inventory_digest([c for c, _ in calls]),
-                   deadline=clock() + 10 if deadline is None else deadline, clock=clock, limits=limits)
+                   deadline=clock() + 10 if deadline is None else deadline, clock=clock, limits=limits,
+                   puts_in_flight=puts_in_flight)
 
 
 def present(store, keys) -> set[str]:
@@ -221,10 +223,11 @@ def test_interruption_clears_rows_no_call_received(store):
 
 
 def test_deadline_passing_between_batches(store):
+    """One put at a time: the deadline passing during put 1 stops put 2."""
     bufs = buffers(12)
     clock = ManualClock()
     faulty = FaultyStore(store, FaultRules(advance_after_put={1: 100.0}), clock=clock)
-    receipt, _ = cut(bufs, faulty, clock=clock)
+    receipt, _ = cut(bufs, faulty, clock=clock, puts_in_flight=1)
     assert receipt.deadline_passed and receipt.put_calls == 1
     assert [a.status for a in receipt.acks[:4]] == [DURABLE_PREFIX] * 4
     assert {a.reason for a in receipt.acks[4:]} == {CONTROL_DEADLINE}
@@ -233,12 +236,28 @@ def test_deadline_passing_between_batches(store):
         assert_rolled_back(b)
 
 
+def test_deadline_passing_while_a_put_is_on_the_wire_answers_it_and_sends_no_more(store):
+    """Two puts in flight: batch 2 was sent while put 1 ran, so the deadline passing
+    during put 1 stops batch 3, and batch 2's answer is still sealed (its put ended
+    within its bound); nothing unsealed stays."""
+    bufs = buffers(12)
+    clock = ManualClock()
+    faulty = FaultyStore(store, FaultRules(advance_after_put={1: 100.0}), clock=clock)
+    receipt, _ = cut(bufs, faulty, clock=clock, puts_in_flight=2)
+    assert receipt.deadline_passed and receipt.put_calls == 2
+    assert [a.status for a in receipt.acks[:8]] == [DURABLE_PREFIX] * 8
+    assert {a.reason for a in receipt.acks[8:]} == {CONTROL_DEADLINE}
+    assert present(store, all_cut_keys(bufs)) == set(all_cut_keys(bufs[:8]))
+    for b in bufs[8:]:
+        assert_rolled_back(b)
+
+
 def test_deadline_passing_between_batches_flushed_together(store):
     """Two dtype/shape groups flushed at the end: the deadline stops the second put."""
     bufs = buffers(3, prefix="a") + buffers(3, routes=False, prefix="b")
     clock = ManualClock()
     faulty = FaultyStore(store, FaultRules(advance_after_put={1: 100.0}), clock=clock)
-    receipt, _ = cut(bufs, faulty, clock=clock)
+    receipt, _ = cut(bufs, faulty, clock=clock, puts_in_flight=1)
     assert [len(p) for p in faulty.puts] == [3]
     assert [a.status for a in receipt.acks[:3]] == [DURABLE_PREFIX] * 3
     assert {a.reason for a in receipt.acks[3:]} == {CONTROL_DEADLINE}
@@ -253,7 +272,7 @@ def test_deadline_passing_while_rows_are_pending(store):
     clock = ManualClock()
     rules = FaultRules(fail_keys=("/r1/",), advance_after_put={2: 100.0})  # put 2 = first retry (r0)
     faulty = FaultyStore(store, rules, clock=clock)
-    receipt, _ = cut(bufs, faulty, clock=clock)
+    receipt, _ = cut(bufs, faulty, clock=clock, puts_in_flight=1)
     assert [len(p) for p in faulty.puts] == [4, 1]
     assert receipt.ack("r0", "call-0").durable
     assert {receipt.ack(f"r{i}", "call-0").reason for i in range(1, 8)} == {CONTROL_DEADLINE}

@@ -210,7 +210,9 @@ def test_raw_put_replays_the_batched_cut_exactly(address):
     result = bench_cut.run(parse(address, *FLAGS))
     assert result["ok"] is True and result["failures"] == []
     cut_rows = {r["mode"]: r for r in result["table"]}
-    assert sorted(cut_rows) == ["batched", "one_row"]
+    assert sorted(cut_rows) == ["batched", "batched_serial", "one_row"]
+    assert cut_rows["batched_serial"]["put_calls"] == cut_rows["batched"]["put_calls"] == 6
+    assert result["pipelined_vs_serial_1024"] == round(cut_rows["batched"]["rows_per_s"] / cut_rows["batched_serial"]["rows_per_s"], 3)
     (raw,) = result["raw_put"]
     batched = cut_rows["batched"]
     assert raw["mode"] == "raw_put" and raw["runs"] == 3 and len(raw["wall_s_runs"]) == 3

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 
 import numpy as np
 
@@ -33,9 +34,9 @@ def _buffers(n: int, prefix: str) -> list[CallBuffer]:
     return out
 
 
-def _cut(bufs, store, checkpoint_id: str, limits=BatchLimits(64, 1 << 22, 1 << 28)):
+def _cut(bufs, store, checkpoint_id: str, limits=BatchLimits(64, 1 << 22, 1 << 28), puts_in_flight=None):
     return run_cut([(b.call, b) for b in bufs], store, checkpoint_id=checkpoint_id, inventory_digest=b"",
-                   limits=limits)
+                   limits=limits, puts_in_flight=puts_in_flight)
 
 
 class MemoryStore:
@@ -128,7 +129,7 @@ def test_a_cut_with_several_batches_takes_the_slot_again_to_pack_the_next(monkey
 
     pack.real = counting
     a, b = _buffers(4, "ma"), _buffers(2, "mb")
-    run_a = lambda: _cut(a, store, "multi-a", BatchLimits(2, 1 << 22, 1 << 28))  # noqa: E731
+    run_a = lambda: _cut(a, store, "multi-a", BatchLimits(2, 1 << 22, 1 << 28), puts_in_flight=1)  # noqa: E731
     with two_cuts(store, pack, run_a, lambda: _cut(b, store, "multi-b")) as (ta, _, results):
         store.release.set()
         ta.join(0.5)  # A seals batch 1, then waits for the slot to freeze/pack batch 2
@@ -136,6 +137,35 @@ def test_a_cut_with_several_batches_takes_the_slot_again_to_pack_the_next(monkey
     assert calls.count("multi-a") == 2 and calls.count("multi-b") == 1
     assert results["a"][0].counts() == {DURABLE_PREFIX: 4} and results["a"][1].put_calls == 2
     assert results["b"][0].counts() == {DURABLE_PREFIX: 2}
+
+
+def test_a_cut_packs_its_next_batch_while_its_put_is_on_the_wire(monkeypatch):
+    """Two puts in flight: while batch 1's put is held, batch 2 is frozen, packed and
+    sent, and batch 3 waits for batch 1's answer (never more than two puts out); once
+    released every call is sealed, in three puts."""
+    store = MemoryStore(hold="/pipe/pa0/")
+    packed: list[str] = []
+    real = cut_module.pack_chunks
+    monkeypatch.setattr(cut_module, "pack_chunks", lambda chunks, *args: (packed.append(chunks[0].rollout_id), real(chunks, *args))[1])
+    results: dict = {}
+    bufs = _buffers(6, "pa")
+    t = threading.Thread(target=lambda: results.update(r=_cut(bufs, store, "pipe", BatchLimits(2, 1 << 22, 1 << 28),
+                                                                 puts_in_flight=2)), daemon=True)
+    t.start()
+    try:
+        assert store.entered.wait(WAIT_S)
+        end = time.monotonic() + WAIT_S
+        while store.puts < 2 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert packed == ["pa0", "pa2"] and store.puts == 2, "batch 2 packed and sent while batch 1's put is held"
+        t.join(0.2)
+        assert packed == ["pa0", "pa2"], "batch 3 waits for batch 1's answer"
+    finally:
+        store.release.set()
+        t.join(WAIT_S)
+    receipt, stats = results["r"]
+    assert receipt.counts() == {DURABLE_PREFIX: 6} and stats.put_calls == 3 and store.puts == 3
+    assert [b.info()["cut_keys"] for b in bufs] == [[f"__cut__/pipe/pa{i}/call-0/0"] for i in range(6)]
 
 
 def test_store_signature_is_inspected_once_per_store_class(monkeypatch):

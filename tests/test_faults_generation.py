@@ -89,12 +89,14 @@ def _install_cut_hang(marker: str, put_no: int, when: str, batch_rows: int) -> i
         time.sleep(600)  # the test kills this process long before
 
     def put_many(self, batch, partition="staging", adopt=False):
+        mine = 0  # this put's number among the cut's puts (two may be on the wire at once)
         if partition == "cut":
             count[0] += 1
-            if count[0] == put_no and when == "before":
+            mine = count[0]
+            if mine == put_no and when == "before":
                 hang()
         result = orig(self, batch, partition=partition, adopt=adopt)
-        if partition == "cut" and count[0] == put_no and when == "after":
+        if mine == put_no and when == "after":
             hang()
         return result
 
@@ -137,9 +139,14 @@ def test_generation_worker_killed_mid_cut(gen_cluster, tmp_path, when):
     cutter.start()
     pid = wait_marker(marker)
     assert pid == pids[addr["gen"]]
-    victim_keys = [k for k in store.keys(CUT_PARTITION) if k.split("/")[2] in victim_rollouts]
-    # The victim wrote batch 1 (sealed on its side), and batch 2 too when hung after it.
-    assert len(victim_keys) == (2 * CUT_BATCH if when == "after" else CUT_BATCH), victim_keys
+    # The victim wrote batch 1 (sealed on its side), and batch 2 too when hung after it
+    # (batch 1's put may still be on the wire beside the hung one: waited for).
+    want = 2 * CUT_BATCH if when == "after" else CUT_BATCH
+    end = time.monotonic() + 30
+    while len(victim_keys := [k for k in store.keys(CUT_PARTITION) if k.split("/")[2] in victim_rollouts]) < want:
+        assert time.monotonic() < end, victim_keys
+        time.sleep(0.05)
+    assert len(victim_keys) == want, victim_keys
     os.kill(pid, signal.SIGKILL)
     cutter.join(60)
     assert not cutter.is_alive(), "the driver's cut hangs on a dead generation actor"

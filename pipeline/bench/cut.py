@@ -4,7 +4,9 @@
 against a real StagingStore, at 1,024- and 16,384-token prefixes, one row per put vs 256.
 ``raw_put`` replays exactly the batches the batched cut writes with bare ``put_many``
 calls: ``cut_vs_raw_put_T`` is the batched cut's rows/s over that (1.0: the cut's
-bookkeeping costs nothing). ``cut_vs_raw_put_cpu_bound_T``: the ratio the cut's own CPU
+bookkeeping costs nothing). ``batched_serial`` is the batched cut with one put at a time
+(``cut.puts-in-flight`` 1); ``pipelined_vs_serial_T`` its rows/s against the batched cut's
+(with ``--clients 1`` a client's cut has many batches to overlap). ``cut_vs_raw_put_cpu_bound_T``: the ratio the cut's own CPU
 allows in one interpreter (:func:`cpu_bound_ratio`; ``cut_own_cpu_s``: the same calls cut
 against a store dropping each batch, one thread), measured in the same run;
 ``raw_put_core_use_T``: how busy the raw put keeps this machine's cores (:func:`core_use`); ``fill_cpu_s``:
@@ -58,6 +60,7 @@ CONTEXT_TOKENS = 16
 DEFAULT_ROWS = {1024: 8192, 16384: 2048}  # rows per token size at the toy profile
 SAMPLE_ROWS = 4  # rows of client 0 read back and compared bit-exact per run
 ONE_ROW, BATCHED, RAW_PUT = "one_row", "batched", "raw_put"  # the modes of a table row
+BATCHED_SERIAL = "batched_serial"  # the batched cut with one put at a time (cut.puts-in-flight 1)
 
 
 class CutRow(TypedDict, total=False):
@@ -147,15 +150,17 @@ def _limits(rows_per_put: int) -> BatchLimits:
     )
 
 
-def _cut(calls: list[CallBuffer], store: CutStore, tag: str, limits: BatchLimits, worker: str) -> tuple[CutReceipt, CutStats]:
-    """One client's cut of ``calls`` through the real transaction: (receipt, stats)."""
+def _cut(calls: list[CallBuffer], store: CutStore, tag: str, limits: BatchLimits, worker: str,
+         puts_in_flight: int | None = None) -> tuple[CutReceipt, CutStats]:
+    """One client's cut of ``calls`` through the real transaction: (receipt, stats);
+    ``puts_in_flight`` None: ``cut.puts-in-flight``."""
     from tasks.cut.receipt import inventory_digest
 
     from ..generation.cut import run_cut
 
     pairs = [(b.call, b) for b in calls]
     return run_cut(pairs, store, checkpoint_id=f"{tag}ck", inventory_digest=inventory_digest([k for k, _ in pairs]),
-                   deadline=time.time() + 3600, limits=limits, worker=worker)
+                   deadline=time.time() + 3600, limits=limits, worker=worker, puts_in_flight=puts_in_flight)
 
 
 def _timed(n_clients: int, work: Callable[[int], T], client: Client | None) -> tuple[float, list[T | BaseException], dict[str, float]]:
@@ -191,11 +196,13 @@ def _row(mode: str, tokens: int, rows_per_put: int, rows: int, n_clients: int, w
 
 
 def _one_config(store: StagingStore, tokens: int, rows: int, rows_per_put: int, args: argparse.Namespace, tag: str,
-                client: Client | None = None) -> CutRow:
-    """One timed run of the cut at ``rows_per_put``: its table row plus ``problems``."""
+                client: Client | None = None, serial: bool = False) -> CutRow:
+    """One timed run of the cut at ``rows_per_put`` (``serial``: one put at a time): its
+    table row plus ``problems``."""
     per_client = _all_client_calls(rows, tokens, args, tag)
     limits = _limits(rows_per_put)
-    wall, results, cpu = _timed(len(per_client), lambda c: _cut(per_client[c], store, tag, limits, f"client-{c}"), client)
+    window = 1 if serial else None
+    wall, results, cpu = _timed(len(per_client), lambda c: _cut(per_client[c], store, tag, limits, f"client-{c}", window), client)
     problems = [f"cut raised in client {c}: {r!r}" for c, r in enumerate(results) if isinstance(r, BaseException)][:3]
     done = [r for r in results if not isinstance(r, BaseException)]
     receipts = [r[0] for r in done]
@@ -210,7 +217,8 @@ def _one_config(store: StagingStore, tokens: int, rows: int, rows_per_put: int, 
     if not isinstance(results[0], BaseException):
         problems += _check_cut_content(store, results[0][0], tokens, tag, routes_profile(args))
     return {
-        **_row(ONE_ROW if rows_per_put == 1 else BATCHED, tokens, rows_per_put, rows, len(per_client), wall, cpu),
+        **_row(ONE_ROW if rows_per_put == 1 else BATCHED_SERIAL if serial else BATCHED, tokens, rows_per_put, rows,
+               len(per_client), wall, cpu),
         "put_calls": sum(r.put_calls for r in receipts),
         "mean_row_wait_ms": round(float(np.mean(waits)) if waits else 0.0, 2),
         "durable": durable,
@@ -362,7 +370,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
     table: list[CutRow] = []  # the cut's rows: one row per put, then batched, per token size
     raw_put: list[CutRow] = []  # the store's bare put of the batched cut's batches, per token size
     failures: list[str] = []
-    modes = [(ONE_ROW, 1), (BATCHED, args.batch_size), (RAW_PUT, args.batch_size)]
+    modes = [(ONE_ROW, 1), (BATCHED, args.batch_size), (BATCHED_SERIAL, args.batch_size), (RAW_PUT, args.batch_size)]
     with bench_client(args) as client:
         with tempfile.TemporaryDirectory(prefix="bench-cut-") as spill:
             for tokens in token_sizes:
@@ -377,8 +385,11 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                             say(f"{tokens} tokens x {rows} rows ({prof.name}), {mode}, {rpp} rows/put, {args.clients} clients, run {rep + 1} ...")
                             # The raw put writes the same keys as this repeat's batched cut (on its own store).
                             tag = f"t{tokens}b{rpp}r{rep}"
-                            one = _raw_put_config if mode == RAW_PUT else _one_config
-                            row = one(store, tokens, rows, rpp, args, tag=tag, client=client)
+                            if mode == RAW_PUT:
+                                row = _raw_put_config(store, tokens, rows, rpp, args, tag=tag, client=client)
+                            else:
+                                row = _one_config(store, tokens, rows, rpp, args, tag=tag, client=client,
+                                                  serial=mode == BATCHED_SERIAL)
                         except Exception as e:  # noqa: BLE001 - a failed run is reported, then fails the command
                             failures.append(f"{what}: {type(e).__name__}: {e}")
                             continue
@@ -387,7 +398,7 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                         failures += [f"{what}: {p}" for p in row.pop("problems")]
                         say(f"  {row['put_calls']} puts, {row['wall_s']:.2f} s, {row['rows_per_s']:.0f} rows/s, cpu s {row['cpu_s']}")
                         runs[mode].append(row)
-                medians = [_median_row(runs[m]) for m in (ONE_ROW, BATCHED, RAW_PUT) if runs[m]]
+                medians = [_median_row(runs[m]) for m in (ONE_ROW, BATCHED, BATCHED_SERIAL, RAW_PUT) if runs[m]]
                 for r in medians:
                     r["gb_s"] = rounded_gb_s(payload_figures(prof, route_id_bytes=id_bytes, tokens_per_s=r["rows_per_s"] * tokens)["gb_s"])
                 table += [r for r in medians if r["mode"] != RAW_PUT]
@@ -411,14 +422,18 @@ def run(args: argparse.Namespace) -> dict[str, object]:
 
 
 def _ratios(table: list[CutRow], token_sizes: Sequence[int]) -> dict[str, float]:
-    """Per token size: ``speedup_T`` (one-row wall / batched wall, medians) and
-    ``cut_vs_raw_put_T`` (batched cut rows/s / raw put rows/s, medians)."""
+    """Per token size: ``speedup_T`` (one-row wall / batched wall, medians),
+    ``cut_vs_raw_put_T`` (batched cut rows/s / raw put rows/s, medians) and
+    ``pipelined_vs_serial_T`` (batched rows/s over the same cut's with one put at a time)."""
     out: dict[str, float] = {}
     for tokens in token_sizes:
         by_mode = {r["mode"]: r for r in table if r["prefix_tokens"] == tokens}
         base, batched, raw = by_mode.get(ONE_ROW), by_mode.get(BATCHED), by_mode.get(RAW_PUT)
+        serial = by_mode.get(BATCHED_SERIAL)
         if base and batched:
             out[f"speedup_{tokens}"] = round(base["wall_s"] / batched["wall_s"], 2)
+        if batched and serial:
+            out[f"pipelined_vs_serial_{tokens}"] = round(batched["rows_per_s"] / serial["rows_per_s"], 3)
         if batched and raw:
             out[f"cut_vs_raw_put_{tokens}"] = round(batched["rows_per_s"] / raw["rows_per_s"], 3)
             out[f"cut_vs_raw_put_cpu_bound_{tokens}"] = cpu_bound_ratio(raw)

@@ -12,6 +12,7 @@ controller. Deadlines are clock seconds; stats ms and bytes.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,12 +41,17 @@ from ..store.slab_pool import SlabPool, process_pool
 from ..store.deadline import takes_timeout
 from .call_buffer import CallBuffer, FrozenChunk, cut_key_root
 from .cpu_gate import cpu_gate
+from .put_window import PutWindow
 
 if TYPE_CHECKING:
     from ..store.protocol import StoreResult
 
 logger = logging.getLogger(__name__)
 Clock = Callable[[], float]  # seconds
+# A put's answer: (result or None if it raised, error, batch bytes, time.perf_counter() when answered).
+_Answer = tuple["StoreResult | None", str, int, float]
+# A packed batch: (batch or None, error, whether the store may adopt its buffers).
+_Packed = tuple["PackedBatch | None", str, bool]
 
 
 class CutStore(Protocol):
@@ -67,11 +73,12 @@ class CutSettings:
     deadline_s: float  # a cut without a deadline ends this long after it starts, s
     receipt_cache_size: int  # cut receipts kept for retried cuts (count)
     digest_version: int = DIGEST_VERSION  # tasks.digests: 1 SHA-256, 2 BLAKE3
+    puts_in_flight: int = 2  # a cut's puts on the wire while its next batch freezes and packs (count; 1: serial)
 
     @classmethod
     def from_config(cls) -> CutSettings:
         return cls(limits_from_config(), float(config.get("cut.deadline-s")), int(config.get("cut.receipt-cache-size")),
-                   config.digest_version())
+                   config.digest_version(), puts_in_flight_from_config())
 
 
 def limits_from_config() -> BatchLimits:
@@ -81,6 +88,14 @@ def limits_from_config() -> BatchLimits:
         max_tokens=int(config.get("cut.generation-prefix-batch-max-tokens")),
         max_bytes=int(config.get_bytes("cut.generation-prefix-batch-max-bytes")),
     )
+
+
+def puts_in_flight_from_config() -> int:
+    """``cut.puts-in-flight``, read now; a value below 1 is a :class:`ValueError` naming it."""
+    n = int(config.get("cut.puts-in-flight"))
+    if n < 1:
+        raise ValueError(f"cut.puts-in-flight must be at least 1 (1: one put at a time), got {n}")
+    return n
 
 
 def pack_buffers() -> SlabPool:
@@ -109,7 +124,8 @@ class _Cut:
     """One run of the transaction: its calls' frozen chunks, acks, written keys and stats."""
 
     def __init__(
-        self, store: CutStore, checkpoint_id: str, deadline: float, clock: Clock, limits: BatchLimits, partition: str
+        self, store: CutStore, checkpoint_id: str, deadline: float, clock: Clock, limits: BatchLimits, partition: str,
+        puts_in_flight: int = 1,
     ):
         self.gate = cpu_gate()
         self.in_gate = False
@@ -131,6 +147,8 @@ class _Cut:
         # keys, so the cut and the worker's cut lock are released by the deadline).
         self.put_bounded = takes_timeout(store.put_many)
         self.delete_bounded = takes_timeout(store.delete)
+        # Batch k+1 freezes and packs while batch k's put is on the wire (waiting leaves the CPU slot).
+        self.window: PutWindow[Sequence[FrozenChunk], _Answer] = PutWindow(puts_in_flight, wait=self.leave_gate)
 
     def enter_gate(self) -> None:
         self.gate.acquire()
@@ -167,8 +185,9 @@ class _Cut:
 
     # -- store round trips (each one call) --
 
-    def _put(self, chunks: Sequence[FrozenChunk]) -> tuple[StoreResult | None, str, int]:
-        """One ``put_many`` of ``chunks``: (result or None if it raised, error, batch bytes)."""
+    def _pack(self, chunks: Sequence[FrozenChunk]) -> _Packed:
+        """``chunks`` packed for one put, in a CPU slot: (batch or None if packing raised,
+        error, whether the store may adopt its buffers)."""
         # Rows ordered by storage unit: the store then sends each unit a contiguous slice
         # of the batch buffers (no re-split copy). One vectorized placement per batch (per
         # call it was a quarter of a 1,024-token cut's CPU).
@@ -188,19 +207,30 @@ class _Cut:
         except Exception as e:  # a row that cannot be packed fails its batch, then itself alone
             logger.error("cut %s: packing %d rows raised (a bug: rows are valid by construction)",
                          self.checkpoint_id, len(chunks), exc_info=True)
-            return None, f"packing raised {type(e).__name__}: {e}", 0
+            return None, f"packing raised {type(e).__name__}: {e}", False
         # Fresh buffers nobody else holds: a unit may keep views into them instead of
         # copying each row (adopt). A pooled slab is the next batches' memory once this
         # put is done: an in-process unit copies it (one over the wire keeps what it received).
-        adopt = not any(pooled)
-        self.stats.put_calls += 1
+        return batch, "", not any(pooled)
+
+    def _send(self, batch: PackedBatch, adopt: bool) -> _Answer:
+        """One ``put_many`` of ``batch``, bounded by the deadline; never raises. Runs on the
+        cut's thread or a put helper's (:class:`PutWindow`): it touches no cut state."""
         try:
-            with self._io():
-                bound = {"timeout": self.time_left()} if self.put_bounded else {}
-                result = self.store.put_many(batch, partition=self.partition, adopt=adopt, **bound)
+            bound = {"timeout": self.time_left()} if self.put_bounded else {}
+            result = self.store.put_many(batch, partition=self.partition, adopt=adopt, **bound)
         except Exception as e:  # the whole put failed: no per-key answer
-            return None, f"put_many raised {type(e).__name__}: {e}", batch.nbytes
-        return result, "", batch.nbytes
+            return None, f"put_many raised {type(e).__name__}: {e}", batch.nbytes, time.perf_counter()
+        return result, "", batch.nbytes, time.perf_counter()
+
+    def _put(self, chunks: Sequence[FrozenChunk]) -> _Answer:
+        """One ``put_many`` of ``chunks`` on this thread, answered before it returns."""
+        batch, error, adopt = self._pack(chunks)
+        if batch is None:
+            return None, error, 0, time.perf_counter()
+        self.stats.put_calls += 1
+        with self._io():
+            return self._send(batch, adopt)
 
     def _delete(self, keys: Iterable[str]) -> None:
         keys = list(keys)
@@ -220,15 +250,32 @@ class _Cut:
     # -- steps --
 
     def put_batch(self, chunks: list[FrozenChunk]) -> bool:
-        """Write one planned batch; False if the deadline stopped it before its put."""
+        """Send one planned batch (up to ``puts_in_flight`` stay on the wire while the next
+        batches freeze and pack) and handle the answers due; False if the deadline stopped
+        it before its put, or stopped a failed batch's row-by-row retry."""
         if self.past_deadline():
             return False
-        result, error, nbytes = self._put(chunks)
+        batch, error, adopt = self._pack(chunks)
+        if batch is None:
+            return self._answered(chunks, (None, error, 0, time.perf_counter()))
+        self.stats.put_calls += 1
+        answered = self.window.send(functools.partial(self._send, batch, adopt), chunks)
+        return all([self._answered(kept, answer) for kept, answer in answered])
+
+    def answer_outstanding(self) -> None:
+        """Wait for and handle every put still on the wire (the cut's end)."""
+        for kept, answer in self.window.drain():
+            self._answered(kept, answer)
+
+    def _answered(self, chunks: Sequence[FrozenChunk], answer: _Answer) -> bool:
+        """Seal what a put acknowledged, or clear its keys and retry its rows one per put;
+        False if the deadline stopped that retry."""
+        result, error, nbytes, acked_at = answer
         keys = [c.key for c in chunks]
         if result is not None:
             self.written.update(set(keys).intersection(result.ok))
         if result is not None and not result.failed:
-            self._ack_and_seal(chunks, result, nbytes)
+            self._ack_and_seal(chunks, result, nbytes, acked_at)
             return True
         # Failed batch: clear all its keys (some may be written), then one row per put.
         detail = error or "; ".join(f"{k}: {r} ({d})" for k, (r, d) in list(result.failed.items())[:3])
@@ -236,10 +283,10 @@ class _Cut:
         if len(chunks) == 1:
             self._fail(chunks[0], CUT_ERROR, f"put failed: {detail}")
             return True
-        for i, c in enumerate(chunks):
+        for c in chunks:
             if self.past_deadline():
                 return False  # this chunk and the rest stay pending: rolled back at the end
-            result, error, nbytes = self._put([c])
+            result, error, nbytes, acked_at = self._put([c])
             if result is not None:
                 self.written.update(k for k in result.ok if k == c.key)
             if result is None or result.failed:
@@ -247,13 +294,12 @@ class _Cut:
                 self._delete([c.key])
                 self._fail(c, CUT_ERROR, f"row put failed after batch failure: {why}")
             else:
-                self._ack_and_seal([c], result, nbytes)
+                self._ack_and_seal([c], result, nbytes, acked_at)
         return True
 
-    def _ack_and_seal(self, chunks: list[FrozenChunk], result: StoreResult, nbytes: int) -> None:
+    def _ack_and_seal(self, chunks: Sequence[FrozenChunk], result: StoreResult, nbytes: int, acked_at: float) -> None:
         ok = set(result.ok)
         failed = result.failed or {}
-        acked_at = time.perf_counter()
         # 1. Validate every ack of the batch before sealing any call.
         if not failed and ok.issuperset([c.key for c in chunks]):
             good, clear = chunks, []  # the usual case: every row acknowledged
@@ -322,6 +368,7 @@ class _Cut:
                 if not self.put_batch([self.frozen[i] for i in b.rows]):
                     stopped = True
                     break
+        self.answer_outstanding()  # puts still on the wire: sealed or failed like any other
         # Everything frozen but unanswered rolls back; unreached calls fail too.
         for c in self.frozen:
             if c.buffer.call not in self.acks:
@@ -331,7 +378,9 @@ class _Cut:
                 self.acks[call_id] = CallAck.failure(call_id, CONTROL_DEADLINE, "cut deadline passed before this call was reached")
 
     def abort(self) -> None:
-        """Interruption cleanup: roll back every unanswered freeze, delete unowned rows."""
+        """Interruption cleanup: roll back every unanswered freeze, delete unowned rows
+        (after the puts still on the wire ended, so none lands after the delete)."""
+        self.window.wait_all(self.time_left())
         for c in self.frozen:
             if c.buffer.call not in self.acks or self.acks[c.buffer.call].status != DURABLE_PREFIX:
                 c.buffer.rollback(c)
@@ -359,18 +408,21 @@ def run_cut(
     deadline_s: float | None = None,
     partition: str = CUT_PARTITION,
     worker: str = "",
+    puts_in_flight: int | None = None,
 ) -> tuple[CutReceipt, CutStats]:
     """Cut ``calls`` (``(call id, buffer or None if unknown)`` in inventory order).
 
     ``deadline`` is absolute, in ``clock`` seconds (None: now + ``deadline_s``);
-    ``limits`` (rows, tokens, bytes per put) and ``deadline_s`` default to
-    ``token-capture.cut`` read now (a generation worker passes its own
+    ``limits`` (rows, tokens, bytes per put), ``deadline_s`` and ``puts_in_flight`` (puts
+    on the wire while the next batch packs; 1: serial) default to ``token-capture.cut`` read now (a generation worker passes its own
     :class:`CutSettings`); the process's CPU gate is sized once by ``cut.cpu-slots``. Returns the receipt (acks in
     ``calls`` order) and the cut's stats. An interruption cleans up and re-raises.
     """
     check_id(checkpoint_id, "checkpoint_id")
     t0 = time.perf_counter()
-    cut = _Cut(store, checkpoint_id, resolve_deadline(deadline, clock, deadline_s), clock, limits or limits_from_config(), partition)
+    window = puts_in_flight_from_config() if puts_in_flight is None else puts_in_flight
+    cut = _Cut(store, checkpoint_id, resolve_deadline(deadline, clock, deadline_s), clock, limits or limits_from_config(),
+               partition, window)
     try:
         cut.enter_gate()
         try:

@@ -278,6 +278,7 @@ class GenerationWorker:
                 targets, self.store, checkpoint_id=checkpoint_id, inventory_digest=digest,
                 deadline=deadline, clock=self.clock, worker=self.name,
                 limits=self.cut_settings.limits, deadline_s=self.cut_settings.deadline_s,
+                puts_in_flight=self.cut_settings.puts_in_flight,
             )
             self._receipts[cache_key] = receipt
             while len(self._receipts) > self.cut_settings.receipt_cache_size:
