@@ -222,33 +222,21 @@ def test_interruption_clears_rows_no_call_received(store):
     assert [len(a.staging_keys) for a in r2.acks] == [2] * 4 + [1] * 4
 
 
-def test_deadline_passing_between_batches(store):
-    """One put at a time: the deadline passing during put 1 stops put 2."""
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_deadline_passing_between_batches(store, in_flight):
+    """The deadline passes during put 1. One put at a time: no put 2. Two in flight:
+    batch 2 was sent while put 1 ran, so batch 3 is not sent, and batch 2's answer is
+    still sealed (its put ended within its bound). Nothing unsealed stays."""
     bufs = buffers(12)
     clock = ManualClock()
     faulty = FaultyStore(store, FaultRules(advance_after_put={1: 100.0}), clock=clock)
-    receipt, _ = cut(bufs, faulty, clock=clock, puts_in_flight=1)
-    assert receipt.deadline_passed and receipt.put_calls == 1
-    assert [a.status for a in receipt.acks[:4]] == [DURABLE_PREFIX] * 4
-    assert {a.reason for a in receipt.acks[4:]} == {CONTROL_DEADLINE}
-    assert present(store, all_cut_keys(bufs)) == set(all_cut_keys(bufs[:4]))
-    for b in bufs[4:]:
-        assert_rolled_back(b)
-
-
-def test_deadline_passing_while_a_put_is_on_the_wire_answers_it_and_sends_no_more(store):
-    """Two puts in flight: batch 2 was sent while put 1 ran, so the deadline passing
-    during put 1 stops batch 3, and batch 2's answer is still sealed (its put ended
-    within its bound); nothing unsealed stays."""
-    bufs = buffers(12)
-    clock = ManualClock()
-    faulty = FaultyStore(store, FaultRules(advance_after_put={1: 100.0}), clock=clock)
-    receipt, _ = cut(bufs, faulty, clock=clock, puts_in_flight=2)
-    assert receipt.deadline_passed and receipt.put_calls == 2
-    assert [a.status for a in receipt.acks[:8]] == [DURABLE_PREFIX] * 8
-    assert {a.reason for a in receipt.acks[8:]} == {CONTROL_DEADLINE}
-    assert present(store, all_cut_keys(bufs)) == set(all_cut_keys(bufs[:8]))
-    for b in bufs[8:]:
+    receipt, _ = cut(bufs, faulty, clock=clock, puts_in_flight=in_flight)
+    sent = 4 * in_flight  # rows in the batches sent before the deadline was seen
+    assert receipt.deadline_passed and receipt.put_calls == in_flight
+    assert [a.status for a in receipt.acks[:sent]] == [DURABLE_PREFIX] * sent
+    assert {a.reason for a in receipt.acks[sent:]} == {CONTROL_DEADLINE}
+    assert present(store, all_cut_keys(bufs)) == set(all_cut_keys(bufs[:sent]))
+    for b in bufs[sent:]:
         assert_rolled_back(b)
 
 

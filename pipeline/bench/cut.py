@@ -4,19 +4,17 @@
 against a real StagingStore, at 1,024- and 16,384-token prefixes, one row per put vs 256.
 ``raw_put`` replays exactly the batches the batched cut writes with bare ``put_many``
 calls: ``cut_vs_raw_put_T`` is the batched cut's rows/s over that (1.0: the cut's
-bookkeeping costs nothing). ``batched_serial`` is the batched cut with one put at a time
-(``cut.puts-in-flight`` 1); ``pipelined_vs_serial_T`` its rows/s against the batched cut's
-(with ``--clients 1`` a client's cut has many batches to overlap). ``cut_vs_raw_put_cpu_bound_T``: the ratio the cut's own CPU
+bookkeeping costs nothing). ``pipelined_vs_serial_T``: over ``batched_serial``, the same
+cut one put at a time (``--clients 1``: many batches to overlap). ``cut_vs_raw_put_cpu_bound_T``: the ratio the cut's own CPU
 allows in one interpreter (:func:`cpu_bound_ratio`; ``cut_own_cpu_s``: the same calls cut
 against a store dropping each batch, one thread), measured in the same run;
-``raw_put_core_use_T``: how busy the raw put keeps this machine's cores (:func:`core_use`); ``fill_cpu_s``:
-building those calls (constructor and appends, with the running hashes they feed). ``cpu_s``: CPU seconds of the controller and each worker.
-Each mode runs ``--repeats`` times (interleaved, each on a fresh store); ``wall_s`` and
-``rows_per_s`` are medians. Rows carry the routes of ``--profile`` (in the dtype an engine
-picks for its expert count: ``route_id_bytes``; ``--no-routes``: earlier rounds' rows);
-a bigger profile scales the default row counts down to toy's bytes. Rows report ``gb_s``
-beside ``rows_per_s``. A cut that raises, a refused row or a sampled row read back not
-bit-exact fails the run (``ok`` false, no ratio, exit 1). docs/performance.md, section 4.
+``raw_put_core_use_T``: how busy the raw put keeps the cores (:func:`core_use`); ``fill_cpu_s``:
+building those calls (appends, running hashes); ``cpu_s``: CPU seconds of the controller and
+each worker. Each mode runs ``--repeats`` times (interleaved, each on a fresh store);
+``wall_s`` and ``rows_per_s`` are medians. Rows carry ``--profile``'s routes (dtype as an
+engine picks it: ``route_id_bytes``), a bigger profile fewer rows of toy's bytes; rows report
+``gb_s``. A raising cut, a refused row or a sampled row read back not bit-exact fails the
+run (``ok`` false, no ratio, exit 1). docs/performance.md, section 4.
 
     python -m pipeline bench cut --json
     python -m pipeline bench cut --json --profile qwen3-moe --tokens 1024

@@ -3,6 +3,8 @@
 :func:`run_cut` writes the new tokens of many :class:`~pipeline.generation.call_buffer.CallBuffer`
 calls as prefix rows of the ``cut`` partition, a batch of rows per ``put_many``, and
 answers one :class:`~tasks.cut.receipt.CallAck` per call in a :class:`~tasks.cut.receipt.CutReceipt`.
+Up to ``cut.puts-in-flight`` puts are on the wire while the next batch freezes and packs
+(:class:`~pipeline.generation.put_window.PutWindow`).
 A call's prefix is sealed only once its row is acknowledged; on failure, deadline or
 interruption no unsealed key stays advertised. Batches pack into the process's pooled
 slabs (:func:`pack_buffers`, ``cut.pack-buffer-bytes``): memory already mapped, no page
