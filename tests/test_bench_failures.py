@@ -164,7 +164,7 @@ def test_cut_bench_healthy(address):
     result = bench_cut.run(parse(bench_cut, address, *CUT_FLAGS, "--repeats", "3"))
     assert_healthy(bench_cut, result)
     assert result["speedup_1024"] > 0
-    assert [r["rows_per_put"] for r in result["table"]] == [1, 4]
+    assert [(r["mode"], r["rows_per_put"]) for r in result["table"]] == [("one_row", 1), ("batched", 4), ("batched_serial", 4)]
     for r in result["table"]:
         assert len(r["wall_s_runs"]) == 3 and r["wall_s"] == r["wall_s_median"] and r["failed"] == 0
         assert r["gb_s"] > 0
