@@ -145,3 +145,41 @@ def test_a_step_collected_but_not_acknowledged_keeps_its_rows_and_record_until_a
     state = StepJournal(str(journal)).read()
     assert state.steps == [] and set(state.owed) <= {"s0"}  # delivered: nothing to resubmit
     assert sum(s["rows"] for s in store.stats()) == 0
+
+
+def test_a_failed_step_is_resubmitted_under_its_own_id_with_one_record(cluster_client, store_factory, tmp_path):
+    # A step given up on (its result timed out, then cancelled: failed) is submitted
+    # again with the same receipts and id: the same tensors, and the journal keeps the
+    # step's one record throughout (a controller dying now would resume it once).
+    from distributed import Event
+
+    from failover_controller import HOLD, hold_every_slot
+
+    store = store_factory(n_units=2)
+    steps = staged_steps(store, 44, 1)
+    reference = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E)
+    reference.with_settings(clear_staged=False)
+    want = step_tensors(reference.submit_step(steps["s0"], step_id="s0").result())
+    journal = tmp_path / "journal"
+    fin = Finalizer(cluster_client, store, vocab_size=VOCAB, num_experts=E, journal=str(journal))
+    holders = hold_every_slot(cluster_client)  # the step's verify tasks wait for a slot
+    try:
+        handle = fin.submit_step(steps["s0"], step_id="s0", trainer_version=5)
+        with pytest.raises(TimeoutError):
+            handle.result(timeout=0.5)
+        with pytest.raises(FinalizeError, match="still running"):
+            handle.resubmit()
+        handle.cancel()
+        again = handle.resubmit()
+    finally:
+        Event(HOLD, client=cluster_client).set()
+        cluster_client.gather(holders)
+        Event(HOLD, client=cluster_client).clear()
+    assert again is not handle and again.step_id == "s0" and again.trainer_version == 5
+    assert fin.in_flight == [again] and [s.step_id for s in StepJournal(str(journal)).read().steps] == ["s0"]
+    assert_identical(want, step_tensors(again.result()), where="s0")
+    with pytest.raises(FinalizeError, match="collected"):
+        again.resubmit()
+    fin.drain()
+    assert records(journal) == [] and fin.in_flight == []
+    assert sum(s["rows"] for s in store.stats()) == 0  # delivered once, cleared once
