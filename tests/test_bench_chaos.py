@@ -220,6 +220,39 @@ def test_a_step_with_acknowledged_rows_unread_just_then_is_finalized_again_not_c
     assert ctl.unread("s00000", StepResult("s00000-i1-a2", {"g0": read}, {})) == []  # read this time: delivered as usual
 
 
+def test_a_failed_step_goes_in_again_under_its_own_id_or_a_new_one_if_not_seen_failed(tmp_path):
+    """A step whose result raised is cancelled and resubmitted (same step id: the failed
+    handle leaves the Finalizer); one the Finalizer does not see failed goes in under a
+    new id, as before."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from pipeline.bench import chaos_controller as cc
+    from tasks.errors import FinalizeError
+
+    submitted, cancelled = [], []
+    ctl = object.__new__(cc.Controller)
+    ctl.book, ctl.incarnation, ctl.in_flight, ctl.clears = cc.Book(str(tmp_path)), 1, deque(), []
+    ctl.book._receipts["s00000"] = {"g0": []}
+    ctl.cfg = SimpleNamespace(step_timeout_s=5.0, store="x")
+    ctl.say = lambda text: None
+    ctl.fin = SimpleNamespace(store="handle", submit_step=lambda rs, step_id: submitted.append(step_id) or "new-id")
+
+    def raising(timeout):
+        raise OSError("the store was unreachable")
+
+    failed = SimpleNamespace(result=raising, cancel=lambda: cancelled.append(1), resubmit=lambda: "same-id")
+    ctl.collect("s00000", 0, failed, 1)
+    assert cancelled == [1] and submitted == [] and list(ctl.in_flight) == [("s00000", 0, "same-id", 2)]
+
+    def refused():
+        raise FinalizeError("step 's00000-i1-a2' has not failed")
+
+    ctl.in_flight.clear()
+    ctl.collect("s00000", 0, SimpleNamespace(result=raising, cancel=lambda: None, resubmit=refused), 2)
+    assert submitted == ["s00000-i1-a3"] and list(ctl.in_flight) == [("s00000", 0, "new-id", 3)]
+
+
 @pytest.mark.parametrize("flags", [["--short", "--stall-s", "30"], ["--duration", "50"]])
 def test_a_schedule_the_run_cannot_hold_is_one_usage_line_before_anything_starts(capsys, flags):
     from pipeline.cli import main as cli_main

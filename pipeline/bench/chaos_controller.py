@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from tasks import reasons
+from tasks.errors import FinalizeError
 
 from ..store.batch_file import write_atomic
 
@@ -259,6 +260,15 @@ class Controller:
         handle = self.fin.submit_step(self.book.receipts(sid), step_id=f"{sid}-i{self.incarnation}-a{attempt}")
         self.in_flight.append((sid, index, handle, attempt))
 
+    def resubmit(self, sid: str, index: int, failed: StepHandle, attempt: int) -> None:
+        """The failed (cancelled) step again under its own id (:meth:`StepHandle.resubmit`);
+        one the Finalizer does not see failed (say its gather raised with every task done)
+        goes in under a new id."""
+        try:
+            self.in_flight.append((sid, index, failed.resubmit(), attempt))
+        except FinalizeError:
+            self.submit(sid, index, attempt)
+
     def generate(self, index: int) -> dict[str, list[Receipt]]:
         """Step ``index``'s receipts, each group generated again while any receipt of it comes
         back poisoned (up to :data:`GENERATION_ATTEMPTS`)."""
@@ -287,7 +297,7 @@ class Controller:
             handle.cancel()
             self.say(f"{sid} attempt {attempt} failed: {type(e).__name__}: {e}")
             if attempt < STEP_ATTEMPTS:
-                self.submit(sid, index, attempt + 1)
+                self.resubmit(sid, index, handle, attempt + 1)
                 self.in_flight.rotate(1)  # keep it first: steps are collected in order
             else:
                 self.book.deliver({"step": sid, "index": index, "failed": f"{type(e).__name__}: {e}", "t": time.time()})
