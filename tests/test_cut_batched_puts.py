@@ -213,9 +213,14 @@ def test_raw_put_replays_the_batched_cut_exactly(address):
     assert sorted(cut_rows) == ["batched", "batched_serial", "one_row"]
     assert cut_rows["batched_serial"]["put_calls"] == cut_rows["batched"]["put_calls"] == 6
     assert result["pipelined_vs_serial_1024"] == round(cut_rows["batched"]["rows_per_s"] / cut_rows["batched_serial"]["rows_per_s"], 3)
-    (raw,) = result["raw_put"]
+    raw, copy = result["raw_put"]
     batched = cut_rows["batched"]
     assert raw["mode"] == "raw_put" and raw["runs"] == 3 and len(raw["wall_s_runs"]) == 3
+    # copy_put: the same batches after the one copy of their token fields (same rows, bytes, puts).
+    assert copy["mode"] == "copy_put" and copy["written"] == 12 and copy["put_calls"] == 6
+    assert copy["bytes_written"] == raw["bytes_written"] and "cut_own_cpu_s" not in copy
+    assert result["cut_vs_raw_put_copy_bound_1024"] == round(copy["rows_per_s"] / raw["rows_per_s"], 3)
+    assert result["targets_out_of_reach"] == (["cut_vs_raw_put_1024"] if result["cut_vs_raw_put_copy_bound_1024"] < 0.8 else [])
     # The same rows, bytes and batches: 12 rows over 3 clients (4 each), 3 rows per put: 3 + 1 each.
     assert raw["rows"] == batched["rows"] == 12 and raw["written"] == 12 and raw["failed"] == 0
     assert raw["put_calls"] == batched["put_calls"] == 6
@@ -227,6 +232,20 @@ def test_raw_put_replays_the_batched_cut_exactly(address):
     assert 0 < result["cut_vs_raw_put_cpu_bound_1024"] <= 1.0
     assert result["raw_put_core_use_1024"] == bench_cut.core_use(raw, len(os.sched_getaffinity(0))) > 0
     assert bench_cut.exit_status(result) == 0
+
+
+def test_the_copy_put_copies_every_token_field_into_the_pool_and_shares_the_rest():
+    pool = SlabPool(1 << 26)
+    rows = [b.freeze("ck").row for b in bench_cut.client_calls(0, 4, 8192, "cp", None)]
+    batch = pack_rows(rows)
+    got = bench_cut.copied(batch, pool)
+    assert list(got.keys) == list(batch.keys)
+    for name, field in batch.fields.items():
+        assert np.array_equal(got.fields[name].values, field.values) and np.array_equal(got.fields[name].offsets, field.offsets)
+        copied = name in ("token_ids", "token_mask", "logprobs")
+        if field.values.size:
+            assert (not np.shares_memory(got.fields[name].values, field.values)) == copied, name
+    assert pool.allocated == 1, "the token fields went into one pooled slab"
 
 
 def test_core_use_is_every_process_cpu_over_the_cores_and_the_wall():

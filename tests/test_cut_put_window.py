@@ -101,3 +101,32 @@ def test_waiting_for_a_put_leaves_the_cpu_slot():
     window.send(lambda: (release.wait(30), 1)[1], 1)
     threading.Timer(0.1, release.set).start()
     assert window.drain() == [(1, 1)] and left == [True]
+
+
+def test_only_puts_with_work_left_to_overlap_go_to_a_helper(monkeypatch):
+    """A cut's last batch (nothing left to freeze or flush) is put from the cut's own
+    thread, after the older answers: a one-batch cut hands no put to a helper, a
+    three-batch cut hands two."""
+    from pipeline.store.protocol import StoreResult
+
+    class Store:
+        def put_many(self, batch, partition="", adopt=False, timeout=None):
+            threads.append(threading.current_thread().name)
+            return StoreResult(ok=list(batch.keys))
+
+        def delete(self, keys, partition="", timeout=None):
+            return StoreResult(ok=list(keys))
+
+    threads: list[str] = []
+    for n_calls, helped in ((2, 0), (6, 2)):
+        threads.clear()
+        bufs = []
+        for i in range(n_calls):
+            b = CallBuffer(f"h{n_calls}-{i}", "call-0", np.arange(4, dtype=np.int64))
+            b.append(np.arange(6, dtype=np.int64), -np.ones(6, dtype=np.float32))
+            bufs.append(b)
+        receipt, stats = run_cut([(b.call, b) for b in bufs], Store(), checkpoint_id="own", inventory_digest=b"",
+                                 limits=BatchLimits(2, 1 << 22, 1 << 28), puts_in_flight=2)
+        assert receipt.counts() == {DURABLE_PREFIX: n_calls} and stats.put_calls == len(threads) == n_calls // 2
+        assert sum(t.startswith("cut-put") for t in threads) == helped, threads
+        assert not threads[-1].startswith("cut-put"), "the last put ran on the cut's thread"

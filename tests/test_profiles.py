@@ -57,12 +57,12 @@ def bench_args(module, *argv):
 
 
 def test_cut_bench_calls_carry_the_profile_routes():
-    from pipeline.bench import cut
+    from pipeline.bench.call_buffers import client_calls
 
-    routes = cut._client_calls(0, 1, 64, "t", profile("qwen3-moe"))[0].output()["routed_experts"]
+    routes = client_calls(0, 1, 64, "t", profile("qwen3-moe"))[0].output()["routed_experts"]
     assert routes.shape == (64, 48, 8)
     assert 8 <= int(routes.max()) < 128 and int(routes.min()) >= 0  # the profile's experts, not toy's
-    assert "routed_experts" not in cut._client_calls(0, 1, 64, "t", None)[0].output()
+    assert "routed_experts" not in client_calls(0, 1, 64, "t", None)[0].output()
 
 
 def test_bigger_profiles_keep_the_bytes_of_the_toy_tables():

@@ -13,6 +13,7 @@ if TYPE_CHECKING:
     from ..generation.call_buffer import CallBuffer
 
 VOCAB = 512  # token ids lie in [0, VOCAB)
+CONTEXT_TOKENS = 16  # context tokens of every cut benchmark call (the rest is generated)
 
 
 def call_buffers(rng: np.random.Generator, rollout_ids: Sequence[str], call_id: str, ctx: int, tokens: int,
@@ -63,3 +64,13 @@ def refill_cpu_s(calls: Sequence[CallBuffer]) -> float:
     for args, kwargs, piece in jobs:
         CallBuffer(*args, **kwargs).append(*piece)
     return time.thread_time() - t0
+
+
+def client_calls(client_idx: int, n_calls: int, tokens: int, tag: str, prof: MoeProfile | None) -> list[CallBuffer]:
+    """``bench cut``'s calls of writer client ``client_idx``: ``tokens``-token prefixes
+    (:data:`CONTEXT_TOKENS` of context, the rest generated), rollouts ``{tag}c{client}r{i}``,
+    with ``prof``'s routed experts (ids in ``[0, experts)``) unless it is None; the same
+    arguments build the same calls."""
+    rollouts = [f"{tag}c{client_idx}r{i}" for i in range(n_calls)]
+    return call_buffers(np.random.default_rng(client_idx), rollouts, "call-0", CONTEXT_TOKENS, tokens, prof,
+                        max_new_tokens=tokens - CONTEXT_TOKENS + 1)

@@ -251,23 +251,28 @@ class _Cut:
 
     # -- steps --
 
-    def put_batch(self, chunks: list[FrozenChunk]) -> bool:
+    def put_batch(self, chunks: list[FrozenChunk], final: bool = False) -> bool:
         """Send one planned batch (up to ``puts_in_flight`` stay on the wire while the next
-        batches freeze and pack) and handle the answers due; False if the deadline stopped
-        it before its put, or stopped a failed batch's row-by-row retry."""
+        batches freeze and pack; the ``final`` one is put from this thread) and handle the
+        answers due; False if the deadline stopped it before its put, or stopped a failed
+        batch's row-by-row retry."""
         if self.past_deadline():
             return False
         batch, error, adopt = self._pack(chunks)
         if batch is None:
             return self._answered(chunks, (None, error, 0, time.perf_counter()))
         self.stats.put_calls += 1
+        if final:  # no work left for the put to overlap: the older answers, then this put here
+            done = self.answer_outstanding()
+            with self._io():
+                return self._answered(chunks, self._send(batch, adopt)) and done
         answered = self.window.send(functools.partial(self._send, batch, adopt), chunks)
         return all([self._answered(kept, answer) for kept, answer in answered])
 
-    def answer_outstanding(self) -> None:
-        """Wait for and handle every put still on the wire (the cut's end)."""
-        for kept, answer in self.window.drain():
-            self._answered(kept, answer)
+    def answer_outstanding(self) -> bool:
+        """Wait for and handle every put still on the wire; False if the deadline stopped a
+        failed batch's row-by-row retry."""
+        return all([self._answered(kept, answer) for kept, answer in self.window.drain()])
 
     def _answered(self, chunks: Sequence[FrozenChunk], answer: _Answer) -> bool:
         """Seal what a put acknowledged, or clear its keys and retry its rows one per put;
@@ -360,14 +365,18 @@ class _Cut:
             idx = len(frozen)
             frozen.append(got)
             for b in add(idx, got.delta_len, got.nbytes, got.signature):
-                if not self.put_batch([frozen[i] for i in b.rows]):
+                # The last call's batch with nothing left to freeze or flush: no work for
+                # its put to overlap, so it is put from this thread.
+                final = reached == len(calls) and not planner.pending_rows
+                if not self.put_batch([frozen[i] for i in b.rows], final):
                     stopped = True
                     break
             if stopped:
                 break
         if not stopped:
-            for b in planner.flush():
-                if not self.put_batch([self.frozen[i] for i in b.rows]):
+            flushed = planner.flush()
+            for n, b in enumerate(flushed, 1):
+                if not self.put_batch([self.frozen[i] for i in b.rows], n == len(flushed)):
                     stopped = True
                     break
         self.answer_outstanding()  # puts still on the wire: sealed or failed like any other

@@ -46,9 +46,9 @@ class PutWindow(Generic[K, T]):
         return len(self._outstanding)
 
     def send(self, put: Callable[[], T], kept: K) -> list[tuple[K, T]]:
-        if self.size == 1:
+        if self.size == 1:  # on this thread (nothing is outstanding)
             self._waiting()
-            return [*self.drain(), (kept, put())]
+            return [(kept, put())]
         # In the caller's context: a helper on a worker then finds it as the caller does
         # (distributed's get_worker() reads a context variable; actor handles bind by it).
         self._outstanding.append((kept, _helpers().submit(contextvars.copy_context().run, put)))
