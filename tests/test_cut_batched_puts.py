@@ -220,7 +220,8 @@ def test_raw_put_replays_the_batched_cut_exactly(address):
     assert copy["mode"] == "copy_put" and copy["written"] == 12 and copy["put_calls"] == 6
     assert copy["bytes_written"] == raw["bytes_written"] and "cut_own_cpu_s" not in copy
     assert result["cut_vs_raw_put_copy_bound_1024"] == round(copy["rows_per_s"] / raw["rows_per_s"], 3)
-    assert result["targets_out_of_reach"] == (["cut_vs_raw_put_1024"] if result["cut_vs_raw_put_copy_bound_1024"] < 0.8 else [])
+    missed = result["cut_vs_raw_put_1024"] < 0.8 and result["cut_vs_raw_put_copy_bound_1024"] < 0.8
+    assert result["targets_out_of_reach"] == (["cut_vs_raw_put_1024"] if missed else [])
     # The same rows, bytes and batches: 12 rows over 3 clients (4 each), 3 rows per put: 3 + 1 each.
     assert raw["rows"] == batched["rows"] == 12 and raw["written"] == 12 and raw["failed"] == 0
     assert raw["put_calls"] == batched["put_calls"] == 6
