@@ -1,6 +1,6 @@
 """A cut's puts in flight while its next batch packs: :class:`PutWindow`.
 
-A cut with more rows than one put takes holds (freeze, pack) the CPU for a batch, then
+A cut with more rows than fit in one put holds the CPU for a batch (freeze, pack), then
 waits on the store for it. With a window of ``size`` puts, batch k+1 freezes and packs
 while batch k is on the wire: each put runs on a helper thread of the process (the
 store's blocking API, bounded by the cut's deadline) and answers come back in the order
@@ -8,7 +8,7 @@ the puts were sent, so the cut seals batch by batch as before. ``size`` 1 is the
 cut: the put runs on the cut's own thread and is answered before the next freeze. The
 helpers are one process-wide pool (``cut-put`` threads, made as first needed, reused by
 every later cut), so a cut makes no thread of its own; each put runs in its cut's
-context (on a Dask worker, the worker actor handles bind to).
+context (on a Dask worker, the context the store's actor handles find the worker by).
 """
 from __future__ import annotations
 
