@@ -57,8 +57,8 @@ def main() -> None:
         print("dashboard:", dashboard_url(client, "token-capture"))
         store = StagingStore.start(client)
         finalizer = Finalizer(client, store, journal=args.journal)
-        # (handle, its receipts by group); first a dead predecessor's undelivered steps
-        in_flight = [(h, {}) for h in finalizer.resume()] if args.journal else []
+        # First a dead predecessor's undelivered steps (each handle keeps its receipts).
+        in_flight = finalizer.resume() if args.journal else []
         retry: dict[str, list] = {}  # group id -> receipts of rollouts to finalize again
         for step in range(args.steps):
             groups = make_step_specs(
@@ -74,16 +74,16 @@ def main() -> None:
             receipts = client.gather(submit_generation(client, store, groups))
             submitted = {**retry, **{g[0].group_id: r for g, r in zip(groups, receipts)}}
             retry = {}
-            in_flight.append((finalizer.submit_step(submitted), submitted))
+            in_flight.append(finalizer.submit_step(submitted))
             print(f"step {step}: submitted; queue depth {finalizer.queue_depth} groups")
             while len(in_flight) >= args.in_flight or (step == args.steps - 1 and in_flight):
-                handle, sent = in_flight.pop(0)
+                handle = in_flight.pop(0)
                 result = handle.result(acknowledge=False)
                 m = result.metrics
                 losses = [train_on(g) for g in result.groups.values()]
                 handle.acknowledge()  # trained on: its journal record and rows may go now
                 again = set(result.retryable)
-                for gid, rs in sent.items():
+                for gid, rs in handle.receipts.items():  # as submitted
                     kept = [r for r in rs if r.rollout_id in again]
                     if kept:
                         retry[gid] = kept

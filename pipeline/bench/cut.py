@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Callable, Sequence, TypedDict, TypeVar
 
 import numpy as np
 
-from tasks.schema import ROUTES_FIELDS
+from tasks.schema import ROUTES_FIELDS, TOKEN_FIELDS
 
 from .call_buffers import client_calls, refill_cpu_s
 from .cut_checks import SAMPLE_ROWS, check_content, check_cut_content, cpu_seconds
@@ -62,7 +62,7 @@ DEFAULT_ROWS = {1024: 8192, 16384: 2048}  # rows per token size at the toy profi
 ONE_ROW, BATCHED, RAW_PUT = "one_row", "batched", "raw_put"  # the modes of a table row
 BATCHED_SERIAL = "batched_serial"  # the batched cut with one put at a time (cut.puts-in-flight 1)
 COPY_PUT = "copy_put"  # the raw put after the one copy of its token fields any packing cut makes
-TOKEN_COLUMNS = frozenset(("token_ids", "token_mask", "logprobs", *ROUTES_FIELDS))  # offsets in tokens
+TOKEN_COLUMNS = frozenset((*TOKEN_FIELDS, *ROUTES_FIELDS))  # the fields whose offsets count tokens
 
 
 class CutRow(TypedDict, total=False):
@@ -267,14 +267,16 @@ def _raw_put_config(store: StagingStore, tokens: int, rows: int, rows_per_put: i
 
     per_client = _all_client_calls(rows, tokens, args, tag)
     limits = _limits(rows_per_put)
+    fill_cpu = None if copy else sum(refill_cpu_s(calls) for calls in per_client)  # the appends, paid as tokens arrive
     batches: list[list[PackedBatch]] = []
-    fill_cpu = 0.0 if copy else sum(refill_cpu_s(calls) for calls in per_client)  # what the appends cost, paid as tokens arrive
     for c, calls in enumerate(per_client):
         rec = _Recorder(store.units)
         _cut(calls, rec, tag, limits, f"client-{c}")
         batches.append(rec.batches)
     del per_client
-    cut_own_cpu = 0.0 if copy else _cut_own_cpu_s(rows, tokens, args, tag, limits, store.units)
+    # The raw put's own figures (the cut alone measured with these calls let go, as before).
+    figures = {} if fill_cpu is None else {"cut_own_cpu_s": round(_cut_own_cpu_s(rows, tokens, args, tag, limits, store.units), 3),
+                                           "fill_cpu_s": round(fill_cpu, 3)}
     pool, gate = pack_buffers(), cpu_gate()
 
     def put_all(c: int) -> list[StoreResult]:
@@ -299,7 +301,6 @@ def _raw_put_config(store: StagingStore, tokens: int, rows: int, rows_per_put: i
         problems.append(f"{written} rows acknowledged for {rows} rows")
     if batches and batches[0]:
         problems += check_content(store, list(batches[0][0].keys)[:SAMPLE_ROWS], tokens, tag, routes_profile(args))
-    figures = {} if copy else {"cut_own_cpu_s": round(cut_own_cpu, 3), "fill_cpu_s": round(fill_cpu, 3)}
     return {
         **_row(COPY_PUT if copy else RAW_PUT, tokens, rows_per_put, rows, len(batches), wall, cpu),
         "put_calls": sum(len(bs) for bs in batches),

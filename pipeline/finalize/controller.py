@@ -206,12 +206,9 @@ class Finalizer(JournaledSteps):
         step_id = self._record(step_id, seq, named, trainer_version)
         return self._submit(named, step_id, seq, isinstance(groups, Mapping), trainer_version, first=True)
 
-    def resubmit(self, handle: StepHandle) -> StepHandle:
-        """:meth:`StepHandle.resubmit`: ``handle``'s step submitted again, under its own id."""
-        with handle._lock:
-            if handle.collected or not handle.failed():
-                state = "collected" if handle.collected else "still running (cancel() it first to give up on it)"
-                raise FinalizeError(f"step {handle.step_id!r} has not failed, it is {state}: only a failed step is submitted again")
+    def _resubmit(self, handle: StepHandle) -> StepHandle:
+        """:meth:`StepHandle.resubmit` once the handle found its step failed: the step
+        submitted again, under its own id, in place of ``handle``."""
         handle.cancel()
         with self._lock:
             if handle in self._in_flight:

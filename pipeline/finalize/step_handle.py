@@ -40,7 +40,7 @@ class StepOwner(Protocol):
     @property
     def queue_depth(self) -> int: ...
 
-    def resubmit(self, handle: StepHandle) -> StepHandle: ...
+    def _resubmit(self, handle: StepHandle) -> StepHandle: ...
 
     def submit_clear(self, keys: Sequence[str], token: str, span: Mapping[str, Any] | None = None) -> Future | None: ...
 
@@ -157,7 +157,11 @@ class StepHandle:
         step keeps its one record (a controller that dies now has it resumed once, not
         once per attempt). :class:`FinalizeError` for a step that has not failed (running,
         or collected: it would deliver twice); ``cancel()`` a step to give up on it first."""
-        return self._finalizer.resubmit(self)
+        with self._lock:
+            if self._result is not None or not self.failed():
+                state = "collected" if self._result is not None else "still running (cancel() it first to give up on it)"
+                raise FinalizeError(f"step {self.step_id!r} has not failed, it is {state}: only a failed step is submitted again")
+        return self._finalizer._resubmit(self)
 
     def result(self, timeout: float | None = None, *, acknowledge: bool = True) -> StepResult:
         """Wait for the step's verify tasks, gather their rows into this process, assemble

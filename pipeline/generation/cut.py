@@ -230,6 +230,10 @@ class _Cut:
         batch, error, adopt = self._pack(chunks)
         if batch is None:
             return None, error, 0, time.perf_counter()
+        return self._send_here(batch, adopt)
+
+    def _send_here(self, batch: PackedBatch, adopt: bool) -> _Answer:
+        """:meth:`_send` on this thread, out of the CPU slot while the store answers."""
         self.stats.put_calls += 1
         with self._io():
             return self._send(batch, adopt)
@@ -261,11 +265,10 @@ class _Cut:
         batch, error, adopt = self._pack(chunks)
         if batch is None:
             return self._answered(chunks, (None, error, 0, time.perf_counter()))
-        self.stats.put_calls += 1
         if final:  # no work left for the put to overlap: the older answers, then this put here
             done = self.answer_outstanding()
-            with self._io():
-                return self._answered(chunks, self._send(batch, adopt)) and done
+            return self._answered(chunks, self._send_here(batch, adopt)) and done
+        self.stats.put_calls += 1
         answered = self.window.send(functools.partial(self._send, batch, adopt), chunks)
         return all([self._answered(kept, answer) for kept, answer in answered])
 
